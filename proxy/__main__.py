@@ -1,0 +1,95 @@
+"""Command line: `mcp-tasks-proxy [--config FILE] [--upstream URL] [--host H] [--port P]`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+import structlog
+from aiohttp import web
+
+from . import __version__
+from .app import MCP_PATH, create_app
+from .config import ENV_PREFIX, ConfigError, ProxyConfig, apply_overrides, load_config
+from .log import configure_logging
+
+# Each operator setting is declared once: (flag, config path, environment variable suffix, type).
+OVERRIDES = (
+    ("upstream", "upstream.url", "UPSTREAM", str),
+    ("host", "listen.host", "HOST", str),
+    ("port", "listen.port", "PORT", int),
+    ("log_level", "logging.level", "LOG_LEVEL", str),
+    ("log_format", "logging.format", "LOG_FORMAT", str),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mcp-tasks-proxy",
+        description="Reverse proxy that adds the MCP tasks extension (SEP-2663) in front of an MCP server.",
+    )
+    parser.add_argument("--config", metavar="FILE", help=f"YAML policy file (env {ENV_PREFIX}CONFIG)")
+    parser.add_argument("--upstream", metavar="URL", help=f"upstream MCP endpoint (env {ENV_PREFIX}UPSTREAM)")
+    parser.add_argument("--host", help=f"listen address (env {ENV_PREFIX}HOST; default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help=f"listen port (env {ENV_PREFIX}PORT; default 8080)")
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help=f"env {ENV_PREFIX}LOG_LEVEL")
+    parser.add_argument("--log-format", choices=["auto", "json", "console"], help=f"env {ENV_PREFIX}LOG_FORMAT")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    return parser
+
+
+def resolve_config(args: argparse.Namespace, environ: os._Environ[str] | dict[str, str]) -> ProxyConfig:
+    """File, then environment, then flags: the later one wins."""
+    config = load_config(args.config or environ.get(f"{ENV_PREFIX}CONFIG") or None)
+    from_env = {path: environ.get(ENV_PREFIX + suffix) for _, path, suffix, _ in OVERRIDES}
+    for _, path, suffix, kind in OVERRIDES:
+        raw = from_env[path]
+        if raw is not None and kind is int:
+            try:
+                from_env[path] = int(raw)
+            except ValueError:
+                raise ConfigError(f"{ENV_PREFIX}{suffix}: expected an integer, got {raw!r}") from None
+    config = apply_overrides(config, from_env)
+    config = apply_overrides(config, {path: getattr(args, flag) for flag, path, _, _ in OVERRIDES})
+    _ = config.upstream_url  # fail now, with the way to fix it, if no upstream is set anywhere
+    return config
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        config = resolve_config(args, os.environ)
+    except ConfigError as exc:
+        print(f"mcp-tasks-proxy: config error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    configure_logging(level=config.logging.level, format=config.logging.format)
+    log = structlog.get_logger("proxy")
+    app = create_app(config)
+
+    async def announce(app: web.Application) -> None:
+        log.info(
+            "proxy_started",
+            listen=f"http://{config.listen.host}:{config.listen.port}{MCP_PATH}",
+            upstream=config.upstream_url,
+            store="memory",
+            rules=len(config.tools),
+            version=__version__,
+        )
+
+    app.on_startup.append(announce)
+    # handler_cancellation: a client that closes its stream cancels the relay, which closes the upstream stream.
+    web.run_app(
+        app,
+        host=config.listen.host,
+        port=config.listen.port,
+        print=None,
+        access_log=None,
+        handler_cancellation=True,
+        shutdown_timeout=15,
+    )
+
+
+if __name__ == "__main__":
+    main()

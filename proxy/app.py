@@ -1,0 +1,324 @@
+"""The aiohttp application: routes, the error boundary, and POST /mcp dispatch (owned methods vs pass-through)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import datetime
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from . import TASKS_EXTENSION
+from .config import ProxyConfig, TaskMode
+from .envelope import (
+    check_name_header,
+    check_protocol_version,
+    declares_tasks,
+    is_modern,
+    params_of,
+    without_tasks_declaration,
+)
+from .jsonrpc import (
+    ERROR_HTTP_STATUS,
+    INTERNAL_ERROR,
+    INVALID_PARAMS,
+    INVALID_REQUEST,
+    METHOD_NOT_FOUND,
+    MISSING_REQUIRED_CLIENT_CAPABILITY,
+    PARSE_ERROR,
+    JsonRpcError,
+    UpstreamError,
+    classify,
+    dumps,
+    error_object,
+    error_response,
+    result_response,
+)
+from .passthrough import forward, forward_rewritten
+from .tasks.model import TaskRecord, utc_now
+from .tasks.runner import DirectOutcome, TaskRunner, ToolCall
+from .tasks.store import MemoryTaskStore, StoreFullError, TaskStore
+from .upstream import Upstream
+
+log = structlog.get_logger(__name__)
+
+config_key = web.AppKey("config_key", ProxyConfig)
+upstream_key = web.AppKey("upstream_key", Upstream)
+store_key = web.AppKey("store_key", TaskStore)
+runner_key = web.AppKey("runner_key", TaskRunner)
+
+MCP_PATH = "/mcp"
+OWNED_TASK_METHODS = frozenset({"tasks/get", "tasks/update", "tasks/cancel"})
+SHUTDOWN_GRACE_S = 10.0
+
+
+def create_app(
+    config: ProxyConfig,
+    *,
+    store: TaskStore | None = None,
+    now: Callable[[], datetime] = utc_now,
+    timer: Callable[[], float] = time.monotonic,
+) -> web.Application:
+    """Build the application without starting anything; tests and the CLI both call this."""
+    app = web.Application(
+        middlewares=[request_context, error_boundary],
+        client_max_size=config.limits.max_body_bytes,
+    )
+    app[config_key] = config
+    app[store_key] = store if store is not None else MemoryTaskStore(max_tasks=config.tasks.max_tasks, timer=timer)
+
+    async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
+        async with Upstream(config.upstream_url, connect_timeout_s=config.upstream.connect_timeout_s) as upstream:
+            app[upstream_key] = upstream
+            yield
+
+    async def store_ctx(app: web.Application) -> AsyncIterator[None]:
+        yield
+        await app[store_key].aclose()
+
+    async def runner_ctx(app: web.Application) -> AsyncIterator[None]:
+        app[runner_key] = TaskRunner(app[store_key], app[upstream_key], config.tasks, now=now, timer=timer)
+        yield
+        await app[runner_key].aclose(SHUTDOWN_GRACE_S)
+
+    # Unwinds in reverse: the runner stops before the store and the upstream session close.
+    app.cleanup_ctx.extend([upstream_ctx, store_ctx, runner_ctx])
+    app.router.add_get("/healthz", healthz)
+    app.router.add_post(MCP_PATH, handle_mcp_post)
+    app.router.add_route("*", MCP_PATH, handle_other)
+    app.router.add_route("*", "/{tail:.*}", handle_other)
+    return app
+
+
+# --- middleware ---------------------------------------------------------------------------------------------------
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def request_context(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Bind a request id for every log line of this request, and write one line when it is done."""
+    structlog.contextvars.clear_contextvars()
+    request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
+    structlog.contextvars.bind_contextvars(request_id=request_id)
+    started = time.perf_counter()
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    finally:
+        if request.path != "/healthz":
+            log.info(
+                "request_handled",
+                http_method=request.method,
+                path=request.path,
+                method=request.get("rpc_method"),
+                tool=request.get("tool"),
+                task_id=request.get("task_id"),
+                mode=request.get("mode", "passthrough"),
+                status=status,
+                duration_ms=round((time.perf_counter() - started) * 1000, 2),
+            )
+
+
+@web.middleware
+async def error_boundary(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The one place exceptions become wire errors; no request ever sees a traceback."""
+    try:
+        return await handler(request)
+    except JsonRpcError as exc:
+        return _json_error(request, exc.to_error(), exc.http_status)
+    except UpstreamError as exc:
+        log.warning("upstream_error", reason=exc.reason)
+        return _json_error(request, exc.to_error(), exc.http_status)
+    except web.HTTPException:
+        raise
+    except Exception:
+        log.exception("unhandled_error")
+        return _json_error(request, error_object(INTERNAL_ERROR, "Internal error in the proxy"), 200)
+
+
+def _json_error(request: web.Request, error: dict[str, Any], status: int) -> web.Response:
+    request["mode"] = request.get("mode", "local")
+    return _json(error_response(request.get("jsonrpc_id"), error), status=status)
+
+
+def _json(message: dict[str, Any], *, status: int = 200) -> web.Response:
+    return web.Response(body=dumps(message), status=status, content_type="application/json")
+
+
+# --- handlers -----------------------------------------------------------------------------------------------------
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def handle_other(request: web.Request) -> web.StreamResponse:
+    """GET, DELETE and any other path go to the upstream untouched (legacy GET streams, session DELETE, OAuth)."""
+    body = await _read_body(request) if request.can_read_body else None
+    return await forward(request.app[upstream_key], request, body, is_mcp=request.path == MCP_PATH)
+
+
+async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
+    body = await _read_body(request)
+    try:
+        message = json.loads(body)
+    except (ValueError, RecursionError):
+        raise JsonRpcError(PARSE_ERROR, "Parse error: the request body is not valid JSON") from None
+    kind = classify(message)
+    if kind == "invalid":
+        if isinstance(message, dict) and _is_id(message.get("id")):
+            request["jsonrpc_id"] = message["id"]
+        raise JsonRpcError(
+            INVALID_REQUEST,
+            "Invalid request: expected a JSON-RPC 2.0 object with \"jsonrpc\": \"2.0\", a string method, "
+            "object params and a string or integer id",
+        )
+    upstream = request.app[upstream_key]
+    if kind != "request":
+        # Notifications, responses to a legacy server's requests, and legacy batches are not the proxy's.
+        return await forward(upstream, request, body, is_mcp=True)
+    method = message["method"]
+    request["jsonrpc_id"] = message["id"]
+    request["rpc_method"] = method
+    if method.startswith("tasks/") and is_modern(message, request.headers):
+        request["mode"] = "local"
+        return _json(result_response(message["id"], await _tasks_method(request, message)))
+    if is_modern(message, request.headers) and (declares_tasks(message) or "task" in params_of(message)):
+        # Tasks are the proxy's: the upstream never sees the declaration nor a legacy params.task opt-in.
+        body = dumps(without_tasks_declaration(message))
+    if method == "tools/call":
+        return await _tools_call(request, message, body)
+    if method == "server/discover":
+        return await forward_rewritten(upstream, request, body, message["id"], _advertise_tasks)
+    return await forward(upstream, request, body, is_mcp=True, request_id=message["id"])
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
+
+
+async def _read_body(request: web.Request) -> bytes:
+    limit = request.app[config_key].limits.max_body_bytes
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise JsonRpcError(
+            INVALID_REQUEST,
+            f"Request body too large: the limit is {limit} bytes (limits.max_body_bytes)",
+            {"maxBodyBytes": limit},
+            http_status=413,
+        ) from None
+
+
+def _advertise_tasks(result: dict[str, Any]) -> None:
+    """server/discover: offer the extension, and drop legacy (2025-11-25) task capabilities from the upstream."""
+    capabilities = result.get("capabilities")
+    if not isinstance(capabilities, dict):
+        capabilities = result["capabilities"] = {}
+    capabilities.pop("tasks", None)
+    extensions = capabilities.get("extensions")
+    if not isinstance(extensions, dict):
+        extensions = capabilities["extensions"] = {}
+    extensions[TASKS_EXTENSION] = {}
+
+
+def _missing_tasks_capability(message: str) -> JsonRpcError:
+    return JsonRpcError(
+        MISSING_REQUIRED_CLIENT_CAPABILITY,
+        message,
+        {"requiredCapabilities": {"extensions": {TASKS_EXTENSION: {}}}},
+    )
+
+
+async def _tools_call(request: web.Request, message: dict[str, Any], body: bytes) -> web.StreamResponse:
+    config = request.app[config_key]
+    upstream = request.app[upstream_key]
+    params = params_of(message)
+    name = params.get("name")
+    rule = config.rule_for(name) if isinstance(name, str) else None
+    request["tool"] = name if isinstance(name, str) else None
+    if rule is None or rule.task is TaskMode.NEVER:
+        return await forward(upstream, request, body, is_mcp=True, request_id=message["id"])
+    if not declares_tasks(message):
+        if rule.task is TaskMode.REQUIRED:
+            raise _missing_tasks_capability(
+                f"Tool {name!r} runs only as a task: declare the {TASKS_EXTENSION} extension in "
+                "_meta[\"io.modelcontextprotocol/clientCapabilities\"].extensions"
+            )
+        return await forward(upstream, request, body, is_mcp=True, request_id=message["id"])
+
+    check_protocol_version(message, request.headers)
+    check_name_header(request.headers, name)
+    arguments = params.get("arguments")
+    if arguments is not None and not isinstance(arguments, dict):
+        raise JsonRpcError(INVALID_PARAMS, "Invalid params: arguments must be an object")
+    call = ToolCall(tool=name, message=without_tasks_declaration(message), headers=request.headers.copy())
+    request["mode"] = "task"
+    try:
+        outcome = await request.app[runner_key].submit(call, rule)
+    except StoreFullError as exc:
+        raise JsonRpcError(INTERNAL_ERROR, f"Cannot create a task: {exc}") from exc
+    if isinstance(outcome, TaskRecord):
+        request["task_id"] = outcome.task_id
+        return _json(result_response(message["id"], {**outcome.to_wire(), "resultType": "task"}))
+    request["mode"] = "sync_window"
+    return _direct_answer(message["id"], outcome)
+
+
+def _direct_answer(request_id: Any, outcome: DirectOutcome) -> web.Response:
+    if outcome.result is not None:
+        return _json(result_response(request_id, outcome.result))
+    assert outcome.error is not None
+    return _json(error_response(request_id, outcome.error), status=ERROR_HTTP_STATUS.get(outcome.error.get("code"), 200))
+
+
+async def _tasks_method(request: web.Request, message: dict[str, Any]) -> dict[str, Any]:
+    """tasks/get, tasks/update, tasks/cancel (SEP-2663); the removed tasks/result and tasks/list are unknown."""
+    method = message["method"]
+    check_protocol_version(message, request.headers)
+    if method not in OWNED_TASK_METHODS:
+        raise JsonRpcError(METHOD_NOT_FOUND, f"Method not found: {method}")
+    if not declares_tasks(message):
+        raise _missing_tasks_capability(
+            f"{method} needs the {TASKS_EXTENSION} extension declared in this request's "
+            "_meta[\"io.modelcontextprotocol/clientCapabilities\"].extensions"
+        )
+    params = params_of(message)
+    task_id = params.get("taskId")
+    if not isinstance(task_id, str):
+        raise JsonRpcError(INVALID_PARAMS, "Invalid params: taskId must be a string")
+    check_name_header(request.headers, task_id)
+    request["task_id"] = task_id
+    store = request.app[store_key]
+    runner = request.app[runner_key]
+    if method == "tasks/get":
+        record = await store.get(task_id)
+        if record is None:
+            raise _task_not_found()
+        request["tool"] = record.tool
+        return {**record.to_wire(), "resultType": "complete"}
+    if method == "tasks/update":
+        responses = params.get("inputResponses")
+        if not isinstance(responses, dict):
+            raise JsonRpcError(INVALID_PARAMS, "Invalid params: inputResponses must be an object")
+        record = await store.get(task_id)
+        if record is None:
+            raise _task_not_found()
+        # Answers to keys that are not outstanding are ignored (SEP-2663); the ack is eventually consistent.
+        return {"resultType": "complete"}
+    record = await runner.cancel(task_id)
+    if record is None:
+        raise _task_not_found()
+    return {"resultType": "complete"}
+
+
+def _task_not_found() -> JsonRpcError:
+    # SEP-2663: an unknown or expired task id is -32602.
+    return JsonRpcError(INVALID_PARAMS, "Task not found: the task id is unknown or has expired")

@@ -1,0 +1,167 @@
+"""The proxy's one configuration object: the YAML policy file, validated by pydantic, plus operator overrides."""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from collections.abc import Mapping
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class ConfigError(Exception):
+    """The configuration cannot be used; the message is one line that names the offending key."""
+
+
+class _Strict(BaseModel):
+    # extra="forbid": a typo in the YAML stops start-up with the key's path instead of being ignored.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TaskMode(StrEnum):
+    NEVER = "never"
+    OPTIONAL = "optional"
+    REQUIRED = "required"
+
+
+PositiveInt = Annotated[int, Field(gt=0)]
+
+
+class ListenConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 8080
+
+
+class UpstreamConfig(_Strict):
+    url: AnyHttpUrl | None = None
+    connect_timeout_s: Annotated[float, Field(gt=0)] = 10.0
+    """How long to wait for a TCP connection to the upstream before the call fails."""
+
+
+class TaskDefaults(_Strict):
+    ttl_ms: PositiveInt = 3_600_000
+    """How long a task is kept after creation; fixed at creation, not extended by updates."""
+    poll_interval_ms: PositiveInt = 2_000
+    """The polling interval suggested to clients in every task."""
+    max_tasks: PositiveInt = 10_000
+    """Cap on stored tasks; the oldest finished tasks are evicted first, working tasks never."""
+
+
+class ToolRule(_Strict):
+    match: Annotated[str, Field(min_length=1)]
+    """A tool name or a shell-style glob (`render_*`); the first rule that matches wins."""
+    task: TaskMode = TaskMode.OPTIONAL
+    sync_window_ms: Annotated[int, Field(ge=0)] = 0
+    """Wait this long for the upstream; a result in time is returned directly, otherwise a task."""
+    timeout_s: Annotated[float, Field(gt=0)] = 3600.0
+    """The background call's limit; past it the task fails."""
+    ttl_ms: PositiveInt | None = None
+    """Overrides tasks.ttl_ms for this rule's tasks."""
+    poll_interval_ms: PositiveInt | None = None
+    """Overrides tasks.poll_interval_ms for this rule's tasks."""
+
+    def matches(self, tool_name: str) -> bool:
+        return fnmatch.fnmatchcase(tool_name, self.match)
+
+
+class LimitsConfig(_Strict):
+    max_body_bytes: PositiveInt = 4 * 1024 * 1024
+    """Largest request body accepted from a client (tool arguments included); larger ones get HTTP 413."""
+
+
+class LoggingConfig(_Strict):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["auto", "json", "console"] = "auto"
+    """auto: console lines on a terminal, JSON lines otherwise."""
+
+
+class ProxyConfig(_Strict):
+    listen: ListenConfig = ListenConfig()
+    upstream: UpstreamConfig = UpstreamConfig()
+    tasks: TaskDefaults = TaskDefaults()
+    tools: list[ToolRule] = []
+    limits: LimitsConfig = LimitsConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+    @field_validator("tools")
+    @classmethod
+    def _no_duplicate_matches(cls, rules: list[ToolRule]) -> list[ToolRule]:
+        seen: set[str] = set()
+        for rule in rules:
+            if rule.match in seen:
+                raise ValueError(f"the pattern {rule.match!r} appears twice; only the first could ever match")
+            seen.add(rule.match)
+        return rules
+
+    @property
+    def upstream_url(self) -> str:
+        if self.upstream.url is None:
+            raise ConfigError(
+                "no upstream: set upstream.url in the config file, --upstream, or MCP_TASKS_PROXY_UPSTREAM"
+            )
+        return str(self.upstream.url)
+
+    def rule_for(self, tool_name: str) -> ToolRule | None:
+        """The first rule whose pattern matches; None means the call passes through."""
+        for rule in self.tools:
+            if rule.matches(tool_name):
+                return rule
+        return None
+
+
+def _format_validation_error(exc: ValidationError, source: str) -> str:
+    errors = exc.errors()
+    first = errors[0]
+    path = ".".join(str(part) for part in first["loc"]) or "(top level)"
+    message = first["msg"]
+    if first["type"] == "extra_forbidden":
+        message = "unknown key"
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{source}: {path}: {message}{more}"
+
+
+def parse_config(data: Any, *, source: str = "config") -> ProxyConfig:
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source}: the top level must be a mapping of keys, not {type(data).__name__}")
+    try:
+        return ProxyConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc, source)) from exc
+
+
+def load_config(path: str | os.PathLike[str] | None) -> ProxyConfig:
+    """Read and validate the YAML file; the only place that touches the file system for configuration."""
+    if path is None:
+        return ProxyConfig()
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot read: {exc.strerror or exc}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{source}: not valid YAML{where}") from exc
+    return parse_config(data, source=source)
+
+
+ENV_PREFIX = "MCP_TASKS_PROXY_"
+
+
+def apply_overrides(config: ProxyConfig, overrides: Mapping[str, Any]) -> ProxyConfig:
+    """Apply per-deployment settings (flags or environment) on top of the file; None values are ignored."""
+    data = config.model_dump(mode="json")
+    for dotted, value in overrides.items():
+        if value is None:
+            continue
+        section, key = dotted.split(".")
+        data[section][key] = value
+    return parse_config(data, source="overrides")

@@ -1,0 +1,109 @@
+"""The 2026-07-28 request envelope: `_meta` protocol version and client capabilities, and the Mcp-* headers."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import copy
+from typing import Any
+
+from multidict import MultiMapping
+
+from . import PROTOCOL_VERSION, TASKS_EXTENSION
+from .jsonrpc import HEADER_MISMATCH, INVALID_PARAMS, UNSUPPORTED_PROTOCOL_VERSION, JsonRpcError
+
+META_PROTOCOL_VERSION = "io.modelcontextprotocol/protocolVersion"
+META_CLIENT_CAPABILITIES = "io.modelcontextprotocol/clientCapabilities"
+SUPPORTED_VERSIONS = (PROTOCOL_VERSION,)
+
+
+def params_of(message: dict[str, Any]) -> dict[str, Any]:
+    params = message.get("params")
+    return params if isinstance(params, dict) else {}
+
+
+def meta_of(message: dict[str, Any]) -> dict[str, Any]:
+    meta = params_of(message).get("_meta")
+    return meta if isinstance(meta, dict) else {}
+
+
+def is_modern(message: dict[str, Any], headers: MultiMapping[str]) -> bool:
+    """Whether the request speaks 2026-07-28 (or later); a legacy request's tasks/* belong to the upstream."""
+    if META_PROTOCOL_VERSION in meta_of(message):
+        return True
+    version = headers.get("MCP-Protocol-Version", "").strip()
+    return version[:4].isdigit() and version >= "2026"
+
+
+def declares_tasks(message: dict[str, Any]) -> bool:
+    """SEP-2663: the extension counts only when this very request declares it in its own _meta."""
+    capabilities = meta_of(message).get(META_CLIENT_CAPABILITIES)
+    if not isinstance(capabilities, dict):
+        return False
+    extensions = capabilities.get("extensions")
+    return isinstance(extensions, dict) and TASKS_EXTENSION in extensions
+
+
+def check_protocol_version(message: dict[str, Any], headers: MultiMapping[str]) -> None:
+    """For requests the proxy answers itself: the header and _meta agree, and the version is one it speaks."""
+    meta = meta_of(message)
+    if META_PROTOCOL_VERSION not in meta:
+        raise JsonRpcError(INVALID_PARAMS, f"Missing required _meta key {META_PROTOCOL_VERSION}")
+    requested = meta[META_PROTOCOL_VERSION]
+    header = headers.get("MCP-Protocol-Version")
+    if header is not None and header.strip() != requested:
+        raise JsonRpcError(
+            HEADER_MISMATCH,
+            f"Header mismatch: MCP-Protocol-Version header value {header.strip()!r} "
+            f"does not match body value {requested!r}",
+        )
+    if requested not in SUPPORTED_VERSIONS:
+        raise JsonRpcError(
+            UNSUPPORTED_PROTOCOL_VERSION,
+            "Unsupported protocol version",
+            {"supported": list(SUPPORTED_VERSIONS), "requested": str(requested)},
+        )
+
+
+def decode_header_value(value: str) -> str | None:
+    """Undo the `=?base64?...?=` encoding of Mcp-Name / Mcp-Param-* values; None when the Base64 is invalid."""
+    value = value.strip()
+    if value.startswith("=?base64?") and value.endswith("?="):
+        try:
+            return base64.b64decode(value[len("=?base64?") : -2], validate=True).decode("utf-8")
+        except (binascii.Error, UnicodeDecodeError):
+            return None
+    return value
+
+
+def check_name_header(headers: MultiMapping[str], body_value: str) -> None:
+    """A present Mcp-Name must equal the body's value (SEP-2663 routing headers); a missing one is accepted."""
+    raw = headers.get("Mcp-Name")
+    if raw is None:
+        return
+    decoded = decode_header_value(raw)
+    if decoded != body_value:
+        raise JsonRpcError(
+            HEADER_MISMATCH,
+            f"Header mismatch: Mcp-Name header value {raw.strip()!r} does not match body value {body_value!r}",
+        )
+
+
+def without_tasks_declaration(message: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the request for the upstream: no tasks extension in _meta and no legacy params.task opt-in."""
+    forwarded = copy.copy(message)
+    params = dict(params_of(message))
+    params.pop("task", None)
+    meta = params.get("_meta")
+    if isinstance(meta, dict) and isinstance(meta.get(META_CLIENT_CAPABILITIES), dict):
+        capabilities = dict(meta[META_CLIENT_CAPABILITIES])
+        extensions = capabilities.get("extensions")
+        if isinstance(extensions, dict) and TASKS_EXTENSION in extensions:
+            extensions = {key: value for key, value in extensions.items() if key != TASKS_EXTENSION}
+            if extensions:
+                capabilities["extensions"] = extensions
+            else:
+                del capabilities["extensions"]
+        params["_meta"] = {**meta, META_CLIENT_CAPABILITIES: capabilities}
+    forwarded["params"] = params
+    return forwarded

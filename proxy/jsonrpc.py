@@ -1,0 +1,100 @@
+"""JSON-RPC envelope helpers, the error codes this proxy emits, and the one exception-to-wire boundary."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+PARSE_ERROR = -32700
+INVALID_REQUEST = -32600
+METHOD_NOT_FOUND = -32601
+INVALID_PARAMS = -32602
+INTERNAL_ERROR = -32603
+HEADER_MISMATCH = -32020
+MISSING_REQUIRED_CLIENT_CAPABILITY = -32021
+UNSUPPORTED_PROTOCOL_VERSION = -32022
+
+# The 2026-07-28 HTTP transport's status table (as the official SDKs apply it); other codes travel with 200.
+ERROR_HTTP_STATUS = {
+    PARSE_ERROR: 400,
+    INVALID_REQUEST: 400,
+    INVALID_PARAMS: 400,
+    HEADER_MISMATCH: 400,
+    MISSING_REQUIRED_CLIENT_CAPABILITY: 400,
+    UNSUPPORTED_PROTOCOL_VERSION: 400,
+    METHOD_NOT_FOUND: 404,
+}
+
+RequestId = str | int | None
+
+
+class JsonRpcError(Exception):
+    """A protocol error the proxy answers itself: it becomes the `error` member of the response."""
+
+    def __init__(self, code: int, message: str, data: Any = None, *, http_status: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.data = data
+        self.http_status = http_status if http_status is not None else ERROR_HTTP_STATUS.get(code, 200)
+
+    def to_error(self) -> dict[str, Any]:
+        return error_object(self.code, self.message, self.data)
+
+
+class UpstreamError(Exception):
+    """The upstream could not be reached, timed out, or answered something that is not JSON-RPC."""
+
+    def __init__(self, reason: str, *, upstream: str, http_status: int = 502) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.upstream = upstream
+        self.http_status = http_status
+
+    def to_error(self) -> dict[str, Any]:
+        # -32603 rather than -32000..-32019: the 2026 spec asks that the legacy range not be used.
+        return error_object(INTERNAL_ERROR, f"Upstream failure: {self.reason}", {"upstream": self.upstream})
+
+
+def error_object(code: int, message: str, data: Any = None) -> dict[str, Any]:
+    err: dict[str, Any] = {"code": code, "message": message}
+    if data is not None:
+        err["data"] = data
+    return err
+
+
+def error_response(request_id: RequestId, error: dict[str, Any]) -> dict[str, Any]:
+    # JSON-RPC requires `"id": null` when the request id could not be read.
+    return {"jsonrpc": "2.0", "id": request_id, "error": error}
+
+
+def result_response(request_id: RequestId, result: dict[str, Any]) -> dict[str, Any]:
+    return {"jsonrpc": "2.0", "id": request_id, "result": result}
+
+
+def dumps(message: Any) -> bytes:
+    return json.dumps(message, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def is_valid_id(value: Any) -> bool:
+    # bool is an int subclass in Python but not a JSON-RPC id.
+    return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
+
+
+def classify(message: Any) -> str:
+    """Name the JSON-RPC shape of a decoded body: request, notification, response, batch, or invalid."""
+    if isinstance(message, list):
+        return "batch" if message else "invalid"
+    if not isinstance(message, dict) or message.get("jsonrpc") != "2.0":
+        return "invalid"
+    if "method" in message:
+        if not isinstance(message["method"], str):
+            return "invalid"
+        if "params" in message and not isinstance(message["params"], dict | list):
+            return "invalid"
+        if "id" not in message:
+            return "notification"
+        return "request" if is_valid_id(message["id"]) else "invalid"
+    if ("result" in message) != ("error" in message) and "id" in message:
+        return "response"
+    return "invalid"

@@ -1,0 +1,198 @@
+"""Byte-faithful forwarding of everything the proxy does not own, event streams relayed as they arrive."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import structlog
+from aiohttp import web
+
+from .jsonrpc import INTERNAL_ERROR, RequestId, UpstreamError, dumps, error_object, error_response
+from .sse import SseEvent, SseParser
+from .upstream import Upstream, request_headers, response_headers
+
+log = structlog.get_logger(__name__)
+
+_STREAM_TYPES = ("text/event-stream",)
+
+
+async def open_upstream(
+    upstream: Upstream, request: web.Request, body: bytes | None, *, is_mcp: bool, identity: bool = False
+) -> aiohttp.ClientResponse:
+    url = upstream.target(request.path, request.query_string, is_mcp_endpoint=is_mcp)
+    headers = request_headers(request.headers)
+    if identity:
+        headers.popall("Accept-Encoding", None)  # the proxy must read this body, so ask for it uncompressed
+    try:
+        return await upstream.request(request.method, url, headers, body)
+    except (ConnectionError, aiohttp.ClientError, OSError) as exc:
+        raise UpstreamError(f"upstream unreachable ({exc})", upstream=upstream.url) from exc
+
+
+async def forward(
+    upstream: Upstream,
+    request: web.Request,
+    body: bytes | None,
+    *,
+    is_mcp: bool,
+    request_id: RequestId = None,
+) -> web.StreamResponse:
+    """Send the request on unchanged and relay the answer: status, end-to-end headers and body bytes."""
+    response = await open_upstream(upstream, request, body, is_mcp=is_mcp)
+    try:
+        content_type = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
+        if content_type in _STREAM_TYPES or (response.content_length is None and _may_have_body(request, response)):
+            watch_id = request_id if content_type in _STREAM_TYPES else None
+            return await _relay_stream(request, response, upstream, watch_id)
+        try:
+            payload = await response.read()
+        except (aiohttp.ClientError, OSError) as exc:
+            reason = f"the upstream connection broke mid-response ({type(exc).__name__})"
+            raise UpstreamError(reason, upstream=upstream.url) from exc
+        headers = response_headers(response.headers)
+        return web.Response(status=response.status, reason=response.reason, headers=headers, body=payload)
+    finally:
+        # A stream the client left (or that broke) is closed, not pooled: closing is how 2026 HTTP cancels.
+        if response.content.at_eof():
+            response.release()
+        else:
+            response.close()
+
+
+def _may_have_body(request: web.Request, response: aiohttp.ClientResponse) -> bool:
+    return request.method != "HEAD" and response.status not in (204, 304) and response.status >= 200
+
+
+async def _relay_stream(
+    request: web.Request, response: aiohttp.ClientResponse, upstream: Upstream, request_id: RequestId
+) -> web.StreamResponse:
+    """Write each chunk as soon as it arrives; never buffer a stream to its end.
+
+    When the upstream connection breaks before the answer to `request_id` went by, the client gets a JSON-RPC
+    error event instead of a stream that just stops, so no caller waits forever.
+    """
+    relayed = web.StreamResponse(
+        status=response.status, reason=response.reason, headers=response_headers(response.headers)
+    )
+    await relayed.prepare(request)
+    watcher = _AnswerWatcher(request_id) if request_id is not None else None
+    chunks = response.content.iter_any()
+    while True:
+        try:
+            chunk = await anext(chunks)
+        except StopAsyncIteration:
+            break
+        except (aiohttp.ClientError, OSError) as exc:
+            log.warning("upstream_stream_broken", reason=type(exc).__name__)
+            if watcher is not None and not watcher.answered:
+                error = error_object(
+                    INTERNAL_ERROR,
+                    "Upstream failure: the upstream connection broke before the response was sent",
+                    {"upstream": upstream.url},
+                )
+                await _write_to_client(relayed, b"event: message\ndata: " + dumps(error_response(request_id, error)) + b"\n\n")
+            break
+        if watcher is not None:
+            watcher.feed(chunk)
+        if not await _write_to_client(relayed, chunk):
+            return relayed
+    await _write_to_client(relayed, b"", eof=True)
+    return relayed
+
+
+async def _write_to_client(relayed: web.StreamResponse, data: bytes, *, eof: bool = False) -> bool:
+    """False when the client has gone away; the caller then stops reading the upstream."""
+    try:
+        if eof:
+            await relayed.write_eof()
+        else:
+            await relayed.write(data)
+    except ConnectionResetError:
+        log.info("client_disconnected")
+        return False
+    return True
+
+
+class _AnswerWatcher:
+    """Follows a relayed event stream just enough to know whether the response to one id has gone by."""
+
+    def __init__(self, request_id: RequestId) -> None:
+        self._request_id = request_id
+        self._parser = SseParser()
+        self.answered = False
+
+    def feed(self, chunk: bytes) -> None:
+        if self.answered:
+            return
+        for event in self._parser.feed(chunk):
+            if _answers(event, self._request_id):
+                self.answered = True
+                return
+
+
+def _answers(event: SseEvent, request_id: RequestId) -> bool:
+    if '"method"' in event.data and '"result"' not in event.data and '"error"' not in event.data:
+        return False  # fast path for the many progress notifications
+    try:
+        message = json.loads(event.data)
+    except ValueError:
+        return False
+    return isinstance(message, dict) and "method" not in message and message.get("id") == request_id
+
+
+async def forward_rewritten(
+    upstream: Upstream,
+    request: web.Request,
+    body: bytes,
+    request_id: RequestId,
+    rewrite: Callable[[dict[str, Any]], None],
+) -> web.Response:
+    """Forward a request whose answer the proxy amends (server/discover): the whole answer is read, then rewritten."""
+    response = await open_upstream(upstream, request, body, is_mcp=True, identity=True)
+    async with response:
+        try:
+            payload = await response.read()
+        except (aiohttp.ClientError, OSError) as exc:
+            raise UpstreamError(f"the upstream connection broke mid-response ({type(exc).__name__})", upstream=upstream.url) from exc
+        content_type = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
+        if content_type == "application/json":
+            payload = _rewrite_json(payload, request_id, rewrite)
+        elif content_type == "text/event-stream":
+            payload = _rewrite_sse(payload, request_id, rewrite)
+        return web.Response(status=response.status, reason=response.reason, headers=response_headers(response.headers), body=payload)
+
+
+def _rewrite_message(message: Any, request_id: RequestId, rewrite: Callable[[dict[str, Any]], None]) -> bool:
+    if isinstance(message, dict) and message.get("id") == request_id and isinstance(message.get("result"), dict):
+        rewrite(message["result"])
+        return True
+    return False
+
+
+def _rewrite_json(payload: bytes, request_id: RequestId, rewrite: Callable[[dict[str, Any]], None]) -> bytes:
+    try:
+        message = json.loads(payload)
+    except ValueError:
+        return payload
+    return dumps(message) if _rewrite_message(message, request_id, rewrite) else payload
+
+
+def _rewrite_sse(payload: bytes, request_id: RequestId, rewrite: Callable[[dict[str, Any]], None]) -> bytes:
+    out: list[bytes] = []
+    for event in SseParser().feed(payload):
+        data = event.data
+        try:
+            message = json.loads(data) if data else None
+        except ValueError:
+            message = None
+        if message is not None and _rewrite_message(message, request_id, rewrite):
+            data = dumps(message).decode()
+        lines = [f"event: {event.event}"] if event.event != "message" else []
+        if event.id is not None:
+            lines.append(f"id: {event.id}")
+        lines.extend(f"data: {line}" for line in data.split("\n"))
+        out.append(("\n".join(lines) + "\n\n").encode())
+    return b"".join(out)

@@ -1,0 +1,92 @@
+"""The task record, its statuses, and the one function through which every status change goes."""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+
+class TaskStatus(StrEnum):
+    WORKING = "working"
+    INPUT_REQUIRED = "input_required"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+TERMINAL = frozenset({TaskStatus.COMPLETED, TaskStatus.FAILED, TaskStatus.CANCELLED})
+
+
+class TaskStateError(Exception):
+    """A transition out of a terminal state was attempted; terminal states never change."""
+
+    def __init__(self, task_id: str, current: TaskStatus, requested: TaskStatus) -> None:
+        super().__init__(f"task {task_id} is {current}; cannot become {requested}")
+        self.task_id = task_id
+        self.current = current
+        self.requested = requested
+
+
+def new_task_id() -> str:
+    # Task ids are bearer handles (SEP-2663): 128 random bits, URL- and header-safe.
+    return secrets.token_urlsafe(16)
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+def format_time(moment: datetime) -> str:
+    return moment.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TaskRecord:
+    task_id: str
+    tool: str
+    status: TaskStatus
+    created_at: datetime
+    last_updated_at: datetime
+    ttl_ms: int
+    poll_interval_ms: int
+    status_message: str | None = None
+    result: dict[str, Any] | None = None
+    """The upstream's CallToolResult, when completed (also when its isError is true)."""
+    error: dict[str, Any] | None = None
+    """A JSON-RPC error object, when failed."""
+    input_requests: dict[str, Any] | None = None
+    """Outstanding input requests by task-unique key, when input_required."""
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status in TERMINAL
+
+    def to_wire(self) -> dict[str, Any]:
+        """The DetailedTask view (SEP-2663): what tasks/get answers and CreateTaskResult starts from."""
+        wire: dict[str, Any] = {
+            "taskId": self.task_id,
+            "status": self.status.value,
+            "createdAt": format_time(self.created_at),
+            "lastUpdatedAt": format_time(self.last_updated_at),
+            "ttlMs": self.ttl_ms,
+            "pollIntervalMs": self.poll_interval_ms,
+        }
+        if self.status_message is not None:
+            wire["statusMessage"] = self.status_message
+        if self.status is TaskStatus.COMPLETED:
+            wire["result"] = self.result
+        elif self.status is TaskStatus.FAILED:
+            wire["error"] = self.error
+        elif self.status is TaskStatus.INPUT_REQUIRED:
+            wire["inputRequests"] = self.input_requests or {}
+        return wire
+
+
+def transition(record: TaskRecord, to: TaskStatus, *, now: datetime, **fields: Any) -> TaskRecord:
+    """Return the record moved to `to`, stamped with `now`; refuses to leave a terminal state."""
+    if record.is_terminal:
+        raise TaskStateError(record.task_id, record.status, to)
+    return dataclasses.replace(record, status=to, last_updated_at=now, **fields)

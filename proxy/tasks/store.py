@@ -1,0 +1,117 @@
+"""Where task records live. The in-memory store serves one process; the interface is what a shared store implements."""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Protocol
+
+import structlog
+
+from .model import TaskRecord
+
+log = structlog.get_logger(__name__)
+
+Updater = Callable[[TaskRecord], TaskRecord]
+
+
+class StoreFullError(Exception):
+    """No room for a new task: the cap is reached and every stored task is still running."""
+
+
+class TaskStore(Protocol):
+    async def create(self, record: TaskRecord) -> None:
+        """Store a new record; it expires ttl_ms after this call, whatever updates follow."""
+
+    async def get(self, task_id: str) -> TaskRecord | None:
+        """The record, or None when unknown or expired."""
+
+    async def update(self, task_id: str, updater: Updater) -> TaskRecord | None:
+        """Atomically replace the record with updater(record); None when the task is gone.
+
+        The updater may raise (TaskStateError for a terminal record); the record then stays as it was.
+        """
+
+    async def aclose(self) -> None: ...
+
+
+class MemoryTaskStore:
+    """Records in a dict, each with a deadline fixed at creation, under a cap on how many are kept.
+
+    At the cap, the task that finished longest ago is evicted (and logged); running tasks are never evicted,
+    so a full store of running tasks refuses new ones with StoreFullError instead.
+    """
+
+    def __init__(self, *, max_tasks: int, timer: Callable[[], float] = time.monotonic) -> None:
+        self._max_tasks = max_tasks
+        self._timer = timer
+        self._records: dict[str, TaskRecord] = {}
+        self._deadlines: dict[str, float] = {}
+        self._expiry_heap: list[tuple[float, str]] = []
+        self._finished: OrderedDict[str, None] = OrderedDict()  # terminal task ids, oldest finish first
+
+    def __len__(self) -> int:
+        self._expire()
+        return len(self._records)
+
+    async def create(self, record: TaskRecord) -> None:
+        self._expire()
+        if len(self._records) >= self._max_tasks:
+            if not self._finished:
+                raise StoreFullError(f"task capacity reached: {self._max_tasks} tasks are running")
+            evicted, _ = self._finished.popitem(last=False)
+            self._drop(evicted)
+            log.info("task_evicted", task_id=evicted, reason="capacity")
+        deadline = self._timer() + record.ttl_ms / 1000
+        self._records[record.task_id] = record
+        self._deadlines[record.task_id] = deadline
+        heapq.heappush(self._expiry_heap, (deadline, record.task_id))
+        if record.is_terminal:
+            self._finished[record.task_id] = None
+
+    async def get(self, task_id: str) -> TaskRecord | None:
+        return self._live(task_id)
+
+    async def update(self, task_id: str, updater: Updater) -> TaskRecord | None:
+        current = self._live(task_id)
+        if current is None:
+            return None
+        new = updater(current)
+        self._records[task_id] = new
+        if new.is_terminal and not current.is_terminal:
+            self._finished[task_id] = None
+        return new
+
+    async def aclose(self) -> None:
+        self._records.clear()
+        self._deadlines.clear()
+        self._expiry_heap.clear()
+        self._finished.clear()
+
+    def _live(self, task_id: str) -> TaskRecord | None:
+        deadline = self._deadlines.get(task_id)
+        if deadline is None:
+            return None
+        if deadline <= self._timer():
+            self._drop(task_id)
+            return None
+        return self._records[task_id]
+
+    def _drop(self, task_id: str) -> None:
+        self._records.pop(task_id, None)
+        self._deadlines.pop(task_id, None)
+        self._finished.pop(task_id, None)
+
+    def _expire(self) -> None:
+        now = self._timer()
+        heap = self._expiry_heap
+        while heap and heap[0][0] <= now:
+            _, task_id = heapq.heappop(heap)
+            if self._deadlines.get(task_id, now + 1) <= now:
+                self._drop(task_id)
+        # The heap keeps entries of evicted tasks until their deadline; bound it by the live set.
+        if len(heap) > 2 * self._max_tasks:
+            self._expiry_heap = [(d, t) for d, t in heap if t in self._deadlines]
+            heapq.heapify(self._expiry_heap)

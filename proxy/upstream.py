@@ -1,0 +1,254 @@
+"""The upstream MCP server as seen from the proxy: raw forwarding for pass-through, and a tool call as events.
+
+A tool call, whatever the upstream answers with (one JSON body or an event stream with progress first), is read
+as an async stream of events: Progress, then Finished or Failed. The task runner consumes only these events.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import aiohttp
+import structlog
+from multidict import CIMultiDict, MultiMapping
+
+from .jsonrpc import INTERNAL_ERROR, dumps, error_object
+from .sse import iter_events
+
+log = structlog.get_logger(__name__)
+
+# RFC 9110 §7.6.1 hop-by-hop fields, plus those the proxy recomputes for the body it sends.
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+_REQUEST_SKIP = HOP_BY_HOP | {"host", "content-length"}
+_RESPONSE_SKIP = HOP_BY_HOP | {"content-length"}
+_TASK_CALL_SKIP = _REQUEST_SKIP | {"accept-encoding", "accept", "content-type", "last-event-id"}
+
+
+def _connection_listed(headers: MultiMapping[str]) -> set[str]:
+    listed: set[str] = set()
+    for value in headers.getall("Connection", ()):
+        listed.update(token.strip().lower() for token in value.split(",") if token.strip())
+    return listed
+
+
+def end_to_end_headers(headers: MultiMapping[str], skip: frozenset[str] | set[str]) -> CIMultiDict[str]:
+    """Copy the headers an intermediary must pass on: all but hop-by-hop ones and those named in Connection."""
+    drop = skip | _connection_listed(headers)
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in headers.items():
+        if name.lower() not in drop:
+            out.add(name, value)
+    return out
+
+
+def request_headers(headers: MultiMapping[str]) -> CIMultiDict[str]:
+    return end_to_end_headers(headers, _REQUEST_SKIP)
+
+
+def response_headers(headers: MultiMapping[str]) -> CIMultiDict[str]:
+    return end_to_end_headers(headers, _RESPONSE_SKIP)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Progress:
+    message: str | None
+    progress: float | None = None
+    total: float | None = None
+
+    def describe(self) -> str | None:
+        if self.message:
+            return self.message
+        if self.progress is None:
+            return None
+        if self.total:
+            return f"{self.progress:g} of {self.total:g}"
+        return f"{self.progress:g}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Finished:
+    result: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Failed:
+    error: dict[str, Any]
+    """A JSON-RPC error object: the upstream's own, or -32603 made by the proxy."""
+    status_message: str
+
+
+Event = Progress | Finished | Failed
+
+
+def _proxy_failure(reason: str, upstream: str) -> Failed:
+    return Failed(error_object(INTERNAL_ERROR, f"Upstream failure: {reason}", {"upstream": upstream}), reason)
+
+
+class Upstream:
+    """One aiohttp session to the upstream MCP endpoint, shared by pass-through and background calls."""
+
+    def __init__(self, url: str, *, connect_timeout_s: float) -> None:
+        self.url = url
+        parts = urlsplit(url)
+        self._origin = urlunsplit((parts.scheme, parts.netloc, "", "", ""))
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_connect=connect_timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> Upstream:
+        self._session = aiohttp.ClientSession(
+            timeout=self._timeout,
+            # Pass-through relays bytes as they are: no decompression, and no headers the client did not send.
+            auto_decompress=False,
+            skip_auto_headers=("Accept-Encoding", "User-Agent"),
+            connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True),
+        )
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "Upstream used outside its context"
+        return self._session
+
+    def target(self, path: str, query_string: str, *, is_mcp_endpoint: bool) -> str:
+        base = self.url if is_mcp_endpoint else self._origin + path
+        return f"{base}?{query_string}" if query_string else base
+
+    async def request(
+        self, method: str, url: str, headers: Mapping[str, str], body: bytes | None
+    ) -> aiohttp.ClientResponse:
+        """Send one request as-is; the caller owns (and must release) the response."""
+        try:
+            return await self.session.request(method, url, headers=headers, data=body, allow_redirects=False)
+        except aiohttp.ClientConnectorError as exc:
+            raise ConnectionError(f"cannot connect to {self.url}: {exc.os_error.strerror or exc}") from exc
+
+    async def call_tool(
+        self, message: dict[str, Any], client_headers: MultiMapping[str]
+    ) -> AsyncIterator[Event]:
+        """POST one tools/call and yield what happens to it; the last event is Finished or Failed.
+
+        Closing the generator early closes the upstream response, which is how 2026-07-28 HTTP cancels.
+        """
+        headers = end_to_end_headers(client_headers, _TASK_CALL_SKIP)
+        headers["Content-Type"] = "application/json"
+        headers["Accept"] = "application/json, text/event-stream"
+        try:
+            response = await self.request("POST", self.url, headers, dumps(message))
+        except (ConnectionError, aiohttp.ClientError, OSError) as exc:
+            yield _proxy_failure(f"upstream unreachable ({exc})", self.url)
+            return
+        async with response:
+            try:
+                async for event in self._read_call(response, message["id"]):
+                    yield event
+            finally:
+                if not response.content.at_eof():
+                    response.close()  # an unfinished stream is closed, not pooled: the upstream sees the cancel
+
+    async def notify_cancelled(self, request_id: str, client_headers: MultiMapping[str], reason: str) -> None:
+        """Tell a legacy session that a call is cancelled: legacy HTTP does not read a dropped stream as one.
+
+        Only calls made inside a legacy Mcp-Session-Id session need this; 2026-07-28 servers cancel on close.
+        """
+        if "Mcp-Session-Id" not in client_headers:
+            return
+        headers = end_to_end_headers(client_headers, _TASK_CALL_SKIP)
+        headers["Content-Type"] = "application/json"
+        headers["Accept"] = "application/json, text/event-stream"
+        headers.popall("Mcp-Method", None)
+        headers.popall("Mcp-Name", None)
+        message = {
+            "jsonrpc": "2.0",
+            "method": "notifications/cancelled",
+            "params": {"requestId": request_id, "reason": reason},
+        }
+        try:
+            response = await self.request("POST", self.url, headers, dumps(message))
+            response.release()
+        except (ConnectionError, aiohttp.ClientError, OSError) as exc:
+            log.warning("upstream_cancel_not_delivered", reason=str(exc))
+
+    async def _read_call(self, response: aiohttp.ClientResponse, request_id: Any) -> AsyncIterator[Event]:
+        content_type = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
+        try:
+            if content_type == "text/event-stream":
+                async for sse in iter_events(response.content.iter_any()):
+                    if not sse.data:
+                        continue  # priming events and keep-alives carry nothing
+                    event = self._interpret(_loads(sse.data), request_id, response.status)
+                    if event is not None:
+                        yield event
+                        if not isinstance(event, Progress):
+                            return
+                yield _proxy_failure("the upstream closed its event stream before answering the call", self.url)
+                return
+            body = await response.read()
+        except (aiohttp.ClientError, OSError) as exc:
+            yield _proxy_failure(f"the upstream connection broke mid-call ({type(exc).__name__})", self.url)
+            return
+        message = _loads(body) if content_type in ("application/json", "") else None
+        event = self._interpret(message, request_id, response.status) if message is not None else None
+        if event is None or isinstance(event, Progress):
+            detail = f"HTTP {response.status}" + (f" {content_type}" if content_type else "")
+            yield _proxy_failure(f"the upstream answered {detail} without a JSON-RPC response", self.url)
+            return
+        yield event
+
+    def _interpret(self, message: Any, request_id: Any, http_status: int) -> Event | None:
+        if not isinstance(message, dict):
+            return _proxy_failure("the upstream sent something that is not a JSON-RPC message", self.url)
+        method = message.get("method")
+        if method == "notifications/progress":
+            params = message.get("params") or {}
+            return Progress(
+                message=params.get("message") if isinstance(params.get("message"), str) else None,
+                progress=_number(params.get("progress")),
+                total=_number(params.get("total")),
+            )
+        if isinstance(method, str):
+            if "id" in message:
+                # A server-to-client request (a legacy server's elicitation, sampling, roots) cannot be answered here.
+                return _proxy_failure(f"the upstream sent a {method} request, which this proxy cannot relay", self.url)
+            return None  # other notifications (logging) are not part of a task
+        if message.get("id") != request_id:
+            return _proxy_failure("the upstream answered a different request id", self.url)
+        if isinstance(message.get("error"), dict):
+            error = message["error"]
+            return Failed(error, f"the upstream answered with JSON-RPC error {error.get('code')}")
+        result = message.get("result")
+        if not isinstance(result, dict):
+            return _proxy_failure(f"the upstream's HTTP {http_status} response has no result object", self.url)
+        if result.get("resultType") == "input_required":
+            return _proxy_failure("the upstream asked for input (input_required), which this proxy cannot relay yet", self.url)
+        return Finished(result)
+
+
+def _loads(data: str | bytes) -> Any:
+    try:
+        return json.loads(data)
+    except ValueError:
+        return None
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
