@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -50,6 +51,21 @@ config_key = web.AppKey("config_key", ProxyConfig)
 upstream_key = web.AppKey("upstream_key", Upstream)
 store_key = web.AppKey("store_key", TaskStore)
 runner_key = web.AppKey("runner_key", TaskRunner)
+
+
+
+@dataclasses.dataclass(slots=True)
+class RequestInfo:
+    """What the request log line reports, filled in as dispatch learns it."""
+
+    jsonrpc_id: Any = None
+    rpc_method: str | None = None
+    tool: str | None = None
+    task_id: str | None = None
+    mode: str = "passthrough"
+
+
+info_key = web.RequestKey("info_key", RequestInfo)
 
 MCP_PATH = "/mcp"
 OWNED_TASK_METHODS = frozenset({"tasks/get", "tasks/update", "tasks/cancel"})
@@ -106,6 +122,7 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
     request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
     structlog.contextvars.bind_contextvars(request_id=request_id)
     started = time.perf_counter()
+    info = request[info_key] = RequestInfo()
     status = 500
     try:
         response = await handler(request)
@@ -117,10 +134,10 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
                 "request_handled",
                 http_method=request.method,
                 path=request.path,
-                method=request.get("rpc_method"),
-                tool=request.get("tool"),
-                task_id=request.get("task_id"),
-                mode=request.get("mode", "passthrough"),
+                method=info.rpc_method,
+                tool=info.tool,
+                task_id=info.task_id,
+                mode=info.mode,
                 status=status,
                 duration_ms=round((time.perf_counter() - started) * 1000, 2),
             )
@@ -144,8 +161,10 @@ async def error_boundary(request: web.Request, handler: Handler) -> web.StreamRe
 
 
 def _json_error(request: web.Request, error: dict[str, Any], status: int) -> web.Response:
-    request["mode"] = request.get("mode", "local")
-    return _json(error_response(request.get("jsonrpc_id"), error), status=status)
+    info = request[info_key]
+    if info.mode == "passthrough":
+        info.mode = "local"
+    return _json(error_response(info.jsonrpc_id, error), status=status)
 
 
 def _json(message: dict[str, Any], *, status: int = 200) -> web.Response:
@@ -174,7 +193,7 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
     kind = classify(message)
     if kind == "invalid":
         if isinstance(message, dict) and _is_id(message.get("id")):
-            request["jsonrpc_id"] = message["id"]
+            request[info_key].jsonrpc_id = message["id"]
         raise JsonRpcError(
             INVALID_REQUEST,
             "Invalid request: expected a JSON-RPC 2.0 object with \"jsonrpc\": \"2.0\", a string method, "
@@ -185,10 +204,11 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
         # Notifications, responses to a legacy server's requests, and legacy batches are not the proxy's.
         return await forward(upstream, request, body, is_mcp=True)
     method = message["method"]
-    request["jsonrpc_id"] = message["id"]
-    request["rpc_method"] = method
+    info = request[info_key]
+    info.jsonrpc_id = message["id"]
+    info.rpc_method = method
     if method.startswith("tasks/") and is_modern(message, request.headers):
-        request["mode"] = "local"
+        info.mode = "local"
         return _json(result_response(message["id"], await _tasks_method(request, message)))
     if is_modern(message, request.headers) and (declares_tasks(message) or "task" in params_of(message)):
         # Tasks are the proxy's: the upstream never sees the declaration nor a legacy params.task opt-in.
@@ -243,7 +263,8 @@ async def _tools_call(request: web.Request, message: dict[str, Any], body: bytes
     params = params_of(message)
     name = params.get("name")
     rule = config.rule_for(name) if isinstance(name, str) else None
-    request["tool"] = name if isinstance(name, str) else None
+    info = request[info_key]
+    info.tool = name if isinstance(name, str) else None
     if rule is None or rule.task is TaskMode.NEVER:
         return await forward(upstream, request, body, is_mcp=True, request_id=message["id"])
     if not declares_tasks(message):
@@ -260,15 +281,15 @@ async def _tools_call(request: web.Request, message: dict[str, Any], body: bytes
     if arguments is not None and not isinstance(arguments, dict):
         raise JsonRpcError(INVALID_PARAMS, "Invalid params: arguments must be an object")
     call = ToolCall(tool=name, message=without_tasks_declaration(message), headers=request.headers.copy())
-    request["mode"] = "task"
+    info.mode = "task"
     try:
         outcome = await request.app[runner_key].submit(call, rule)
     except StoreFullError as exc:
         raise JsonRpcError(INTERNAL_ERROR, f"Cannot create a task: {exc}") from exc
     if isinstance(outcome, TaskRecord):
-        request["task_id"] = outcome.task_id
+        info.task_id = outcome.task_id
         return _json(result_response(message["id"], {**outcome.to_wire(), "resultType": "task"}))
-    request["mode"] = "sync_window"
+    info.mode = "sync_window"
     return _direct_answer(message["id"], outcome)
 
 
@@ -295,14 +316,14 @@ async def _tasks_method(request: web.Request, message: dict[str, Any]) -> dict[s
     if not isinstance(task_id, str):
         raise JsonRpcError(INVALID_PARAMS, "Invalid params: taskId must be a string")
     check_name_header(request.headers, task_id)
-    request["task_id"] = task_id
+    request[info_key].task_id = task_id
     store = request.app[store_key]
     runner = request.app[runner_key]
     if method == "tasks/get":
         record = await store.get(task_id)
         if record is None:
             raise _task_not_found()
-        request["tool"] = record.tool
+        request[info_key].tool = record.tool
         return {**record.to_wire(), "resultType": "complete"}
     if method == "tasks/update":
         responses = params.get("inputResponses")

@@ -1,0 +1,77 @@
+"""Quick start: run the example MCP server, put mcp-tasks-proxy in front of it, and walk a task flow.
+
+Run from the repository root after `pip install '.[examples]'`:
+    python examples/demo.py            # keeps both running afterwards; Ctrl-C stops them
+    python examples/demo.py --exit     # stops both once the walk-through is done
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import task_client  # noqa: E402  (a sibling script, not a package)
+
+
+def wait_for_port(port: int, process: subprocess.Popen[bytes], what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"{what} exited with code {process.returncode} before listening on port {port}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise SystemExit(f"{what} did not listen on port {port} within {timeout_s:g} s")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--server-port", type=int, default=9000, help="port of the example MCP server")
+    parser.add_argument("--proxy-port", type=int, default=8080, help="port of mcp-tasks-proxy")
+    parser.add_argument("--exit", action="store_true", help="stop both processes after the walk-through")
+    args = parser.parse_args()
+
+    upstream = f"http://127.0.0.1:{args.server_port}/mcp"
+    server = subprocess.Popen([sys.executable, str(HERE / "slow_server.py"), str(args.server_port)])
+    proxy = None
+    try:
+        wait_for_port(args.server_port, server, "the example server")
+        proxy = subprocess.Popen(
+            [
+                sys.executable, "-m", "proxy",
+                "--config", str(HERE.parent / "config" / "example.yaml"),
+                "--upstream", upstream,
+                "--port", str(args.proxy_port),
+            ]
+        )
+        wait_for_port(args.proxy_port, proxy, "mcp-tasks-proxy")
+        url = f"http://127.0.0.1:{args.proxy_port}/mcp"
+        status = task_client.main(url)
+        if args.exit:
+            return status
+        print(f"\nmcp-tasks-proxy serves {url} in front of {upstream}. Ctrl-C stops both.")
+        proxy.wait()
+        return proxy.returncode or 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        for process in (proxy, server):
+            if process is not None and process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

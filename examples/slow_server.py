@@ -1,0 +1,50 @@
+"""An MCP server that knows nothing of tasks, built with the official SDK (`mcp` 2.x, protocol 2026-07-28).
+
+Run: python examples/slow_server.py [PORT]   (serves http://127.0.0.1:PORT/mcp, default 9000)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+from mcp.server.mcpserver import Context, MCPServer
+
+server = MCPServer(
+    "slow-example",
+    instructions="A deliberately slow server for trying mcp-tasks-proxy.",
+    log_level="WARNING",
+)
+
+
+@server.tool()
+async def slow_report(topic: str, seconds: float = 6.0, ctx: Context | None = None) -> str:
+    """Write a report on a topic, slowly, reporting progress as it goes."""
+    steps = 5
+    for step in range(steps):
+        if ctx is not None:
+            await ctx.report_progress(step, steps, f"researching {topic}: step {step + 1} of {steps}")
+        await asyncio.sleep(seconds / steps)
+    return f"Report on {topic}: all {steps} steps done in {seconds:g} s."
+
+
+@server.tool()
+async def add(a: int, b: int) -> int:
+    """Add two integers at once."""
+    return a + b
+
+
+@server.tool()
+async def failing_job(reason: str = "the job failed") -> str:
+    """Fail as a tool (the result has isError: true)."""
+    raise ValueError(reason)
+
+
+def main() -> None:
+    port = int(sys.argv[1]) if len(sys.argv) > 1 else int(os.environ.get("EXAMPLE_SERVER_PORT", "9000"))
+    server.run(transport="streamable-http", host="127.0.0.1", port=port)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""Fixtures: a real `mcp` 2.x upstream in a subprocess, fault-injecting fakes, and proxies on loopback ports."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from proxy.app import create_app
+from proxy.config import parse_config
+from tests.factories import McpClient, Reply
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for_port(port: int, process: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"process exited with {process.returncode} before listening on {port}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listened on port {port} within {timeout_s} s")
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture(scope="session")
+def mcp_upstream() -> Iterator[str]:
+    """The official-SDK server (tests/upstream_server.py) on a free loopback port; its /mcp URL."""
+    port = free_port()
+    process = subprocess.Popen([sys.executable, str(ROOT / "tests" / "upstream_server.py"), str(port)])
+    try:
+        wait_for_port(port, process)
+        yield f"http://127.0.0.1:{port}/mcp"
+    finally:
+        stop(process)
+
+
+@dataclasses.dataclass
+class Proxy:
+    app: web.Application
+    url: str
+    client: McpClient
+
+
+@pytest.fixture
+async def make_proxy(
+    aiohttp_server: Any,
+) -> AsyncIterator[Callable[..., Awaitable[Proxy]]]:
+    """Build a proxy from config keys (`make_proxy(upstream_url, tools=[...])`), served over real HTTP."""
+    sessions: list[aiohttp.ClientSession] = []
+
+    async def build(upstream_url: str, *, store: Any = None, timer: Any = None, now: Any = None, **sections: Any) -> Proxy:
+        config = parse_config({"upstream": {"url": upstream_url}, **sections})
+        kwargs = {k: v for k, v in {"store": store, "timer": timer, "now": now}.items() if v is not None}
+        app = create_app(config, **kwargs)
+        server = await aiohttp_server(app)  # TestServer runs with handler_cancellation=True, as the CLI does
+        session = aiohttp.ClientSession()
+        sessions.append(session)
+        url = str(server.make_url("/mcp"))
+        return Proxy(app=app, url=url, client=McpClient(session, url))
+
+    yield build
+    for session in sessions:
+        await session.close()
+
+
+@pytest.fixture
+async def upstream_client(mcp_upstream: str) -> AsyncIterator[McpClient]:
+    """A client that talks to the real upstream directly, bypassing any proxy."""
+    async with aiohttp.ClientSession() as session:
+        yield McpClient(session, mcp_upstream)
+
+
+@dataclasses.dataclass
+class FakeUpstream:
+    url: str
+    received: list[dict[str, Any]]
+    """Each request as {"method", "path", "headers", "body"}."""
+
+
+@pytest.fixture
+async def fake_upstream(aiohttp_server: Any) -> Callable[..., Awaitable[FakeUpstream]]:
+    """An aiohttp app standing in for the upstream, for fault injection: `await fake_upstream(handler)`."""
+
+    async def build(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> FakeUpstream:
+        received: list[dict[str, Any]] = []
+
+        async def recording(request: web.Request) -> web.StreamResponse:
+            received.append(
+                {
+                    "method": request.method,
+                    "path": request.path_qs,
+                    "headers": request.headers.copy(),
+                    "body": await request.read(),
+                }
+            )
+            return await handler(request)
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", recording)
+        server = await aiohttp_server(app)
+        return FakeUpstream(url=str(server.make_url("/mcp")), received=received)
+
+    return build
+
+
+async def eventually(check: Callable[[], Awaitable[Any]], *, timeout_s: float = 30.0, what: str = "condition") -> Any:
+    """Poll `check` until it returns something truthy; a generous bound, so slow machines only wait longer."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout_s} s")
+        await asyncio.sleep(0.02)
+
+
+async def task_reaches(client: McpClient, task_id: str, *statuses: str) -> Reply:
+    async def check() -> Reply | None:
+        reply = await client.get_task(task_id)
+        return reply if reply.result["status"] in statuses else None
+
+    return await eventually(check, what=f"task {task_id} reaching {statuses}")

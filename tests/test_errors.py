@@ -1,0 +1,271 @@
+"""Bad input and broken upstreams: a clear JSON-RPC error every time, no 500, no traceback, no task left working."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+
+import pytest
+from aiohttp import web
+
+from tests.conftest import free_port, task_reaches
+from tests.factories import meta, request
+from tests.schemas import validate, validate_error
+
+MODERN = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream", "MCP-Protocol-Version": "2026-07-28"}
+
+
+@pytest.fixture
+async def proxy(make_proxy, mcp_upstream):
+    return await make_proxy(mcp_upstream, tools=[{"match": "slow_*"}], limits={"max_body_bytes": 4096})
+
+
+async def test_malformed_json_is_parse_error(proxy):
+    for body in [b"{not json", b"", b"\xff\xfe garbage", b"[" * 3000, b"[" * 100_000]:
+        reply = await proxy.client.post_raw(body, MODERN)
+        assert reply.status in (400, 413)
+        if reply.status == 400:
+            assert reply.error["code"] == -32700
+            assert reply.message["id"] is None
+            validate_error(reply.message, "ParseError")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        '"a string"',
+        "42",
+        "[]",
+        '{"jsonrpc": "1.0", "id": 1, "method": "tools/list"}',
+        '{"jsonrpc": "2.0", "id": 1, "method": 5}',
+        '{"jsonrpc": "2.0", "id": {"x": 1}, "method": "tools/list"}',
+        '{"jsonrpc": "2.0", "id": true, "method": "tools/list"}',
+        '{"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": "nope"}',
+        '{"jsonrpc": "2.0", "id": 1}',
+    ],
+    ids=["string", "number", "empty-batch", "wrong-version", "method-type", "id-object", "id-bool", "params-type", "no-method"],
+)
+async def test_invalid_requests_are_minus_32600(proxy, body):
+    reply = await proxy.client.post_raw(body, MODERN)
+    assert reply.status == 400
+    assert reply.error["code"] == -32600
+    assert "Invalid request" in reply.error["message"]
+    validate(reply.error, "Error", "core")
+
+
+async def test_oversized_body_is_413_with_a_jsonrpc_error_naming_the_limit(proxy):
+    message = request("tools/call", {"name": "slow_report", "arguments": {"topic": "x" * 10_000}, "_meta": meta()})
+    reply = await proxy.client.send(message)
+    assert reply.status == 413
+    assert reply.error["code"] == -32600
+    assert "4096 bytes" in reply.error["message"] and "max_body_bytes" in reply.error["message"]
+    # The proxy still serves the next request.
+    assert (await proxy.client.call("tools/list")).status == 200
+
+
+async def test_unknown_task_id_is_minus_32602_for_every_method(proxy):
+    for method, extra in [("tasks/get", {}), ("tasks/cancel", {}), ("tasks/update", {"inputResponses": {}})]:
+        reply = await proxy.client.call(method, {"taskId": "no-such-task", **extra})
+        assert reply.status == 400
+        assert reply.error["code"] == -32602
+        assert "unknown or has expired" in reply.error["message"]
+        validate_error(reply.message, "InvalidParamsError")
+
+
+@pytest.mark.parametrize(
+    "method, params",
+    [
+        ("tasks/get", {"taskId": 123}),
+        ("tasks/get", {}),
+        ("tasks/cancel", {"taskId": None}),
+        ("tasks/update", {"taskId": "t"}),
+        ("tasks/update", {"taskId": "t", "inputResponses": []}),
+    ],
+    ids=["int-id", "no-id", "null-id", "no-responses", "responses-list"],
+)
+async def test_wrong_param_types_are_minus_32602(proxy, method, params):
+    reply = await proxy.client.call(method, params)
+    assert reply.status == 400
+    assert reply.error["code"] == -32602
+    assert "Invalid params" in reply.error["message"]
+
+
+async def test_tasks_methods_need_the_extension(proxy):
+    created = await proxy.client.call_tool("slow_report", {"topic": "t", "seconds": 0})
+    task_id = created.result["taskId"]
+    for method in ("tasks/get", "tasks/cancel"):
+        reply = await proxy.client.call(method, {"taskId": task_id}, tasks=False)
+        assert reply.status == 400
+        validate_error(reply.message, "MissingRequiredClientCapabilityError")
+        assert reply.error["data"]["requiredCapabilities"] == {"extensions": {"io.modelcontextprotocol/tasks": {}}}
+
+
+@pytest.mark.parametrize("method", ["tasks/result", "tasks/list", "tasks/frobnicate"])
+async def test_removed_and_unknown_tasks_methods_are_minus_32601(proxy, method):
+    reply = await proxy.client.call(method, {"taskId": "x"})
+    assert reply.status == 404
+    validate_error(reply.message, "MethodNotFoundError")
+
+
+async def test_mcp_name_header_must_match_the_task_id(proxy):
+    created = await proxy.client.call_tool("slow_report", {"topic": "t", "seconds": 0})
+    task_id = created.result["taskId"]
+    mismatch = await proxy.client.call("tasks/get", {"taskId": task_id}, headers={"Mcp-Name": "someone-else"})
+    assert mismatch.status == 400
+    validate_error(mismatch.message, "HeaderMismatchError")
+    assert "Mcp-Name" in mismatch.error["message"]
+    # A missing Mcp-Name is accepted (one real tasks client sends none) ...
+    message = request("tasks/get", {"taskId": task_id, "_meta": meta()})
+    headers = {**MODERN, "Mcp-Method": "tasks/get"}
+    assert (await proxy.client.post_raw(json.dumps(message), headers)).status == 200
+    # ... and a Base64-encoded one is decoded before comparing.
+    encoded = "=?base64?" + base64.b64encode(task_id.encode()).decode() + "?="
+    assert (await proxy.client.call("tasks/get", {"taskId": task_id}, headers={"Mcp-Name": encoded})).status == 200
+
+
+async def test_mcp_name_mismatch_on_a_task_call_is_rejected_before_any_task(proxy):
+    reply = await proxy.client.call_tool("slow_report", {"topic": "t"}, headers={"Mcp-Name": "other_tool"})
+    assert reply.status == 400
+    assert reply.error["code"] == -32020
+
+
+async def test_arguments_of_the_wrong_type_are_minus_32602(proxy):
+    reply = await proxy.client.call("tools/call", {"name": "slow_report", "arguments": [1, 2]})
+    assert reply.status == 400
+    assert reply.error["code"] == -32602
+
+
+# --- upstream faults ------------------------------------------------------------------------------------------------
+
+
+def _call_handler(behaviour):
+    """A fake upstream whose tools/call answer is `behaviour(request, body)`."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        body = json.loads(await request.read())
+        return await behaviour(request, body)
+
+    return handler
+
+
+async def _sse(request: web.Request, *events: bytes, abort: bool = False) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for event in events:
+        await response.write(event)
+    if abort:
+        request.transport.close()  # the upstream dies mid-stream
+        return response
+    await response.write_eof()
+    return response
+
+
+def _progress(body) -> bytes:
+    token = body["params"]["_meta"].get("progressToken")
+    note = {"jsonrpc": "2.0", "method": "notifications/progress", "params": {"progressToken": token, "progress": 1, "message": "half way"}}
+    return f"data: {json.dumps(note)}\n\n".encode()
+
+
+async def dies_mid_stream(request, body):
+    return await _sse(request, _progress(body), abort=True)
+
+
+async def ends_without_answer(request, body):
+    return await _sse(request, _progress(body))
+
+
+async def html_500(request, body):
+    return web.Response(status=500, text="<html><body>Internal Server Error</body></html>", content_type="text/html")
+
+
+async def garbage(request, body):
+    return web.Response(status=200, body=b"\x00\x01 not json", content_type="application/json")
+
+
+async def wrong_id(request, body):
+    return web.json_response({"jsonrpc": "2.0", "id": "someone-else", "result": {"resultType": "complete", "content": []}})
+
+
+async def jsonrpc_error(request, body):
+    return web.json_response({"jsonrpc": "2.0", "id": body["id"], "error": {"code": -32000, "message": "backend exploded"}})
+
+
+async def no_result_object(request, body):
+    return web.json_response({"jsonrpc": "2.0", "id": body["id"], "result": "done"})
+
+
+@pytest.mark.parametrize(
+    "behaviour, expected",
+    [
+        (dies_mid_stream, "connection broke"),
+        (ends_without_answer, "closed its event stream before answering"),
+        (html_500, "HTTP 500 text/html without a JSON-RPC response"),
+        (garbage, "without a JSON-RPC response"),
+        (wrong_id, "different request id"),
+        (no_result_object, "no result object"),
+    ],
+    ids=["dies-mid-stream", "ends-without-answer", "html-500", "garbage", "wrong-id", "no-result"],
+)
+async def test_broken_upstream_fails_the_task_with_a_clear_message(make_proxy, fake_upstream, behaviour, expected):
+    fake = await fake_upstream(_call_handler(behaviour))
+    proxy = await make_proxy(fake.url, tools=[{"match": "*"}])
+    created = await proxy.client.call_tool("job")
+    failed = await task_reaches(proxy.client, created.result["taskId"], "failed", "completed")
+    assert failed.result["status"] == "failed"
+    validate(failed.result, "FailedTask")
+    assert failed.result["error"]["code"] == -32603
+    assert expected in failed.result["statusMessage"]
+    assert failed.result["error"]["data"] == {"upstream": fake.url}
+
+
+async def test_upstream_jsonrpc_error_is_kept_as_the_task_error(make_proxy, fake_upstream):
+    fake = await fake_upstream(_call_handler(jsonrpc_error))
+    proxy = await make_proxy(fake.url, tools=[{"match": "*"}])
+    created = await proxy.client.call_tool("job")
+    failed = await task_reaches(proxy.client, created.result["taskId"], "failed")
+    assert failed.result["error"] == {"code": -32000, "message": "backend exploded"}
+
+
+async def test_unreachable_upstream(make_proxy):
+    dead = f"http://127.0.0.1:{free_port()}/mcp"
+    proxy = await make_proxy(dead, tools=[{"match": "slow_*"}])
+    created = await proxy.client.call_tool("slow_report", {"topic": "t"})
+    failed = await task_reaches(proxy.client, created.result["taskId"], "failed")
+    assert "upstream unreachable" in failed.result["statusMessage"]
+    # Pass-through to a dead upstream: a 502 with a JSON-RPC error for the same id.
+    reply = await proxy.client.call("tools/list")
+    assert reply.status == 502
+    assert reply.error["code"] == -32603
+    assert "unreachable" in reply.error["message"]
+    assert reply.message["id"] is not None
+
+
+async def test_passthrough_stream_that_dies_gets_an_error_event(make_proxy, fake_upstream):
+    fake = await fake_upstream(_call_handler(dies_mid_stream))
+    proxy = await make_proxy(fake.url)
+    message = request("tools/call", {"name": "job", "arguments": {}, "_meta": {**meta(tasks=False), "progressToken": 9}})
+    reply = await proxy.client.send(message)
+    assert reply.events[0]["method"] == "notifications/progress"
+    assert reply.message["id"] == message["id"]
+    assert reply.message["error"]["code"] == -32603
+    assert "broke before the response" in reply.message["error"]["message"]
+
+
+async def test_shutdown_fails_running_tasks_instead_of_leaving_them_working(make_proxy, fake_upstream):
+    release = asyncio.Event()
+
+    async def hangs(request, body):
+        await release.wait()
+        return web.json_response({})
+
+    fake = await fake_upstream(_call_handler(hangs))
+    proxy = await make_proxy(fake.url, tools=[{"match": "*"}])
+    created = await proxy.client.call_tool("job")
+    from proxy.app import runner_key, store_key
+
+    await proxy.app[runner_key].aclose(grace_s=0)
+    record = await proxy.app[store_key].get(created.result["taskId"])
+    release.set()
+    assert record.status == "failed"
+    assert "shut down" in record.status_message

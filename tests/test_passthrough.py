@@ -1,0 +1,219 @@
+"""Pass-through: what the proxy does not own reaches the upstream, and the answer comes back faithfully."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+
+import aiohttp
+from aiohttp import web
+
+from proxy.sse import SseParser
+from tests.conftest import eventually
+from tests.factories import TASKS, headers_for, meta, parse_body, request
+
+
+async def test_non_declaring_client_sees_exactly_the_upstream(make_proxy, mcp_upstream, upstream_client):
+    proxy = await make_proxy(mcp_upstream, tools=[{"match": "slow_*"}])
+    for method, params in [
+        ("tools/list", {}),
+        ("tools/call", {"name": "add", "arguments": {"a": 1, "b": 2}}),
+        ("tools/call", {"name": "slow_report", "arguments": {"topic": "t", "seconds": 0}}),
+        ("prompts/list", {}),
+    ]:
+        message = request(method, {**params, "_meta": meta(tasks=False)}, id=7)
+        via_proxy = await proxy.client.send(message)
+        direct = await upstream_client.send(message)
+        assert via_proxy.status == direct.status
+        assert via_proxy.body == direct.body, method
+        assert via_proxy.headers["Content-Type"] == direct.headers["Content-Type"]
+
+
+async def first_event(response: aiohttp.ClientResponse) -> dict:
+    """Read just enough of an event stream for its first data event."""
+    parser = SseParser()
+    while True:
+        chunk = await response.content.readany()
+        assert chunk, "the stream ended before any event"
+        for event in parser.feed(chunk):
+            if event.data:
+                return json.loads(event.data)
+
+
+async def test_event_stream_is_relayed_as_it_arrives(make_proxy, mcp_upstream, upstream_client):
+    # The gated tool emits a progress event and then waits for release(); a proxy that buffered the stream to
+    # its end would deliver nothing before the release, so reading the first event first proves streaming.
+    proxy = await make_proxy(mcp_upstream)
+    gate = secrets.token_hex(6)
+    message = request("tools/call", {"name": "gated", "arguments": {"tag": gate}, "_meta": {**meta(tasks=False), "progressToken": "p"}})
+    async with proxy.client.session.post(proxy.url, data=json.dumps(message), headers=headers_for(message)) as response:
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        progress = await asyncio.wait_for(first_event(response), timeout=30)
+        assert progress["method"] == "notifications/progress"
+        assert progress["params"]["message"] == f"waiting at gate {gate}"
+        await upstream_client.call_tool("release", {"tag": gate}, tasks=False)
+        rest = await response.read()
+    final, _ = parse_body("text/event-stream", rest)
+    assert final["id"] == message["id"]
+    assert final["result"]["content"][0]["text"] == f"gate {gate} opened"
+
+
+async def test_client_closing_a_relayed_stream_cancels_the_upstream_call(make_proxy, mcp_upstream, upstream_client):
+    proxy = await make_proxy(mcp_upstream)
+    gate = secrets.token_hex(6)
+    message = request("tools/call", {"name": "gated", "arguments": {"tag": gate}, "_meta": {**meta(tasks=False), "progressToken": 1}})
+    async with aiohttp.ClientSession() as session:
+        async with session.post(proxy.url, data=json.dumps(message), headers=headers_for(message)) as response:
+            await asyncio.wait_for(first_event(response), timeout=30)
+    # The client's session is closed: the proxy must close the upstream stream, which cancels the tool.
+
+    async def cancelled():
+        state = await upstream_client.call_tool("gate_state", {"tag": gate}, tasks=False)
+        return state.result["structuredContent"]["result"] == "cancelled"
+
+    await eventually(cancelled, what="the upstream tool seeing the cancellation")
+
+
+async def test_headers_status_and_methods_are_relayed(make_proxy, fake_upstream):
+    async def handler(request: web.Request) -> web.StreamResponse:
+        if request.method == "DELETE":
+            return web.Response(status=204, headers={"X-Upstream": "deleted"})
+        if request.method == "GET":
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Upstream": "stream"})
+            await response.prepare(request)
+            await response.write(b'data: {"jsonrpc":"2.0","method":"notifications/tools/list_changed"}\n\n')
+            await response.write_eof()
+            return response
+        return web.Response(
+            status=418,
+            body=b'{"jsonrpc":"2.0","id":1,"result":{"resultType":"complete"}}',
+            headers={"Content-Type": "application/json", "X-Upstream": "teapot", "Keep-Alive": "timeout=5"},
+        )
+
+    fake = await fake_upstream(handler)
+    proxy = await make_proxy(fake.url)
+    session = proxy.client.session
+    headers = {
+        "Authorization": "Bearer abc",
+        "Mcp-Session-Id": "session-1",
+        "X-Custom": "kept",
+        "Connection": "keep-alive, X-Hop",
+        "X-Hop": "dropped because Connection names it",
+        "Proxy-Authorization": "Basic dropped",
+    }
+    async with session.post(proxy.url + "?q=1", data=b'{"jsonrpc":"2.0","method":"notifications/initialized"}', headers=headers) as response:
+        assert response.status == 418
+        assert response.headers["X-Upstream"] == "teapot"
+        assert "Keep-Alive" not in response.headers
+        assert await response.read() == b'{"jsonrpc":"2.0","id":1,"result":{"resultType":"complete"}}'
+    sent = fake.received[-1]
+    assert sent["path"] == "/mcp?q=1"
+    assert sent["headers"]["Authorization"] == "Bearer abc"
+    assert sent["headers"]["Mcp-Session-Id"] == "session-1"
+    assert sent["headers"]["X-Custom"] == "kept"
+    assert "X-Hop" not in sent["headers"] and "Proxy-Authorization" not in sent["headers"]
+    assert sent["body"] == b'{"jsonrpc":"2.0","method":"notifications/initialized"}'
+
+    async with session.get(proxy.url, headers={"Accept": "text/event-stream", "Mcp-Session-Id": "session-1"}) as response:
+        assert response.status == 200
+        assert response.headers["X-Upstream"] == "stream"
+        assert b"notifications/tools/list_changed" in await response.read()
+    async with session.delete(proxy.url, headers={"Mcp-Session-Id": "session-1"}) as response:
+        assert response.status == 204
+        assert response.headers["X-Upstream"] == "deleted"
+    assert [r["method"] for r in fake.received] == ["POST", "GET", "DELETE"]
+    assert all(r["headers"]["Mcp-Session-Id"] == "session-1" for r in fake.received)
+
+
+async def test_other_paths_reach_the_upstream_origin(make_proxy, fake_upstream):
+    async def handler(request: web.Request) -> web.Response:
+        return web.json_response({"resource": "https://example.test/mcp"})
+
+    fake = await fake_upstream(handler)
+    proxy = await make_proxy(fake.url)
+    base = proxy.url.removesuffix("/mcp")
+    async with proxy.client.session.get(base + "/.well-known/oauth-protected-resource") as response:
+        assert response.status == 200
+        assert await response.json() == {"resource": "https://example.test/mcp"}
+    assert fake.received[-1]["path"] == "/.well-known/oauth-protected-resource"
+
+
+async def test_legacy_session_flow_passes_through(make_proxy, mcp_upstream):
+    # A 2025-11-25 client: initialize, the Mcp-Session-Id session, tools/call, DELETE. The proxy owns none of it.
+    proxy = await make_proxy(mcp_upstream, tools=[{"match": "slow_*", "task": "required"}])
+    session = proxy.client.session
+    base_headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+    init = {
+        "jsonrpc": "2.0", "id": 1, "method": "initialize",
+        "params": {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "legacy", "version": "1"}},
+    }
+    async with session.post(proxy.url, json=init, headers=base_headers) as response:
+        assert response.status == 200
+        session_id = response.headers["Mcp-Session-Id"]
+        message, _ = parse_body(response.headers["Content-Type"], await response.read())
+    assert message["result"]["protocolVersion"] == "2025-11-25"
+    legacy = {**base_headers, "Mcp-Session-Id": session_id, "MCP-Protocol-Version": "2025-11-25"}
+    async with session.post(proxy.url, json={"jsonrpc": "2.0", "method": "notifications/initialized"}, headers=legacy) as response:
+        assert response.status == 202
+    call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "add", "arguments": {"a": 3, "b": 4}}}
+    async with session.post(proxy.url, json=call, headers=legacy) as response:
+        message, _ = parse_body(response.headers["Content-Type"], await response.read())
+    assert message["result"]["structuredContent"] == {"result": 7}
+    # A legacy request's tasks/* belong to the upstream (the extension is undefined before 2026-07-28).
+    get = {"jsonrpc": "2.0", "id": 3, "method": "tasks/get", "params": {"taskId": "x"}}
+    async with session.post(proxy.url, json=get, headers=legacy) as response:
+        message, _ = parse_body(response.headers["Content-Type"], await response.read())
+    assert message["error"]["code"] != -32021
+    async with session.delete(proxy.url, headers=legacy) as response:
+        assert response.status in (200, 204)
+
+
+async def test_declaration_and_legacy_task_param_are_not_forwarded(make_proxy, fake_upstream):
+    async def handler(request: web.Request) -> web.Response:
+        body = json.loads(await request.read())
+        return web.json_response({"jsonrpc": "2.0", "id": body["id"], "result": {"resultType": "complete", "content": []}})
+
+    fake = await fake_upstream(handler)
+    proxy = await make_proxy(fake.url, tools=[{"match": "long"}])
+    passthrough_meta = meta(tasks=True, sampling={})
+    await proxy.client.call("tools/call", {"name": "quick", "arguments": {}, "task": {"ttl": 5}, "_meta": passthrough_meta})
+    created = await proxy.client.call("tools/call", {"name": "long", "arguments": {"x": 1}, "task": {"ttl": 5}})
+    await eventually(lambda: _received(fake, 2), what="the background call")
+    for sent in fake.received:
+        body = json.loads(sent["body"])
+        assert "task" not in body["params"]
+        capabilities = body["params"]["_meta"]["io.modelcontextprotocol/clientCapabilities"]
+        assert TASKS not in capabilities.get("extensions", {})
+    first, second = (json.loads(r["body"]) for r in fake.received)
+    assert first["params"]["_meta"]["io.modelcontextprotocol/clientCapabilities"] == {"sampling": {}}
+    assert second["params"]["arguments"] == {"x": 1}
+    assert second["id"] != created.message["id"]  # the background call has an id of its own
+
+
+async def _received(fake, count: int) -> bool:
+    return len(fake.received) >= count
+
+
+async def test_discover_drops_legacy_task_capabilities(make_proxy, fake_upstream):
+    async def handler(request: web.Request) -> web.StreamResponse:
+        body = json.loads(await request.read())
+        result = {
+            "resultType": "complete",
+            "supportedVersions": ["2026-07-28"],
+            "capabilities": {"tools": {}, "tasks": {"list": {}, "requests": {"tools": {"call": {}}}}},
+            "ttlMs": 0,
+            "cacheScope": "public",
+        }
+        payload = json.dumps({"jsonrpc": "2.0", "id": body["id"], "result": result})
+        # Answer on an event stream, to prove the rewrite handles both content types.
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(f"event: message\ndata: {payload}\n\n".encode())
+        await response.write_eof()
+        return response
+
+    fake = await fake_upstream(handler)
+    proxy = await make_proxy(fake.url)
+    reply = await proxy.client.call("server/discover")
+    assert reply.result["capabilities"] == {"tools": {}, "extensions": {TASKS: {}}}
