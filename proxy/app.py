@@ -69,7 +69,6 @@ info_key = web.RequestKey("info_key", RequestInfo)
 
 MCP_PATH = "/mcp"
 OWNED_TASK_METHODS = frozenset({"tasks/get", "tasks/update", "tasks/cancel"})
-SHUTDOWN_GRACE_S = 10.0
 
 
 def create_app(
@@ -99,7 +98,7 @@ def create_app(
     async def runner_ctx(app: web.Application) -> AsyncIterator[None]:
         app[runner_key] = TaskRunner(app[store_key], app[upstream_key], config.tasks, now=now, timer=timer)
         yield
-        await app[runner_key].aclose(SHUTDOWN_GRACE_S)
+        await app[runner_key].aclose(config.tasks.shutdown_grace_s)
 
     # Unwinds in reverse: the runner stops before the store and the upstream session close.
     app.cleanup_ctx.extend([upstream_ctx, store_ctx, runner_ctx])

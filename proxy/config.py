@@ -49,6 +49,8 @@ class TaskDefaults(_Strict):
     """The polling interval suggested to clients in every task."""
     max_tasks: PositiveInt = 10_000
     """Cap on stored tasks; the oldest finished tasks are evicted first, working tasks never."""
+    shutdown_grace_s: Annotated[float, Field(ge=0)] = 10.0
+    """On shutdown, how long running tasks may still finish before they are failed."""
 
 
 class ToolRule(_Strict):

@@ -79,6 +79,8 @@ async def make_proxy(
     sessions: list[aiohttp.ClientSession] = []
 
     async def build(upstream_url: str, *, store: Any = None, timer: Any = None, now: Any = None, **sections: Any) -> Proxy:
+        # Tests do not wait for stray background calls at teardown unless they ask to.
+        sections["tasks"] = {"shutdown_grace_s": 0, **sections.get("tasks", {})}
         config = parse_config({"upstream": {"url": upstream_url}, **sections})
         kwargs = {k: v for k, v in {"store": store, "timer": timer, "now": now}.items() if v is not None}
         app = create_app(config, **kwargs)

@@ -225,3 +225,38 @@ async def test_unsupported_protocol_version_on_a_task_request_is_minus_32022(pro
     assert reply.status == 400
     validate_error(reply.message, "UnsupportedProtocolVersionError")
     assert reply.error["data"] == {"supported": ["2026-07-28"], "requested": "1900-01-01"}
+
+
+async def test_expired_task_answers_minus_32602(make_proxy, mcp_upstream):
+    from tests.test_store import FakeTimer
+
+    timer = FakeTimer()
+    proxy = await make_proxy(mcp_upstream, timer=timer, tools=[{"match": "slow_*", "ttl_ms": 60_000}])
+    created = await proxy.client.call_tool("slow_report", {"topic": "t", "seconds": 0})
+    task_id = created.result["taskId"]
+    assert created.result["ttlMs"] == 60_000
+    await task_reaches(proxy.client, task_id, "completed")
+    timer.advance(59)
+    assert (await proxy.client.get_task(task_id)).status == 200
+    timer.advance(2)
+    gone = await proxy.client.get_task(task_id)
+    assert gone.status == 400 and gone.error["code"] == -32602
+
+
+async def test_full_store_refuses_new_tasks_with_a_clear_error_and_keeps_running_ones(make_proxy, mcp_upstream, upstream_client):
+    proxy = await make_proxy(mcp_upstream, tools=[{"match": "gated"}], tasks={"max_tasks": 2})
+    gates = [tag(), tag()]
+    created = [await proxy.client.call_tool("gated", {"tag": g}) for g in gates]
+    refused = await proxy.client.call_tool("gated", {"tag": tag()})
+    assert refused.error["code"] == -32603
+    assert "task capacity reached: 2 tasks are running" in refused.error["message"]
+    for gate, reply in zip(gates, created):
+        await upstream_client.call_tool("release", {"tag": gate}, tasks=False)
+        await task_reaches(proxy.client, reply.result["taskId"], "completed")
+    # Finished tasks make room: the oldest is evicted for the next one.
+    last_gate = tag()
+    again = await proxy.client.call_tool("gated", {"tag": last_gate})
+    assert again.result["resultType"] == "task"
+    await upstream_client.call_tool("release", {"tag": last_gate}, tasks=False)
+    assert (await proxy.client.get_task(created[0].result["taskId"])).status == 400
+    assert (await proxy.client.get_task(created[1].result["taskId"])).result["status"] == "completed"

@@ -1,0 +1,105 @@
+"""The policy file: validation that names the key, rule matching, and operator overrides."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from proxy.__main__ import build_parser, resolve_config
+from proxy.config import ConfigError, TaskMode, load_config, parse_config
+from tests.conftest import ROOT
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "policy.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("upstream:\n  urll: http://x/mcp\n", "upstream.urll: unknown key"),
+        ("tools:\n  - match: a\n    taks: required\n", "tools.0.taks: unknown key"),
+        ("tools:\n  - match: a\n    task: sometimes\n", "tools.0.task: Input should be 'never', 'optional' or 'required'"),
+        ("tasks:\n  ttl_ms: soon\n", "tasks.ttl_ms: Input should be a valid integer"),
+        ("listen:\n  port: 70000\n", "listen.port: Input should be less than or equal to 65535"),
+        ("tools:\n  - match: a\n  - match: a\n", "tools: Value error, the pattern 'a' appears twice"),
+        ("- just\n- a list\n", "the top level must be a mapping"),
+        ("tools: [\n", "not valid YAML at line"),
+        ("tools:\n  - task: required\n", "tools.0.match: Field required"),
+    ],
+)
+def test_invalid_files_name_the_key(tmp_path, text, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text))
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_every_shipped_config_is_valid():
+    for path in sorted((ROOT / "config").glob("*.yaml")):
+        config = load_config(path)
+        assert config.upstream.url is not None, path
+
+
+def test_first_matching_rule_wins_and_unmatched_tools_pass_through():
+    config = parse_config(
+        {
+            "tools": [
+                {"match": "render_final", "task": "never"},
+                {"match": "render_*", "task": "required", "sync_window_ms": 100},
+                {"match": "search"},
+            ]
+        }
+    )
+    assert config.rule_for("render_final").task is TaskMode.NEVER
+    assert config.rule_for("render_video").task is TaskMode.REQUIRED
+    assert config.rule_for("search").task is TaskMode.OPTIONAL
+    assert config.rule_for("Search") is None  # matching is case-sensitive, as tool names are
+    assert config.rule_for("list_files") is None
+
+
+def test_rule_defaults():
+    rule = parse_config({"tools": [{"match": "x"}]}).tools[0]
+    assert (rule.task, rule.sync_window_ms, rule.timeout_s, rule.ttl_ms) == (TaskMode.OPTIONAL, 0, 3600.0, None)
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(list(argv))
+
+
+def test_flags_override_environment_which_overrides_the_file(tmp_path):
+    path = write(tmp_path, "listen:\n  port: 1111\nupstream:\n  url: http://file:1/mcp\ntools:\n  - match: a\n")
+    env = {"MCP_TASKS_PROXY_CONFIG": str(path), "MCP_TASKS_PROXY_PORT": "2222", "MCP_TASKS_PROXY_HOST": "0.0.0.0"}
+    config = resolve_config(_args(), env)
+    assert (config.listen.host, config.listen.port, str(config.upstream.url)) == ("0.0.0.0", 2222, "http://file:1/mcp")
+    assert config.tools[0].match == "a"
+    config = resolve_config(_args("--port", "3333", "--upstream", "http://flag:2/mcp"), env)
+    assert (config.listen.port, str(config.upstream.url)) == (3333, "http://flag:2/mcp")
+
+
+def test_bad_environment_values_are_config_errors():
+    with pytest.raises(ConfigError, match="MCP_TASKS_PROXY_PORT: expected an integer"):
+        resolve_config(_args("--upstream", "http://u/mcp"), {"MCP_TASKS_PROXY_PORT": "eighty"})
+    with pytest.raises(ConfigError, match="upstream.url"):
+        resolve_config(_args(), {"MCP_TASKS_PROXY_UPSTREAM": "not a url"})
+
+
+def test_no_upstream_anywhere_says_how_to_set_one():
+    with pytest.raises(ConfigError, match="--upstream"):
+        resolve_config(_args(), {})
+
+
+def test_cli_exits_2_with_one_line_naming_the_key(tmp_path):
+    path = write(tmp_path, "upstream:\n  url: http://127.0.0.1:1/mcp\ntools:\n  - match: a\n    sync_window: 5\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "proxy", "--config", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"mcp-tasks-proxy: config error: {path}: tools.0.sync_window: unknown key"
+    ]

@@ -1,0 +1,24 @@
+"""The quick start as a newcomer runs it: the demo starts the example server and the proxy, and walks a task."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.conftest import ROOT, free_port
+
+
+def test_demo_walks_the_task_flow_and_exits_cleanly():
+    done = subprocess.run(
+        [sys.executable, "examples/demo.py", "--exit", "--server-port", str(free_port()), "--proxy-port", str(free_port())],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert '"resultType": "task"' in out
+    assert "status='completed'" in out
+    assert '"status": "cancelled"' in out
+    assert "Done: one task completed, one cancelled, two calls passed through." in out
