@@ -47,10 +47,15 @@ def main() -> int:
         wait_for_port(args.server_port, server, "the example server")
         proxy = subprocess.Popen(
             [
-                sys.executable, "-m", "proxy",
-                "--config", str(HERE.parent / "config" / "example.yaml"),
-                "--upstream", upstream,
-                "--port", str(args.proxy_port),
+                sys.executable,
+                "-m",
+                "proxy",
+                "--config",
+                str(HERE.parent / "config" / "example.yaml"),
+                "--upstream",
+                upstream,
+                "--port",
+                str(args.proxy_port),
             ]
         )
         wait_for_port(args.proxy_port, proxy, "mcp-tasks-proxy")

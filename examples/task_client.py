@@ -28,7 +28,9 @@ def envelope(*, declare_tasks: bool = True) -> dict[str, Any]:
     }
 
 
-def rpc(url: str, method: str, params: dict[str, Any], *, name: str | None = None, quiet: bool = False) -> dict[str, Any]:
+def rpc(
+    url: str, method: str, params: dict[str, Any], *, name: str | None = None, quiet: bool = False
+) -> dict[str, Any]:
     """POST one request with the 2026-07-28 headers; return the JSON-RPC response (last event of a stream)."""
     message = {"jsonrpc": "2.0", "id": next(_ids), "method": method, "params": params}
     headers = {

@@ -53,7 +53,6 @@ store_key = web.AppKey("store_key", TaskStore)
 runner_key = web.AppKey("runner_key", TaskRunner)
 
 
-
 @dataclasses.dataclass(slots=True)
 class RequestInfo:
     """What the request log line reports, filled in as dispatch learns it."""
@@ -195,7 +194,7 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
             request[info_key].jsonrpc_id = message["id"]
         raise JsonRpcError(
             INVALID_REQUEST,
-            "Invalid request: expected a JSON-RPC 2.0 object with \"jsonrpc\": \"2.0\", a string method, "
+            'Invalid request: expected a JSON-RPC 2.0 object with "jsonrpc": "2.0", a string method, '
             "object params and a string or integer id",
         )
     upstream = request.app[upstream_key]
@@ -270,7 +269,7 @@ async def _tools_call(request: web.Request, message: dict[str, Any], body: bytes
         if rule.task is TaskMode.REQUIRED:
             raise _missing_tasks_capability(
                 f"Tool {name!r} runs only as a task: declare the {TASKS_EXTENSION} extension in "
-                "_meta[\"io.modelcontextprotocol/clientCapabilities\"].extensions"
+                '_meta["io.modelcontextprotocol/clientCapabilities"].extensions'
             )
         return await forward(upstream, request, body, is_mcp=True, request_id=message["id"])
 
@@ -296,7 +295,9 @@ def _direct_answer(request_id: Any, outcome: DirectOutcome) -> web.Response:
     if outcome.result is not None:
         return _json(result_response(request_id, outcome.result))
     assert outcome.error is not None
-    return _json(error_response(request_id, outcome.error), status=ERROR_HTTP_STATUS.get(outcome.error.get("code"), 200))
+    return _json(
+        error_response(request_id, outcome.error), status=ERROR_HTTP_STATUS.get(outcome.error.get("code"), 200)
+    )
 
 
 async def _tasks_method(request: web.Request, message: dict[str, Any]) -> dict[str, Any]:
@@ -308,7 +309,7 @@ async def _tasks_method(request: web.Request, message: dict[str, Any]) -> dict[s
     if not declares_tasks(message):
         raise _missing_tasks_capability(
             f"{method} needs the {TASKS_EXTENSION} extension declared in this request's "
-            "_meta[\"io.modelcontextprotocol/clientCapabilities\"].extensions"
+            '_meta["io.modelcontextprotocol/clientCapabilities"].extensions'
         )
     params = params_of(message)
     task_id = params.get("taskId")

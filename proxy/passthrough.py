@@ -93,7 +93,9 @@ async def _relay_stream(
                     "Upstream failure: the upstream connection broke before the response was sent",
                     {"upstream": upstream.url},
                 )
-                await _write_to_client(relayed, b"event: message\ndata: " + dumps(error_response(request_id, error)) + b"\n\n")
+                await _write_to_client(
+                    relayed, b"event: message\ndata: " + dumps(error_response(request_id, error)) + b"\n\n"
+                )
             break
         if watcher is not None:
             watcher.feed(chunk)
@@ -156,13 +158,17 @@ async def forward_rewritten(
         try:
             payload = await response.read()
         except (aiohttp.ClientError, OSError) as exc:
-            raise UpstreamError(f"the upstream connection broke mid-response ({type(exc).__name__})", upstream=upstream.url) from exc
+            raise UpstreamError(
+                f"the upstream connection broke mid-response ({type(exc).__name__})", upstream=upstream.url
+            ) from exc
         content_type = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
         if content_type == "application/json":
             payload = _rewrite_json(payload, request_id, rewrite)
         elif content_type == "text/event-stream":
             payload = _rewrite_sse(payload, request_id, rewrite)
-        return web.Response(status=response.status, reason=response.reason, headers=response_headers(response.headers), body=payload)
+        return web.Response(
+            status=response.status, reason=response.reason, headers=response_headers(response.headers), body=payload
+        )
 
 
 def _rewrite_message(message: Any, request_id: RequestId, rewrite: Callable[[dict[str, Any]], None]) -> bool:

@@ -142,9 +142,7 @@ class Upstream:
         except aiohttp.ClientConnectorError as exc:
             raise ConnectionError(f"cannot connect to {self.url}: {exc.os_error.strerror or exc}") from exc
 
-    async def call_tool(
-        self, message: dict[str, Any], client_headers: MultiMapping[str]
-    ) -> AsyncIterator[Event]:
+    async def call_tool(self, message: dict[str, Any], client_headers: MultiMapping[str]) -> AsyncIterator[Event]:
         """POST one tools/call and yield what happens to it; the last event is Finished or Failed.
 
         Closing the generator early closes the upstream response, which is how 2026-07-28 HTTP cancels.
@@ -239,7 +237,9 @@ class Upstream:
         if not isinstance(result, dict):
             return _proxy_failure(f"the upstream's HTTP {http_status} response has no result object", self.url)
         if result.get("resultType") == "input_required":
-            return _proxy_failure("the upstream asked for input (input_required), which this proxy cannot relay yet", self.url)
+            return _proxy_failure(
+                "the upstream asked for input (input_required), which this proxy cannot relay yet", self.url
+            )
         return Finished(result)
 
 

@@ -78,7 +78,9 @@ async def make_proxy(
     """Build a proxy from config keys (`make_proxy(upstream_url, tools=[...])`), served over real HTTP."""
     sessions: list[aiohttp.ClientSession] = []
 
-    async def build(upstream_url: str, *, store: Any = None, timer: Any = None, now: Any = None, **sections: Any) -> Proxy:
+    async def build(
+        upstream_url: str, *, store: Any = None, timer: Any = None, now: Any = None, **sections: Any
+    ) -> Proxy:
         # Tests do not wait for stray background calls at teardown unless they ask to.
         sections["tasks"] = {"shutdown_grace_s": 0, **sections.get("tasks", {})}
         config = parse_config({"upstream": {"url": upstream_url}, **sections})

@@ -104,7 +104,9 @@ class McpClient:
         params.setdefault("_meta", meta(tasks=tasks))
         return await self.send(request(method, params), **kw)
 
-    async def call_tool(self, name: str, arguments: dict[str, Any] | None = None, *, tasks: bool = True, **kw: Any) -> Reply:
+    async def call_tool(
+        self, name: str, arguments: dict[str, Any] | None = None, *, tasks: bool = True, **kw: Any
+    ) -> Reply:
         return await self.call("tools/call", {"name": name, "arguments": arguments or {}}, tasks=tasks, **kw)
 
     async def get_task(self, task_id: str, **kw: Any) -> Reply:

@@ -24,7 +24,10 @@ def write(tmp_path, text: str):
     [
         ("upstream:\n  urll: http://x/mcp\n", "upstream.urll: unknown key"),
         ("tools:\n  - match: a\n    taks: required\n", "tools.0.taks: unknown key"),
-        ("tools:\n  - match: a\n    task: sometimes\n", "tools.0.task: Input should be 'never', 'optional' or 'required'"),
+        (
+            "tools:\n  - match: a\n    task: sometimes\n",
+            "tools.0.task: Input should be 'never', 'optional' or 'required'",
+        ),
         ("tasks:\n  ttl_ms: soon\n", "tasks.ttl_ms: Input should be a valid integer"),
         ("listen:\n  port: 70000\n", "listen.port: Input should be less than or equal to 65535"),
         ("tools:\n  - match: a\n  - match: a\n", "tools: Value error, the pattern 'a' appears twice"),

@@ -13,7 +13,11 @@ from tests.conftest import free_port, task_reaches
 from tests.factories import meta, request
 from tests.schemas import validate, validate_error
 
-MODERN = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream", "MCP-Protocol-Version": "2026-07-28"}
+MODERN = {
+    "Content-Type": "application/json",
+    "Accept": "application/json, text/event-stream",
+    "MCP-Protocol-Version": "2026-07-28",
+}
 
 
 @pytest.fixture
@@ -44,7 +48,17 @@ async def test_malformed_json_is_parse_error(proxy):
         '{"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": "nope"}',
         '{"jsonrpc": "2.0", "id": 1}',
     ],
-    ids=["string", "number", "empty-batch", "wrong-version", "method-type", "id-object", "id-bool", "params-type", "no-method"],
+    ids=[
+        "string",
+        "number",
+        "empty-batch",
+        "wrong-version",
+        "method-type",
+        "id-object",
+        "id-bool",
+        "params-type",
+        "no-method",
+    ],
 )
 async def test_invalid_requests_are_minus_32600(proxy, body):
     reply = await proxy.client.post_raw(body, MODERN)
@@ -163,7 +177,11 @@ async def _sse(request: web.Request, *events: bytes, abort: bool = False) -> web
 
 def _progress(body) -> bytes:
     token = body["params"]["_meta"].get("progressToken")
-    note = {"jsonrpc": "2.0", "method": "notifications/progress", "params": {"progressToken": token, "progress": 1, "message": "half way"}}
+    note = {
+        "jsonrpc": "2.0",
+        "method": "notifications/progress",
+        "params": {"progressToken": token, "progress": 1, "message": "half way"},
+    }
     return f"data: {json.dumps(note)}\n\n".encode()
 
 
@@ -184,11 +202,15 @@ async def garbage(request, body):
 
 
 async def wrong_id(request, body):
-    return web.json_response({"jsonrpc": "2.0", "id": "someone-else", "result": {"resultType": "complete", "content": []}})
+    return web.json_response(
+        {"jsonrpc": "2.0", "id": "someone-else", "result": {"resultType": "complete", "content": []}}
+    )
 
 
 async def jsonrpc_error(request, body):
-    return web.json_response({"jsonrpc": "2.0", "id": body["id"], "error": {"code": -32000, "message": "backend exploded"}})
+    return web.json_response(
+        {"jsonrpc": "2.0", "id": body["id"], "error": {"code": -32000, "message": "backend exploded"}}
+    )
 
 
 async def no_result_object(request, body):
@@ -244,7 +266,9 @@ async def test_unreachable_upstream(make_proxy):
 async def test_passthrough_stream_that_dies_gets_an_error_event(make_proxy, fake_upstream):
     fake = await fake_upstream(_call_handler(dies_mid_stream))
     proxy = await make_proxy(fake.url)
-    message = request("tools/call", {"name": "job", "arguments": {}, "_meta": {**meta(tasks=False), "progressToken": 9}})
+    message = request(
+        "tools/call", {"name": "job", "arguments": {}, "_meta": {**meta(tasks=False), "progressToken": 9}}
+    )
     reply = await proxy.client.send(message)
     assert reply.events[0]["method"] == "notifications/progress"
     assert reply.message["id"] == message["id"]

@@ -10,7 +10,15 @@ from tests.conftest import ROOT, free_port
 
 def test_demo_walks_the_task_flow_and_exits_cleanly():
     done = subprocess.run(
-        [sys.executable, "examples/demo.py", "--exit", "--server-port", str(free_port()), "--proxy-port", str(free_port())],
+        [
+            sys.executable,
+            "examples/demo.py",
+            "--exit",
+            "--server-port",
+            str(free_port()),
+            "--proxy-port",
+            str(free_port()),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -46,7 +46,10 @@ async def test_event_stream_is_relayed_as_it_arrives(make_proxy, mcp_upstream, u
     # its end would deliver nothing before the release, so reading the first event first proves streaming.
     proxy = await make_proxy(mcp_upstream)
     gate = secrets.token_hex(6)
-    message = request("tools/call", {"name": "gated", "arguments": {"tag": gate}, "_meta": {**meta(tasks=False), "progressToken": "p"}})
+    message = request(
+        "tools/call",
+        {"name": "gated", "arguments": {"tag": gate}, "_meta": {**meta(tasks=False), "progressToken": "p"}},
+    )
     async with proxy.client.session.post(proxy.url, data=json.dumps(message), headers=headers_for(message)) as response:
         assert response.headers["Content-Type"].startswith("text/event-stream")
         progress = await asyncio.wait_for(first_event(response), timeout=30)
@@ -62,10 +65,14 @@ async def test_event_stream_is_relayed_as_it_arrives(make_proxy, mcp_upstream, u
 async def test_client_closing_a_relayed_stream_cancels_the_upstream_call(make_proxy, mcp_upstream, upstream_client):
     proxy = await make_proxy(mcp_upstream)
     gate = secrets.token_hex(6)
-    message = request("tools/call", {"name": "gated", "arguments": {"tag": gate}, "_meta": {**meta(tasks=False), "progressToken": 1}})
-    async with aiohttp.ClientSession() as session:
-        async with session.post(proxy.url, data=json.dumps(message), headers=headers_for(message)) as response:
-            await asyncio.wait_for(first_event(response), timeout=30)
+    message = request(
+        "tools/call", {"name": "gated", "arguments": {"tag": gate}, "_meta": {**meta(tasks=False), "progressToken": 1}}
+    )
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(proxy.url, data=json.dumps(message), headers=headers_for(message)) as response,
+    ):
+        await asyncio.wait_for(first_event(response), timeout=30)
     # The client's session is closed: the proxy must close the upstream stream, which cancels the tool.
 
     async def cancelled():
@@ -102,7 +109,9 @@ async def test_headers_status_and_methods_are_relayed(make_proxy, fake_upstream)
         "X-Hop": "dropped because Connection names it",
         "Proxy-Authorization": "Basic dropped",
     }
-    async with session.post(proxy.url + "?q=1", data=b'{"jsonrpc":"2.0","method":"notifications/initialized"}', headers=headers) as response:
+    async with session.post(
+        proxy.url + "?q=1", data=b'{"jsonrpc":"2.0","method":"notifications/initialized"}', headers=headers
+    ) as response:
         assert response.status == 418
         assert response.headers["X-Upstream"] == "teapot"
         assert "Keep-Alive" not in response.headers
@@ -115,7 +124,9 @@ async def test_headers_status_and_methods_are_relayed(make_proxy, fake_upstream)
     assert "X-Hop" not in sent["headers"] and "Proxy-Authorization" not in sent["headers"]
     assert sent["body"] == b'{"jsonrpc":"2.0","method":"notifications/initialized"}'
 
-    async with session.get(proxy.url, headers={"Accept": "text/event-stream", "Mcp-Session-Id": "session-1"}) as response:
+    async with session.get(
+        proxy.url, headers={"Accept": "text/event-stream", "Mcp-Session-Id": "session-1"}
+    ) as response:
         assert response.status == 200
         assert response.headers["X-Upstream"] == "stream"
         assert b"notifications/tools/list_changed" in await response.read()
@@ -145,8 +156,14 @@ async def test_legacy_session_flow_passes_through(make_proxy, mcp_upstream):
     session = proxy.client.session
     base_headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
     init = {
-        "jsonrpc": "2.0", "id": 1, "method": "initialize",
-        "params": {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "legacy", "version": "1"}},
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "initialize",
+        "params": {
+            "protocolVersion": "2025-11-25",
+            "capabilities": {},
+            "clientInfo": {"name": "legacy", "version": "1"},
+        },
     }
     async with session.post(proxy.url, json=init, headers=base_headers) as response:
         assert response.status == 200
@@ -154,7 +171,9 @@ async def test_legacy_session_flow_passes_through(make_proxy, mcp_upstream):
         message, _ = parse_body(response.headers["Content-Type"], await response.read())
     assert message["result"]["protocolVersion"] == "2025-11-25"
     legacy = {**base_headers, "Mcp-Session-Id": session_id, "MCP-Protocol-Version": "2025-11-25"}
-    async with session.post(proxy.url, json={"jsonrpc": "2.0", "method": "notifications/initialized"}, headers=legacy) as response:
+    async with session.post(
+        proxy.url, json={"jsonrpc": "2.0", "method": "notifications/initialized"}, headers=legacy
+    ) as response:
         assert response.status == 202
     call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "add", "arguments": {"a": 3, "b": 4}}}
     async with session.post(proxy.url, json=call, headers=legacy) as response:
@@ -172,12 +191,16 @@ async def test_legacy_session_flow_passes_through(make_proxy, mcp_upstream):
 async def test_declaration_and_legacy_task_param_are_not_forwarded(make_proxy, fake_upstream):
     async def handler(request: web.Request) -> web.Response:
         body = json.loads(await request.read())
-        return web.json_response({"jsonrpc": "2.0", "id": body["id"], "result": {"resultType": "complete", "content": []}})
+        return web.json_response(
+            {"jsonrpc": "2.0", "id": body["id"], "result": {"resultType": "complete", "content": []}}
+        )
 
     fake = await fake_upstream(handler)
     proxy = await make_proxy(fake.url, tools=[{"match": "long"}])
     passthrough_meta = meta(tasks=True, sampling={})
-    await proxy.client.call("tools/call", {"name": "quick", "arguments": {}, "task": {"ttl": 5}, "_meta": passthrough_meta})
+    await proxy.client.call(
+        "tools/call", {"name": "quick", "arguments": {}, "task": {"ttl": 5}, "_meta": passthrough_meta}
+    )
     created = await proxy.client.call("tools/call", {"name": "long", "arguments": {"x": 1}, "task": {"ttl": 5}})
     await eventually(lambda: _received(fake, 2), what="the background call")
     for sent in fake.received:

@@ -6,7 +6,12 @@ import pytest
 
 from proxy.sse import SseEvent, SseParser
 
-STREAM = b'event: message\r\nid: 1\r\ndata: {"a":1}\r\n\r\n: keep-alive\n\nid: 2\ndata: x\ndata: y\n\nretry: 3000\ndata: z\r\r'
+STREAM = (
+    b'event: message\r\nid: 1\r\ndata: {"a":1}\r\n\r\n'  # CRLF
+    b": keep-alive\n\n"  # a comment
+    b"id: 2\ndata: x\ndata: y\n\n"  # LF, two data lines
+    b"retry: 3000\ndata: z\r\r"  # CR
+)
 EXPECTED = [
     SseEvent(data='{"a":1}', event="message", id="1"),
     SseEvent(data="x\ny", id="2"),

@@ -26,7 +26,13 @@ class FakeTimer:
 
 def record(status: TaskStatus = TaskStatus.WORKING, ttl_ms: int = 60_000) -> TaskRecord:
     return TaskRecord(
-        task_id=new_task_id(), tool="t", status=status, created_at=T0, last_updated_at=T0, ttl_ms=ttl_ms, poll_interval_ms=1000
+        task_id=new_task_id(),
+        tool="t",
+        status=status,
+        created_at=T0,
+        last_updated_at=T0,
+        ttl_ms=ttl_ms,
+        poll_interval_ms=1000,
     )
 
 

@@ -243,14 +243,16 @@ async def test_expired_task_answers_minus_32602(make_proxy, mcp_upstream):
     assert gone.status == 400 and gone.error["code"] == -32602
 
 
-async def test_full_store_refuses_new_tasks_with_a_clear_error_and_keeps_running_ones(make_proxy, mcp_upstream, upstream_client):
+async def test_full_store_refuses_new_tasks_with_a_clear_error_and_keeps_running_ones(
+    make_proxy, mcp_upstream, upstream_client
+):
     proxy = await make_proxy(mcp_upstream, tools=[{"match": "gated"}], tasks={"max_tasks": 2})
     gates = [tag(), tag()]
     created = [await proxy.client.call_tool("gated", {"tag": g}) for g in gates]
     refused = await proxy.client.call_tool("gated", {"tag": tag()})
     assert refused.error["code"] == -32603
     assert "task capacity reached: 2 tasks are running" in refused.error["message"]
-    for gate, reply in zip(gates, created):
+    for gate, reply in zip(gates, created, strict=True):
         await upstream_client.call_tool("release", {"tag": gate}, tasks=False)
         await task_reaches(proxy.client, reply.result["taskId"], "completed")
     # Finished tasks make room: the oldest is evicted for the next one.

@@ -172,7 +172,9 @@ class TaskRunner:
                     elif isinstance(event, Finished):
                         await self._settle(job, TaskStatus.COMPLETED, result=event.result)
                     elif isinstance(event, Failed):
-                        await self._settle(job, TaskStatus.FAILED, error=event.error, status_message=event.status_message)
+                        await self._settle(
+                            job, TaskStatus.FAILED, error=event.error, status_message=event.status_message
+                        )
         except TimeoutError:
             reason = f"the upstream call exceeded its {job.rule.timeout_s:g} s limit (timeout_s)"
             error = error_object(INTERNAL_ERROR, f"Upstream failure: {reason}", {"upstream": self._upstream.url})
@@ -198,6 +200,7 @@ class TaskRunner:
             return
         job.last_message = message
         if job.is_task and job.created.is_set():
+
             def apply(record: TaskRecord) -> TaskRecord:
                 if record.status is not TaskStatus.WORKING:
                     return record
