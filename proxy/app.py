@@ -37,6 +37,7 @@ from .jsonrpc import (
     dumps,
     error_object,
     error_response,
+    is_valid_id,
     result_response,
 )
 from .passthrough import forward, forward_rewritten
@@ -190,7 +191,7 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
         raise JsonRpcError(PARSE_ERROR, "Parse error: the request body is not valid JSON") from None
     kind = classify(message)
     if kind == "invalid":
-        if isinstance(message, dict) and _is_id(message.get("id")):
+        if isinstance(message, dict) and is_valid_id(message.get("id")):
             request[info_key].jsonrpc_id = message["id"]
         raise JsonRpcError(
             INVALID_REQUEST,
@@ -205,10 +206,11 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
     info = request[info_key]
     info.jsonrpc_id = message["id"]
     info.rpc_method = method
-    if method.startswith("tasks/") and is_modern(message, request.headers):
+    modern = is_modern(message, request.headers)
+    if method.startswith("tasks/") and modern:
         info.mode = "local"
         return _json(result_response(message["id"], await _tasks_method(request, message)))
-    if is_modern(message, request.headers) and (declares_tasks(message) or "task" in params_of(message)):
+    if modern and (declares_tasks(message) or "task" in params_of(message)):
         # Tasks are the proxy's: the upstream never sees the declaration nor a legacy params.task opt-in.
         body = dumps(without_tasks_declaration(message))
     if method == "tools/call":
@@ -216,10 +218,6 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
     if method == "server/discover":
         return await forward_rewritten(upstream, request, body, message["id"], _advertise_tasks)
     return await forward(upstream, request, body, is_mcp=True, request_id=message["id"])
-
-
-def _is_id(value: Any) -> bool:
-    return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
 
 
 async def _read_body(request: web.Request) -> bytes:
