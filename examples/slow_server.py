@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+from typing import Annotated
 
-from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver import Context, Elicit, MCPServer, Resolve
+from pydantic import BaseModel
 
 server = MCPServer(
     "slow-example",
@@ -27,6 +29,29 @@ async def slow_report(topic: str, seconds: float = 6.0, ctx: Context | None = No
             await ctx.report_progress(step, steps, f"researching {topic}: step {step + 1} of {steps}")
         await asyncio.sleep(seconds / steps)
     return f"Report on {topic}: all {steps} steps done in {seconds:g} s."
+
+
+class Person(BaseModel):
+    name: str
+
+
+async def ask_name() -> Elicit[Person]:
+    # On 2026-07-28 the SDK turns this into an MRTR input_required round; mcp-tasks-proxy turns that into the
+    # task's inputRequests, and the client answers with tasks/update.
+    return Elicit("Who is this report for?", Person)
+
+
+@server.tool()
+async def personal_report(
+    topic: str, person: Annotated[Person, Resolve(ask_name)], seconds: float = 4.0, ctx: Context | None = None
+) -> str:
+    """Ask who the report is for, then write it slowly, reporting progress."""
+    steps = 4
+    for step in range(steps):
+        if ctx is not None:
+            await ctx.report_progress(step, steps, f"writing {person.name}'s report on {topic}: {step + 1}/{steps}")
+        await asyncio.sleep(seconds / steps)
+    return f"Dear {person.name}, here is your report on {topic}."
 
 
 @server.tool()

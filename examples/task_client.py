@@ -19,8 +19,10 @@ TASKS = "io.modelcontextprotocol/tasks"
 _ids = itertools.count(1)
 
 
-def envelope(*, declare_tasks: bool = True) -> dict[str, Any]:
+def envelope(*, declare_tasks: bool = True, elicitation: bool = False) -> dict[str, Any]:
     capabilities: dict[str, Any] = {"extensions": {TASKS: {}}} if declare_tasks else {}
+    if elicitation:
+        capabilities["elicitation"] = {}  # form mode: this client can put a question to its user
     return {
         "io.modelcontextprotocol/protocolVersion": PROTOCOL_VERSION,
         "io.modelcontextprotocol/clientCapabilities": capabilities,
@@ -60,8 +62,10 @@ def rpc(
     return answer
 
 
-def follow(url: str, task: dict[str, Any]) -> dict[str, Any]:
-    """Poll tasks/get at the interval the proxy suggests, until the task reaches a terminal status."""
+def follow(
+    url: str, task: dict[str, Any], *, until: tuple[str, ...] = ("completed", "failed", "cancelled")
+) -> dict[str, Any]:
+    """Poll tasks/get at the interval the proxy suggests, until the task reaches one of `until`."""
     task_id = task["taskId"]
     last_status = None
     while True:
@@ -72,7 +76,7 @@ def follow(url: str, task: dict[str, Any]) -> dict[str, Any]:
         if line != last_status:
             print(f"    tasks/get: status={task['status']!r} statusMessage={task.get('statusMessage')!r}")
             last_status = line
-        if task["status"] in ("completed", "failed", "cancelled"):
+        if task["status"] in until:
             print(f"<-- {json.dumps(answer)}")
             return task
 
@@ -91,7 +95,23 @@ def main(url: str) -> int:
     final = follow(url, created["result"])
     assert final["status"] == "completed", final
 
-    print("\n# The same tool without declaring the extension: an ordinary, blocking call.")
+    print("\n# A tool that asks who the report is for: the question arrives as the task's inputRequests.")
+    created = rpc(
+        url,
+        "tools/call",
+        {"name": "personal_report", "arguments": {"topic": "tides", "seconds": 2}, "_meta": envelope(elicitation=True)},
+        name="personal_report",
+    )
+    task = follow(url, created["result"], until=("input_required", "completed", "failed", "cancelled"))
+    assert task["status"] == "input_required", task
+    # Answer every outstanding request, under the keys the task gave (a real client would ask its user here).
+    answers = {key: {"action": "accept", "content": {"name": "Ada"}} for key in task["inputRequests"]}
+    task_id = task["taskId"]
+    rpc(url, "tasks/update", {"taskId": task_id, "inputResponses": answers, "_meta": envelope()}, name=task_id)
+    final = follow(url, task)
+    assert final["status"] == "completed", final
+
+    print("\n# The same slow tool without declaring the extension: an ordinary, blocking call.")
     rpc(
         url,
         "tools/call",
@@ -112,7 +132,7 @@ def main(url: str) -> int:
 
     print("\n# A fast tool the policy leaves alone passes straight through.")
     rpc(url, "tools/call", {"name": "add", "arguments": {"a": 2, "b": 3}, "_meta": envelope()}, name="add")
-    print("\nDone: one task completed, one cancelled, two calls passed through.")
+    print("\nDone: two tasks completed (one after asking for input), one cancelled, two calls passed through.")
     return 0
 
 

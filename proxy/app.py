@@ -16,10 +16,12 @@ from aiohttp import web
 from . import TASKS_EXTENSION
 from .config import ProxyConfig, TaskMode
 from .envelope import (
+    META_CLIENT_CAPABILITIES,
     check_name_header,
     check_protocol_version,
     declares_tasks,
     is_modern,
+    meta_of,
     params_of,
     without_tasks_declaration,
 )
@@ -276,7 +278,14 @@ async def _tools_call(request: web.Request, message: dict[str, Any], body: bytes
     arguments = params.get("arguments")
     if arguments is not None and not isinstance(arguments, dict):
         raise JsonRpcError(INVALID_PARAMS, "Invalid params: arguments must be an object")
-    call = ToolCall(tool=name, message=without_tasks_declaration(message), headers=request.headers.copy())
+    forwarded = without_tasks_declaration(message)
+    capabilities = meta_of(forwarded).get(META_CLIENT_CAPABILITIES)
+    call = ToolCall(
+        tool=name,
+        message=forwarded,
+        headers=request.headers.copy(),
+        capabilities=capabilities if isinstance(capabilities, dict) else {},
+    )
     info.mode = "task"
     try:
         outcome = await request.app[runner_key].submit(call, rule)
@@ -325,12 +334,11 @@ async def _tasks_method(request: web.Request, message: dict[str, Any]) -> dict[s
         return {**record.to_wire(), "resultType": "complete"}
     if method == "tasks/update":
         responses = params.get("inputResponses")
-        if not isinstance(responses, dict):
-            raise JsonRpcError(INVALID_PARAMS, "Invalid params: inputResponses must be an object")
-        record = await store.get(task_id)
-        if record is None:
-            raise _task_not_found()
+        if not isinstance(responses, dict) or not all(isinstance(answer, dict) for answer in responses.values()):
+            raise JsonRpcError(INVALID_PARAMS, "Invalid params: inputResponses must be an object of result objects")
         # Answers to keys that are not outstanding are ignored (SEP-2663); the ack is eventually consistent.
+        if await runner.deliver_input(task_id, responses) is None:
+            raise _task_not_found()
         return {"resultType": "complete"}
     record = await runner.cancel(task_id)
     if record is None:

@@ -49,6 +49,8 @@ class TaskDefaults(_Strict):
     """The polling interval suggested to clients in every task."""
     max_tasks: PositiveInt = 10_000
     """Cap on stored tasks; the oldest finished tasks are evicted first, working tasks never."""
+    max_input_rounds: PositiveInt = 10
+    """How many times one task's upstream may answer input_required before the task fails."""
     shutdown_grace_s: Annotated[float, Field(ge=0)] = 10.0
     """On shutdown, how long running tasks may still finish before they are failed."""
 
@@ -60,7 +62,9 @@ class ToolRule(_Strict):
     sync_window_ms: Annotated[int, Field(ge=0)] = 0
     """Wait this long for the upstream; a result in time is returned directly, otherwise a task."""
     timeout_s: Annotated[float, Field(gt=0)] = 3600.0
-    """The background call's limit; past it the task fails."""
+    """The limit of each upstream attempt of a background call; past it the task fails."""
+    max_input_rounds: PositiveInt | None = None
+    """Overrides tasks.max_input_rounds for this rule's tasks."""
     ttl_ms: PositiveInt | None = None
     """Overrides tasks.ttl_ms for this rule's tasks."""
     poll_interval_ms: PositiveInt | None = None

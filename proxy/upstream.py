@@ -93,7 +93,25 @@ class Failed:
     status_message: str
 
 
-Event = Progress | Finished | Failed
+@dataclasses.dataclass(frozen=True, slots=True)
+class InputNeeded:
+    """A 2026-07-28 upstream answered `input_required` (MRTR): answer `input_requests`, echo `request_state`."""
+
+    result: dict[str, Any]
+    """The upstream's InputRequiredResult as it came."""
+
+    @property
+    def input_requests(self) -> dict[str, Any]:
+        requests = self.result.get("inputRequests")
+        return requests if isinstance(requests, dict) else {}
+
+    @property
+    def request_state(self) -> str | None:
+        state = self.result.get("requestState")
+        return state if isinstance(state, str) else None
+
+
+Event = Progress | Finished | Failed | InputNeeded
 
 
 def _proxy_failure(reason: str, upstream: str) -> Failed:
@@ -237,9 +255,13 @@ class Upstream:
         if not isinstance(result, dict):
             return _proxy_failure(f"the upstream's HTTP {http_status} response has no result object", self.url)
         if result.get("resultType") == "input_required":
-            return _proxy_failure(
-                "the upstream asked for input (input_required), which this proxy cannot relay yet", self.url
-            )
+            if not isinstance(result.get("inputRequests", {}), dict) or not (
+                result.get("inputRequests") or isinstance(result.get("requestState"), str)
+            ):
+                return _proxy_failure(
+                    "the upstream's input_required result has neither inputRequests nor requestState", self.url
+                )
+            return InputNeeded(result)
         return Finished(result)
 
 

@@ -13,6 +13,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 from mcp.server.mcpserver import Context  # noqa: E402
 from mcp.shared.exceptions import MCPError  # noqa: E402
+from mcp_types import (  # noqa: E402
+    CallToolResult,
+    CreateMessageRequest,
+    CreateMessageRequestParams,
+    ElicitRequest,
+    ElicitRequestFormParams,
+    ElicitRequestURLParams,
+    InputRequiredResult,
+    SamplingMessage,
+    TextContent,
+)
 from slow_server import server  # noqa: E402
 
 _gates: dict[str, asyncio.Event] = {}
@@ -61,6 +72,123 @@ async def echo_authorization(ctx: Context) -> str:
     """Return the Authorization header this call arrived with (to prove the proxy forwards credentials)."""
     headers = ctx.headers or {}
     return headers.get("authorization", "<none>")
+
+
+# --- MRTR (2026-07-28 input_required) tools: each echoes what its last round received, for the tests to check ---
+
+STATE = '{"round": 1, "note": "ünïcode and  spaces"}'  # the proxy must echo requestState byte for byte
+
+
+def _ask(message: str) -> ElicitRequest:
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    return ElicitRequest(params=ElicitRequestFormParams(message=message, requested_schema=schema))
+
+
+def _received(ctx: Context) -> dict:
+    responses = ctx.input_responses or {}
+    capabilities = ctx.client_capabilities
+    return {
+        "inputResponses": {
+            k: v.model_dump(mode="json", by_alias=True, exclude_none=True) for k, v in responses.items()
+        },
+        "requestState": ctx.request_state,
+        "capabilities": capabilities.model_dump(mode="json", by_alias=True, exclude_none=True)
+        if capabilities
+        else None,
+    }
+
+
+def _done(ctx: Context, text: str) -> CallToolResult:
+    return CallToolResult(content=[TextContent(text=text)], structured_content=_received(ctx))
+
+
+def _answer(ctx: Context, key: str) -> str | None:
+    response = (ctx.input_responses or {}).get(key)
+    content = getattr(response, "content", None) or {}
+    return content.get("answer") if getattr(response, "action", None) == "accept" else None
+
+
+@server.tool()
+async def one_question(ctx: Context) -> CallToolResult | InputRequiredResult:
+    """One round: ask, then answer with what was said."""
+    answer = _answer(ctx, "q")
+    if answer is None:
+        return InputRequiredResult(input_requests={"q": _ask("Your answer?")}, request_state=STATE)
+    return _done(ctx, f"you said {answer}")
+
+
+@server.tool()
+async def same_key_twice(ctx: Context) -> CallToolResult | InputRequiredResult:
+    """Two rounds that both use the key "q"; the state carries the first answer."""
+    answer = _answer(ctx, "q")
+    if ctx.request_state is None:
+        return InputRequiredResult(input_requests={"q": _ask("First?")}, request_state="round-1")
+    if ctx.request_state == "round-1":
+        return InputRequiredResult(input_requests={"q": _ask("Second?")}, request_state=f"round-2:{answer}")
+    first = ctx.request_state.removeprefix("round-2:")
+    return _done(ctx, f"{first} then {answer}")
+
+
+@server.tool()
+async def two_at_once(ctx: Context) -> CallToolResult | InputRequiredResult:
+    """Ask two questions in one round."""
+    a, b = _answer(ctx, "a"), _answer(ctx, "b")
+    if a is None or b is None:
+        return InputRequiredResult(input_requests={"a": _ask("A?"), "b": _ask("B?")}, request_state="ab")
+    return _done(ctx, f"{a}+{b}")
+
+
+@server.tool()
+async def endless_questions(ctx: Context) -> InputRequiredResult:
+    """Never satisfied: asks again on every round."""
+    return InputRequiredResult(input_requests={"q": _ask("Again?")}, request_state="again")
+
+
+@server.tool()
+async def state_only_first(ctx: Context) -> CallToolResult | InputRequiredResult:
+    """A load-shedding interim with requestState only, then the result."""
+    if ctx.request_state is None:
+        return InputRequiredResult(request_state=STATE)
+    return _done(ctx, "done after a state-only round")
+
+
+@server.tool()
+async def fails_on_retry(ctx: Context) -> InputRequiredResult:
+    """Ask, then fail with a JSON-RPC error when answered."""
+    if ctx.input_responses is None:
+        return InputRequiredResult(input_requests={"q": _ask("Go?")}, request_state="s")
+    raise MCPError(code=-32603, message="the retry failed upstream")
+
+
+@server.tool()
+async def asks_sampling(ctx: Context) -> CallToolResult | InputRequiredResult:
+    """Ask the client's model (sampling), which only clients that declare sampling can answer."""
+    if ctx.input_responses is None:
+        params = CreateMessageRequestParams(
+            messages=[SamplingMessage(role="user", content=TextContent(text="Capital of France?"))], max_tokens=20
+        )
+        return InputRequiredResult(input_requests={"llm": CreateMessageRequest(params=params)}, request_state="s")
+    return _done(ctx, "sampled")
+
+
+@server.tool()
+async def asks_url(ctx: Context) -> CallToolResult | InputRequiredResult:
+    """A URL-mode elicitation, which needs elicitation.url."""
+    if ctx.input_responses is None:
+        params = ElicitRequestURLParams(message="Sign in", url="https://example.test/login")
+        return InputRequiredResult(input_requests={"login": ElicitRequest(params=params)}, request_state="s")
+    return _done(ctx, "signed in")
+
+
+@server.tool()
+async def ask_then_gated(tag: str, ctx: Context) -> CallToolResult | InputRequiredResult:
+    """Ask for a name; once answered, wait at a gate (so it outlasts any sync window), then greet."""
+    name = _answer(ctx, "name")
+    if name is None:
+        return InputRequiredResult(input_requests={"name": _ask("Name?")}, request_state="ask")
+    _states[tag] = "started"
+    await _gate(tag).wait()
+    return _done(ctx, f"hello {name}")
 
 
 if __name__ == "__main__":

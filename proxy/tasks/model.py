@@ -59,6 +59,8 @@ class TaskRecord:
     """A JSON-RPC error object, when failed."""
     input_requests: dict[str, Any] | None = None
     """Outstanding input requests by task-unique key, when input_required."""
+    collected_responses: dict[str, Any] | None = None
+    """Answers received through tasks/update for this round, by task key; never on the wire."""
 
     @property
     def is_terminal(self) -> bool:

@@ -14,8 +14,8 @@ import structlog
 from multidict import CIMultiDict
 
 from ..config import TaskDefaults, ToolRule
-from ..jsonrpc import INTERNAL_ERROR, error_object
-from ..upstream import Failed, Finished, Progress, Upstream
+from ..jsonrpc import INTERNAL_ERROR, MISSING_REQUIRED_CLIENT_CAPABILITY, error_object
+from ..upstream import Finished, InputNeeded, Progress, Upstream
 from .model import TaskRecord, TaskStateError, TaskStatus, new_task_id, transition, utc_now
 from .store import TaskStore
 
@@ -32,6 +32,8 @@ class ToolCall:
     tool: str
     message: dict[str, Any]
     headers: CIMultiDict[str]
+    capabilities: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The client capabilities the task-creating request declared; they bound what input may be asked."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -56,9 +58,25 @@ class _Job:
     outcome: asyncio.Future[DirectOutcome] = dataclasses.field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
+    max_input_rounds: int = 10
     last_message: str | None = None
     cancel_reason: str | None = None
     runner: asyncio.Task[None] | None = None
+    upstream_id: str = ""
+    """The JSON-RPC id of the upstream attempt in flight (each MRTR round has its own)."""
+    upstream_busy: bool = False
+    answered: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    """Set when tasks/update has answered every outstanding input request."""
+    issued_keys: set[str] = dataclasses.field(default_factory=set)
+
+    def unique_key(self, upstream_key: str) -> str:
+        """A key never used before in this task (SEP-2663), even when the upstream reuses one across rounds."""
+        candidate, n = upstream_key, 1
+        while candidate in self.issued_keys:
+            n += 1
+            candidate = f"{upstream_key}-{n}"
+        self.issued_keys.add(candidate)
+        return candidate
 
 
 class TaskRunner:
@@ -93,9 +111,9 @@ class TaskRunner:
             ttl_ms=rule.ttl_ms or self._defaults.ttl_ms,
             poll_interval_ms=rule.poll_interval_ms or self._defaults.poll_interval_ms,
             started_s=self._timer(),
+            max_input_rounds=rule.max_input_rounds or self._defaults.max_input_rounds,
         )
-        call.message["id"] = f"mtp-{secrets.token_hex(8)}"
-        call.message["params"].setdefault("_meta", {})["progressToken"] = call.message["id"]
+        call.message = _retry_message(call.message, None, None, keep_client_round=True)
         if rule.sync_window_ms == 0:
             record = await self._create_record(job)  # durable before anyone hears of it (SEP-2663)
             self._spawn(job)
@@ -163,15 +181,64 @@ class TaskRunner:
 
     async def _run(self, job: _Job) -> None:
         structlog.contextvars.bind_contextvars(task_id=job.task_id, tool=job.call.tool)
-        events = self._upstream.call_tool(job.call.message, job.call.headers)
+        try:
+            await self._drive(job)
+        except asyncio.CancelledError:
+            if job.cancel_reason == _SHUTDOWN:
+                error = error_object(INTERNAL_ERROR, f"Proxy failure: {_SHUTDOWN}")
+                await self._settle(job, TaskStatus.FAILED, error=error, status_message=_SHUTDOWN)
+            elif job.cancel_reason == _CANCELLED_BY_CLIENT and job.upstream_busy:
+                await self._upstream.notify_cancelled(job.upstream_id, job.call.headers, _CANCELLED_BY_CLIENT)
+            elif job.cancel_reason is None:
+                raise
+        except Exception:
+            log.exception("task_runner_error")
+            error = error_object(INTERNAL_ERROR, "Proxy failure: internal error while following the upstream call")
+            await self._settle(job, TaskStatus.FAILED, error=error, status_message="internal proxy error")
+
+    async def _drive(self, job: _Job) -> None:
+        """Run upstream attempts until one ends the call; MRTR input_required answers start the next round."""
+        message = job.call.message
+        input_rounds = 0
+        while True:
+            needed = await self._attempt(job, message)
+            if needed is None:
+                return  # the attempt settled the call
+            if not job.is_task:
+                # Inside the sync window, before any task exists: the client answers the MRTR round itself.
+                await self._settle(job, TaskStatus.COMPLETED, result=needed.result)
+                return
+            input_rounds += 1
+            if input_rounds > job.max_input_rounds:
+                reason = f"the upstream asked for input more than {job.max_input_rounds} times (max_input_rounds)"
+                error = error_object(INTERNAL_ERROR, f"Upstream failure: {reason}", {"upstream": self._upstream.url})
+                await self._settle(job, TaskStatus.FAILED, error=error, status_message=reason)
+                return
+            if needed.input_requests:
+                responses = await self._ask_client(job, needed.input_requests)
+                if responses is None:
+                    return
+            else:
+                # A state-only round (load shedding, SEP-2322): retry at once, after a short backoff.
+                responses = None
+                await asyncio.sleep(min(0.05 * 2 ** (input_rounds - 1), 0.25))
+            message = _retry_message(job.call.message, responses, needed.request_state)
+
+    async def _attempt(self, job: _Job, message: dict[str, Any]) -> InputNeeded | None:
+        """One upstream call; None once the outcome is settled, the InputNeeded when the upstream wants input."""
+        job.upstream_id = message["id"]
+        job.upstream_busy = True
+        events = self._upstream.call_tool(message, job.call.headers)
         try:
             async with asyncio.timeout(job.rule.timeout_s):
                 async for event in events:
                     if isinstance(event, Progress):
                         await self._progress(job, event)
+                    elif isinstance(event, InputNeeded):
+                        return event
                     elif isinstance(event, Finished):
                         await self._settle(job, TaskStatus.COMPLETED, result=event.result)
-                    elif isinstance(event, Failed):
+                    else:
                         await self._settle(
                             job, TaskStatus.FAILED, error=event.error, status_message=event.status_message
                         )
@@ -179,20 +246,90 @@ class TaskRunner:
             reason = f"the upstream call exceeded its {job.rule.timeout_s:g} s limit (timeout_s)"
             error = error_object(INTERNAL_ERROR, f"Upstream failure: {reason}", {"upstream": self._upstream.url})
             await self._settle(job, TaskStatus.FAILED, error=error, status_message=reason)
-        except asyncio.CancelledError:
-            if job.cancel_reason == _SHUTDOWN:
-                error = error_object(INTERNAL_ERROR, f"Proxy failure: {_SHUTDOWN}")
-                await self._settle(job, TaskStatus.FAILED, error=error, status_message=_SHUTDOWN)
-            elif job.cancel_reason == _CANCELLED_BY_CLIENT:
-                await self._upstream.notify_cancelled(job.call.message["id"], job.call.headers, _CANCELLED_BY_CLIENT)
-            elif job.cancel_reason is None:
-                raise
-        except Exception:
-            log.exception("task_runner_error")
-            error = error_object(INTERNAL_ERROR, "Proxy failure: internal error while following the upstream call")
-            await self._settle(job, TaskStatus.FAILED, error=error, status_message="internal proxy error")
         finally:
+            job.upstream_busy = False
             await events.aclose()
+        return None
+
+    async def _ask_client(self, job: _Job, requests: dict[str, Any]) -> dict[str, Any] | None:
+        """Put the upstream's input requests in the task and wait for tasks/update to answer them all.
+
+        Returns the answers under the upstream's own keys; None when the task ended meanwhile.
+        """
+        refusal = _refuse_undeclared(requests, job.call.capabilities)
+        if refusal is not None:
+            error, reason = refusal
+            await self._settle(job, TaskStatus.FAILED, error=error, status_message=reason)
+            return None
+        key_map: dict[str, str] = {}
+        task_requests: dict[str, Any] = {}
+        for upstream_key, input_request in requests.items():
+            task_key = job.unique_key(upstream_key)
+            key_map[task_key] = upstream_key
+            task_requests[task_key] = input_request
+        job.answered.clear()
+        waiting = await self._transition(
+            job.task_id,
+            TaskStatus.INPUT_REQUIRED,
+            job=job,
+            input_requests=task_requests,
+            collected_responses={},
+            status_message="waiting for the client's input",
+        )
+        if waiting is None:
+            return None
+        remaining_s = job.started_s + job.ttl_ms / 1000 - self._timer()
+        try:
+            # Nobody can answer after the record expires, so the wait is bounded by the task's TTL.
+            await asyncio.wait_for(job.answered.wait(), timeout=max(remaining_s, 0))
+        except TimeoutError:
+            self._abandon(job)
+            return None
+        record = await self._store.get(job.task_id)
+        if record is None or record.status is not TaskStatus.WORKING:
+            return None
+        collected = record.collected_responses or {}
+        return {key_map[key]: answer for key, answer in collected.items() if key in key_map}
+
+    async def deliver_input(self, task_id: str, responses: dict[str, Any]) -> TaskRecord | None:
+        """tasks/update: keep answers to outstanding keys; once none is outstanding, the task resumes.
+
+        Answers to keys that are not outstanding are ignored (SEP-2663). None when the task is unknown.
+        """
+        resumed: list[TaskStatus] = []
+
+        def apply(record: TaskRecord) -> TaskRecord:
+            if record.status is not TaskStatus.INPUT_REQUIRED:
+                return record
+            outstanding = dict(record.input_requests or {})
+            collected = dict(record.collected_responses or {})
+            for key, answer in responses.items():
+                if key in outstanding:
+                    del outstanding[key]
+                    collected[key] = answer
+            if len(outstanding) == len(record.input_requests or {}):
+                return record
+            if outstanding:
+                return dataclasses.replace(
+                    record, input_requests=outstanding, collected_responses=collected, last_updated_at=self._now()
+                )
+            resumed.append(record.status)
+            return transition(
+                record,
+                TaskStatus.WORKING,
+                now=self._now(),
+                input_requests=None,
+                collected_responses=collected,
+                status_message="input received; resuming the call",
+            )
+
+        record = await self._store.update(task_id, apply)
+        if record is not None and resumed:
+            job = self._jobs.get(task_id)
+            log.info("task_transition", task_id=task_id, tool=record.tool, **{"from": resumed[0].value}, to="working")
+            if job is not None:
+                job.answered.set()
+        return record
 
     async def _progress(self, job: _Job, event: Progress) -> None:
         message = event.describe()
@@ -257,3 +394,65 @@ class TaskRunner:
             duration_ms=duration_ms,
         )
         return record
+
+
+def _retry_message(
+    original: dict[str, Any], responses: dict[str, Any] | None, state: str | None, *, keep_client_round: bool = False
+) -> dict[str, Any]:
+    """The tools/call for the next upstream attempt: a new id, the same name, arguments and _meta.
+
+    `keep_client_round` keeps the inputResponses/requestState a client sent itself (an MRTR retry before any
+    task existed); later rounds carry the proxy's answers and the upstream's requestState byte for byte.
+    """
+    params = dict(original["params"])
+    if not keep_client_round:
+        params.pop("inputResponses", None)
+        params.pop("requestState", None)
+        if responses is not None:
+            params["inputResponses"] = responses
+        if state is not None:
+            params["requestState"] = state
+    upstream_id = f"mtp-{secrets.token_hex(8)}"
+    # The proxy's own progress token: progress feeds statusMessage and must not be mistaken across attempts.
+    params["_meta"] = {**(params.get("_meta") or {}), "progressToken": upstream_id}
+    return {"jsonrpc": "2.0", "id": upstream_id, "method": "tools/call", "params": params}
+
+
+def _refuse_undeclared(requests: dict[str, Any], capabilities: dict[str, Any]) -> tuple[dict[str, Any], str] | None:
+    """The -32021 error (and a status message) when an input request needs a capability the client lacks.
+
+    Capability honesty (SEP-2322): a client is never shown a request of a kind it did not declare.
+    """
+    required: dict[str, Any] = {}
+    for request in requests.values():
+        method = request.get("method") if isinstance(request, dict) else None
+        params = request.get("params") if isinstance(request, dict) else None
+        params = params if isinstance(params, dict) else {}
+        if method == "elicitation/create":
+            mode = params.get("mode", "form")
+            declared = capabilities.get("elicitation")
+            if not isinstance(declared, dict):
+                required.setdefault("elicitation", {})[mode] = {}
+            elif mode == "url" and "url" not in declared:
+                required.setdefault("elicitation", {})["url"] = {}
+            elif mode == "form" and declared and "form" not in declared:
+                required.setdefault("elicitation", {})["form"] = {}  # {} alone means form; {url} alone does not
+        elif method == "sampling/createMessage":
+            if "sampling" not in capabilities:
+                required["sampling"] = {}
+        elif method == "roots/list":
+            if "roots" not in capabilities:
+                required["roots"] = {}
+        else:
+            reason = f"the upstream asked for input of an unknown kind ({method!r})"
+            return error_object(INTERNAL_ERROR, f"Upstream failure: {reason}"), reason
+    if not required:
+        return None
+    kinds = ", ".join(sorted(required))
+    reason = f"the upstream asked for input ({kinds}) that the client did not declare in its capabilities"
+    error = error_object(
+        MISSING_REQUIRED_CLIENT_CAPABILITY,
+        f"Missing required client capability: {kinds}",
+        {"requiredCapabilities": required},
+    )
+    return error, reason
