@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import secrets
 
 import pytest
@@ -262,3 +264,32 @@ async def test_full_store_refuses_new_tasks_with_a_clear_error_and_keeps_running
     await upstream_client.call_tool("release", {"tag": last_gate}, tasks=False)
     assert (await proxy.client.get_task(created[0].result["taskId"])).status == 400
     assert (await proxy.client.get_task(created[1].result["taskId"])).result["status"] == "completed"
+
+
+async def test_client_leaving_inside_the_sync_window_cancels_the_upstream_call(
+    make_proxy, mcp_upstream, upstream_client
+):
+    import aiohttp
+
+    from tests.factories import headers_for, request
+
+    proxy = await make_proxy(mcp_upstream, tools=[{"match": "gated", "sync_window_ms": 60_000}])
+    gate = tag()
+    message = request("tools/call", {"name": "gated", "arguments": {"tag": gate}, "_meta": meta()})
+
+    async def started():
+        state = await upstream_client.call_tool("gate_state", {"tag": gate}, tasks=False)
+        return state.result["structuredContent"]["result"] == "started"
+
+    async with aiohttp.ClientSession() as session:
+        pending = asyncio.ensure_future(session.post(proxy.url, json=message, headers=headers_for(message)))
+        await eventually(started, what="the upstream call starting")
+        pending.cancel()  # the client gives up inside the window and closes its connection
+        with contextlib.suppress(asyncio.CancelledError):
+            await pending
+
+    async def cancelled():
+        state = await upstream_client.call_tool("gate_state", {"tag": gate}, tasks=False)
+        return state.result["structuredContent"]["result"] == "cancelled"
+
+    await eventually(cancelled, what="the upstream call being cancelled")

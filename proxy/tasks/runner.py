@@ -119,7 +119,13 @@ class TaskRunner:
             self._spawn(job)
             return record
         self._spawn(job)
-        await asyncio.wait([job.outcome], timeout=rule.sync_window_ms / 1000)
+        try:
+            await asyncio.wait([job.outcome], timeout=rule.sync_window_ms / 1000)
+        except asyncio.CancelledError:
+            # The client closed its request inside the window: as for any 2026 call, that cancels the upstream work.
+            job.cancel_reason = "the client closed its request"
+            job.runner.cancel()  # type: ignore[union-attr]
+            raise
         if job.outcome.done():
             return job.outcome.result()
         try:
