@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import time
@@ -14,6 +15,7 @@ import structlog
 from aiohttp import web
 
 from . import TASKS_EXTENSION
+from .bridge import SyncBridge
 from .config import ProxyConfig, TaskMode
 from .envelope import (
     META_CLIENT_CAPABILITIES,
@@ -25,6 +27,7 @@ from .envelope import (
     params_of,
     without_tasks_declaration,
 )
+from .gateway import Gateway
 from .jsonrpc import (
     ERROR_HTTP_STATUS,
     INTERNAL_ERROR,
@@ -42,11 +45,12 @@ from .jsonrpc import (
     is_valid_id,
     result_response,
 )
+from .legacy import LegacyUpstream
 from .passthrough import forward, forward_rewritten
 from .tasks.model import TaskRecord, utc_now
 from .tasks.runner import DirectOutcome, TaskRunner, ToolCall
 from .tasks.store import MemoryTaskStore, StoreFullError, TaskStore
-from .upstream import Upstream
+from .upstream import Upstream, UpstreamUnavailable
 
 log = structlog.get_logger(__name__)
 
@@ -54,6 +58,8 @@ config_key = web.AppKey("config_key", ProxyConfig)
 upstream_key = web.AppKey("upstream_key", Upstream)
 store_key = web.AppKey("store_key", TaskStore)
 runner_key = web.AppKey("runner_key", TaskRunner)
+gateway_key = web.AppKey("gateway_key", Gateway)
+bridge_key = web.AppKey("bridge_key", SyncBridge)
 
 
 @dataclasses.dataclass(slots=True)
@@ -91,14 +97,21 @@ def create_app(
     async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         async with Upstream(config.upstream_url, connect_timeout_s=config.upstream.connect_timeout_s) as upstream:
             app[upstream_key] = upstream
+            legacy = LegacyUpstream(upstream, max_sessions=config.upstream.max_sessions)
+            app[gateway_key] = Gateway(upstream, legacy, config.upstream.protocol)
+            app[bridge_key] = SyncBridge(legacy, input_wait_s=config.upstream.input_wait_s)
+            probe = asyncio.ensure_future(_probe_era(app[gateway_key]))
             yield
+            probe.cancel()
+            await app[bridge_key].aclose()
+            await legacy.aclose()
 
     async def store_ctx(app: web.Application) -> AsyncIterator[None]:
         yield
         await app[store_key].aclose()
 
     async def runner_ctx(app: web.Application) -> AsyncIterator[None]:
-        app[runner_key] = TaskRunner(app[store_key], app[upstream_key], config.tasks, now=now, timer=timer)
+        app[runner_key] = TaskRunner(app[store_key], app[gateway_key], config.tasks, now=now, timer=timer)
         yield
         await app[runner_key].aclose(config.tasks.shutdown_grace_s)
 
@@ -215,11 +228,49 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
     if modern and (declares_tasks(message) or "task" in params_of(message)):
         # Tasks are the proxy's: the upstream never sees the declaration nor a legacy params.task opt-in.
         body = dumps(without_tasks_declaration(message))
+
+    async def relay() -> web.StreamResponse:
+        """Carry the request synchronously, the way the upstream's era needs."""
+        if modern and await _era(request) == "legacy":
+            info.mode = "legacy"
+            return await request.app[bridge_key].relay(request, message)
+        return await forward(upstream, request, body, is_mcp=True, request_id=message["id"])
+
     if method == "tools/call":
-        return await _tools_call(request, message, body)
+        # The era is not needed up front: a task learns it in the background, a pass-through call in relay().
+        return await _tools_call(request, message, relay)
     if method == "server/discover":
+        if modern and await _era(request) == "legacy":
+            return await _discover_from_legacy(request, message)
         return await forward_rewritten(upstream, request, body, message["id"], _advertise_tasks)
-    return await forward(upstream, request, body, is_mcp=True, request_id=message["id"])
+    return await relay()
+
+
+async def _era(request: web.Request) -> str:
+    try:
+        return await request.app[gateway_key].era(request.headers)
+    except UpstreamUnavailable as exc:
+        raise UpstreamError(exc.args[0], upstream=request.app[gateway_key].url) from exc
+
+
+async def _probe_era(gateway: Gateway) -> None:
+    """Learn the era at start-up, so the first request does not wait; an unreachable upstream is probed later."""
+    try:
+        await gateway.era()
+    except UpstreamUnavailable as exc:
+        log.warning("upstream_era_unknown", reason=exc.args[0])
+
+
+async def _discover_from_legacy(request: web.Request, message: dict[str, Any]) -> web.Response:
+    """server/discover for a legacy upstream, which has none: answered from its initialize result (NOTES §8)."""
+    request[info_key].mode = "legacy"
+    check_protocol_version(message, request.headers)
+    legacy = request.app[gateway_key].legacy
+    try:
+        await legacy.session_for(request.headers)
+    except (UpstreamUnavailable, ConnectionError, OSError) as exc:
+        raise UpstreamError(f"cannot open a session upstream ({exc})", upstream=legacy.url) from exc
+    return _json(result_response(message["id"], legacy.discover_result()))
 
 
 async def _read_body(request: web.Request) -> bytes:
@@ -255,23 +306,25 @@ def _missing_tasks_capability(message: str) -> JsonRpcError:
     )
 
 
-async def _tools_call(request: web.Request, message: dict[str, Any], body: bytes) -> web.StreamResponse:
+async def _tools_call(
+    request: web.Request, message: dict[str, Any], relay: Callable[[], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """A tools/call: a task when its rule and the request say so, else `relay` carries it synchronously."""
     config = request.app[config_key]
-    upstream = request.app[upstream_key]
     params = params_of(message)
     name = params.get("name")
     rule = config.rule_for(name) if isinstance(name, str) else None
     info = request[info_key]
     info.tool = name if isinstance(name, str) else None
     if rule is None or rule.task is TaskMode.NEVER:
-        return await forward(upstream, request, body, is_mcp=True, request_id=message["id"])
+        return await relay()
     if not declares_tasks(message):
         if rule.task is TaskMode.REQUIRED:
             raise _missing_tasks_capability(
                 f"Tool {name!r} runs only as a task: declare the {TASKS_EXTENSION} extension in "
                 '_meta["io.modelcontextprotocol/clientCapabilities"].extensions'
             )
-        return await forward(upstream, request, body, is_mcp=True, request_id=message["id"])
+        return await relay()
 
     check_protocol_version(message, request.headers)
     check_name_header(request.headers, name)

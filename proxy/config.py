@@ -38,8 +38,14 @@ class ListenConfig(_Strict):
 
 class UpstreamConfig(_Strict):
     url: AnyHttpUrl | None = None
+    protocol: Literal["auto", "modern", "legacy"] = "auto"
+    """The upstream's era: auto probes server/discover and falls back to initialize, as the official SDKs do."""
     connect_timeout_s: Annotated[float, Field(gt=0)] = 10.0
     """How long to wait for a TCP connection to the upstream before the call fails."""
+    max_sessions: PositiveInt = 64
+    """Legacy upstreams: sessions the proxy keeps open (one per credential); the least recently used is ended."""
+    input_wait_s: Annotated[float, Field(gt=0)] = 300.0
+    """Legacy upstreams: how long a synchronous call that asked for input stays open for the client's MRTR retry."""
 
 
 class TaskDefaults(_Strict):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -37,7 +37,7 @@ HOP_BY_HOP = frozenset(
 )
 _REQUEST_SKIP = HOP_BY_HOP | {"host", "content-length"}
 _RESPONSE_SKIP = HOP_BY_HOP | {"content-length"}
-_TASK_CALL_SKIP = _REQUEST_SKIP | {"accept-encoding", "accept", "content-type", "last-event-id"}
+TASK_CALL_SKIP = _REQUEST_SKIP | {"accept-encoding", "accept", "content-type", "last-event-id"}
 
 
 def _connection_listed(headers: MultiMapping[str]) -> set[str]:
@@ -65,11 +65,17 @@ def response_headers(headers: MultiMapping[str]) -> CIMultiDict[str]:
     return end_to_end_headers(headers, _RESPONSE_SKIP)
 
 
+class UpstreamUnavailable(Exception):
+    """The upstream could not be reached or refused the proxy's own handshake."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Progress:
     message: str | None
     progress: float | None = None
     total: float | None = None
+    raw: dict[str, Any] | None = dataclasses.field(default=None, compare=False)
+    """The notification as the upstream sent it, for relaying to a synchronous caller."""
 
     def describe(self) -> str | None:
         if self.message:
@@ -98,7 +104,9 @@ class InputNeeded:
     """A 2026-07-28 upstream answered `input_required` (MRTR): answer `input_requests`, echo `request_state`."""
 
     result: dict[str, Any]
-    """The upstream's InputRequiredResult as it came."""
+    """The upstream's InputRequiredResult as it came (a legacy server's request is put in the same shape)."""
+    reply: Callable[[dict[str, Any]], Awaitable[None]] | None = dataclasses.field(default=None, compare=False)
+    """Legacy upstreams only: posts the answer back on the open call, which then goes on; modern ones get a retry."""
 
     @property
     def input_requests(self) -> dict[str, Any]:
@@ -114,7 +122,7 @@ class InputNeeded:
 Event = Progress | Finished | Failed | InputNeeded
 
 
-def _proxy_failure(reason: str, upstream: str) -> Failed:
+def proxy_failure(reason: str, upstream: str) -> Failed:
     return Failed(error_object(INTERNAL_ERROR, f"Upstream failure: {reason}", {"upstream": upstream}), reason)
 
 
@@ -160,18 +168,20 @@ class Upstream:
         except aiohttp.ClientConnectorError as exc:
             raise ConnectionError(f"cannot connect to {self.url}: {exc.os_error.strerror or exc}") from exc
 
-    async def call_tool(self, message: dict[str, Any], client_headers: MultiMapping[str]) -> AsyncIterator[Event]:
+    async def call_tool(
+        self, message: dict[str, Any], client_headers: MultiMapping[str], capabilities: dict[str, Any]
+    ) -> AsyncIterator[Event]:
         """POST one tools/call and yield what happens to it; the last event is Finished or Failed.
 
         Closing the generator early closes the upstream response, which is how 2026-07-28 HTTP cancels.
         """
-        headers = end_to_end_headers(client_headers, _TASK_CALL_SKIP)
+        headers = end_to_end_headers(client_headers, TASK_CALL_SKIP)
         headers["Content-Type"] = "application/json"
         headers["Accept"] = "application/json, text/event-stream"
         try:
             response = await self.request("POST", self.url, headers, dumps(message))
         except (ConnectionError, aiohttp.ClientError, OSError) as exc:
-            yield _proxy_failure(f"upstream unreachable ({exc})", self.url)
+            yield proxy_failure(f"upstream unreachable ({exc})", self.url)
             return
         async with response:
             try:
@@ -188,7 +198,7 @@ class Upstream:
         """
         if "Mcp-Session-Id" not in client_headers:
             return
-        headers = end_to_end_headers(client_headers, _TASK_CALL_SKIP)
+        headers = end_to_end_headers(client_headers, TASK_CALL_SKIP)
         headers["Content-Type"] = "application/json"
         headers["Accept"] = "application/json, text/event-stream"
         headers.popall("Mcp-Method", None)
@@ -216,53 +226,59 @@ class Upstream:
                         yield event
                         if not isinstance(event, Progress):
                             return
-                yield _proxy_failure("the upstream closed its event stream before answering the call", self.url)
+                yield proxy_failure("the upstream closed its event stream before answering the call", self.url)
                 return
             body = await response.read()
         except (aiohttp.ClientError, OSError) as exc:
-            yield _proxy_failure(f"the upstream connection broke mid-call ({type(exc).__name__})", self.url)
+            yield proxy_failure(f"the upstream connection broke mid-call ({type(exc).__name__})", self.url)
             return
         message = _loads(body) if content_type in ("application/json", "") else None
         event = self._interpret(message, request_id, response.status) if message is not None else None
         if event is None or isinstance(event, Progress):
             detail = f"HTTP {response.status}" + (f" {content_type}" if content_type else "")
-            yield _proxy_failure(f"the upstream answered {detail} without a JSON-RPC response", self.url)
+            yield proxy_failure(f"the upstream answered {detail} without a JSON-RPC response", self.url)
             return
         yield event
 
     def _interpret(self, message: Any, request_id: Any, http_status: int) -> Event | None:
         if not isinstance(message, dict):
-            return _proxy_failure("the upstream sent something that is not a JSON-RPC message", self.url)
+            return proxy_failure("the upstream sent something that is not a JSON-RPC message", self.url)
         method = message.get("method")
         if method == "notifications/progress":
-            params = message.get("params") or {}
-            return Progress(
-                message=params.get("message") if isinstance(params.get("message"), str) else None,
-                progress=_number(params.get("progress")),
-                total=_number(params.get("total")),
-            )
+            return interpret_progress(message)
         if isinstance(method, str):
             if "id" in message:
                 # A server-to-client request (a legacy server's elicitation, sampling, roots) cannot be answered here.
-                return _proxy_failure(f"the upstream sent a {method} request, which this proxy cannot relay", self.url)
+                return proxy_failure(f"the upstream sent a {method} request, which this proxy cannot relay", self.url)
             return None  # other notifications (logging) are not part of a task
         if message.get("id") != request_id:
-            return _proxy_failure("the upstream answered a different request id", self.url)
+            return proxy_failure("the upstream answered a different request id", self.url)
         if isinstance(message.get("error"), dict):
             error = message["error"]
             return Failed(error, f"the upstream answered with JSON-RPC error {error.get('code')}")
         result = message.get("result")
         if not isinstance(result, dict):
-            return _proxy_failure(f"the upstream's HTTP {http_status} response has no result object", self.url)
+            return proxy_failure(f"the upstream's HTTP {http_status} response has no result object", self.url)
         if result.get("resultType") == "input_required":
             if not isinstance(result.get("inputRequests", {}), dict) or not (
                 result.get("inputRequests") or isinstance(result.get("requestState"), str)
             ):
-                return _proxy_failure(
+                return proxy_failure(
                     "the upstream's input_required result has neither inputRequests nor requestState", self.url
                 )
             return InputNeeded(result)
         return Finished(result)
+
+
+def interpret_progress(message: dict[str, Any]) -> Progress:
+    params = message.get("params") if isinstance(message.get("params"), dict) else {}
+    text = params.get("message")
+    return Progress(
+        message=text if isinstance(text, str) else None,
+        progress=_number(params.get("progress")),
+        total=_number(params.get("total")),
+        raw=message,
+    )
 
 
 def _loads(data: str | bytes) -> Any:

@@ -64,6 +64,37 @@ def mcp_upstream() -> Iterator[str]:
         stop(process)
 
 
+LEGACY_VENV = ROOT / "tests" / ".legacy-venv"
+LEGACY_SDK = "mcp>=1.26,<2"
+
+
+def legacy_python() -> Path:
+    """A Python with the official SDK's 1.x line, the typical legacy server; built once into tests/.legacy-venv.
+
+    `mcp` 1.x and 2.x cannot live in one environment, so the legacy server gets one of its own.
+    """
+    python = LEGACY_VENV / "bin" / "python"
+    probe = [str(python), "-c", "import mcp.server.fastmcp, importlib.metadata as m; assert m.version('mcp') < '2'"]
+    if python.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
+        return python
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(LEGACY_VENV)], check=True, timeout=300)
+    subprocess.run([str(python), "-m", "pip", "install", "--quiet", LEGACY_SDK], check=True, timeout=600)
+    return python
+
+
+@pytest.fixture(scope="session")
+def legacy_upstream() -> Iterator[str]:
+    """tests/legacy_server.py (`mcp` 1.x, 2025-11-25, resumable streams) on a free loopback port; its /mcp URL."""
+    python = legacy_python()
+    port = free_port()
+    process = subprocess.Popen([str(python), str(ROOT / "tests" / "legacy_server.py"), str(port)])
+    try:
+        wait_for_port(port, process)
+        yield f"http://127.0.0.1:{port}/mcp"
+    finally:
+        stop(process)
+
+
 @dataclasses.dataclass
 class Proxy:
     app: web.Application
@@ -79,11 +110,18 @@ async def make_proxy(
     sessions: list[aiohttp.ClientSession] = []
 
     async def build(
-        upstream_url: str, *, store: Any = None, timer: Any = None, now: Any = None, **sections: Any
+        upstream_url: str,
+        *,
+        protocol: str = "auto",
+        store: Any = None,
+        timer: Any = None,
+        now: Any = None,
+        **sections: Any,
     ) -> Proxy:
         # Tests do not wait for stray background calls at teardown unless they ask to.
         sections["tasks"] = {"shutdown_grace_s": 0, **sections.get("tasks", {})}
-        config = parse_config({"upstream": {"url": upstream_url}, **sections})
+        upstream = {"url": upstream_url, "protocol": protocol, **sections.pop("upstream", {})}
+        config = parse_config({"upstream": upstream, **sections})
         kwargs = {k: v for k, v in {"store": store, "timer": timer, "now": now}.items() if v is not None}
         app = create_app(config, **kwargs)
         server = await aiohttp_server(app)  # TestServer runs with handler_cancellation=True, as the CLI does

@@ -231,7 +231,7 @@ async def no_result_object(request, body):
 )
 async def test_broken_upstream_fails_the_task_with_a_clear_message(make_proxy, fake_upstream, behaviour, expected):
     fake = await fake_upstream(_call_handler(behaviour))
-    proxy = await make_proxy(fake.url, tools=[{"match": "*"}])
+    proxy = await make_proxy(fake.url, protocol="modern", tools=[{"match": "*"}])
     created = await proxy.client.call_tool("job")
     failed = await task_reaches(proxy.client, created.result["taskId"], "failed", "completed")
     assert failed.result["status"] == "failed"
@@ -243,7 +243,7 @@ async def test_broken_upstream_fails_the_task_with_a_clear_message(make_proxy, f
 
 async def test_upstream_jsonrpc_error_is_kept_as_the_task_error(make_proxy, fake_upstream):
     fake = await fake_upstream(_call_handler(jsonrpc_error))
-    proxy = await make_proxy(fake.url, tools=[{"match": "*"}])
+    proxy = await make_proxy(fake.url, protocol="modern", tools=[{"match": "*"}])
     created = await proxy.client.call_tool("job")
     failed = await task_reaches(proxy.client, created.result["taskId"], "failed")
     assert failed.result["error"] == {"code": -32000, "message": "backend exploded"}
@@ -265,7 +265,7 @@ async def test_unreachable_upstream(make_proxy):
 
 async def test_passthrough_stream_that_dies_gets_an_error_event(make_proxy, fake_upstream):
     fake = await fake_upstream(_call_handler(dies_mid_stream))
-    proxy = await make_proxy(fake.url)
+    proxy = await make_proxy(fake.url, protocol="modern")
     message = request(
         "tools/call", {"name": "job", "arguments": {}, "_meta": {**meta(tasks=False), "progressToken": 9}}
     )
@@ -284,7 +284,7 @@ async def test_shutdown_fails_running_tasks_instead_of_leaving_them_working(make
         return web.json_response({})
 
     fake = await fake_upstream(_call_handler(hangs))
-    proxy = await make_proxy(fake.url, tools=[{"match": "*"}])
+    proxy = await make_proxy(fake.url, protocol="modern", tools=[{"match": "*"}])
     created = await proxy.client.call_tool("job")
     from proxy.app import runner_key, store_key
 

@@ -99,7 +99,7 @@ async def test_headers_status_and_methods_are_relayed(make_proxy, fake_upstream)
         )
 
     fake = await fake_upstream(handler)
-    proxy = await make_proxy(fake.url)
+    proxy = await make_proxy(fake.url, protocol="modern")
     session = proxy.client.session
     headers = {
         "Authorization": "Bearer abc",
@@ -142,7 +142,7 @@ async def test_other_paths_reach_the_upstream_origin(make_proxy, fake_upstream):
         return web.json_response({"resource": "https://example.test/mcp"})
 
     fake = await fake_upstream(handler)
-    proxy = await make_proxy(fake.url)
+    proxy = await make_proxy(fake.url, protocol="modern")
     base = proxy.url.removesuffix("/mcp")
     async with proxy.client.session.get(base + "/.well-known/oauth-protected-resource") as response:
         assert response.status == 200
@@ -196,7 +196,7 @@ async def test_declaration_and_legacy_task_param_are_not_forwarded(make_proxy, f
         )
 
     fake = await fake_upstream(handler)
-    proxy = await make_proxy(fake.url, tools=[{"match": "long"}])
+    proxy = await make_proxy(fake.url, protocol="modern", tools=[{"match": "long"}])
     passthrough_meta = meta(tasks=True, sampling={})
     await proxy.client.call(
         "tools/call", {"name": "quick", "arguments": {}, "task": {"ttl": 5}, "_meta": passthrough_meta}
@@ -237,6 +237,6 @@ async def test_discover_drops_legacy_task_capabilities(make_proxy, fake_upstream
         return response
 
     fake = await fake_upstream(handler)
-    proxy = await make_proxy(fake.url)
+    proxy = await make_proxy(fake.url, protocol="modern")
     reply = await proxy.client.call("server/discover")
     assert reply.result["capabilities"] == {"tools": {}, "extensions": {TASKS: {}}}

@@ -6,16 +6,19 @@ import asyncio
 import dataclasses
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from multidict import CIMultiDict
 
 from ..config import TaskDefaults, ToolRule
 from ..jsonrpc import INTERNAL_ERROR, MISSING_REQUIRED_CLIENT_CAPABILITY, error_object
-from ..upstream import Finished, InputNeeded, Progress, Upstream
+from ..upstream import Finished, InputNeeded, Progress
+
+if TYPE_CHECKING:
+    from ..gateway import Gateway
 from .model import TaskRecord, TaskStateError, TaskStatus, new_task_id, transition, utc_now
 from .store import TaskStore
 
@@ -68,6 +71,12 @@ class _Job:
     answered: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     """Set when tasks/update has answered every outstanding input request."""
     issued_keys: set[str] = dataclasses.field(default_factory=set)
+    replies: dict[str, Callable[[dict[str, Any]], Awaitable[None]]] = dataclasses.field(default_factory=dict)
+    """Legacy upstreams: how to post the answer to each outstanding task key back on the open call."""
+    promote: asyncio.Future[None] = dataclasses.field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+    """Resolved when the call must become a task before its sync window ends (a legacy server asked for input)."""
 
     def unique_key(self, upstream_key: str) -> str:
         """A key never used before in this task (SEP-2663), even when the upstream reuses one across rounds."""
@@ -85,7 +94,7 @@ class TaskRunner:
     def __init__(
         self,
         store: TaskStore,
-        upstream: Upstream,
+        upstream: Gateway,
         defaults: TaskDefaults,
         *,
         now: Callable[[], datetime] = utc_now,
@@ -120,7 +129,9 @@ class TaskRunner:
             return record
         self._spawn(job)
         try:
-            await asyncio.wait([job.outcome], timeout=rule.sync_window_ms / 1000)
+            await asyncio.wait(
+                [job.outcome, job.promote], timeout=rule.sync_window_ms / 1000, return_when=asyncio.FIRST_COMPLETED
+            )
         except asyncio.CancelledError:
             # The client closed its request inside the window: as for any 2026 call, that cancels the upstream work.
             job.cancel_reason = "the client closed its request"
@@ -234,14 +245,16 @@ class TaskRunner:
         """One upstream call; None once the outcome is settled, the InputNeeded when the upstream wants input."""
         job.upstream_id = message["id"]
         job.upstream_busy = True
-        events = self._upstream.call_tool(message, job.call.headers)
+        events = self._upstream.call_tool(message, job.call.headers, job.call.capabilities)
         try:
             async with asyncio.timeout(job.rule.timeout_s):
                 async for event in events:
                     if isinstance(event, Progress):
                         await self._progress(job, event)
                     elif isinstance(event, InputNeeded):
-                        return event
+                        if event.reply is None:
+                            return event  # a modern upstream: the next round is a new attempt
+                        await self._open_questions(job, event)  # a legacy one waits on this very stream
                     elif isinstance(event, Finished):
                         await self._settle(job, TaskStatus.COMPLETED, result=event.result)
                     else:
@@ -297,14 +310,57 @@ class TaskRunner:
         collected = record.collected_responses or {}
         return {key_map[key]: answer for key, answer in collected.items() if key in key_map}
 
+    async def _open_questions(self, job: _Job, needed: InputNeeded) -> None:
+        """A legacy server's request joins the task's outstanding inputRequests; the call's stream stays open."""
+        if not job.is_task:
+            # Only a task can hold a question open for a later answer: the call becomes one now.
+            if not job.promote.done():
+                job.promote.set_result(None)
+            await job.created.wait()
+        assert needed.reply is not None
+        added: dict[str, Any] = {}
+        for upstream_key, input_request in needed.input_requests.items():
+            task_key = job.unique_key(upstream_key)
+            job.replies[task_key] = needed.reply
+            added[task_key] = input_request
+        previous: list[TaskStatus] = []
+
+        def apply(record: TaskRecord) -> TaskRecord:
+            previous.append(record.status)
+            return transition(
+                record,
+                TaskStatus.INPUT_REQUIRED,
+                now=self._now(),
+                input_requests={**(record.input_requests or {}), **added},
+                collected_responses=record.collected_responses or {},
+                status_message="waiting for the client's input",
+            )
+
+        try:
+            record = await self._store.update(job.task_id, apply)
+        except TaskStateError:
+            return
+        if record is None:
+            self._abandon(job)
+        elif previous and previous[-1] is not TaskStatus.INPUT_REQUIRED:
+            log.info(
+                "task_transition",
+                task_id=job.task_id,
+                tool=record.tool,
+                **{"from": previous[-1].value},
+                to=record.status.value,
+            )
+
     async def deliver_input(self, task_id: str, responses: dict[str, Any]) -> TaskRecord | None:
         """tasks/update: keep answers to outstanding keys; once none is outstanding, the task resumes.
 
         Answers to keys that are not outstanding are ignored (SEP-2663). None when the task is unknown.
         """
         resumed: list[TaskStatus] = []
+        accepted: dict[str, Any] = {}
 
         def apply(record: TaskRecord) -> TaskRecord:
+            accepted.clear()
             if record.status is not TaskStatus.INPUT_REQUIRED:
                 return record
             outstanding = dict(record.input_requests or {})
@@ -313,6 +369,7 @@ class TaskRunner:
                 if key in outstanding:
                     del outstanding[key]
                     collected[key] = answer
+                    accepted[key] = answer
             if len(outstanding) == len(record.input_requests or {}):
                 return record
             if outstanding:
@@ -330,8 +387,15 @@ class TaskRunner:
             )
 
         record = await self._store.update(task_id, apply)
-        if record is not None and resumed:
-            job = self._jobs.get(task_id)
+        if record is None:
+            return None
+        job = self._jobs.get(task_id)
+        if job is not None:
+            for key, answer in accepted.items():
+                reply = job.replies.pop(key, None)
+                if reply is not None:
+                    await reply(answer)  # legacy: the open call gets each answer as soon as it is given
+        if resumed:
             log.info("task_transition", task_id=task_id, tool=record.tool, **{"from": resumed[0].value}, to="working")
             if job is not None:
                 job.answered.set()

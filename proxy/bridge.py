@@ -1,0 +1,217 @@
+"""Synchronous calls from 2026-07-28 clients to a legacy upstream.
+
+Progress is relayed on the response's event stream as it comes. When the legacy server asks for input on the
+call's stream, the client gets an MRTR `input_required` result whose `requestState` is a handle to the upstream
+call, which stays open in the proxy: the client's retry posts the answers back upstream and goes on reading the
+same call. Handles are HMAC-protected, bound to the caller and the request, single-use, and expire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import hashlib
+import hmac
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import structlog
+from aiohttp import web
+from cachetools import TTLCache
+
+from .envelope import META_CLIENT_CAPABILITIES, meta_of, params_of
+from .jsonrpc import ERROR_HTTP_STATUS, INVALID_PARAMS, JsonRpcError, dumps, error_response, result_response
+from .legacy import LegacyUpstream, principal_of
+from .upstream import Event, Failed, Finished, InputNeeded, Progress
+
+log = structlog.get_logger(__name__)
+
+_TOKEN_PREFIX = "mtp1"
+_GATHER_S = 0.05
+"""After a first server request, how long to wait for the ones sent with it, so they go out in one round."""
+
+
+@dataclasses.dataclass(eq=False)
+class _Call:
+    """One legacy call in flight: its events arrive in `queue`, fed by `pump`, while any client waits or not."""
+
+    queue: asyncio.Queue[Event]
+    pump: asyncio.Task[None]
+    replies: dict[str, Callable[[dict[str, Any]], Awaitable[None]]] = dataclasses.field(default_factory=dict)
+    requests: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Outstanding input requests by key, as the client was shown them."""
+
+
+class _ParkedCalls(TTLCache):
+    """Calls waiting for the client's MRTR retry; one that expires or is evicted is cancelled upstream."""
+
+    def expire(self, time: float | None = None) -> list[tuple[str, _Call]]:
+        expired = super().expire(time)
+        for _, call in expired:
+            _abandon(call, "expired")
+        return expired
+
+    def popitem(self) -> tuple[str, _Call]:
+        key, call = super().popitem()
+        _abandon(call, "evicted")
+        return key, call
+
+
+def _abandon(call: _Call, why: str) -> None:
+    log.info("legacy_call_abandoned", reason=why)
+    call.pump.cancel()  # closing the call's events posts notifications/cancelled upstream
+
+
+class SyncBridge:
+    def __init__(self, legacy: LegacyUpstream, *, input_wait_s: float, max_parked: int = 10_000) -> None:
+        self._legacy = legacy
+        self._secret = secrets.token_bytes(32)
+        self._parked = _ParkedCalls(maxsize=max_parked, ttl=input_wait_s)
+        self._sweeper: asyncio.Task[None] | None = None
+        self._input_wait_s = input_wait_s
+
+    async def aclose(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        calls = list(self._parked.values())
+        self._parked.clear()
+        for call in calls:
+            call.pump.cancel()
+        await asyncio.gather(*(call.pump for call in calls), return_exceptions=True)
+
+    async def relay(self, request: web.Request, message: dict[str, Any]) -> web.StreamResponse:
+        """Carry one modern request (tools/call, prompts/get, resources/read, lists...) to the legacy upstream."""
+        self._ensure_sweeper()
+        params = params_of(message)
+        state = params.get("requestState")
+        if state is not None:
+            call = self._claim(state, request, message)
+            answers = params.get("inputResponses")
+            if not isinstance(answers, dict):
+                answers = {}
+            for key, answer in answers.items():
+                reply = call.replies.pop(key, None)
+                if reply is not None and isinstance(answer, dict):
+                    call.requests.pop(key, None)
+                    await reply(answer)
+            if call.requests:  # some are still unanswered: ask for those again (SEP-2322 SHOULD)
+                return self._ask(request, message, call)
+        else:
+            capabilities = meta_of(message).get(META_CLIENT_CAPABILITIES)
+            upstream_message = {
+                "jsonrpc": "2.0",
+                "id": f"mtp-{secrets.token_hex(8)}",  # unique on the shared session, whatever id the client chose
+                "method": message["method"],
+                "params": params,
+            }
+            events = self._legacy.call(
+                upstream_message, request.headers, capabilities if isinstance(capabilities, dict) else {}
+            )
+            queue: asyncio.Queue[Event] = asyncio.Queue()
+            call = _Call(queue=queue, pump=asyncio.ensure_future(_pump(events, queue)))
+        return await self._follow(request, message, call)
+
+    async def _follow(self, request: web.Request, message: dict[str, Any], call: _Call) -> web.StreamResponse:
+        stream: web.StreamResponse | None = None
+        try:
+            while True:
+                event = await call.queue.get()
+                if isinstance(event, Progress):
+                    if event.raw is not None:
+                        stream = await _send_event(request, stream, event.raw)
+                elif isinstance(event, InputNeeded):
+                    self._add_question(call, event)
+                    await asyncio.sleep(_GATHER_S)
+                    while not call.queue.empty():
+                        more = call.queue.get_nowait()
+                        if isinstance(more, InputNeeded):
+                            self._add_question(call, more)
+                        elif isinstance(more, Progress) and more.raw is not None:
+                            stream = await _send_event(request, stream, more.raw)
+                    return await _finish(request, stream, self._input_required(request, message, call))
+                elif isinstance(event, Finished):
+                    return await _finish(request, stream, result_response(message["id"], event.result))
+                elif isinstance(event, Failed):
+                    status = ERROR_HTTP_STATUS.get(event.error.get("code"), 200)
+                    return await _finish(request, stream, error_response(message["id"], event.error), status)
+        except asyncio.CancelledError:
+            # The client closed its request: for a 2026 client that is the cancellation.
+            call.pump.cancel()
+            raise
+
+    def _add_question(self, call: _Call, needed: InputNeeded) -> None:
+        assert needed.reply is not None
+        for key, input_request in needed.input_requests.items():
+            call.requests[key] = input_request
+            call.replies[key] = needed.reply
+
+    def _ask(self, request: web.Request, message: dict[str, Any], call: _Call) -> web.Response:
+        answer = self._input_required(request, message, call)
+        return web.Response(body=dumps(answer), content_type="application/json")
+
+    def _input_required(self, request: web.Request, message: dict[str, Any], call: _Call) -> dict[str, Any]:
+        handle = secrets.token_urlsafe(16)
+        self._parked[handle] = call
+        token = f"{_TOKEN_PREFIX}.{handle}.{self._mac(handle, request, message)}"
+        result = {"resultType": "input_required", "inputRequests": dict(call.requests), "requestState": token}
+        return result_response(message["id"], result)
+
+    def _claim(self, token: Any, request: web.Request, message: dict[str, Any]) -> _Call:
+        """The parked call a requestState names; single use, and only for the caller and request it was made for."""
+        parts = token.split(".") if isinstance(token, str) else []
+        if len(parts) == 3 and parts[0] == _TOKEN_PREFIX:
+            handle, mac = parts[1], parts[2]
+            if hmac.compare_digest(mac, self._mac(handle, request, message)):
+                call = self._parked.pop(handle, None)
+                if call is not None:
+                    return call
+        raise JsonRpcError(INVALID_PARAMS, "Invalid or expired requestState", {"reason": "invalid_request_state"})
+
+    def _mac(self, handle: str, request: web.Request, message: dict[str, Any]) -> str:
+        params = params_of(message)
+        subject = params.get("name", params.get("uri", ""))
+        binding = f"{handle}|{principal_of(request.headers)}|{message['method']}|{subject}".encode()
+        digest = hmac.new(self._secret, binding, hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(digest).decode().rstrip("=")
+
+    def _ensure_sweeper(self) -> None:
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.ensure_future(self._sweep())
+
+    async def _sweep(self) -> None:
+        # Expired calls are otherwise only noticed on the next access; an idle proxy must still cancel them.
+        interval = max(0.5, min(self._input_wait_s / 4, 10.0))
+        while True:
+            await asyncio.sleep(interval)
+            self._parked.expire()
+
+
+async def _pump(events: AsyncIterator[Event], queue: asyncio.Queue[Event]) -> None:
+    try:
+        async for event in events:
+            await queue.put(event)
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+
+
+async def _send_event(
+    request: web.Request, stream: web.StreamResponse | None, message: dict[str, Any]
+) -> web.StreamResponse:
+    if stream is None:
+        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await stream.prepare(request)
+    await stream.write(b"event: message\ndata: " + dumps(message) + b"\n\n")
+    return stream
+
+
+async def _finish(
+    request: web.Request, stream: web.StreamResponse | None, message: dict[str, Any], status: int = 200
+) -> web.StreamResponse:
+    """The last message: on the event stream if one was started for progress, else as one JSON body."""
+    if stream is None:
+        return web.Response(body=dumps(message), status=status, content_type="application/json")
+    await _send_event(request, stream, message)
+    await stream.write_eof()
+    return stream

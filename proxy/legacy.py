@@ -1,0 +1,491 @@
+"""Legacy (2025-06-18 / 2025-11-25) upstreams: sessions the proxy manages, and translation to and from 2026-07-28.
+
+A legacy server fixes capabilities at `initialize`, keys requests to an `Mcp-Session-Id`, and asks for user input by
+sending JSON-RPC requests (`elicitation/create`, `sampling/createMessage`, `roots/list`) on the event stream of the
+call they belong to; the answer is a new POST carrying a JSON-RPC response. This module turns all of that into the
+same events the runner reads from a modern upstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import structlog
+from cachetools import LRUCache
+from multidict import CIMultiDict, MultiMapping
+
+from . import PROTOCOL_VERSION, TASKS_EXTENSION, __version__
+from .jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, dumps, error_object
+from .sse import SseParser
+from .upstream import (
+    TASK_CALL_SKIP,
+    Event,
+    Failed,
+    Finished,
+    InputNeeded,
+    Upstream,
+    UpstreamUnavailable,
+    end_to_end_headers,
+    interpret_progress,
+    proxy_failure,
+)
+
+log = structlog.get_logger(__name__)
+
+LEGACY_VERSION = "2025-11-25"
+INPUT_METHODS = frozenset({"elicitation/create", "sampling/createMessage", "roots/list"})
+_MODERN_META_KEYS = frozenset(
+    {
+        "io.modelcontextprotocol/protocolVersion",
+        "io.modelcontextprotocol/clientCapabilities",
+        "io.modelcontextprotocol/clientInfo",
+        "io.modelcontextprotocol/logLevel",
+    }
+)
+# Results that 2026-07-28 makes cacheable: they must carry ttlMs and cacheScope.
+_CACHEABLE = frozenset({"tools/list", "prompts/list", "resources/list", "resources/templates/list", "resources/read"})
+_MAX_RESUMES = 5
+# Everything the proxy can relay, declared once per session (NOTES §8): what a modern client did not declare for
+# its own request is declined per request.
+_PROXY_CAPABILITIES = {"elicitation": {"form": {}, "url": {}}, "sampling": {}, "roots": {"listChanged": False}}
+
+
+@dataclasses.dataclass(slots=True)
+class LegacySession:
+    session_id: str | None
+    protocol_version: str
+    principal: str
+
+    def headers(self, client_headers: MultiMapping[str]) -> CIMultiDict[str]:
+        headers = end_to_end_headers(client_headers, TASK_CALL_SKIP)
+        for name in list(headers):
+            if name.lower().startswith("mcp-"):
+                del headers[name]  # Mcp-Method, Mcp-Name, Mcp-Param-*: not defined before 2026-07-28
+        headers.popall("MCP-Protocol-Version", None)
+        headers["Content-Type"] = "application/json"
+        headers["Accept"] = "application/json, text/event-stream"
+        headers["MCP-Protocol-Version"] = self.protocol_version
+        if self.session_id is not None:
+            headers["Mcp-Session-Id"] = self.session_id
+        return headers
+
+
+def principal_of(headers: MultiMapping[str]) -> str:
+    """Sessions are per credential: a legacy server may bind its session to who opened it."""
+    authorization = headers.get("Authorization", "")
+    return hashlib.sha256(authorization.encode()).hexdigest()[:32] if authorization else ""
+
+
+def to_legacy(message: dict[str, Any]) -> dict[str, Any]:
+    """A 2026-07-28 request as a legacy server expects it: no envelope _meta keys (progressToken stays)."""
+    params = dict(message.get("params") or {})
+    meta = params.get("_meta")
+    if isinstance(meta, dict):
+        meta = {key: value for key, value in meta.items() if key not in _MODERN_META_KEYS}
+        if meta:
+            params["_meta"] = meta
+        else:
+            del params["_meta"]
+    params.pop("task", None)
+    legacy = {"jsonrpc": "2.0", "id": message["id"], "method": message["method"]}
+    if params:
+        legacy["params"] = params
+    return legacy
+
+
+def to_modern_result(method: str, result: dict[str, Any]) -> dict[str, Any]:
+    """Fix a legacy result up for a 2026-07-28 client: resultType always; ttlMs and cacheScope where cacheable."""
+    result.setdefault("resultType", "complete")
+    if method in _CACHEABLE:
+        result.setdefault("ttlMs", 0)
+        result.setdefault("cacheScope", "private")  # fetched over one principal's session
+    return result
+
+
+def to_modern_error(error: dict[str, Any]) -> dict[str, Any]:
+    if error.get("code") == -32002:  # legacy "resource not found", reserved in 2026-07-28
+        return {**error, "code": INVALID_PARAMS}
+    return error
+
+
+def clean_input_request(message: dict[str, Any]) -> dict[str, Any]:
+    """A legacy server-to-client request as a 2026 InputRequest: {method, params}, legacy-only fields removed."""
+    request: dict[str, Any] = {"method": message["method"]}
+    params = message.get("params")
+    if isinstance(params, dict):
+        params = {key: value for key, value in params.items() if key not in ("elicitationId", "task")}
+        meta = params.get("_meta")
+        if isinstance(meta, dict):
+            meta = {k: v for k, v in meta.items() if k != "io.modelcontextprotocol/related-task"}
+            if meta:
+                params["_meta"] = meta
+            else:
+                del params["_meta"]
+        request["params"] = params
+    return request
+
+
+def declined_answer(method: str, capabilities: dict[str, Any], params: dict[str, Any]) -> dict[str, Any] | None:
+    """The answer the proxy gives the upstream itself when the client did not declare what a request needs.
+
+    None when the client can answer it. Elicitation is declined (the user's "no" in the protocol's own terms);
+    sampling and roots get a JSON-RPC error, as a client without them would send.
+    """
+    if method == "elicitation/create":
+        declared = capabilities.get("elicitation")
+        mode = params.get("mode", "form")
+        if isinstance(declared, dict) and (
+            (mode == "url" and "url" in declared) or (mode != "url" and (not declared or "form" in declared))
+        ):
+            return None
+        return {"result": {"action": "decline"}}
+    if method == "sampling/createMessage" and "sampling" in capabilities:
+        return None
+    if method == "roots/list" and "roots" in capabilities:
+        return None
+    what = method if method in INPUT_METHODS else f"the method {method}"
+    return {"error": error_object(METHOD_NOT_FOUND, f"The client does not support {what} for this request")}
+
+
+class LegacyUpstream:
+    """A legacy upstream behind the proxy: per-principal sessions, and calls read as events."""
+
+    def __init__(self, upstream: Upstream, *, max_sessions: int) -> None:
+        self._upstream = upstream
+        self._sessions: LRUCache[str, LegacySession] = _SessionCache(maxsize=max_sessions, on_evict=self._end_session)
+        self._opening: dict[str, asyncio.Task[LegacySession]] = {}
+        self._background: set[asyncio.Task[None]] = set()
+        self.initialize_result: dict[str, Any] | None = None
+
+    @property
+    def url(self) -> str:
+        return self._upstream.url
+
+    # --- sessions ---------------------------------------------------------------------------------------------
+
+    async def session_for(self, client_headers: MultiMapping[str]) -> LegacySession:
+        principal = principal_of(client_headers)
+        session = self._sessions.get(principal)
+        if session is not None:
+            return session
+        opening = self._opening.get(principal)
+        if opening is None:  # one initialize per principal, however many requests wait for it
+            opening = asyncio.ensure_future(self._initialize(principal, client_headers))
+            self._opening[principal] = opening
+            opening.add_done_callback(lambda _: self._opening.pop(principal, None))
+        return await asyncio.shield(opening)
+
+    async def _initialize(self, principal: str, client_headers: MultiMapping[str]) -> LegacySession:
+        bare = LegacySession(session_id=None, protocol_version=LEGACY_VERSION, principal=principal)
+        headers = bare.headers(client_headers)
+        headers.popall("MCP-Protocol-Version", None)
+        message = {
+            "jsonrpc": "2.0",
+            "id": "mtp-initialize",
+            "method": "initialize",
+            "params": {
+                "protocolVersion": LEGACY_VERSION,
+                "capabilities": _PROXY_CAPABILITIES,
+                "clientInfo": {"name": "mcp-tasks-proxy", "version": __version__},
+            },
+        }
+        response = await self._upstream.request("POST", self.url, headers, dumps(message))
+        async with response:
+            answer = await single_answer(response, "mtp-initialize")
+            session_id = response.headers.get("Mcp-Session-Id")
+        if answer is None or not isinstance(answer.get("result"), dict):
+            raise UpstreamUnavailable(f"the upstream refused initialize (HTTP {response.status})")
+        result = answer["result"]
+        self.initialize_result = result
+        session = LegacySession(
+            session_id=session_id,
+            protocol_version=str(result.get("protocolVersion") or LEGACY_VERSION),
+            principal=principal,
+        )
+        notified = await self._upstream.request(
+            "POST",
+            self.url,
+            session.headers(client_headers),
+            dumps({"jsonrpc": "2.0", "method": "notifications/initialized"}),
+        )
+        notified.release()
+        self._sessions[principal] = session
+        log.info("legacy_session_opened", protocol_version=session.protocol_version, has_session_id=bool(session_id))
+        return session
+
+    def _end_session(self, session: LegacySession) -> None:
+        if session.session_id is None:
+            return
+        headers = CIMultiDict({"Mcp-Session-Id": session.session_id, "MCP-Protocol-Version": session.protocol_version})
+
+        async def delete() -> None:
+            try:
+                response = await self._upstream.request("DELETE", self.url, headers, None)
+                response.release()
+            except (ConnectionError, aiohttp.ClientError, OSError):
+                pass
+
+        self._spawn(delete())
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def aclose(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+
+    async def post(
+        self, message: dict[str, Any], client_headers: MultiMapping[str]
+    ) -> tuple[LegacySession, aiohttp.ClientResponse]:
+        """POST over the caller's session, opening a new one when the upstream says the old one is gone (404)."""
+        for attempt in range(2):
+            session = await self.session_for(client_headers)
+            response = await self._upstream.request("POST", self.url, session.headers(client_headers), dumps(message))
+            if response.status == 404 and session.session_id is not None and attempt == 0:
+                response.release()
+                if self._sessions.get(session.principal) is session:
+                    del self._sessions[session.principal]
+                log.info("legacy_session_expired")
+                continue
+            return session, response
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def respond(
+        self, session: LegacySession, client_headers: MultiMapping[str], request_id: Any, answer: dict[str, Any]
+    ) -> None:
+        """Answer a server-to-client request: a POST whose body is the JSON-RPC response (the server says 202)."""
+        message = {"jsonrpc": "2.0", "id": request_id, **answer}
+        try:
+            response = await self._upstream.request("POST", self.url, session.headers(client_headers), dumps(message))
+        except (ConnectionError, aiohttp.ClientError, OSError) as exc:
+            # The call's own stream breaks too, and that ends the call with a clear failure.
+            log.warning("legacy_answer_not_delivered", reason=str(exc))
+            return
+        response.release()
+        if response.status >= 400:
+            log.warning("legacy_answer_refused", status=response.status)
+
+    def cancel_later(
+        self, session: LegacySession, client_headers: MultiMapping[str], request_id: Any, reason: str
+    ) -> None:
+        """Post notifications/cancelled: a legacy server does not read a dropped stream as a cancellation."""
+        message = {
+            "jsonrpc": "2.0",
+            "method": "notifications/cancelled",
+            "params": {"requestId": request_id, "reason": reason},
+        }
+
+        async def send() -> None:
+            try:
+                response = await self._upstream.request(
+                    "POST", self.url, session.headers(client_headers), dumps(message)
+                )
+                response.release()
+            except (ConnectionError, aiohttp.ClientError, OSError) as exc:
+                log.warning("upstream_cancel_not_delivered", reason=str(exc))
+
+        self._spawn(send())
+
+    # --- reading a call -----------------------------------------------------------------------------------------
+
+    async def messages(
+        self, session: LegacySession, client_headers: MultiMapping[str], response: aiohttp.ClientResponse
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Every JSON-RPC message of a call's response, JSON or event stream.
+
+        A 2025-11-25 server may close the connection without ending the stream (after a `retry:`); the call is
+        then resumed with GET and Last-Event-ID, honouring the retry delay. Priming events carry no message.
+        """
+        content_type = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
+        if content_type != "text/event-stream":
+            body = await response.read()
+            try:
+                message = json.loads(body)
+            except ValueError:
+                return
+            if isinstance(message, dict):
+                yield message
+            return
+        last_event_id: str | None = None
+        retry_ms = 1000
+        resumes = 0
+        current = response
+        while True:
+            parser = SseParser()
+            try:
+                async for chunk in current.content.iter_any():
+                    for event in parser.feed(chunk):
+                        if event.id is not None:
+                            last_event_id = event.id
+                        if event.retry_ms is not None:
+                            retry_ms = event.retry_ms
+                        if not event.data:
+                            continue
+                        try:
+                            message = json.loads(event.data)
+                        except ValueError:
+                            continue
+                        if isinstance(message, dict):
+                            resumes = 0
+                            yield message
+            except (aiohttp.ClientError, OSError):
+                pass
+            finally:
+                if current is not response:
+                    current.release()
+            if last_event_id is None or resumes >= _MAX_RESUMES:
+                return
+            resumes += 1
+            await asyncio.sleep(retry_ms / 1000)
+            headers = session.headers(client_headers)
+            headers.popall("Content-Type", None)
+            headers["Accept"] = "text/event-stream"
+            headers["Last-Event-ID"] = last_event_id
+            try:
+                current = await self._upstream.request("GET", self.url, headers, None)
+            except (ConnectionError, aiohttp.ClientError, OSError):
+                return
+            if current.status != 200:
+                current.release()
+                return
+            log.info("legacy_stream_resumed", last_event_id=last_event_id)
+
+    async def call(
+        self,
+        message: dict[str, Any],
+        client_headers: MultiMapping[str],
+        capabilities: dict[str, Any],
+        *,
+        on_request: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None,
+    ) -> AsyncIterator[Event]:
+        """POST one request and yield its events; the last is Finished or Failed.
+
+        A server request the client may answer is yielded as InputNeeded whose `reply` posts the answer back; the
+        stream is read on meanwhile. `ping` is answered here; a request the client did not declare is declined here.
+        Ending early (cancel, timeout, shutdown) posts notifications/cancelled for the request.
+        """
+        legacy = to_legacy(message)
+        request_id = legacy["id"]
+        try:
+            session, response = await self.post(legacy, client_headers)
+        except (ConnectionError, aiohttp.ClientError, OSError, UpstreamUnavailable) as exc:
+            yield proxy_failure(f"upstream unreachable ({exc})", self.url)
+            return
+        finished = False
+        try:
+            if response.status >= 400 and "json" not in response.headers.get("Content-Type", ""):
+                finished = True
+                reason = f"the upstream answered HTTP {response.status} without a JSON-RPC response"
+                yield proxy_failure(reason, self.url)
+                return
+            async for upstream_message in self.messages(session, client_headers, response):
+                method = upstream_message.get("method")
+                if method == "notifications/progress":
+                    yield interpret_progress(upstream_message)
+                elif isinstance(method, str) and "id" in upstream_message:
+                    event = await self._server_request(session, client_headers, upstream_message, capabilities)
+                    if event is not None:
+                        yield event
+                elif method is None and upstream_message.get("id") == request_id:
+                    finished = True
+                    if isinstance(upstream_message.get("error"), dict):
+                        error = to_modern_error(upstream_message["error"])
+                        yield Failed(error, f"the upstream answered with JSON-RPC error {error.get('code')}")
+                    elif isinstance(upstream_message.get("result"), dict):
+                        yield Finished(to_modern_result(legacy["method"], upstream_message["result"]))
+                    else:
+                        yield proxy_failure("the upstream's response has no result object", self.url)
+                    return
+            finished = True
+            yield proxy_failure("the upstream closed its event stream before answering the call", self.url)
+        finally:
+            if not response.content.at_eof():
+                response.close()
+            response.release()
+            if not finished:
+                self.cancel_later(session, client_headers, request_id, "cancelled by the client")
+
+    async def _server_request(
+        self,
+        session: LegacySession,
+        client_headers: MultiMapping[str],
+        message: dict[str, Any],
+        capabilities: dict[str, Any],
+    ) -> InputNeeded | None:
+        method, upstream_id = message["method"], message["id"]
+        if method == "ping":
+            await self.respond(session, client_headers, upstream_id, {"result": {}})
+            return None
+        params = message.get("params") if isinstance(message.get("params"), dict) else {}
+        declined = declined_answer(method, capabilities, params)
+        if declined is not None:
+            log.info("legacy_request_declined", upstream_method=method)
+            await self.respond(session, client_headers, upstream_id, declined)
+            return None
+
+        async def reply(answer: dict[str, Any]) -> None:
+            await self.respond(session, client_headers, upstream_id, {"result": answer})
+
+        key = f"{method.split('/')[0]}-{upstream_id}"
+        result = {"resultType": "input_required", "inputRequests": {key: clean_input_request(message)}}
+        return InputNeeded(result, reply)
+
+    def discover_result(self) -> dict[str, Any]:
+        """server/discover for a modern client, answered from the upstream's initialize result."""
+        init = self.initialize_result or {}
+        capabilities = dict(init.get("capabilities") or {})
+        capabilities.pop("tasks", None)
+        extensions = capabilities.get("extensions")
+        capabilities["extensions"] = {**(extensions if isinstance(extensions, dict) else {}), TASKS_EXTENSION: {}}
+        result: dict[str, Any] = {
+            "resultType": "complete",
+            "supportedVersions": [PROTOCOL_VERSION],
+            "capabilities": capabilities,
+            "ttlMs": 0,
+            "cacheScope": "private",
+        }
+        if isinstance(init.get("instructions"), str):
+            result["instructions"] = init["instructions"]
+        if isinstance(init.get("serverInfo"), dict):
+            result["_meta"] = {"io.modelcontextprotocol/serverInfo": init["serverInfo"]}
+        return result
+
+
+class _SessionCache(LRUCache):
+    """An LRU of sessions that ends (DELETEs) the session it evicts."""
+
+    def __init__(self, maxsize: int, on_evict: Callable[[LegacySession], None]) -> None:
+        super().__init__(maxsize=maxsize)
+        self._on_evict = on_evict
+
+    def popitem(self) -> tuple[str, LegacySession]:
+        key, session = super().popitem()
+        self._on_evict(session)
+        return key, session
+
+
+async def single_answer(response: aiohttp.ClientResponse, request_id: Any) -> dict[str, Any] | None:
+    """The response to `request_id` in a body that is either JSON or an event stream that ends."""
+    content_type = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
+    body = await response.read()
+    if content_type == "text/event-stream":
+        candidates = [event.data for event in SseParser().feed(body + b"\n\n") if event.data]
+    else:
+        candidates = [body.decode("utf-8", errors="replace")]
+    for data in candidates:
+        try:
+            message = json.loads(data)
+        except ValueError:
+            continue
+        if isinstance(message, dict) and message.get("id") == request_id:
+            return message
+    return None

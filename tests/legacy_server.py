@@ -1,0 +1,156 @@
+"""A legacy (2025-11-25) upstream for end-to-end tests, built with the official SDK's 1.x line (`mcp<2`).
+
+It runs in its own virtual environment (the tests build it: tests/.legacy-venv), since `mcp` 1.x and 2.x cannot
+share one. An event store makes its streams resumable (priming events, retry, GET + Last-Event-ID), as 2025-11-25
+servers may be. Run: tests/.legacy-venv/bin/python tests/legacy_server.py PORT
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import sys
+
+from mcp.server.fastmcp import Context, FastMCP
+from mcp.server.streamable_http import EventCallback, EventMessage, EventStore
+from mcp.shared.exceptions import McpError
+from mcp.shared.message import ServerMessageMetadata
+from mcp.types import ListRootsRequest, ListRootsResult, SamplingMessage, ServerRequest, TextContent
+from pydantic import BaseModel
+
+
+class MemoryEventStore(EventStore):
+    """Just enough of an event store for resumption: every event of every stream, in order."""
+
+    def __init__(self) -> None:
+        self._events: list[tuple[str, str, object]] = []
+        self._ids = itertools.count(1)
+
+    async def store_event(self, stream_id, message):
+        event_id = str(next(self._ids))
+        self._events.append((event_id, stream_id, message))
+        return event_id
+
+    async def replay_events_after(self, last_event_id, send_callback: EventCallback):
+        stream_id = next((s for e, s, _ in self._events if e == last_event_id), None)
+        if stream_id is None:
+            return None
+        seen = False
+        for event_id, stream, message in list(self._events):
+            if seen and stream == stream_id and message is not None:
+                await send_callback(EventMessage(message, event_id))
+            seen = seen or event_id == last_event_id
+        return stream_id
+
+
+server = FastMCP("legacy-example", log_level="WARNING", event_store=MemoryEventStore(), retry_interval=100)
+_gates: dict[str, asyncio.Event] = {}
+_states: dict[str, str] = {}
+
+
+class Name(BaseModel):
+    name: str
+
+
+@server.tool()
+async def add(a: int, b: int) -> int:
+    """Add two integers at once."""
+    return a + b
+
+
+@server.tool()
+async def slow(seconds: float, ctx: Context) -> str:
+    """Work in three steps, reporting progress."""
+    for step in range(3):
+        await ctx.report_progress(step, 3, f"legacy step {step + 1} of 3")
+        await asyncio.sleep(seconds / 3)
+    return f"slept {seconds:g} s"
+
+
+@server.tool()
+async def ask_name(ctx: Context) -> str:
+    """Elicit a name on the call's stream, then greet after a little work."""
+    answer = await ctx.elicit("Your name?", Name)
+    await ctx.report_progress(1, 2, "got an answer")
+    if answer.action != "accept":
+        return f"no name ({answer.action})"
+    return f"hello {answer.data.name}"
+
+
+@server.tool()
+async def ask_two(ctx: Context) -> str:
+    """Two elicitations at once: both are pending together."""
+    first, second = await asyncio.gather(ctx.elicit("First?", Name), ctx.elicit("Second?", Name))
+    names = [a.data.name if a.action == "accept" else a.action for a in (first, second)]
+    return " & ".join(names)
+
+
+@server.tool()
+async def ask_model(ctx: Context) -> str:
+    """Sampling on the call's stream."""
+    message = SamplingMessage(role="user", content=TextContent(type="text", text="Capital of France?"))
+    try:
+        result = await ctx.session.create_message(messages=[message], max_tokens=10, related_request_id=ctx.request_id)
+    except McpError as exc:
+        return f"sampling refused: {exc.error.code}"
+    return f"model said {result.content.text}"
+
+
+@server.tool()
+async def ask_roots(ctx: Context) -> str:
+    """roots/list on the call's stream (SEP-2260: tied to the call, never on the standalone GET stream)."""
+    request = ServerRequest(ListRootsRequest())
+    try:
+        related = ServerMessageMetadata(related_request_id=ctx.request_id)
+        result = await ctx.session.send_request(request, ListRootsResult, metadata=related)
+    except McpError as exc:
+        return f"roots refused: {exc.error.code}"
+    return ", ".join(str(root.uri) for root in result.roots)
+
+
+@server.tool()
+async def gated(tag: str, ctx: Context) -> str:
+    """Report progress, then wait for release(tag); records a cancellation (notifications/cancelled)."""
+    _states[tag] = "started"
+    await ctx.report_progress(1, 2, f"waiting at gate {tag}")
+    try:
+        await _gates.setdefault(tag, asyncio.Event()).wait()
+    except asyncio.CancelledError:
+        _states[tag] = "cancelled"
+        raise
+    _states[tag] = "released"
+    return f"gate {tag} opened"
+
+
+@server.tool()
+async def release(tag: str) -> str:
+    """Open a gate."""
+    _gates.setdefault(tag, asyncio.Event()).set()
+    return "released"
+
+
+@server.tool()
+async def gate_state(tag: str) -> str:
+    """unknown, started, cancelled or released."""
+    return _states.get(tag, "unknown")
+
+
+@server.tool()
+async def interrupted(ctx: Context) -> str:
+    """Close the connection mid-call (2025-11-25 polling); the client must resume with GET + Last-Event-ID."""
+    await ctx.report_progress(1, 3, "before the break")
+    await ctx.close_sse_stream()
+    await asyncio.sleep(0.3)
+    await ctx.report_progress(2, 3, "after the break")
+    return "finished after a reconnect"
+
+
+@server.resource("note://greeting")
+def greeting() -> str:
+    return "hello from a legacy resource"
+
+
+if __name__ == "__main__":
+    server.settings.host = "127.0.0.1"
+    server.settings.port = int(sys.argv[1])
+    server.run(transport="streamable-http")

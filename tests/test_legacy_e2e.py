@@ -1,0 +1,264 @@
+"""Legacy upstreams: a 2025-11-25 server built with `mcp` 1.x behind the proxy, reached by 2026-07-28 clients."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+
+import aiohttp
+import pytest
+
+from tests.conftest import eventually, task_reaches
+from tests.factories import TASKS, headers_for, meta, request
+from tests.schemas import validate, validate_response
+
+ELICIT = {"elicitation": {}}
+
+
+@pytest.fixture
+async def proxy(make_proxy, legacy_upstream):
+    rules = [{"match": t, "task": "optional"} for t in ("ask_*", "gated", "slow", "interrupted")]
+    return await make_proxy(legacy_upstream, tools=rules, tasks={"poll_interval_ms": 50})
+
+
+@pytest.fixture
+async def legacy_client(legacy_upstream):
+    """A legacy client of the legacy server, straight, to look at the server's own state."""
+    async with aiohttp.ClientSession() as session:
+        yield _LegacyClient(session, legacy_upstream)
+
+
+class _LegacyClient:
+    def __init__(self, session, url):
+        self.session, self.url, self.headers = session, url, None
+
+    async def call_tool(self, name, arguments):
+        base = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+        if self.headers is None:
+            params = {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}
+            init = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": params}
+            async with self.session.post(self.url, json=init, headers=base) as response:
+                self.headers = {
+                    **base,
+                    "Mcp-Session-Id": response.headers["Mcp-Session-Id"],
+                    "MCP-Protocol-Version": "2025-11-25",
+                }
+                await response.read()
+            notification = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+            async with self.session.post(self.url, json=notification, headers=self.headers) as response:
+                await response.read()
+        message = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": name, "arguments": arguments}}
+        async with self.session.post(self.url, json=message, headers=self.headers) as response:
+            body = await response.text()
+        data = [line[5:].strip() for line in body.splitlines() if line.startswith("data:") and line[5:].strip()]
+        return json.loads(data[-1] if data else body)["result"]["content"][0]["text"]
+
+
+def accept(**content):
+    return {"action": "accept", "content": content}
+
+
+async def test_discover_is_answered_from_the_legacy_initialize(proxy):
+    reply = await proxy.client.call("server/discover")
+    validate_response(reply.message, "DiscoverResult", "core")
+    result = reply.result
+    assert result["supportedVersions"] == ["2026-07-28"]
+    assert result["capabilities"]["extensions"] == {TASKS: {}}
+    assert "tools" in result["capabilities"]
+    assert result["_meta"]["io.modelcontextprotocol/serverInfo"]["name"] == "legacy-example"
+
+
+async def test_list_and_read_results_gain_the_2026_fields(proxy):
+    tools = await proxy.client.call("tools/list")
+    validate_response(tools.message, "ListToolsResult", "core")
+    assert {"add", "ask_name", "gated"} <= {tool["name"] for tool in tools.result["tools"]}
+    assert tools.result["resultType"] == "complete" and tools.result["cacheScope"] == "private"
+    read = await proxy.client.call("resources/read", {"uri": "note://greeting"})
+    validate_response(read.message, "ReadResourceResult", "core")
+    assert read.result["contents"][0]["text"] == "hello from a legacy resource"
+
+
+async def test_synchronous_call(proxy):
+    reply = await proxy.client.call_tool("add", {"a": 20, "b": 22}, tasks=False)
+    validate_response(reply.message, "CallToolResult", "core")
+    assert reply.result["structuredContent"] == {"result": 42}
+
+
+async def test_synchronous_progress_is_relayed_on_the_stream(proxy):
+    params = {"name": "slow", "arguments": {"seconds": 0.3}, "_meta": {**meta(tasks=False), "progressToken": "p-1"}}
+    reply = await proxy.client.call("tools/call", params)
+    assert reply.headers["Content-Type"].startswith("text/event-stream")
+    progress = [event for event in reply.events if event.get("method") == "notifications/progress"]
+    assert [p["params"]["message"] for p in progress] == [f"legacy step {n} of 3" for n in (1, 2, 3)]
+    assert all(p["params"]["progressToken"] == "p-1" for p in progress)
+    assert reply.message["result"]["content"][0]["text"] == "slept 0.3 s"
+
+
+async def test_synchronous_elicitation_becomes_an_mrtr_round(proxy):
+    params = {"name": "ask_name", "arguments": {}, "_meta": meta(tasks=False, **ELICIT)}
+    first = await proxy.client.call("tools/call", params)
+    validate_response(first.message, "InputRequiredResult", "core")
+    (key,) = first.result["inputRequests"]
+    assert first.result["inputRequests"][key]["method"] == "elicitation/create"
+    assert "elicitationId" not in first.result["inputRequests"][key]["params"]
+    state = first.result["requestState"]
+    retry = {**params, "inputResponses": {key: accept(name="Ada")}, "requestState": state}
+    done = await proxy.client.call("tools/call", retry)
+    assert done.result["content"][0]["text"] == "hello Ada"
+    # The handle is single use, and a tampered one is refused.
+    for bad in (state, state[:-2] + "xx", "not-a-handle"):
+        again = await proxy.client.call("tools/call", {**retry, "requestState": bad})
+        assert again.status == 400 and again.error["code"] == -32602
+
+
+async def test_mrtr_handle_is_bound_to_the_caller(proxy):
+    params = {"name": "ask_name", "arguments": {}, "_meta": meta(tasks=False, **ELICIT)}
+    first = await proxy.client.call("tools/call", params, headers={"Authorization": "Bearer alice"})
+    (key,) = first.result["inputRequests"]
+    retry = {**params, "inputResponses": {key: accept(name="Mallory")}, "requestState": first.result["requestState"]}
+    stolen = await proxy.client.call("tools/call", retry, headers={"Authorization": "Bearer mallory"})
+    assert stolen.error["code"] == -32602
+    # The refused attempt did not use the handle up: its owner still can.
+    mine = await proxy.client.call("tools/call", retry, headers={"Authorization": "Bearer alice"})
+    assert mine.result["content"][0]["text"] == "hello Mallory"
+
+
+async def test_task_turns_an_elicitation_on_the_stream_into_input_requests(proxy):
+    params = {"name": "ask_name", "arguments": {}, "_meta": meta(**ELICIT)}
+    created = await proxy.client.call("tools/call", params)
+    validate_response(created.message, "CreateTaskResult")
+    task_id = created.result["taskId"]
+    asking = await task_reaches(proxy.client, task_id, "input_required")
+    validate(asking.result, "InputRequiredTask")
+    (key,) = asking.result["inputRequests"]
+    request_ = asking.result["inputRequests"][key]
+    assert request_["method"] == "elicitation/create"
+    assert set(request_) == {"method", "params"}  # no jsonrpc, no id
+    ack = await proxy.client.call("tasks/update", {"taskId": task_id, "inputResponses": {key: accept(name="Ada")}})
+    assert ack.result == {"resultType": "complete"}
+    done = await task_reaches(proxy.client, task_id, "completed")
+    assert done.result["result"]["content"][0]["text"] == "hello Ada"
+    assert done.result["result"]["resultType"] == "complete"
+
+
+async def test_concurrent_requests_are_several_keys(proxy):
+    created = await proxy.client.call("tools/call", {"name": "ask_two", "arguments": {}, "_meta": meta(**ELICIT)})
+    task_id = created.result["taskId"]
+
+    async def both_pending():
+        reply = await proxy.client.get_task(task_id)
+        return reply if len(reply.result.get("inputRequests") or {}) == 2 else None
+
+    asking = await eventually(both_pending, what="two pending input requests")
+    first, second = sorted(asking.result["inputRequests"], key=lambda k: int(k.rsplit("-", 1)[1]))
+    await proxy.client.call("tasks/update", {"taskId": task_id, "inputResponses": {first: accept(name="A")}})
+    partial = await proxy.client.get_task(task_id)
+    assert partial.result["status"] == "input_required"
+    assert list(partial.result["inputRequests"]) == [second]
+    await proxy.client.call("tasks/update", {"taskId": task_id, "inputResponses": {second: accept(name="B")}})
+    done = await task_reaches(proxy.client, task_id, "completed")
+    assert done.result["result"]["content"][0]["text"] == "A & B"
+
+
+async def test_requests_the_client_did_not_declare_are_declined_upstream(proxy):
+    # No sampling declared: the legacy server is told no, and its tool carries on with that.
+    created = await proxy.client.call("tools/call", {"name": "ask_model", "arguments": {}, "_meta": meta(**ELICIT)})
+    done = await task_reaches(proxy.client, created.result["taskId"], "completed", "input_required")
+    assert done.result["result"]["content"][0]["text"] == "sampling refused: -32601"
+    # No elicitation declared: the elicitation is declined.
+    created = await proxy.client.call("tools/call", {"name": "ask_name", "arguments": {}, "_meta": meta()})
+    done = await task_reaches(proxy.client, created.result["taskId"], "completed", "input_required")
+    assert done.result["result"]["content"][0]["text"] == "no name (decline)"
+
+
+async def test_sampling_and_roots_reach_a_client_that_declared_them(proxy):
+    caps = {"sampling": {}, "roots": {}}
+    created = await proxy.client.call("tools/call", {"name": "ask_model", "arguments": {}, "_meta": meta(**caps)})
+    task_id = created.result["taskId"]
+    asking = await task_reaches(proxy.client, task_id, "input_required")
+    ((key, sampling),) = asking.result["inputRequests"].items()
+    assert sampling["method"] == "sampling/createMessage"
+    answer = {"role": "assistant", "content": {"type": "text", "text": "Paris"}, "model": "m"}
+    await proxy.client.call("tasks/update", {"taskId": task_id, "inputResponses": {key: answer}})
+    done = await task_reaches(proxy.client, task_id, "completed")
+    assert done.result["result"]["content"][0]["text"] == "model said Paris"
+
+    created = await proxy.client.call("tools/call", {"name": "ask_roots", "arguments": {}, "_meta": meta(**caps)})
+    task_id = created.result["taskId"]
+    asking = await task_reaches(proxy.client, task_id, "input_required")
+    ((key, roots),) = asking.result["inputRequests"].items()
+    assert roots["method"] == "roots/list"
+    answer = {"roots": [{"uri": "file:///work/project", "name": "project"}]}
+    await proxy.client.call("tasks/update", {"taskId": task_id, "inputResponses": {key: answer}})
+    done = await task_reaches(proxy.client, task_id, "completed")
+    assert done.result["result"]["content"][0]["text"] == "file:///work/project"
+
+
+async def test_progress_and_cancel_reach_the_legacy_server(proxy, legacy_client):
+    gate = secrets.token_hex(6)
+    created = await proxy.client.call_tool("gated", {"tag": gate})
+    task_id = created.result["taskId"]
+
+    async def waiting():
+        reply = await proxy.client.get_task(task_id)
+        return reply.result.get("statusMessage") == f"waiting at gate {gate}"
+
+    await eventually(waiting, what="legacy progress as statusMessage")
+    await proxy.client.cancel_task(task_id)
+
+    async def cancelled_upstream():
+        return await legacy_client.call_tool("gate_state", {"tag": gate}) == "cancelled"
+
+    # A legacy server does not take a dropped stream for a cancellation: notifications/cancelled must be posted.
+    await eventually(cancelled_upstream, what="notifications/cancelled reaching the legacy server")
+    assert (await proxy.client.get_task(task_id)).result["status"] == "cancelled"
+
+
+async def test_client_closing_a_synchronous_call_cancels_it_upstream(proxy, legacy_client):
+    gate = secrets.token_hex(6)
+    message = request("tools/call", {"name": "gated", "arguments": {"tag": gate}, "_meta": meta(tasks=False)})
+
+    async def started():
+        return await legacy_client.call_tool("gate_state", {"tag": gate}) == "started"
+
+    async with aiohttp.ClientSession() as session:
+        pending = asyncio.ensure_future(session.post(proxy.url, json=message, headers=headers_for(message)))
+        await eventually(started, what="the legacy call starting")
+        pending.cancel()
+        await asyncio.gather(pending, return_exceptions=True)
+
+    async def cancelled():
+        return await legacy_client.call_tool("gate_state", {"tag": gate}) == "cancelled"
+
+    await eventually(cancelled, what="the legacy call being cancelled")
+
+
+async def test_a_stream_closed_mid_call_is_resumed_with_last_event_id(proxy):
+    created = await proxy.client.call_tool("interrupted")
+    done = await task_reaches(proxy.client, created.result["taskId"], "completed", "failed")
+    assert done.result["status"] == "completed", done.result
+    assert done.result["result"]["content"][0]["text"] == "finished after a reconnect"
+    sync = await proxy.client.call_tool("interrupted", tasks=False)
+    assert sync.result["content"][0]["text"] == "finished after a reconnect"
+
+
+async def test_legacy_clients_still_pass_through_untouched(proxy, legacy_upstream):
+    client = _LegacyClient(proxy.client.session, proxy.url)
+    assert await client.call_tool("add", {"a": 1, "b": 1}) == "2"
+    assert "Mcp-Session-Id" in client.headers
+
+
+async def test_a_question_inside_the_sync_window_makes_the_call_a_task_at_once(make_proxy, legacy_upstream):
+    # A legacy server's request can only wait for an answer inside a task, so it ends the sync window early.
+    proxy = await make_proxy(legacy_upstream, tools=[{"match": "ask_name", "sync_window_ms": 60_000}])
+    params = {"name": "ask_name", "arguments": {}, "_meta": meta(**ELICIT)}
+    created = await proxy.client.call("tools/call", params)
+    assert created.result["resultType"] == "task"
+    asking = await task_reaches(proxy.client, created.result["taskId"], "input_required")
+    (key,) = asking.result["inputRequests"]
+    await proxy.client.call(
+        "tasks/update", {"taskId": created.result["taskId"], "inputResponses": {key: accept(name="Bo")}}
+    )
+    done = await task_reaches(proxy.client, created.result["taskId"], "completed")
+    assert done.result["result"]["content"][0]["text"] == "hello Bo"

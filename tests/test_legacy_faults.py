@@ -1,0 +1,132 @@
+"""Legacy-upstream details that need a scripted server: expired sessions, pings, session limits, error codes."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+
+from aiohttp import web
+
+from tests.conftest import eventually, task_reaches
+
+
+class ScriptedLegacyServer:
+    """A 2025-11-25 server reduced to what these tests script; it records every message it receives."""
+
+    def __init__(self) -> None:
+        self.sessions = itertools.count(1)
+        self.expired: set[str] = set()
+        self.answers: dict[object, asyncio.Future] = {}
+        self.deleted: list[str] = []
+        self.received: list[tuple[str | None, dict]] = []
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        session = request.headers.get("Mcp-Session-Id")
+        if request.method == "DELETE":
+            self.deleted.append(session)
+            return web.Response(status=200)
+        message = json.loads(await request.read())
+        self.received.append((session, message))
+        method = message.get("method")
+        if method == "initialize":
+            result = {
+                "protocolVersion": "2025-06-18",
+                "capabilities": {"tools": {}},
+                "serverInfo": {"name": "s", "version": "1"},
+            }
+            headers = {"Mcp-Session-Id": f"s{next(self.sessions)}"}
+            return web.json_response({"jsonrpc": "2.0", "id": message["id"], "result": result}, headers=headers)
+        if method is None or session is None or session in self.expired:
+            if method is None:  # a response to one of our requests
+                self.answers.setdefault(message["id"], asyncio.get_running_loop().create_future()).set_result(message)
+                return web.Response(status=202)
+            status = 404 if session in self.expired else 400
+            return web.json_response(
+                {"jsonrpc": "2.0", "id": "server-error", "error": {"code": -32600, "message": "no"}}, status=status
+            )
+        if method.startswith("notifications/"):
+            return web.Response(status=202)
+        if method == "resources/read":
+            return web.json_response(
+                {"jsonrpc": "2.0", "id": message["id"], "error": {"code": -32002, "message": "not found"}}
+            )
+        if method == "tools/call" and message["params"]["name"] == "pinger":
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            ping = {"jsonrpc": "2.0", "id": "ping-1", "method": "ping"}
+            await response.write(f"id: 1\ndata: \n\nid: 2\ndata: {json.dumps(ping)}\n\n".encode())
+            answer = await self.answers.setdefault("ping-1", asyncio.get_running_loop().create_future())
+            result = {"content": [{"type": "text", "text": f"pong answered with {json.dumps(answer.get('result'))}"}]}
+            done = {"jsonrpc": "2.0", "id": message["id"], "result": result}
+            await response.write(f"id: 3\ndata: {json.dumps(done)}\n\n".encode())
+            await response.write_eof()
+            return response
+        result = {"content": [{"type": "text", "text": f"ok on {session}"}], "isError": False}
+        return web.json_response({"jsonrpc": "2.0", "id": message["id"], "result": result})
+
+
+async def scripted(fake_upstream):
+    server = ScriptedLegacyServer()
+    fake = await fake_upstream(server.handle)
+    return server, fake
+
+
+async def test_expired_session_is_initialized_again(make_proxy, fake_upstream):
+    server, fake = await scripted(fake_upstream)
+    proxy = await make_proxy(fake.url)
+    first = await proxy.client.call_tool("anything", tasks=False)
+    assert first.result["content"][0]["text"] == "ok on s1"
+    assert first.result["resultType"] == "complete"
+    server.expired.add("s1")
+    second = await proxy.client.call_tool("anything", tasks=False)
+    assert second.result["content"][0]["text"] == "ok on s2"
+    initialize = [m for _, m in server.received if m.get("method") == "initialize"]
+    assert len(initialize) == 2
+    capabilities = initialize[0]["params"]["capabilities"]
+    assert capabilities == {"elicitation": {"form": {}, "url": {}}, "sampling": {}, "roots": {"listChanged": False}}
+    calls = [(session, m) for session, m in server.received if m.get("method") == "tools/call"]
+    # Every call the proxy makes carries the session, and no 2026-only envelope.
+    assert all(session is not None for session, _ in calls)
+    assert all("io.modelcontextprotocol/clientCapabilities" not in (m["params"].get("_meta") or {}) for _, m in calls)
+
+
+async def test_sessions_are_per_credential_and_bounded(make_proxy, fake_upstream):
+    server, fake = await scripted(fake_upstream)
+    proxy = await make_proxy(fake.url, upstream={"max_sessions": 1})
+    alice = await proxy.client.call_tool("t", tasks=False, headers={"Authorization": "Bearer alice"})
+    bob = await proxy.client.call_tool("t", tasks=False, headers={"Authorization": "Bearer bob"})
+    assert alice.result["content"][0]["text"] == "ok on s1"
+    assert bob.result["content"][0]["text"] == "ok on s2"
+
+    async def deleted():
+        return server.deleted == ["s1"]
+
+    await eventually(deleted, what="the evicted session being ended with DELETE")
+
+
+async def test_ping_on_the_stream_is_answered_by_the_proxy(make_proxy, fake_upstream):
+    server, fake = await scripted(fake_upstream)
+    proxy = await make_proxy(fake.url, tools=[{"match": "pinger"}])
+    sync = await proxy.client.call_tool("pinger", tasks=False)
+    assert sync.result["content"][0]["text"] == "pong answered with {}"
+    server.answers.clear()
+    created = await proxy.client.call_tool("pinger")
+    done = await task_reaches(proxy.client, created.result["taskId"], "completed")
+    assert done.result["result"]["content"][0]["text"] == "pong answered with {}"
+
+
+async def test_legacy_not_found_code_becomes_invalid_params(make_proxy, fake_upstream):
+    _, fake = await scripted(fake_upstream)
+    proxy = await make_proxy(fake.url)
+    reply = await proxy.client.call("resources/read", {"uri": "file:///nope"})
+    assert reply.error["code"] == -32602
+    assert reply.error["message"] == "not found"
+
+
+async def test_forced_legacy_protocol_skips_the_probe(make_proxy, fake_upstream):
+    server, fake = await scripted(fake_upstream)
+    proxy = await make_proxy(fake.url, protocol="legacy")
+    reply = await proxy.client.call("server/discover")
+    assert reply.result["_meta"]["io.modelcontextprotocol/serverInfo"] == {"name": "s", "version": "1"}
+    assert not any(m.get("method") == "server/discover" for _, m in server.received)
