@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+from collections.abc import Callable
 from typing import Annotated
 
 from mcp.server.mcpserver import Context, Elicit, MCPServer, Resolve
@@ -20,14 +21,19 @@ server = MCPServer(
 )
 
 
+async def _work(ctx: Context | None, seconds: float, steps: int, describe: Callable[[int], str]) -> None:
+    """Spend `seconds` in `steps` equal steps, reporting progress before each."""
+    for step in range(steps):
+        if ctx is not None:
+            await ctx.report_progress(step, steps, describe(step + 1))
+        await asyncio.sleep(seconds / steps)
+
+
 @server.tool()
 async def slow_report(topic: str, seconds: float = 6.0, ctx: Context | None = None) -> str:
     """Write a report on a topic, slowly, reporting progress as it goes."""
     steps = 5
-    for step in range(steps):
-        if ctx is not None:
-            await ctx.report_progress(step, steps, f"researching {topic}: step {step + 1} of {steps}")
-        await asyncio.sleep(seconds / steps)
+    await _work(ctx, seconds, steps, lambda step: f"researching {topic}: step {step} of {steps}")
     return f"Report on {topic}: all {steps} steps done in {seconds:g} s."
 
 
@@ -46,11 +52,7 @@ async def personal_report(
     topic: str, person: Annotated[Person, Resolve(ask_name)], seconds: float = 4.0, ctx: Context | None = None
 ) -> str:
     """Ask who the report is for, then write it slowly, reporting progress."""
-    steps = 4
-    for step in range(steps):
-        if ctx is not None:
-            await ctx.report_progress(step, steps, f"writing {person.name}'s report on {topic}: {step + 1}/{steps}")
-        await asyncio.sleep(seconds / steps)
+    await _work(ctx, seconds, 4, lambda step: f"writing {person.name}'s report on {topic}: {step}/4")
     return f"Dear {person.name}, here is your report on {topic}."
 
 

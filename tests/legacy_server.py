@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import sys
+from pathlib import Path
 
 from mcp.server.fastmcp import Context, FastMCP
 from mcp.server.streamable_http import EventCallback, EventMessage, EventStore
@@ -17,6 +18,9 @@ from mcp.shared.exceptions import McpError
 from mcp.shared.message import ServerMessageMetadata
 from mcp.types import ListRootsRequest, ListRootsResult, SamplingMessage, ServerRequest, TextContent
 from pydantic import BaseModel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gates  # noqa: E402
 
 
 class MemoryEventStore(EventStore):
@@ -44,8 +48,6 @@ class MemoryEventStore(EventStore):
 
 
 server = FastMCP("legacy-example", log_level="WARNING", event_store=MemoryEventStore(), retry_interval=100)
-_gates: dict[str, asyncio.Event] = {}
-_states: dict[str, str] = {}
 
 
 class Name(BaseModel):
@@ -111,28 +113,22 @@ async def ask_roots(ctx: Context) -> str:
 @server.tool()
 async def gated(tag: str, ctx: Context) -> str:
     """Report progress, then wait for release(tag); records a cancellation (notifications/cancelled)."""
-    _states[tag] = "started"
     await ctx.report_progress(1, 2, f"waiting at gate {tag}")
-    try:
-        await _gates.setdefault(tag, asyncio.Event()).wait()
-    except asyncio.CancelledError:
-        _states[tag] = "cancelled"
-        raise
-    _states[tag] = "released"
+    await gates.wait_at(tag)
     return f"gate {tag} opened"
 
 
 @server.tool()
 async def release(tag: str) -> str:
     """Open a gate."""
-    _gates.setdefault(tag, asyncio.Event()).set()
+    gates.release(tag)
     return "released"
 
 
 @server.tool()
 async def gate_state(tag: str) -> str:
     """unknown, started, cancelled or released."""
-    return _states.get(tag, "unknown")
+    return gates.state(tag)
 
 
 @server.tool()

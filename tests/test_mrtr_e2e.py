@@ -36,6 +36,17 @@ async def update(proxy, task_id, responses):
     return reply
 
 
+async def next_round(proxy, task_id: str, answered_key: str):
+    """tasks/get once the task asks again, with a request other than the one just answered."""
+
+    async def asking_anew():
+        reply = await proxy.client.get_task(task_id)
+        pending = reply.result.get("inputRequests") or {}
+        return reply if reply.result["status"] == "input_required" and answered_key not in pending else None
+
+    return await eventually(asking_anew, what="the next input round")
+
+
 def accept(answer: str) -> dict:
     return {"action": "accept", "content": {"answer": answer}}
 
@@ -64,13 +75,7 @@ async def test_key_reused_by_the_upstream_gets_a_new_task_key(proxy):
     assert list(first.result["inputRequests"]) == ["q"]
     await update(proxy, task_id, {"q": accept("red")})
 
-    async def second_round():
-        reply = await proxy.client.get_task(task_id)
-        return (
-            reply if reply.result["status"] == "input_required" and "q" not in reply.result["inputRequests"] else None
-        )
-
-    second = await eventually(second_round, what="the second round")
+    second = await next_round(proxy, task_id, "q")
     (key,) = second.result["inputRequests"]
     assert key != "q"  # keys are unique for the task's whole life
     assert second.result["inputRequests"][key]["params"]["message"] == "Second?"
@@ -156,13 +161,7 @@ async def test_upstream_sees_the_creating_requests_capabilities_on_every_round(p
     await task_reaches(proxy.client, task_id, "input_required")
     await update(proxy, task_id, {"q": accept("x")})
 
-    async def second_round():
-        reply = await proxy.client.get_task(task_id)
-        return (
-            reply if reply.result["status"] == "input_required" and "q" not in reply.result["inputRequests"] else None
-        )
-
-    second = await eventually(second_round, what="the second round")
+    second = await next_round(proxy, task_id, "q")
     (key,) = second.result["inputRequests"]
     await update(proxy, task_id, {key: accept("y")})
     done = await task_reaches(proxy.client, task_id, "completed")

@@ -5,12 +5,13 @@ Built with the official SDK (`mcp` 2.x, 2026-07-28); it implements no tasks. Run
 
 from __future__ import annotations
 
-import asyncio
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import gates  # noqa: E402
 from mcp.server.mcpserver import Context  # noqa: E402
 from mcp.shared.exceptions import MCPError  # noqa: E402
 from mcp_types import (  # noqa: E402
@@ -26,39 +27,26 @@ from mcp_types import (  # noqa: E402
 )
 from slow_server import server  # noqa: E402
 
-_gates: dict[str, asyncio.Event] = {}
-_states: dict[str, str] = {}
-
-
-def _gate(tag: str) -> asyncio.Event:
-    return _gates.setdefault(tag, asyncio.Event())
-
 
 @server.tool()
 async def gated(tag: str, ctx: Context) -> str:
     """Report progress, then wait until release(tag) is called; records whether it was cancelled instead."""
-    _states[tag] = "started"
     await ctx.report_progress(1, 2, f"waiting at gate {tag}")
-    try:
-        await _gate(tag).wait()
-    except asyncio.CancelledError:
-        _states[tag] = "cancelled"
-        raise
-    _states[tag] = "released"
+    await gates.wait_at(tag)
     return f"gate {tag} opened"
 
 
 @server.tool()
 async def release(tag: str) -> str:
     """Open the gate a gated call waits at."""
-    _gate(tag).set()
+    gates.release(tag)
     return "released"
 
 
 @server.tool()
 async def gate_state(tag: str) -> str:
     """What happened to the gated call with this tag: unknown, started, cancelled or released."""
-    return _states.get(tag, "unknown")
+    return gates.state(tag)
 
 
 @server.tool()
@@ -186,8 +174,7 @@ async def ask_then_gated(tag: str, ctx: Context) -> CallToolResult | InputRequir
     name = _answer(ctx, "name")
     if name is None:
         return InputRequiredResult(input_requests={"name": _ask("Name?")}, request_state="ask")
-    _states[tag] = "started"
-    await _gate(tag).wait()
+    await gates.wait_at(tag)
     return _done(ctx, f"hello {name}")
 
 

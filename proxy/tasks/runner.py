@@ -336,13 +336,8 @@ class TaskRunner:
                 status_message="waiting for the client's input",
             )
 
-        try:
-            record = await self._store.update(job.task_id, apply)
-        except TaskStateError:
-            return
-        if record is None:
-            self._abandon(job)
-        elif previous and previous[-1] is not TaskStatus.INPUT_REQUIRED:
+        record = await self._update_live(job, apply)
+        if record is not None and previous and previous[-1] is not TaskStatus.INPUT_REQUIRED:
             log.info(
                 "task_transition",
                 task_id=job.task_id,
@@ -413,12 +408,17 @@ class TaskRunner:
                     return record
                 return transition(record, TaskStatus.WORKING, now=self._now(), status_message=message)
 
-            try:
-                record = await self._store.update(job.task_id, apply)
-            except TaskStateError:
-                return
-            if record is None:
-                self._abandon(job)
+            await self._update_live(job, apply)
+
+    async def _update_live(self, job: _Job, apply: Callable[[TaskRecord], TaskRecord]) -> TaskRecord | None:
+        """Update a running job's record; None when it ended meanwhile (the job is stopped if the record is gone)."""
+        try:
+            record = await self._store.update(job.task_id, apply)
+        except TaskStateError:
+            return None
+        if record is None:
+            self._abandon(job)
+        return record
 
     async def _settle(self, job: _Job, status: TaskStatus, **fields: Any) -> None:
         if not job.is_task:

@@ -1,0 +1,30 @@
+"""Gates for test tools: a call waits at one until a test releases it, and records whether it was cancelled.
+
+Standard library only: both test servers use it, the `mcp` 2.x one and the 1.x one in its own environment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+_gates: dict[str, asyncio.Event] = {}
+_states: dict[str, str] = {}
+
+
+async def wait_at(tag: str) -> None:
+    """Wait for release(tag); the state says started, then released or cancelled."""
+    _states[tag] = "started"
+    try:
+        await _gates.setdefault(tag, asyncio.Event()).wait()
+    except asyncio.CancelledError:
+        _states[tag] = "cancelled"
+        raise
+    _states[tag] = "released"
+
+
+def release(tag: str) -> None:
+    _gates.setdefault(tag, asyncio.Event()).set()
+
+
+def state(tag: str) -> str:
+    return _states.get(tag, "unknown")
