@@ -20,6 +20,7 @@ OVERRIDES = (
     ("upstream", "upstream.url", "UPSTREAM", str),
     ("host", "listen.host", "HOST", str),
     ("port", "listen.port", "PORT", int),
+    ("store", "store", "STORE", str),
     ("log_level", "logging.level", "LOG_LEVEL", str),
     ("log_format", "logging.format", "LOG_FORMAT", str),
 )
@@ -34,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--upstream", metavar="URL", help=f"upstream MCP endpoint (env {ENV_PREFIX}UPSTREAM)")
     parser.add_argument("--host", help=f"listen address (env {ENV_PREFIX}HOST; default 127.0.0.1)")
     parser.add_argument("--port", type=int, help=f"listen port (env {ENV_PREFIX}PORT; default 8080)")
+    parser.add_argument(
+        "--store", metavar="memory|redis://...", help=f"task store: memory, or a Redis URL (env {ENV_PREFIX}STORE)"
+    )
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help=f"env {ENV_PREFIX}LOG_LEVEL")
     parser.add_argument("--log-format", choices=["auto", "json", "console"], help=f"env {ENV_PREFIX}LOG_FORMAT")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -73,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "proxy_started",
             listen=f"http://{config.listen.host}:{config.listen.port}{MCP_PATH}",
             upstream=config.upstream_url,
-            store="memory",
+            store=config.store.backend,
             rules=len(config.tools),
             version=__version__,
         )

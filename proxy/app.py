@@ -48,8 +48,9 @@ from .jsonrpc import (
 from .legacy import LegacyUpstream
 from .passthrough import forward, forward_rewritten
 from .tasks.model import TaskRecord, utc_now
-from .tasks.runner import DirectOutcome, TaskRunner, ToolCall
-from .tasks.store import MemoryTaskStore, StoreFullError, TaskStore
+from .tasks.redis_store import RedisTaskStore
+from .tasks.runner import DirectOutcome, ShuttingDown, TaskRunner, ToolCall
+from .tasks.store import MemoryTaskStore, StoreFullError, StoreUnavailable, TaskStore
 from .upstream import Upstream, UpstreamUnavailable
 
 log = structlog.get_logger(__name__)
@@ -92,7 +93,7 @@ def create_app(
         client_max_size=config.limits.max_body_bytes,
     )
     app[config_key] = config
-    app[store_key] = store if store is not None else MemoryTaskStore(max_tasks=config.tasks.max_tasks, timer=timer)
+    app[store_key] = store if store is not None else build_store(config, timer=timer)
 
     async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         async with Upstream(config.upstream_url, connect_timeout_s=config.upstream.connect_timeout_s) as upstream:
@@ -111,13 +112,27 @@ def create_app(
         await app[store_key].aclose()
 
     async def runner_ctx(app: web.Application) -> AsyncIterator[None]:
-        app[runner_key] = TaskRunner(app[store_key], app[gateway_key], config.tasks, now=now, timer=timer)
+        runner = TaskRunner(
+            app[store_key],
+            app[gateway_key],
+            config.tasks,
+            now=now,
+            timer=timer,
+            reap_interval_s=config.store.reap_interval_s,
+        )
+        app[runner_key] = runner
+        try:
+            await runner.start()
+        except StoreUnavailable as exc:
+            # Start anyway: /readyz says not ready, and the store is retried by every request that needs it.
+            log.warning("store_unavailable_at_start", reason=str(exc))
         yield
         await app[runner_key].aclose(config.tasks.shutdown_grace_s)
 
     # Unwinds in reverse: the runner stops before the store and the upstream session close.
     app.cleanup_ctx.extend([upstream_ctx, store_ctx, runner_ctx])
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
     app.router.add_post(MCP_PATH, handle_mcp_post)
     app.router.add_route("*", MCP_PATH, handle_other)
     app.router.add_route("*", "/{tail:.*}", handle_other)
@@ -143,7 +158,7 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
         status = response.status
         return response
     finally:
-        if request.path != "/healthz":
+        if request.path not in ("/healthz", "/readyz"):
             log.info(
                 "request_handled",
                 http_method=request.method,
@@ -167,6 +182,10 @@ async def error_boundary(request: web.Request, handler: Handler) -> web.StreamRe
     except UpstreamError as exc:
         log.warning("upstream_error", reason=exc.reason)
         return _json_error(request, exc.to_error(), exc.http_status)
+    except StoreUnavailable as exc:
+        return _json_error(request, error_object(INTERNAL_ERROR, f"Task store unavailable: {exc}"), 503)
+    except ShuttingDown as exc:
+        return _json_error(request, error_object(INTERNAL_ERROR, f"Cannot create a task: {exc}"), 503)
     except web.HTTPException:
         raise
     except Exception:
@@ -189,7 +208,33 @@ def _json(message: dict[str, Any], *, status: int = 200) -> web.Response:
 
 
 async def healthz(request: web.Request) -> web.Response:
+    """The process serves; never forwarded upstream."""
     return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Ready when the task store answers and the upstream accepts connections; never forwarded upstream."""
+    checks: dict[str, str] = {}
+    try:
+        await request.app[store_key].ping()
+        checks["store"] = "ok"
+    except StoreUnavailable as exc:
+        checks["store"] = str(exc)
+    checks["upstream"] = await request.app[upstream_key].reachable()
+    ready = all(value == "ok" for value in checks.values())
+    return web.json_response({"status": "ready" if ready else "not ready", **checks}, status=200 if ready else 503)
+
+
+def build_store(config: ProxyConfig, *, timer: Callable[[], float] = time.monotonic) -> TaskStore:
+    if config.store.backend == "redis":
+        assert config.store.url is not None
+        return RedisTaskStore(
+            config.store.url,
+            key_prefix=config.store.key_prefix,
+            lease_s=config.store.lease_s,
+            timeout_s=config.store.timeout_s,
+        )
+    return MemoryTaskStore(max_tasks=config.tasks.max_tasks, timer=timer)
 
 
 async def handle_other(request: web.Request) -> web.StreamResponse:

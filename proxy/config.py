@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(Exception):
@@ -80,6 +80,29 @@ class ToolRule(_Strict):
         return fnmatch.fnmatchcase(tool_name, self.match)
 
 
+class StoreConfig(_Strict):
+    backend: Literal["memory", "redis"] = "memory"
+    """memory: one process, nothing to install; redis: shared by several replicas."""
+    url: str | None = None
+    """redis://[user:password@]host:port/db (or rediss://); required for the redis backend."""
+    key_prefix: str = "mcp-tasks-proxy:"
+    """Every key the proxy writes starts with this, so several deployments can share one Redis."""
+    lease_s: Annotated[float, Field(gt=0)] = 10.0
+    """A replica renews its lease every lease_s/3; when it lapses, its running tasks are failed."""
+    reap_interval_s: Annotated[float, Field(gt=0)] = 5.0
+    """How often each replica looks for running tasks of lost replicas (lost ones end within lease_s + this)."""
+    timeout_s: Annotated[float, Field(gt=0)] = 2.0
+    """Limit of each Redis call; past it the request that needed it gets -32603 instead of hanging."""
+
+    @model_validator(mode="after")
+    def _url_for_redis(self) -> StoreConfig:
+        if self.backend == "redis" and not self.url:
+            raise ValueError("the redis backend needs store.url (redis://host:port/db)")
+        if self.url and not self.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("store.url must start with redis://, rediss:// or unix://")
+        return self
+
+
 class LimitsConfig(_Strict):
     max_body_bytes: PositiveInt = 4 * 1024 * 1024
     """Largest request body accepted from a client (tool arguments included); larger ones get HTTP 413."""
@@ -96,6 +119,7 @@ class ProxyConfig(_Strict):
     upstream: UpstreamConfig = UpstreamConfig()
     tasks: TaskDefaults = TaskDefaults()
     tools: list[ToolRule] = []
+    store: StoreConfig = StoreConfig()
     limits: LimitsConfig = LimitsConfig()
     logging: LoggingConfig = LoggingConfig()
 
@@ -173,6 +197,11 @@ def apply_overrides(config: ProxyConfig, overrides: Mapping[str, Any]) -> ProxyC
     data = config.model_dump(mode="json")
     for dotted, value in overrides.items():
         if value is None:
+            continue
+        if dotted == "store":
+            # One setting for the operator: "memory", or the Redis URL (which implies the redis backend).
+            data["store"]["backend"] = "memory" if value == "memory" else "redis"
+            data["store"]["url"] = None if value == "memory" else value
             continue
         section, key = dotted.split(".")
         data[section][key] = value

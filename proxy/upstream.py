@@ -6,6 +6,7 @@ as an async stream of events: Progress, then Finished or Failed. The task runner
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -154,6 +155,17 @@ class Upstream:
     def session(self) -> aiohttp.ClientSession:
         assert self._session is not None, "Upstream used outside its context"
         return self._session
+
+    async def reachable(self, timeout_s: float = 2.0) -> str:
+        """ "ok" when the upstream accepts a TCP connection; otherwise why not (for /readyz)."""
+        parts = urlsplit(self.url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(parts.hostname, port), timeout_s)
+        except (OSError, TimeoutError) as exc:
+            return f"upstream unreachable ({type(exc).__name__})"
+        writer.close()
+        return "ok"
 
     def target(self, path: str, query_string: str, *, is_mcp_endpoint: bool) -> str:
         base = self.url if is_mcp_endpoint else self._origin + path

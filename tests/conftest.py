@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import shutil
 import socket
 import subprocess
 import sys
@@ -91,6 +92,28 @@ def legacy_upstream() -> Iterator[str]:
     try:
         wait_for_port(port, process)
         yield f"http://127.0.0.1:{port}/mcp"
+    finally:
+        stop(process)
+
+
+def start_redis() -> tuple[subprocess.Popen[bytes], str]:
+    """A real redis-server on a free loopback port, nothing persisted; CI installs it (see .ci/run)."""
+    binary = shutil.which("redis-server")
+    assert binary is not None, "redis-server is needed by the Redis store tests (apt-get install redis-server)"
+    port = free_port()
+    process = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+    )
+    wait_for_port(port, process)
+    return process, f"redis://127.0.0.1:{port}/0"
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    process, url = start_redis()
+    try:
+        yield url
     finally:
         stop(process)
 

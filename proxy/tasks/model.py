@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import secrets
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -61,6 +62,8 @@ class TaskRecord:
     """Outstanding input requests by task-unique key, when input_required."""
     collected_responses: dict[str, Any] | None = None
     """Answers received through tasks/update for this round, by task key; never on the wire."""
+    owner: str | None = None
+    """The replica that holds the live upstream call; never on the wire."""
 
     @property
     def is_terminal(self) -> bool:
@@ -85,6 +88,23 @@ class TaskRecord:
         elif self.status is TaskStatus.INPUT_REQUIRED:
             wire["inputRequests"] = self.input_requests or {}
         return wire
+
+
+def to_json(record: TaskRecord) -> str:
+    """The stored form: JSON (never pickle), every field, times in ISO 8601."""
+    data = dataclasses.asdict(record)
+    data["created_at"] = record.created_at.isoformat()
+    data["last_updated_at"] = record.last_updated_at.isoformat()
+    data["status"] = record.status.value
+    return json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+
+
+def from_json(text: str | bytes) -> TaskRecord:
+    data = json.loads(text)
+    data["created_at"] = datetime.fromisoformat(data["created_at"])
+    data["last_updated_at"] = datetime.fromisoformat(data["last_updated_at"])
+    data["status"] = TaskStatus(data["status"])
+    return TaskRecord(**data)
 
 
 def transition(record: TaskRecord, to: TaskStatus, *, now: datetime, **fields: Any) -> TaskRecord:

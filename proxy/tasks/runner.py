@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import os
 import secrets
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime
@@ -20,12 +23,16 @@ from ..upstream import Finished, InputNeeded, Progress
 if TYPE_CHECKING:
     from ..gateway import Gateway
 from .model import TaskRecord, TaskStateError, TaskStatus, new_task_id, transition, utc_now
-from .store import TaskStore
+from .store import StoreUnavailable, TaskStore
 
 log = structlog.get_logger(__name__)
 
 _CANCELLED_BY_CLIENT = "cancelled at the client's request"
 _SHUTDOWN = "the proxy shut down before the upstream call finished"
+
+
+class ShuttingDown(Exception):
+    """The proxy is stopping: it finishes what runs and takes no new task."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -99,6 +106,7 @@ class TaskRunner:
         *,
         now: Callable[[], datetime] = utc_now,
         timer: Callable[[], float] = time.monotonic,
+        reap_interval_s: float = 5.0,
     ) -> None:
         self._store = store
         self._upstream = upstream
@@ -106,13 +114,27 @@ class TaskRunner:
         self._now = now
         self._timer = timer
         self._jobs: dict[str, _Job] = {}
+        self._reap_interval_s = reap_interval_s
+        self._reaper: asyncio.Task[None] | None = None
+        self.accepting = True
+        """False once shutdown began: no new task is taken."""
+        # Unique per process, so a restarted replica never claims a dead one's tasks as its own.
+        self.replica_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
     @property
     def running(self) -> int:
         return len(self._jobs)
 
+    async def start(self) -> None:
+        """Subscribe to events from every replica; with a shared store, also look for lost replicas' tasks."""
+        await self._store.start(self.replica_id, self._on_event)
+        if self._store.shared:
+            self._reaper = asyncio.ensure_future(self._reap_forever())
+
     async def submit(self, call: ToolCall, rule: ToolRule) -> TaskRecord | DirectOutcome:
         """Start the call; return the stored task, or the outcome if it came inside the rule's sync window."""
+        if not self.accepting:
+            raise ShuttingDown("the proxy is shutting down and takes no new tasks")
         job = _Job(
             task_id=new_task_id(),
             call=call,
@@ -123,8 +145,14 @@ class TaskRunner:
             max_input_rounds=rule.max_input_rounds or self._defaults.max_input_rounds,
         )
         call.message = _retry_message(call.message, None, None, keep_client_round=True)
+        # Known before its record exists, so that no lost-replica sweep takes a task being created for a stray.
+        self._jobs[job.task_id] = job
         if rule.sync_window_ms == 0:
-            record = await self._create_record(job)  # durable before anyone hears of it (SEP-2663)
+            try:
+                record = await self._create_record(job)  # durable before anyone hears of it (SEP-2663)
+            except BaseException:
+                self._jobs.pop(job.task_id, None)
+                raise
             self._spawn(job)
             return record
         self._spawn(job)
@@ -153,17 +181,63 @@ class TaskRunner:
         """
         record = await self._transition(task_id, TaskStatus.CANCELLED, status_message=_CANCELLED_BY_CLIENT)
         if record is None:
-            record = await self._store.get(task_id)
-            if record is None:
-                return None
-        job = self._jobs.get(task_id)
-        if job is not None and job.runner is not None and record.status is TaskStatus.CANCELLED:
+            return await self._store.get(task_id)
+        # Whichever replica holds the upstream call stops it; this one may not be it.
+        await self._store.publish({"type": "cancel", "taskId": task_id})
+        return record
+
+    async def _on_event(self, event: dict[str, Any]) -> None:
+        """An event from any replica (this one included) about a task whose call may run here."""
+        job = self._jobs.get(str(event.get("taskId")))
+        if job is None:
+            return
+        if event.get("type") == "cancel" and job.runner is not None:
             job.cancel_reason = _CANCELLED_BY_CLIENT
             job.runner.cancel()
-        return record
+        elif event.get("type") == "input":
+            answers = event.get("answers") if isinstance(event.get("answers"), dict) else {}
+            for key, answer in answers.items():
+                reply = job.replies.pop(key, None)
+                if reply is not None:
+                    await reply(answer)  # legacy: the open call gets each answer as soon as it is given
+            if event.get("resumed"):
+                job.answered.set()
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._reap_interval_s)
+            with contextlib.suppress(StoreUnavailable):  # logged by the store; the next sweep tries again
+                await self.reap_lost()
+
+    async def reap_lost(self) -> int:
+        """Fail the running tasks whose replica's lease lapsed (killed, partitioned); returns how many."""
+        reaped = 0
+        alive: dict[str, bool] = {}
+        for task_id in await self._store.running_task_ids():
+            record = await self._store.get(task_id)
+            if record is None or record.is_terminal or record.owner is None:
+                continue
+            if record.owner == self.replica_id:
+                if task_id in self._jobs:
+                    continue
+                owner_alive = False  # ours, but no call runs for it here any more
+            else:
+                if record.owner not in alive:
+                    alive[record.owner] = await self._store.is_alive(record.owner)
+                owner_alive = alive[record.owner]
+            if owner_alive:
+                continue
+            reason = f"the proxy replica running this task was lost ({record.owner})"
+            error = error_object(INTERNAL_ERROR, f"Proxy failure: {reason}")
+            if await self._transition(task_id, TaskStatus.FAILED, error=error, status_message=reason) is not None:
+                reaped += 1
+        return reaped
 
     async def aclose(self, grace_s: float = 0.0) -> None:
         """Let running calls finish for up to grace_s, then stop the rest and fail their tasks."""
+        self.accepting = False
+        if self._reaper is not None:
+            self._reaper.cancel()
         pending = [job.runner for job in self._jobs.values() if job.runner is not None]
         if pending and grace_s > 0:
             await asyncio.wait(pending, timeout=grace_s)
@@ -184,6 +258,7 @@ class TaskRunner:
             ttl_ms=job.ttl_ms,
             poll_interval_ms=job.poll_interval_ms,
             status_message=job.last_message,
+            owner=self.replica_id,
         )
         job.is_task = True
         await self._store.create(record)
@@ -193,7 +268,6 @@ class TaskRunner:
 
     def _spawn(self, job: _Job) -> None:
         job.runner = asyncio.create_task(self._run(job), name=f"mcp-task:{job.task_id}")
-        self._jobs[job.task_id] = job
         job.runner.add_done_callback(lambda _: self._jobs.pop(job.task_id, None))
 
     async def _run(self, job: _Job) -> None:
@@ -384,16 +458,12 @@ class TaskRunner:
         record = await self._store.update(task_id, apply)
         if record is None:
             return None
-        job = self._jobs.get(task_id)
-        if job is not None:
-            for key, answer in accepted.items():
-                reply = job.replies.pop(key, None)
-                if reply is not None:
-                    await reply(answer)  # legacy: the open call gets each answer as soon as it is given
         if resumed:
             log.info("task_transition", task_id=task_id, tool=record.tool, **{"from": resumed[0].value}, to="working")
-            if job is not None:
-                job.answered.set()
+        if accepted:
+            # The replica holding the call posts legacy answers upstream, or starts the next MRTR round, once.
+            event = {"type": "input", "taskId": task_id, "answers": dict(accepted), "resumed": bool(resumed)}
+            await self._store.publish(event)
         return record
 
     async def _progress(self, job: _Job, event: Progress) -> None:
@@ -427,8 +497,15 @@ class TaskRunner:
                 job.outcome.set_result(outcome)
             return
         await job.created.wait()
-        if await self._transition(job.task_id, status, job=job, **fields) is None:
-            log.info("task_outcome_dropped", task_id=job.task_id, outcome=status.value)
+        for delay_s in (0.5, 1, 2, 4, 8, 15, None):
+            try:
+                if await self._transition(job.task_id, status, job=job, **fields) is None:
+                    log.info("task_outcome_dropped", task_id=job.task_id, outcome=status.value)
+                return
+            except StoreUnavailable:
+                if delay_s is None:
+                    raise  # the outcome is lost with the store; the lease sweep fails the task once it is back
+                await asyncio.sleep(delay_s)  # an outcome is worth waiting for the store to come back
 
     def _abandon(self, job: _Job) -> None:
         # The record expired or was evicted while the call ran: nobody can read the outcome any more.

@@ -5,8 +5,8 @@ from __future__ import annotations
 import heapq
 import time
 from collections import OrderedDict
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 import structlog
 
@@ -15,13 +15,21 @@ from .model import TaskRecord
 log = structlog.get_logger(__name__)
 
 Updater = Callable[[TaskRecord], TaskRecord]
+EventHandler = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 class StoreFullError(Exception):
     """No room for a new task: the cap is reached and every stored task is still running."""
 
 
+class StoreUnavailable(Exception):
+    """The store did not answer (Redis down or too slow); the request that needed it fails with -32603."""
+
+
 class TaskStore(Protocol):
+    shared: bool
+    """True when several replicas share the store (then leases and cross-replica events matter)."""
+
     async def create(self, record: TaskRecord) -> None:
         """Store a new record; it expires ttl_ms after this call, whatever updates follow."""
 
@@ -34,6 +42,21 @@ class TaskStore(Protocol):
         The updater may raise (TaskStateError for a terminal record); the record then stays as it was.
         """
 
+    async def ping(self) -> None:
+        """Raise StoreUnavailable unless the store answers."""
+
+    async def start(self, replica_id: str, on_event: EventHandler) -> None:
+        """Begin delivering events published by any replica to `on_event`, and keep this replica's lease."""
+
+    async def publish(self, event: dict[str, Any]) -> None:
+        """Send an event (a cancel, answers for an input round) to every replica, this one included."""
+
+    async def running_task_ids(self) -> list[str]:
+        """Ids of tasks not yet terminal, for finding those whose replica is gone."""
+
+    async def is_alive(self, replica_id: str) -> bool:
+        """Whether that replica's lease is current."""
+
     async def aclose(self) -> None: ...
 
 
@@ -44,7 +67,10 @@ class MemoryTaskStore:
     so a full store of running tasks refuses new ones with StoreFullError instead.
     """
 
+    shared = False
+
     def __init__(self, *, max_tasks: int, timer: Callable[[], float] = time.monotonic) -> None:
+        self._on_event: EventHandler | None = None
         self._max_tasks = max_tasks
         self._timer = timer
         self._records: dict[str, TaskRecord] = {}
@@ -83,6 +109,22 @@ class MemoryTaskStore:
         if new.is_terminal and not current.is_terminal:
             self._finished[task_id] = None
         return new
+
+    async def ping(self) -> None:
+        return None
+
+    async def start(self, replica_id: str, on_event: EventHandler) -> None:
+        self._on_event = on_event
+
+    async def publish(self, event: dict[str, Any]) -> None:
+        if self._on_event is not None:
+            await self._on_event(event)
+
+    async def running_task_ids(self) -> list[str]:
+        return [task_id for task_id, record in self._records.items() if not record.is_terminal]
+
+    async def is_alive(self, replica_id: str) -> bool:
+        return True  # one process: its own tasks are the only ones
 
     async def aclose(self) -> None:
         self._records.clear()

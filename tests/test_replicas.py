@@ -1,0 +1,179 @@
+"""Several proxy replicas (real processes) sharing tasks in a real redis-server."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+import yaml
+
+from tests.conftest import ROOT, eventually, free_port, start_redis, stop, task_reaches, wait_for_port
+from tests.factories import McpClient, meta
+
+
+@dataclasses.dataclass
+class Replica:
+    process: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+
+@pytest.fixture
+def replicas(tmp_path, redis_url) -> Iterator:
+    """start(upstream, store_url=...) runs one more proxy process; all are stopped at the end."""
+    started: list[Replica] = []
+
+    def start(upstream: str, *, store_url: str = redis_url, prefix: str | None = None, **tasks) -> Replica:
+        port = free_port()
+        policy = {
+            "upstream": {"url": upstream},
+            "store": {
+                "backend": "redis",
+                "url": store_url,
+                "key_prefix": prefix or f"replicas-{tmp_path.name}:",
+                "lease_s": 1,  # short, so a lost replica's tasks fail quickly in tests
+                "reap_interval_s": 0.3,
+                "timeout_s": 1,
+            },
+            "tasks": {"poll_interval_ms": 50, "shutdown_grace_s": 5, **tasks},
+            "tools": [{"match": name} for name in ("gated", "one_question", "slow_report", "ask_name")],
+            "logging": {"format": "json"},
+        }
+        path = tmp_path / f"policy-{port}.yaml"
+        path.write_text(yaml.safe_dump(policy))
+        log = tmp_path / f"replica-{port}.log"
+        with open(log, "wb") as sink:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "proxy", "--config", str(path), "--port", str(port)], stderr=sink, cwd=ROOT
+            )
+        wait_for_port(port, process)
+        replica = Replica(process, f"http://127.0.0.1:{port}/mcp", log)
+        started.append(replica)
+        return replica
+
+    yield start
+    for replica in started:
+        stop(replica.process)
+
+
+@pytest.fixture
+async def session():
+    async with aiohttp.ClientSession() as client_session:
+        yield client_session
+
+
+def gate_tag() -> str:
+    return secrets.token_hex(6)
+
+
+async def gate_is(upstream_client: McpClient, tag: str, state: str) -> bool:
+    reply = await upstream_client.call_tool("gate_state", {"tag": tag}, tasks=False)
+    return reply.result["structuredContent"]["result"] == state
+
+
+async def test_any_replica_answers_and_cancels(replicas, session, mcp_upstream, upstream_client):
+    a, b = McpClient(session, replicas(mcp_upstream).url), McpClient(session, replicas(mcp_upstream).url)
+    tag = gate_tag()
+    created = await a.call_tool("gated", {"tag": tag})
+    task_id = created.result["taskId"]
+    # Written before CreateTaskResult went out: the other replica finds it at once.
+    assert (await b.get_task(task_id)).result["status"] == "working"
+    await eventually(lambda: gate_is(upstream_client, tag, "started"), what="the call starting")
+    ack = await b.cancel_task(task_id)  # B does not hold the call; A does, and must stop it
+    assert ack.result == {"resultType": "complete"}
+    await eventually(lambda: gate_is(upstream_client, tag, "cancelled"), what="A stopping the upstream call")
+    assert (await a.get_task(task_id)).result["status"] == "cancelled"
+
+    done = await a.call_tool("slow_report", {"topic": "t", "seconds": 0})
+    finished = await task_reaches(b, done.result["taskId"], "completed")
+    assert finished.result["result"]["content"][0]["text"].startswith("Report on t")
+
+
+async def test_input_answered_on_another_replica(replicas, session, mcp_upstream, legacy_upstream):
+    # A modern upstream's MRTR round, and a legacy upstream's request on its stream: answered through B.
+    for upstream, tool, key_answer in [
+        (mcp_upstream, "one_question", {"action": "accept", "content": {"answer": "via B"}}),
+        (legacy_upstream, "ask_name", {"action": "accept", "content": {"name": "via B"}}),
+    ]:
+        a, b = McpClient(session, replicas(upstream).url), McpClient(session, replicas(upstream).url)
+        created = await a.call("tools/call", {"name": tool, "arguments": {}, "_meta": meta(elicitation={})})
+        task_id = created.result["taskId"]
+        asking = await task_reaches(b, task_id, "input_required")
+        (key,) = asking.result["inputRequests"]
+        await b.call("tasks/update", {"taskId": task_id, "inputResponses": {key: key_answer}})
+        done = await task_reaches(b, task_id, "completed")
+        assert "via B" in done.result["result"]["content"][0]["text"]
+
+
+async def test_killed_replica_tasks_fail_and_finished_ones_survive(replicas, session, mcp_upstream):
+    doomed = replicas(mcp_upstream)
+    a, b = McpClient(session, doomed.url), McpClient(session, replicas(mcp_upstream).url)
+    finished = await a.call_tool("slow_report", {"topic": "kept", "seconds": 0})
+    await task_reaches(a, finished.result["taskId"], "completed")
+    running = await a.call_tool("gated", {"tag": gate_tag()})
+    os.kill(doomed.process.pid, signal.SIGKILL)
+    doomed.process.wait()
+    failed = await task_reaches(b, running.result["taskId"], "failed")
+    assert "replica running this task was lost" in failed.result["statusMessage"]
+    assert failed.result["error"]["code"] == -32603
+    # A new replica reads every stored task, finished ones included.
+    c = McpClient(session, replicas(mcp_upstream).url)
+    kept = await c.get_task(finished.result["taskId"])
+    assert kept.result["status"] == "completed"
+    assert kept.result["result"]["content"][0]["text"].startswith("Report on kept")
+
+
+async def test_sigterm_lets_running_tasks_finish_within_the_grace(replicas, session, mcp_upstream, upstream_client):
+    leaving = replicas(mcp_upstream)
+    a, b = McpClient(session, leaving.url), McpClient(session, replicas(mcp_upstream).url)
+    finishing, stuck = gate_tag(), gate_tag()
+    finish_task = await a.call_tool("gated", {"tag": finishing})
+    stuck_task = await a.call_tool("gated", {"tag": stuck})
+    await eventually(lambda: gate_is(upstream_client, finishing, "started"), what="the first call starting")
+    await eventually(lambda: gate_is(upstream_client, stuck, "started"), what="the second call starting")
+    leaving.process.send_signal(signal.SIGTERM)
+    await upstream_client.call_tool("release", {"tag": finishing}, tasks=False)
+    assert leaving.process.wait(timeout=60) == 0
+    assert (await task_reaches(b, finish_task.result["taskId"], "completed", "failed")).result["status"] == "completed"
+    failed = await task_reaches(b, stuck_task.result["taskId"], "failed")
+    assert "shut down" in failed.result["statusMessage"]
+
+
+async def test_redis_going_away_gives_quick_errors_and_not_ready_then_recovers(replicas, session, mcp_upstream):
+    process, url = start_redis()
+    try:
+        replica = replicas(mcp_upstream, store_url=url, prefix="away:")
+        client = McpClient(session, replica.url)
+        created = await client.call_tool("slow_report", {"topic": "t", "seconds": 0})
+        task_id = created.result["taskId"]
+        await task_reaches(client, task_id, "completed")
+        ready_url = replica.url.replace("/mcp", "/readyz")
+        os.kill(process.pid, signal.SIGSTOP)
+        try:
+            reply = await client.get_task(task_id)
+            assert reply.status == 503
+            assert reply.error["code"] == -32603 and "Task store unavailable" in reply.error["message"]
+            async with session.get(ready_url) as response:
+                assert response.status == 503
+                body = await response.json()
+            assert body["status"] == "not ready" and body["upstream"] == "ok"
+        finally:
+            os.kill(process.pid, signal.SIGCONT)
+
+        async def recovered():
+            reply = await client.get_task(task_id)
+            return reply.status == 200 and reply.result["status"] == "completed"
+
+        await eventually(recovered, what="the replica recovering by itself")
+        async with session.get(ready_url) as response:
+            assert response.status == 200
+    finally:
+        stop(process)

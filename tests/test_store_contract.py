@@ -1,0 +1,180 @@
+"""One contract for every task store: the in-memory one and Redis (a real redis-server on loopback)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import secrets
+import signal
+from datetime import UTC, datetime
+
+import pytest
+import redis.asyncio as redis_client
+
+from proxy.tasks.model import TaskRecord, TaskStateError, TaskStatus, new_task_id, transition
+from proxy.tasks.redis_store import RedisTaskStore
+from proxy.tasks.store import MemoryTaskStore, StoreUnavailable
+from tests.conftest import eventually, start_redis, stop
+
+T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+
+
+def record(ttl_ms: int = 60_000, **fields) -> TaskRecord:
+    return TaskRecord(
+        task_id=new_task_id(),
+        tool="t",
+        status=TaskStatus.WORKING,
+        created_at=T0,
+        last_updated_at=T0,
+        ttl_ms=ttl_ms,
+        poll_interval_ms=1000,
+        owner="replica-a",
+        **fields,
+    )
+
+
+def redis_store(url: str) -> RedisTaskStore:
+    return RedisTaskStore(url, key_prefix=f"test-{secrets.token_hex(4)}:", lease_s=2, timeout_s=2)
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def store(request, redis_url):
+    if request.param == "memory":
+        yield MemoryTaskStore(max_tasks=1000)
+        return
+    store = redis_store(redis_url)
+    yield store
+    await store.aclose()
+
+
+async def test_round_trip_keeps_every_field(store):
+    rec = record(status_message="hi", collected_responses={"k": {"action": "accept"}}, input_requests=None)
+    await store.create(rec)
+    assert await store.get(rec.task_id) == rec
+    assert await store.get("nope") is None
+    assert await store.update("nope", lambda r: r) is None
+
+
+async def test_terminal_state_is_never_overwritten(store):
+    rec = record()
+    await store.create(rec)
+    done = await store.update(rec.task_id, lambda r: transition(r, TaskStatus.COMPLETED, now=T0, result={"a": 1}))
+    assert done.status is TaskStatus.COMPLETED
+    with pytest.raises(TaskStateError):
+        await store.update(rec.task_id, lambda r: transition(r, TaskStatus.CANCELLED, now=T0))
+    assert await store.get(rec.task_id) == done
+
+
+async def test_concurrent_updates_are_all_applied(store):
+    rec = record(collected_responses={})
+    await store.create(rec)
+
+    def add(n: int):
+        def apply(r: TaskRecord) -> TaskRecord:
+            return dataclasses.replace(r, collected_responses={**r.collected_responses, str(n): {}})
+
+        return apply
+
+    await asyncio.gather(*(store.update(rec.task_id, add(n)) for n in range(30)))
+    final = await store.get(rec.task_id)
+    assert sorted(final.collected_responses, key=int) == [str(n) for n in range(30)]
+
+
+async def test_running_ids_list_unfinished_tasks_only(store):
+    working, finished = record(), record()
+    await store.create(working)
+    await store.create(finished)
+    await store.update(finished.task_id, lambda r: transition(r, TaskStatus.FAILED, now=T0, error={}))
+    running = await store.running_task_ids()
+    assert working.task_id in running and finished.task_id not in running
+
+
+async def test_events_reach_the_subscriber(store):
+    received = []
+
+    async def on_event(event):
+        received.append(event)
+
+    await store.start("replica-a", on_event)
+    await store.publish({"type": "cancel", "taskId": "x"})
+
+    async def delivered():
+        return received == [{"type": "cancel", "taskId": "x"}]
+
+    await eventually(delivered, what="the published event")
+    assert await store.is_alive("replica-a")
+
+
+async def test_redis_ttl_is_fixed_at_creation(redis_url):
+    store = redis_store(redis_url)
+    try:
+        rec = record(ttl_ms=60_000)
+        await store.create(rec)
+        raw = redis_client.Redis.from_url(redis_url)
+        key = f"{store._prefix}task:{rec.task_id}"
+        before = await raw.pttl(key)
+        await asyncio.sleep(0.05)
+        await store.update(rec.task_id, lambda r: transition(r, TaskStatus.WORKING, now=T0, status_message="x"))
+        after = await raw.pttl(key)
+        assert 0 < after < before <= 60_000  # the update kept the deadline; it did not start it again
+        short = record(ttl_ms=300)
+        await store.create(short)
+
+        async def expired():
+            return await store.get(short.task_id) is None
+
+        await eventually(expired, what="Redis expiring the record")
+        assert short.task_id not in await store.running_task_ids()
+        await raw.aclose()
+    finally:
+        await store.aclose()
+
+
+async def test_two_replicas_racing_leave_exactly_one_terminal_state(redis_url):
+    first, second = redis_store(redis_url), redis_store(redis_url)
+    second._prefix = first._prefix
+    second._running_key = first._running_key
+    try:
+        for _ in range(10):
+            rec = record()
+            await first.create(rec)
+            results = await asyncio.gather(
+                first.update(rec.task_id, lambda r: transition(r, TaskStatus.CANCELLED, now=T0)),
+                second.update(rec.task_id, lambda r: transition(r, TaskStatus.COMPLETED, now=T0, result={})),
+                return_exceptions=True,
+            )
+            winners = [r for r in results if isinstance(r, TaskRecord)]
+            losers = [r for r in results if isinstance(r, TaskStateError)]
+            assert len(winners) == 1 and len(losers) == 1
+            assert (await first.get(rec.task_id)).status is winners[0].status
+    finally:
+        await first.aclose()
+        await second.aclose()
+
+
+async def test_redis_that_stops_answering_gives_a_quick_clear_error_and_recovers():
+    process, url = start_redis()
+    store = RedisTaskStore(url, key_prefix="pause:", lease_s=2, timeout_s=0.5)
+    try:
+        rec = record()
+        await store.create(rec)
+        os.kill(process.pid, signal.SIGSTOP)  # Redis hangs: requests must not
+        try:
+            with pytest.raises(StoreUnavailable, match="did not answer"):
+                await asyncio.wait_for(store.get(rec.task_id), timeout=30)
+            with pytest.raises(StoreUnavailable):
+                await asyncio.wait_for(store.ping(), timeout=30)
+        finally:
+            os.kill(process.pid, signal.SIGCONT)
+
+        async def back():
+            try:
+                return await store.get(rec.task_id) == rec
+            except StoreUnavailable:
+                return False
+
+        await eventually(back, what="the store recovering by itself")
+    finally:
+        await store.aclose()
+        stop(process)
