@@ -106,3 +106,15 @@ def test_cli_exits_2_with_one_line_naming_the_key(tmp_path):
     assert done.stderr.strip().splitlines() == [
         f"mcp-tasks-proxy: config error: {path}: tools.0.sync_window: unknown key"
     ]
+
+
+def test_store_override_is_memory_or_a_redis_url(tmp_path):
+    path = write(tmp_path, "upstream:\n  url: http://u:1/mcp\nstore:\n  backend: redis\n  url: redis://file:6379/0\n")
+    config = resolve_config(_args("--config", str(path)), {"MCP_TASKS_PROXY_STORE": "memory"})
+    assert (config.store.backend, config.store.url) == ("memory", None)
+    config = resolve_config(_args("--config", str(path), "--store", "redis://flag:6380/1"), {})
+    assert (config.store.backend, config.store.url) == ("redis", "redis://flag:6380/1")
+    with pytest.raises(ConfigError, match="store: Value error, the redis backend needs store.url"):
+        parse_config({"store": {"backend": "redis"}})
+    with pytest.raises(ConfigError, match="must start with redis://"):
+        resolve_config(_args("--upstream", "http://u/mcp", "--store", "http://not-redis"), {})
