@@ -70,7 +70,8 @@ async def failing_job(reason: str = "the job failed") -> str:
 
 def main() -> None:
     port = int(sys.argv[1]) if len(sys.argv) > 1 else int(os.environ.get("EXAMPLE_SERVER_PORT", "9000"))
-    server.run(transport="streamable-http", host="127.0.0.1", port=port)
+    host = os.environ.get("EXAMPLE_SERVER_HOST", "127.0.0.1")  # 0.0.0.0 in a container, behind the proxy
+    server.run(transport="streamable-http", host=host, port=port)
 
 
 if __name__ == "__main__":

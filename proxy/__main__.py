@@ -1,19 +1,22 @@
-"""Command line: `mcp-tasks-proxy [--config FILE] [--upstream URL] [--host H] [--port P]`."""
+"""Command line: `mcp-tasks-proxy [--config FILE] [--upstream URL] [--host H] [--port P] [--store S]`, and
+`mcp-tasks-proxy check FILE [TOOL ...]`."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import structlog
 from aiohttp import web
 
 from . import __version__
-from .app import MCP_PATH, create_app
+from .app import MCP_PATH, create_app, policy_key
+from .check import check_main
 from .config import ENV_PREFIX, ConfigError, ProxyConfig, apply_overrides, load_config
 from .log import configure_logging
+from .policy import PolicyReloader
 
 # Each operator setting is declared once: (flag, config path, environment variable suffix, type).
 OVERRIDES = (
@@ -62,6 +65,9 @@ def resolve_config(args: argparse.Namespace, environ: os._Environ[str] | dict[st
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["check"]:
+        raise SystemExit(check_main(argv[1:]))
     args = build_parser().parse_args(argv)
     try:
         config = resolve_config(args, os.environ)
@@ -71,18 +77,29 @@ def main(argv: Sequence[str] | None = None) -> None:
     configure_logging(level=config.logging.level, format=config.logging.format)
     log = structlog.get_logger("proxy")
     app = create_app(config)
+    config_path = args.config or os.environ.get(f"{ENV_PREFIX}CONFIG")
 
     async def announce(app: web.Application) -> None:
         log.info(
             "proxy_started",
             listen=f"http://{config.listen.host}:{config.listen.port}{MCP_PATH}",
             upstream=config.upstream_url,
+            upstream_protocol=config.upstream.protocol,
             store=config.store.backend,
             rules=len(config.tools),
+            policy=config_path,
             version=__version__,
         )
 
+    async def reload_ctx(app: web.Application) -> AsyncIterator[None]:
+        reloader = PolicyReloader(app[policy_key], config_path, lambda: resolve_config(args, os.environ))
+        reloader.start()
+        yield
+        await reloader.stop()
+
     app.on_startup.append(announce)
+    if config_path:
+        app.cleanup_ctx.append(reload_ctx)
     # handler_cancellation: a client that closes its stream cancels the relay, which closes the upstream stream.
     web.run_app(
         app,

@@ -46,7 +46,9 @@ from .jsonrpc import (
     result_response,
 )
 from .legacy import LegacyUpstream
+from .metrics import Metrics, method_label
 from .passthrough import forward, forward_rewritten
+from .policy import LivePolicy
 from .tasks.model import TaskRecord, utc_now
 from .tasks.redis_store import RedisTaskStore
 from .tasks.runner import DirectOutcome, ShuttingDown, TaskRunner, ToolCall
@@ -55,12 +57,13 @@ from .upstream import Upstream, UpstreamUnavailable
 
 log = structlog.get_logger(__name__)
 
-config_key = web.AppKey("config_key", ProxyConfig)
+policy_key = web.AppKey("policy_key", LivePolicy)
 upstream_key = web.AppKey("upstream_key", Upstream)
 store_key = web.AppKey("store_key", TaskStore)
 runner_key = web.AppKey("runner_key", TaskRunner)
 gateway_key = web.AppKey("gateway_key", Gateway)
 bridge_key = web.AppKey("bridge_key", SyncBridge)
+metrics_key = web.AppKey("metrics_key", Metrics)
 
 
 @dataclasses.dataclass(slots=True)
@@ -77,6 +80,7 @@ class RequestInfo:
 info_key = web.RequestKey("info_key", RequestInfo)
 
 MCP_PATH = "/mcp"
+LOCAL_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 OWNED_TASK_METHODS = frozenset({"tasks/get", "tasks/update", "tasks/cancel"})
 
 
@@ -92,7 +96,8 @@ def create_app(
         middlewares=[request_context, error_boundary],
         client_max_size=config.limits.max_body_bytes,
     )
-    app[config_key] = config
+    app[policy_key] = policy = LivePolicy(config)
+    app[metrics_key] = Metrics()
     app[store_key] = store if store is not None else build_store(config, timer=timer)
 
     async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -115,10 +120,11 @@ def create_app(
         runner = TaskRunner(
             app[store_key],
             app[gateway_key],
-            config.tasks,
+            lambda: policy.config.tasks,
             now=now,
             timer=timer,
             reap_interval_s=config.store.reap_interval_s,
+            metrics=app[metrics_key],
         )
         app[runner_key] = runner
         try:
@@ -133,6 +139,7 @@ def create_app(
     app.cleanup_ctx.extend([upstream_ctx, store_ctx, runner_ctx])
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
     app.router.add_post(MCP_PATH, handle_mcp_post)
     app.router.add_route("*", MCP_PATH, handle_other)
     app.router.add_route("*", "/{tail:.*}", handle_other)
@@ -158,7 +165,11 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
         status = response.status
         return response
     finally:
-        if request.path not in ("/healthz", "/readyz"):
+        if request.path not in LOCAL_PATHS:
+            elapsed_s = time.perf_counter() - started
+            method = method_label(info.rpc_method)
+            request.app[metrics_key].requests.labels(method, info.mode, str(status)).inc()
+            request.app[metrics_key].request_seconds.labels(method, info.mode).observe(elapsed_s)
             log.info(
                 "request_handled",
                 http_method=request.method,
@@ -168,7 +179,7 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
                 task_id=info.task_id,
                 mode=info.mode,
                 status=status,
-                duration_ms=round((time.perf_counter() - started) * 1000, 2),
+                duration_ms=round(elapsed_s * 1000, 2),
             )
 
 
@@ -194,6 +205,7 @@ async def error_boundary(request: web.Request, handler: Handler) -> web.StreamRe
 
 
 def _json_error(request: web.Request, error: dict[str, Any], status: int) -> web.Response:
+    request.app[metrics_key].errors.labels(str(error.get("code"))).inc()
     info = request[info_key]
     if info.mode == "passthrough":
         info.mode = "local"
@@ -210,6 +222,11 @@ def _json(message: dict[str, Any], *, status: int = 200) -> web.Response:
 async def healthz(request: web.Request) -> web.Response:
     """The process serves; never forwarded upstream."""
     return web.json_response({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text format; never forwarded upstream."""
+    return web.Response(body=request.app[metrics_key].render(), content_type="text/plain", charset="utf-8")
 
 
 async def readyz(request: web.Request) -> web.Response:
@@ -319,7 +336,7 @@ async def _discover_from_legacy(request: web.Request, message: dict[str, Any]) -
 
 
 async def _read_body(request: web.Request) -> bytes:
-    limit = request.app[config_key].limits.max_body_bytes
+    limit = request.app[policy_key].config.limits.max_body_bytes
     try:
         return await request.read()
     except web.HTTPRequestEntityTooLarge:
@@ -355,7 +372,7 @@ async def _tools_call(
     request: web.Request, message: dict[str, Any], relay: Callable[[], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
     """A tools/call: a task when its rule and the request say so, else `relay` carries it synchronously."""
-    config = request.app[config_key]
+    config = request.app[policy_key].config
     params = params_of(message)
     name = params.get("name")
     rule = config.rule_for(name) if isinstance(name, str) else None

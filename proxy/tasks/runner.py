@@ -18,6 +18,7 @@ from multidict import CIMultiDict
 
 from ..config import TaskDefaults, ToolRule
 from ..jsonrpc import INTERNAL_ERROR, MISSING_REQUIRED_CLIENT_CAPABILITY, error_object
+from ..metrics import Metrics
 from ..upstream import Finished, InputNeeded, Progress
 
 if TYPE_CHECKING:
@@ -75,6 +76,7 @@ class _Job:
     upstream_id: str = ""
     """The JSON-RPC id of the upstream attempt in flight (each MRTR round has its own)."""
     upstream_busy: bool = False
+    waiting_input: bool = False
     answered: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     """Set when tasks/update has answered every outstanding input request."""
     issued_keys: set[str] = dataclasses.field(default_factory=set)
@@ -102,12 +104,14 @@ class TaskRunner:
         self,
         store: TaskStore,
         upstream: Gateway,
-        defaults: TaskDefaults,
+        defaults: Callable[[], TaskDefaults],
         *,
         now: Callable[[], datetime] = utc_now,
         timer: Callable[[], float] = time.monotonic,
         reap_interval_s: float = 5.0,
+        metrics: Metrics | None = None,
     ) -> None:
+        self._metrics = metrics or Metrics()
         self._store = store
         self._upstream = upstream
         self._defaults = defaults
@@ -120,10 +124,18 @@ class TaskRunner:
         """False once shutdown began: no new task is taken."""
         # Unique per process, so a restarted replica never claims a dead one's tasks as its own.
         self.replica_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        self._metrics.watch_running(self._running_by_status)
 
     @property
     def running(self) -> int:
         return len(self._jobs)
+
+    def _running_by_status(self) -> dict[str, int]:
+        counts = {"working": 0, "input_required": 0}
+        for job in list(self._jobs.values()):
+            if job.is_task:
+                counts["input_required" if job.waiting_input else "working"] += 1
+        return counts
 
     async def start(self) -> None:
         """Subscribe to events from every replica; with a shared store, also look for lost replicas' tasks."""
@@ -135,14 +147,15 @@ class TaskRunner:
         """Start the call; return the stored task, or the outcome if it came inside the rule's sync window."""
         if not self.accepting:
             raise ShuttingDown("the proxy is shutting down and takes no new tasks")
+        defaults = self._defaults()  # the policy in force now; the job keeps these values through any reload
         job = _Job(
             task_id=new_task_id(),
             call=call,
             rule=rule,
-            ttl_ms=rule.ttl_ms or self._defaults.ttl_ms,
-            poll_interval_ms=rule.poll_interval_ms or self._defaults.poll_interval_ms,
+            ttl_ms=rule.ttl_ms or defaults.ttl_ms,
+            poll_interval_ms=rule.poll_interval_ms or defaults.poll_interval_ms,
             started_s=self._timer(),
-            max_input_rounds=rule.max_input_rounds or self._defaults.max_input_rounds,
+            max_input_rounds=rule.max_input_rounds or defaults.max_input_rounds,
         )
         call.message = _retry_message(call.message, None, None, keep_client_round=True)
         # Known before its record exists, so that no lost-replica sweep takes a task being created for a stray.
@@ -201,6 +214,8 @@ class TaskRunner:
                 if reply is not None:
                     await reply(answer)  # legacy: the open call gets each answer as soon as it is given
             if event.get("resumed"):
+                if job.replies == {}:
+                    job.waiting_input = False  # legacy: nothing outstanding; modern: _ask_client clears it
                 job.answered.set()
 
     async def _reap_forever(self) -> None:
@@ -263,6 +278,7 @@ class TaskRunner:
         job.is_task = True
         await self._store.create(record)
         job.created.set()
+        self._metrics.tasks_created.labels(job.call.tool).inc()
         log.info("task_transition", task_id=job.task_id, tool=job.call.tool, to=record.status.value, duration_ms=0)
         return record
 
@@ -320,6 +336,8 @@ class TaskRunner:
         job.upstream_id = message["id"]
         job.upstream_busy = True
         events = self._upstream.call_tool(message, job.call.headers, job.call.capabilities)
+        started_s = self._timer()
+        outcome = "cancelled"
         try:
             async with asyncio.timeout(job.rule.timeout_s):
                 async for event in events:
@@ -327,20 +345,25 @@ class TaskRunner:
                         await self._progress(job, event)
                     elif isinstance(event, InputNeeded):
                         if event.reply is None:
+                            outcome = "input_required"
                             return event  # a modern upstream: the next round is a new attempt
                         await self._open_questions(job, event)  # a legacy one waits on this very stream
                     elif isinstance(event, Finished):
+                        outcome = "completed"
                         await self._settle(job, TaskStatus.COMPLETED, result=event.result)
                     else:
+                        outcome = "failed"
                         await self._settle(
                             job, TaskStatus.FAILED, error=event.error, status_message=event.status_message
                         )
         except TimeoutError:
+            outcome = "timeout"
             reason = f"the upstream call exceeded its {job.rule.timeout_s:g} s limit (timeout_s)"
             error = error_object(INTERNAL_ERROR, f"Upstream failure: {reason}", {"upstream": self._upstream.url})
             await self._settle(job, TaskStatus.FAILED, error=error, status_message=reason)
         finally:
             job.upstream_busy = False
+            self._metrics.upstream_seconds.labels(job.call.tool, outcome).observe(self._timer() - started_s)
             await events.aclose()
         return None
 
@@ -361,6 +384,8 @@ class TaskRunner:
             key_map[task_key] = upstream_key
             task_requests[task_key] = input_request
         job.answered.clear()
+        job.waiting_input = True
+        self._metrics.input_rounds.labels(job.call.tool).inc()
         waiting = await self._transition(
             job.task_id,
             TaskStatus.INPUT_REQUIRED,
@@ -378,6 +403,7 @@ class TaskRunner:
         except TimeoutError:
             self._abandon(job)
             return None
+        job.waiting_input = False
         record = await self._store.get(job.task_id)
         if record is None or record.status is not TaskStatus.WORKING:
             return None
@@ -392,6 +418,9 @@ class TaskRunner:
                 job.promote.set_result(None)
             await job.created.wait()
         assert needed.reply is not None
+        if not job.waiting_input:
+            job.waiting_input = True
+            self._metrics.input_rounds.labels(job.call.tool).inc()
         added: dict[str, Any] = {}
         for upstream_key, input_request in needed.input_requests.items():
             task_key = job.unique_key(upstream_key)
@@ -532,6 +561,12 @@ class TaskRunner:
             return None
         job = job or self._jobs.get(task_id)
         duration_ms = round((self._timer() - job.started_s) * 1000, 1) if job is not None else None
+        if record.is_terminal:
+            self._metrics.tasks_finished.labels(record.tool, to.value).inc()
+            if duration_ms is not None:
+                self._metrics.task_seconds.labels(record.tool, to.value).observe(duration_ms / 1000)
+            if record.error is not None:
+                self._metrics.errors.labels(str(record.error.get("code"))).inc()
         log.info(
             "task_transition",
             task_id=task_id,

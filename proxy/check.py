@@ -1,0 +1,100 @@
+"""`mcp-tasks-proxy check FILE [TOOL ...]`: validate a policy and show the rule each tool gets."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import sys
+from collections.abc import Sequence
+
+import aiohttp
+from multidict import CIMultiDict
+
+from . import PROTOCOL_VERSION
+from .config import ConfigError, ProxyConfig, apply_overrides, load_config
+from .gateway import Gateway
+from .legacy import LegacyUpstream
+from .log import configure_logging
+from .upstream import Failed, Finished, Upstream, UpstreamUnavailable
+
+
+def check_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="mcp-tasks-proxy check",
+        description="Validate a policy file and print the effective rule for each tool: those the upstream lists "
+        "(when it is reachable), or the names given.",
+    )
+    parser.add_argument("file", help="the YAML policy file")
+    parser.add_argument("tools", nargs="*", help="tool names to check instead of asking the upstream")
+    parser.add_argument("--upstream", metavar="URL", help="ask this upstream instead of the file's upstream.url")
+    args = parser.parse_args(list(argv))
+    configure_logging(level="warning", format="console")  # the report is the output; keep log lines out of it
+    try:
+        config = apply_overrides(load_config(args.file), {"upstream.url": args.upstream})
+    except ConfigError as exc:
+        print(f"mcp-tasks-proxy: config error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.file}: valid, {len(config.tools)} rule(s)")
+    names = list(args.tools)
+    if not names:
+        if config.upstream.url is None:
+            print("no upstream.url to ask for its tools; name the tools to check")
+            return 0
+        try:
+            names = asyncio.run(list_tools(config))
+        except (UpstreamUnavailable, ConnectionError, aiohttp.ClientError, OSError) as exc:
+            print(f"the upstream {config.upstream_url} could not be asked for its tools ({exc}); name them instead")
+            return 0
+        print(f"the upstream {config.upstream_url} lists {len(names)} tool(s)")
+    print_rules(config, names)
+    return 0
+
+
+def print_rules(config: ProxyConfig, names: Sequence[str]) -> None:
+    rows = [("tool", "rule", "task", "sync_window_ms", "timeout_s")]
+    for name in names:
+        rule = config.rule_for(name)
+        if rule is None:
+            rows.append((name, "(none)", "passthrough", "", ""))
+        else:
+            rows.append((name, rule.match, rule.task.value, str(rule.sync_window_ms), f"{rule.timeout_s:g}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+
+
+async def list_tools(config: ProxyConfig) -> list[str]:
+    """Every tool name the upstream lists (following pagination), whichever era it speaks."""
+    async with Upstream(config.upstream_url, connect_timeout_s=config.upstream.connect_timeout_s) as upstream:
+        legacy = LegacyUpstream(upstream, max_sessions=1)
+        gateway = Gateway(upstream, legacy, config.upstream.protocol)
+        names: list[str] = []
+        cursor = None
+        try:
+            for page in itertools.count():
+                params: dict = {
+                    "_meta": {
+                        "io.modelcontextprotocol/protocolVersion": PROTOCOL_VERSION,
+                        "io.modelcontextprotocol/clientCapabilities": {},
+                    }
+                }
+                if cursor is not None:
+                    params["cursor"] = cursor
+                message = {"jsonrpc": "2.0", "id": f"check-{page}", "method": "tools/list", "params": params}
+                headers = CIMultiDict({"MCP-Protocol-Version": PROTOCOL_VERSION, "Mcp-Method": "tools/list"})
+                result = None
+                async for event in gateway.call_tool(message, headers, {}):
+                    if isinstance(event, Finished):
+                        result = event.result
+                    elif isinstance(event, Failed):
+                        raise UpstreamUnavailable(event.status_message)
+                if result is None:
+                    raise UpstreamUnavailable("no tools/list result")
+                names.extend(tool["name"] for tool in result.get("tools", []) if isinstance(tool, dict))
+                cursor = result.get("nextCursor")
+                if not cursor or page > 100:
+                    return names
+        finally:
+            await legacy.aclose()
+        return names

@@ -1,0 +1,97 @@
+"""Prometheus metrics, one registry per application (so tests can build several apps in one process)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+# Method labels come from clients; only known MCP methods are kept, so a client cannot grow the label set.
+KNOWN_METHODS = frozenset(
+    {
+        "initialize",
+        "ping",
+        "server/discover",
+        "tools/list",
+        "tools/call",
+        "prompts/list",
+        "prompts/get",
+        "resources/list",
+        "resources/templates/list",
+        "resources/read",
+        "completion/complete",
+        "subscriptions/listen",
+        "logging/setLevel",
+        "tasks/get",
+        "tasks/update",
+        "tasks/cancel",
+        "tasks/result",
+        "tasks/list",
+    }
+)
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_DURATION_BUCKETS = (0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200)
+
+
+def method_label(method: str | None) -> str:
+    if method is None:
+        return "none"
+    return method if method in KNOWN_METHODS else "other"
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "mcp_tasks_proxy_requests", "HTTP requests handled, by JSON-RPC method, mode and HTTP status",
+            ["method", "mode", "status"], registry=r,
+        )  # fmt: skip
+        self.request_seconds = Histogram(
+            "mcp_tasks_proxy_request_seconds", "Time to answer a request (to its last byte for streams)",
+            ["method", "mode"], buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.errors = Counter(
+            "mcp_tasks_proxy_errors", "JSON-RPC errors the proxy answered or recorded in a failed task, by code",
+            ["code"], registry=r,
+        )  # fmt: skip
+        self.tasks_created = Counter("mcp_tasks_proxy_tasks_created", "Tasks created, by tool", ["tool"], registry=r)
+        self.tasks_finished = Counter(
+            "mcp_tasks_proxy_tasks_finished", "Tasks that reached a terminal status here, by tool and status",
+            ["tool", "status"], registry=r,
+        )  # fmt: skip
+        self.task_seconds = Histogram(
+            "mcp_tasks_proxy_task_duration_seconds", "From creation to the terminal status, by tool and status",
+            ["tool", "status"], buckets=_DURATION_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.upstream_seconds = Histogram(
+            "mcp_tasks_proxy_upstream_call_seconds", "Each upstream attempt of a background call, by outcome",
+            ["tool", "outcome"], buckets=_DURATION_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.input_rounds = Counter(
+            "mcp_tasks_proxy_input_rounds", "Times a task asked its client for input, by tool", ["tool"], registry=r
+        )
+
+    def watch_running(self, running_by_status: Callable[[], dict[str, int]]) -> None:
+        """Report the tasks whose calls run on this replica, by status, at every scrape."""
+        self.registry.register(_RunningCollector(running_by_status))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _RunningCollector(Collector):
+    def __init__(self, running_by_status: Callable[[], dict[str, int]]) -> None:
+        self._running_by_status = running_by_status
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        gauge = GaugeMetricFamily(
+            "mcp_tasks_proxy_tasks_running", "Tasks whose upstream call runs on this replica, by status",
+            labels=["status"],
+        )  # fmt: skip
+        counts = {"working": 0, "input_required": 0, **self._running_by_status()}
+        for status, count in sorted(counts.items()):
+            gauge.add_metric([status], count)
+        yield gauge

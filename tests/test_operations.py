@@ -1,0 +1,191 @@
+"""What operators rely on: metrics, health and readiness, live policy reload, `check`, logs at start-up."""
+
+from __future__ import annotations
+
+import secrets
+import signal
+import subprocess
+import sys
+import time
+
+import structlog
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.app import policy_key
+from proxy.config import load_config
+from proxy.policy import PolicyReloader
+from tests.conftest import ROOT, eventually, free_port, stop, task_reaches, wait_for_port
+from tests.factories import meta
+
+
+async def scrape(proxy) -> dict[tuple[str, tuple], float]:
+    async with proxy.client.session.get(proxy.url.replace("/mcp", "/metrics")) as response:
+        assert response.status == 200
+        text = await response.text()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def value(samples, name: str, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+async def test_metrics_follow_tasks_requests_rounds_and_errors(make_proxy, mcp_upstream, upstream_client):
+    proxy = await make_proxy(mcp_upstream, tools=[{"match": t} for t in ("slow_report", "gated", "one_question")])
+    created = await proxy.client.call_tool("slow_report", {"topic": "m", "seconds": 0})
+    await task_reaches(proxy.client, created.result["taskId"], "completed")
+    gate = secrets.token_hex(6)
+    gated = await proxy.client.call_tool("gated", {"tag": gate})
+    asking = await proxy.client.call(
+        "tools/call", {"name": "one_question", "arguments": {}, "_meta": meta(elicitation={})}
+    )
+    await task_reaches(proxy.client, asking.result["taskId"], "input_required")
+    await proxy.client.get_task("no-such-task")
+    await proxy.client.call("weird/method")
+
+    samples = await scrape(proxy)
+    assert value(samples, "mcp_tasks_proxy_tasks_created_total", tool="slow_report") == 1
+    assert value(samples, "mcp_tasks_proxy_tasks_finished_total", tool="slow_report", status="completed") == 1
+    assert value(samples, "mcp_tasks_proxy_tasks_running", status="working") == 1
+    assert value(samples, "mcp_tasks_proxy_tasks_running", status="input_required") == 1
+    assert value(samples, "mcp_tasks_proxy_input_rounds_total", tool="one_question") == 1
+    assert value(samples, "mcp_tasks_proxy_upstream_call_seconds_count", tool="slow_report", outcome="completed") == 1
+    assert value(samples, "mcp_tasks_proxy_requests_total", method="tools/call", mode="task", status="200") == 3
+    assert value(samples, "mcp_tasks_proxy_errors_total", code="-32602") == 1
+    # A method no MCP revision defines is counted, under "other": clients cannot grow the label set.
+    assert value(samples, "mcp_tasks_proxy_requests_total", method="other", mode="passthrough", status="404") == 1
+    assert value(samples, "mcp_tasks_proxy_request_seconds_count", method="tasks/get", mode="local") >= 2
+
+    await proxy.client.cancel_task(gated.result["taskId"])
+    await upstream_client.call_tool("release", {"tag": gate}, tasks=False)
+
+    async def not_running():
+        return value(await scrape(proxy), "mcp_tasks_proxy_tasks_running", status="working") == 0
+
+    await eventually(not_running, what="the running gauge going down")
+    samples = await scrape(proxy)
+    assert value(samples, "mcp_tasks_proxy_tasks_finished_total", tool="gated", status="cancelled") == 1
+
+
+async def test_health_readiness_and_metrics_are_never_forwarded(make_proxy, fake_upstream):
+    async def handler(request):
+        raise AssertionError("must not be reached")
+
+    fake = await fake_upstream(handler)
+    proxy = await make_proxy(fake.url, protocol="modern")
+    base = proxy.url.removesuffix("/mcp")
+    for path, status in (("/healthz", 200), ("/readyz", 200), ("/metrics", 200)):
+        async with proxy.client.session.get(base + path) as response:
+            assert response.status == status, path
+    assert fake.received == []
+
+
+async def test_readiness_reports_an_unreachable_upstream(make_proxy):
+    proxy = await make_proxy(f"http://127.0.0.1:{free_port()}/mcp", protocol="modern")
+    async with proxy.client.session.get(proxy.url.replace("/mcp", "/readyz")) as response:
+        assert response.status == 503
+        body = await response.json()
+    assert body["status"] == "not ready" and body["store"] == "ok"
+    assert "upstream unreachable" in body["upstream"]
+
+
+async def test_reload_applies_new_rules_to_new_calls_only_and_refuses_invalid_files(
+    make_proxy, mcp_upstream, upstream_client, tmp_path
+):
+    path = tmp_path / "policy.yaml"
+    path.write_text(f"upstream:\n  url: {mcp_upstream}\ntools:\n  - match: gated\n    timeout_s: 600\n")
+    proxy = await make_proxy(mcp_upstream, tools=[{"match": "gated", "timeout_s": 600}])
+    policy = proxy.app[policy_key]
+    reloader = PolicyReloader(policy, str(path), lambda: load_config(path))
+    gate = secrets.token_hex(6)
+    running = await proxy.client.call_tool("gated", {"tag": gate})
+
+    rules = "tools:\n  - match: gated\n    timeout_s: 0.2\n  - match: add\n    task: required\n"
+    path.write_text(f"upstream:\n  url: {mcp_upstream}\n{rules}")
+    assert reloader.reload("test")
+    # New calls get the new rules at once ...
+    refused = await proxy.client.call_tool("add", {"a": 1, "b": 2}, tasks=False)
+    assert refused.error["code"] == -32021
+    quick = await proxy.client.call_tool("gated", {"tag": secrets.token_hex(6)})
+    assert (
+        (await task_reaches(proxy.client, quick.result["taskId"], "failed"))
+        .result["statusMessage"]
+        .endswith("0.2 s limit (timeout_s)")
+    )
+    # ... while the running task keeps the rule it started with (600 s): it is still working, then completes.
+    assert (await proxy.client.get_task(running.result["taskId"])).result["status"] == "working"
+    await upstream_client.call_tool("release", {"tag": gate}, tasks=False)
+    await task_reaches(proxy.client, running.result["taskId"], "completed")
+
+    path.write_text("tools:\n  - match: add\n    task: sometimes\n")
+    with structlog.testing.capture_logs() as logs:
+        assert not reloader.reload("test")
+    assert logs[0]["event"] == "policy_reload_refused"
+    assert "tools.0.task" in logs[0]["error"]
+    assert policy.config.rule_for("add").task.value == "required"  # the running policy stays
+
+
+def test_sighup_and_file_changes_reload_the_running_command(mcp_upstream, tmp_path):
+    path = tmp_path / "policy.yaml"
+    path.write_text("tools: []\n")
+    port = free_port()
+    log_path = tmp_path / "proxy.log"
+    with open(log_path, "wb") as sink:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "proxy", "--config", str(path), "--upstream", mcp_upstream,
+             "--port", str(port), "--log-format", "json"],
+            stderr=sink, cwd=ROOT,
+        )  # fmt: skip
+    try:
+        wait_for_port(port, process)
+        path.write_text("tools:\n  - match: add\n    task: required\n")  # picked up by the file watch
+        deadline = time.monotonic() + 30
+        while b'"policy_reloaded"' not in log_path.read_bytes():
+            assert time.monotonic() < deadline, "the file change was not picked up"
+            time.sleep(0.1)
+        path.write_text("tools: [\n")  # invalid, and announced with SIGHUP
+        process.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 30
+        while b'"policy_reload_refused"' not in log_path.read_bytes():
+            assert time.monotonic() < deadline, "SIGHUP did not reload"
+            time.sleep(0.1)
+        assert process.poll() is None  # still serving, with the last good policy
+    finally:
+        stop(process)
+    text = log_path.read_text()
+    assert '"reason": "file changed"' in text and '"reason": "SIGHUP"' in text
+
+
+def test_check_prints_the_rule_each_tool_gets(mcp_upstream, tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "proxy", "check", "config/sidecar.yaml", "export_all", "search", "delete_me", "other"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "config/sidecar.yaml: valid, 3 rule(s)"
+    assert lines[2].split() == ["export_all", "export_*", "required", "0", "7200"]
+    assert lines[3].split() == ["search", "search", "optional", "2000", "300"]
+    assert lines[5].split() == ["other", "(none)", "passthrough"]
+    asked = subprocess.run(
+        [sys.executable, "-m", "proxy", "check", "config/example.yaml", "--upstream", mcp_upstream],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert asked.returncode == 0, asked.stderr
+    assert "lists" in asked.stdout
+    assert any(line.split()[:3] == ["slow_report", "slow_*", "optional"] for line in asked.stdout.splitlines())
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tools:\n  - match: a\n    taks: x\n")
+    refused = subprocess.run([sys.executable, "-m", "proxy", "check", str(bad)], capture_output=True, text=True)
+    assert refused.returncode == 2
+    assert "tools.0.taks: unknown key" in refused.stderr
+
+
+async def test_passthrough_requests_are_counted_by_method(make_proxy, mcp_upstream):
+    proxy = await make_proxy(mcp_upstream)
+    assert (await proxy.client.call("tools/list")).status == 200
+    samples = await scrape(proxy)
+    assert value(samples, "mcp_tasks_proxy_requests_total", method="tools/list", mode="passthrough", status="200") == 1
