@@ -25,6 +25,7 @@ from .envelope import (
     is_modern,
     meta_of,
     params_of,
+    principal_of,
     without_tasks_declaration,
 )
 from .gateway import Gateway
@@ -156,7 +157,7 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
     """Bind a request id for every log line of this request, and write one line when it is done."""
     structlog.contextvars.clear_contextvars()
     request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
-    structlog.contextvars.bind_contextvars(request_id=request_id)
+    structlog.contextvars.bind_contextvars(request_id=request_id, principal=principal_of(request.headers) or None)
     started = time.perf_counter()
     info = request[info_key] = RequestInfo()
     status = 500

@@ -21,9 +21,9 @@ import structlog
 from aiohttp import web
 from cachetools import TTLCache
 
-from .envelope import META_CLIENT_CAPABILITIES, meta_of, params_of
+from .envelope import META_CLIENT_CAPABILITIES, meta_of, params_of, principal_of
 from .jsonrpc import ERROR_HTTP_STATUS, INVALID_PARAMS, JsonRpcError, dumps, error_response, result_response
-from .legacy import LegacyUpstream, principal_of
+from .legacy import LegacyUpstream
 from .upstream import Event, Failed, Finished, InputNeeded, Progress
 
 log = structlog.get_logger(__name__)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -21,6 +20,7 @@ from cachetools import LRUCache
 from multidict import CIMultiDict, MultiMapping
 
 from . import PROTOCOL_VERSION, TASKS_EXTENSION, __version__
+from .envelope import principal_of
 from .jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, dumps, error_object
 from .sse import SseParser
 from .upstream import (
@@ -74,12 +74,6 @@ class LegacySession:
         if self.session_id is not None:
             headers["Mcp-Session-Id"] = self.session_id
         return headers
-
-
-def principal_of(headers: MultiMapping[str]) -> str:
-    """Sessions are per credential: a legacy server may bind its session to who opened it."""
-    authorization = headers.get("Authorization", "")
-    return hashlib.sha256(authorization.encode()).hexdigest()[:32] if authorization else ""
 
 
 def to_legacy(message: dict[str, Any]) -> dict[str, Any]:
