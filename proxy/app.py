@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -16,7 +17,7 @@ from aiohttp import web
 
 from . import TASKS_EXTENSION
 from .bridge import SyncBridge
-from .config import ProxyConfig, TaskMode
+from .config import ConfigError, ProxyConfig, TaskMode
 from .envelope import (
     META_CLIENT_CAPABILITIES,
     check_name_header,
@@ -25,7 +26,6 @@ from .envelope import (
     is_modern,
     meta_of,
     params_of,
-    principal_of,
     without_tasks_declaration,
 )
 from .gateway import Gateway
@@ -50,9 +50,10 @@ from .legacy import LegacyUpstream
 from .metrics import Metrics, method_label
 from .passthrough import forward, forward_rewritten
 from .policy import LivePolicy
+from .security import HostGuard, Identity, PollGuard
 from .tasks.model import TaskRecord, utc_now
 from .tasks.redis_store import RedisTaskStore
-from .tasks.runner import DirectOutcome, ShuttingDown, TaskRunner, ToolCall
+from .tasks.runner import DirectOutcome, LimitReached, ShuttingDown, TaskRunner, ToolCall
 from .tasks.store import MemoryTaskStore, StoreFullError, StoreUnavailable, TaskStore
 from .upstream import Upstream, UpstreamUnavailable
 
@@ -65,6 +66,9 @@ runner_key = web.AppKey("runner_key", TaskRunner)
 gateway_key = web.AppKey("gateway_key", Gateway)
 bridge_key = web.AppKey("bridge_key", SyncBridge)
 metrics_key = web.AppKey("metrics_key", Metrics)
+identity_key = web.AppKey("identity_key", Identity)
+guard_key = web.AppKey("guard_key", HostGuard)
+poll_guard_key = web.AppKey("poll_guard_key", PollGuard)
 
 
 @dataclasses.dataclass(slots=True)
@@ -94,19 +98,31 @@ def create_app(
 ) -> web.Application:
     """Build the application without starting anything; tests and the CLI both call this."""
     app = web.Application(
-        middlewares=[request_context, error_boundary],
+        middlewares=[request_context, host_guard, error_boundary],
         client_max_size=config.limits.max_body_bytes,
     )
     app[policy_key] = policy = LivePolicy(config)
     app[metrics_key] = Metrics()
+    if (
+        config.store.backend == "redis"
+        and config.security.principal != "none"
+        and not (config.security.principal_key or os.environ.get("MCP_TASKS_PROXY_PRINCIPAL_KEY"))
+    ):
+        raise ConfigError(
+            "security.principal_key: replicas sharing a Redis store must share it (or MCP_TASKS_PROXY_PRINCIPAL_KEY), "
+            "or task owners would differ from replica to replica"
+        )
+    app[identity_key] = identity = Identity(config.security)
+    app[poll_guard_key] = PollGuard(config.limits.min_poll_interval_ms, timer=timer)
+    app[guard_key] = HostGuard(config)
     app[store_key] = store if store is not None else build_store(config, timer=timer)
 
     async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         async with Upstream(config.upstream_url, connect_timeout_s=config.upstream.connect_timeout_s) as upstream:
             app[upstream_key] = upstream
-            legacy = LegacyUpstream(upstream, max_sessions=config.upstream.max_sessions)
+            legacy = LegacyUpstream(upstream, max_sessions=config.upstream.max_sessions, identity=identity)
             app[gateway_key] = Gateway(upstream, legacy, config.upstream.protocol)
-            app[bridge_key] = SyncBridge(legacy, input_wait_s=config.upstream.input_wait_s)
+            app[bridge_key] = SyncBridge(legacy, identity, input_wait_s=config.upstream.input_wait_s)
             probe = asyncio.ensure_future(_probe_era(app[gateway_key]))
             yield
             probe.cancel()
@@ -122,6 +138,7 @@ def create_app(
             app[store_key],
             app[gateway_key],
             lambda: policy.config.tasks,
+            lambda: policy.config.limits,
             now=now,
             timer=timer,
             reap_interval_s=config.store.reap_interval_s,
@@ -157,7 +174,8 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
     """Bind a request id for every log line of this request, and write one line when it is done."""
     structlog.contextvars.clear_contextvars()
     request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
-    structlog.contextvars.bind_contextvars(request_id=request_id, principal=principal_of(request.headers) or None)
+    principal = request.app[identity_key].principal(request.headers) or None
+    structlog.contextvars.bind_contextvars(request_id=request_id, principal=principal)
     started = time.perf_counter()
     info = request[info_key] = RequestInfo()
     status = 500
@@ -182,6 +200,17 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
                 status=status,
                 duration_ms=round(elapsed_s * 1000, 2),
             )
+
+
+@web.middleware
+async def host_guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Refuse Host and Origin values the policy does not allow (DNS rebinding), before anything else runs."""
+    guard = request.app[guard_key]
+    if not guard.host_allowed(request.headers.get("Host")):
+        return _json_error(request, error_object(INVALID_REQUEST, "Invalid Host header (security.allowed_hosts)"), 421)
+    if not guard.origin_allowed(request.headers.get("Origin")):
+        return _json_error(request, error_object(INVALID_REQUEST, "Origin not allowed (security.allowed_origins)"), 403)
+    return await handler(request)
 
 
 @web.middleware
@@ -401,12 +430,13 @@ async def _tools_call(
         message=forwarded,
         headers=request.headers.copy(),
         capabilities=capabilities if isinstance(capabilities, dict) else {},
+        principal=request.app[identity_key].principal(request.headers),
     )
     info.mode = "task"
     try:
         outcome = await request.app[runner_key].submit(call, rule)
-    except StoreFullError as exc:
-        raise JsonRpcError(INTERNAL_ERROR, f"Cannot create a task: {exc}") from exc
+    except (StoreFullError, LimitReached) as exc:
+        raise JsonRpcError(INTERNAL_ERROR, f"Cannot create a task: {exc}", getattr(exc, "data", None)) from exc
     if isinstance(outcome, TaskRecord):
         info.task_id = outcome.task_id
         return _json(result_response(message["id"], {**outcome.to_wire(), "resultType": "task"}))
@@ -440,24 +470,28 @@ async def _tasks_method(request: web.Request, message: dict[str, Any]) -> dict[s
         raise JsonRpcError(INVALID_PARAMS, "Invalid params: taskId must be a string")
     check_name_header(request.headers, task_id)
     request[info_key].task_id = task_id
+    responses = params.get("inputResponses")
+    if method == "tasks/update" and (
+        not isinstance(responses, dict) or not all(isinstance(answer, dict) for answer in responses.values())
+    ):
+        raise JsonRpcError(INVALID_PARAMS, "Invalid params: inputResponses must be an object of result objects")
     store = request.app[store_key]
     runner = request.app[runner_key]
+    record = await store.get(task_id)
+    # Another principal's task answers exactly as an unknown one: nothing reveals that it exists.
+    if record is None or record.principal != request.app[identity_key].principal(request.headers):
+        raise _task_not_found()
+    request[info_key].tool = record.tool
     if method == "tasks/get":
-        record = await store.get(task_id)
-        if record is None:
-            raise _task_not_found()
-        request[info_key].tool = record.tool
+        request.app[poll_guard_key].check(task_id, record.poll_interval_ms)
         return {**record.to_wire(), "resultType": "complete"}
     if method == "tasks/update":
-        responses = params.get("inputResponses")
-        if not isinstance(responses, dict) or not all(isinstance(answer, dict) for answer in responses.values()):
-            raise JsonRpcError(INVALID_PARAMS, "Invalid params: inputResponses must be an object of result objects")
+        assert isinstance(responses, dict)
         # Answers to keys that are not outstanding are ignored (SEP-2663); the ack is eventually consistent.
         if await runner.deliver_input(task_id, responses) is None:
             raise _task_not_found()
         return {"resultType": "complete"}
-    record = await runner.cancel(task_id)
-    if record is None:
+    if await runner.cancel(task_id) is None:
         raise _task_not_found()
     return {"resultType": "complete"}
 

@@ -21,9 +21,10 @@ import structlog
 from aiohttp import web
 from cachetools import TTLCache
 
-from .envelope import META_CLIENT_CAPABILITIES, meta_of, params_of, principal_of
+from .envelope import META_CLIENT_CAPABILITIES, meta_of, params_of
 from .jsonrpc import ERROR_HTTP_STATUS, INVALID_PARAMS, JsonRpcError, dumps, error_response, result_response
 from .legacy import LegacyUpstream
+from .security import Identity
 from .upstream import Event, Failed, Finished, InputNeeded, Progress
 
 log = structlog.get_logger(__name__)
@@ -65,8 +66,11 @@ def _abandon(call: _Call, why: str) -> None:
 
 
 class SyncBridge:
-    def __init__(self, legacy: LegacyUpstream, *, input_wait_s: float, max_parked: int = 10_000) -> None:
+    def __init__(
+        self, legacy: LegacyUpstream, identity: Identity, *, input_wait_s: float, max_parked: int = 10_000
+    ) -> None:
         self._legacy = legacy
+        self._identity = identity
         self._secret = secrets.token_bytes(32)
         self._parked = _ParkedCalls(maxsize=max_parked, ttl=input_wait_s)
         self._sweeper: asyncio.Task[None] | None = None
@@ -172,7 +176,8 @@ class SyncBridge:
     def _mac(self, handle: str, request: web.Request, message: dict[str, Any]) -> str:
         params = params_of(message)
         subject = params.get("name", params.get("uri", ""))
-        binding = f"{handle}|{principal_of(request.headers)}|{message['method']}|{subject}".encode()
+        caller = self._identity.credential(request.headers)
+        binding = f"{handle}|{caller}|{message['method']}|{subject}".encode()
         digest = hmac.new(self._secret, binding, hashlib.sha256).digest()
         return base64.urlsafe_b64encode(digest).decode().rstrip("=")
 

@@ -16,6 +16,7 @@ from .config import ConfigError, ProxyConfig, apply_overrides, load_config
 from .gateway import Gateway
 from .legacy import LegacyUpstream
 from .log import configure_logging
+from .security import Identity
 from .upstream import Failed, Finished, Upstream, UpstreamUnavailable
 
 
@@ -67,7 +68,7 @@ def print_rules(config: ProxyConfig, names: Sequence[str]) -> None:
 async def list_tools(config: ProxyConfig) -> list[str]:
     """Every tool name the upstream lists (following pagination), whichever era it speaks."""
     async with Upstream(config.upstream_url, connect_timeout_s=config.upstream.connect_timeout_s) as upstream:
-        legacy = LegacyUpstream(upstream, max_sessions=1)
+        legacy = LegacyUpstream(upstream, max_sessions=1, identity=Identity(config.security))
         gateway = Gateway(upstream, legacy, config.upstream.protocol)
         names: list[str] = []
         cursor = None

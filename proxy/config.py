@@ -71,6 +71,10 @@ class ToolRule(_Strict):
     """The limit of each upstream attempt of a background call; past it the task fails."""
     max_input_rounds: PositiveInt | None = None
     """Overrides tasks.max_input_rounds for this rule's tasks."""
+    max_concurrency: PositiveInt | None = None
+    """At most this many background calls of each matching tool at once on this replica (None: no limit)."""
+    on_limit: Literal["queue", "refuse"] = "queue"
+    """Past max_concurrency: queue the task until a call ends, or refuse the tools/call with an error."""
     ttl_ms: PositiveInt | None = None
     """Overrides tasks.ttl_ms for this rule's tasks."""
     poll_interval_ms: PositiveInt | None = None
@@ -106,6 +110,30 @@ class StoreConfig(_Strict):
 class LimitsConfig(_Strict):
     max_body_bytes: PositiveInt = 4 * 1024 * 1024
     """Largest request body accepted from a client (tool arguments included); larger ones get HTTP 413."""
+    max_running_tasks: PositiveInt = 1000
+    """Background calls running on this replica at once; a task past it is refused with an error."""
+    max_tasks_per_principal: PositiveInt | None = None
+    """Background calls one principal may have running on this replica at once (None: no limit)."""
+    max_result_bytes: PositiveInt = 16 * 1024 * 1024
+    """Largest result a task stores; a larger one fails the task with a message that says so."""
+    min_poll_interval_ms: Annotated[int, Field(ge=0)] = 0
+    """If > 0, tasks/get on one task faster than this is refused (HTTP 429) with the task's pollIntervalMs."""
+
+
+class SecurityConfig(_Strict):
+    principal: Literal["authorization", "header", "none"] = "authorization"
+    """Who owns a task: a keyed hash of the Authorization header; a header a trusted front proxy sets; or nobody
+    (one tenant). Only its owner can see, answer or cancel a task."""
+    principal_header: str = "X-Forwarded-User"
+    """With principal: header, the header that names the caller (only trust it behind a proxy that sets it)."""
+    principal_key: str | None = None
+    """Key of the principal hashes; replicas sharing a Redis store must share it (or MCP_TASKS_PROXY_PRINCIPAL_KEY)."""
+    allowed_hosts: list[str] | None = None
+    """Host header values accepted ("host", "host:port", "*"); default: loopback names when listening on loopback,
+    any otherwise. Guards against DNS rebinding."""
+    allowed_origins: list[str] | None = None
+    """Origin header values accepted ("scheme://host[:port]", "*"); requests without Origin are not browsers and pass.
+    Default: loopback origins when listening on loopback, none otherwise."""
 
 
 class LoggingConfig(_Strict):
@@ -121,6 +149,7 @@ class ProxyConfig(_Strict):
     tools: list[ToolRule] = []
     store: StoreConfig = StoreConfig()
     limits: LimitsConfig = LimitsConfig()
+    security: SecurityConfig = SecurityConfig()
     logging: LoggingConfig = LoggingConfig()
 
     @field_validator("tools")

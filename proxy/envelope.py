@@ -5,10 +5,6 @@ from __future__ import annotations
 import base64
 import binascii
 import copy
-import hashlib
-import hmac
-import os
-import secrets
 from typing import Any
 
 from multidict import MultiMapping
@@ -111,16 +107,3 @@ def without_tasks_declaration(message: dict[str, Any]) -> dict[str, Any]:
         params["_meta"] = {**meta, META_CLIENT_CAPABILITIES: capabilities}
     forwarded["params"] = params
     return forwarded
-
-
-# Keyed, so that a logged or stored principal cannot be brute-forced back into a weak credential. Replicas that
-# must agree on principals (shared logs, the Redis store) are given the same key through the environment.
-_PRINCIPAL_KEY = (os.environ.get("MCP_TASKS_PROXY_PRINCIPAL_KEY") or secrets.token_hex(32)).encode()
-
-
-def principal_of(headers: MultiMapping[str]) -> str:
-    """Who is calling, as a keyed hash of the Authorization header ("" without one); never the credential."""
-    authorization = headers.get("Authorization", "")
-    if not authorization:
-        return ""
-    return hmac.new(_PRINCIPAL_KEY, authorization.encode(), hashlib.sha256).hexdigest()[:32]

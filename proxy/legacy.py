@@ -20,8 +20,8 @@ from cachetools import LRUCache
 from multidict import CIMultiDict, MultiMapping
 
 from . import PROTOCOL_VERSION, TASKS_EXTENSION, __version__
-from .envelope import principal_of
 from .jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, dumps, error_object
+from .security import Identity
 from .sse import SseParser
 from .upstream import (
     TASK_CALL_SKIP,
@@ -150,8 +150,9 @@ def declined_answer(method: str, capabilities: dict[str, Any], params: dict[str,
 class LegacyUpstream:
     """A legacy upstream behind the proxy: per-principal sessions, and calls read as events."""
 
-    def __init__(self, upstream: Upstream, *, max_sessions: int) -> None:
+    def __init__(self, upstream: Upstream, *, max_sessions: int, identity: Identity) -> None:
         self._upstream = upstream
+        self._identity = identity
         self._sessions: LRUCache[str, LegacySession] = _SessionCache(maxsize=max_sessions, on_evict=self._end_session)
         self._opening: dict[str, asyncio.Task[LegacySession]] = {}
         self._background: set[asyncio.Task[None]] = set()
@@ -164,7 +165,7 @@ class LegacyUpstream:
     # --- sessions ---------------------------------------------------------------------------------------------
 
     async def session_for(self, client_headers: MultiMapping[str]) -> LegacySession:
-        principal = principal_of(client_headers)
+        principal = self._identity.credential(client_headers)  # sessions are per credential
         session = self._sessions.get(principal)
         if session is not None:
             return session

@@ -210,9 +210,9 @@ async def eventually(check: Callable[[], Awaitable[Any]], *, timeout_s: float = 
         await asyncio.sleep(0.02)
 
 
-async def task_reaches(client: McpClient, task_id: str, *statuses: str) -> Reply:
+async def task_reaches(client: McpClient, task_id: str, *statuses: str, headers: dict[str, str] | None = None) -> Reply:
     async def check() -> Reply | None:
-        reply = await client.get_task(task_id)
+        reply = await client.get_task(task_id, headers=headers)
         return reply if reply.result["status"] in statuses else None
 
     return await eventually(check, what=f"task {task_id} reaching {statuses}")

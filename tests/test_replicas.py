@@ -44,6 +44,7 @@ def replicas(tmp_path, redis_url) -> Iterator:
                 "timeout_s": 1,
             },
             "tasks": {"poll_interval_ms": 50, "shutdown_grace_s": 5, **tasks},
+            "security": {"principal_key": "replicas-share-this-key"},
             "tools": [{"match": name} for name in ("gated", "one_question", "slow_report", "ask_name")],
             "logging": {"format": "json"},
         }

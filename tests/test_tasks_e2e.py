@@ -196,7 +196,9 @@ async def test_timeout_fails_the_task_with_a_message_naming_the_limit(make_proxy
 
 async def test_background_call_carries_the_callers_credentials(proxy):
     created = await proxy.client.call_tool("echo_authorization", headers={"Authorization": "Bearer sekrit"})
-    done = await task_reaches(proxy.client, created.result["taskId"], "completed")
+    done = await task_reaches(
+        proxy.client, created.result["taskId"], "completed", headers={"Authorization": "Bearer sekrit"}
+    )
     assert done.result["result"]["structuredContent"] == {"result": "Bearer sekrit"}
 
 

@@ -64,6 +64,8 @@ class TaskRecord:
     """Answers received through tasks/update for this round, by task key; never on the wire."""
     owner: str | None = None
     """The replica that holds the live upstream call; never on the wire."""
+    principal: str = ""
+    """Who created the task (a keyed hash, "" for none); only they may see it. Never on the wire."""
 
     @property
     def is_terminal(self) -> bool:

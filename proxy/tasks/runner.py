@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from multidict import CIMultiDict
 
-from ..config import TaskDefaults, ToolRule
-from ..jsonrpc import INTERNAL_ERROR, MISSING_REQUIRED_CLIENT_CAPABILITY, error_object
+from ..config import LimitsConfig, TaskDefaults, ToolRule
+from ..jsonrpc import INTERNAL_ERROR, MISSING_REQUIRED_CLIENT_CAPABILITY, dumps, error_object
 from ..metrics import Metrics
 from ..upstream import Finished, InputNeeded, Progress
 
@@ -36,6 +36,14 @@ class ShuttingDown(Exception):
     """The proxy is stopping: it finishes what runs and takes no new task."""
 
 
+class LimitReached(Exception):
+    """A concurrency limit of the policy refuses this task; the message names the limit."""
+
+    def __init__(self, message: str, **data: Any) -> None:
+        super().__init__(message)
+        self.data = data or None
+
+
 @dataclasses.dataclass(slots=True)
 class ToolCall:
     """What the upstream is asked: the tools/call message (with the proxy's own id) and the client's headers."""
@@ -45,6 +53,8 @@ class ToolCall:
     headers: CIMultiDict[str]
     capabilities: dict[str, Any] = dataclasses.field(default_factory=dict)
     """The client capabilities the task-creating request declared; they bound what input may be asked."""
+    principal: str = ""
+    """Who asked (a keyed hash): the task's owner."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -70,6 +80,9 @@ class _Job:
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
     max_input_rounds: int = 10
+    max_result_bytes: int = 16 * 1024 * 1024
+    slots: asyncio.Semaphore | None = None
+    """The tool's max_concurrency slots, when its rule sets one."""
     last_message: str | None = None
     cancel_reason: str | None = None
     runner: asyncio.Task[None] | None = None
@@ -105,6 +118,7 @@ class TaskRunner:
         store: TaskStore,
         upstream: Gateway,
         defaults: Callable[[], TaskDefaults],
+        limits: Callable[[], LimitsConfig] = LimitsConfig,
         *,
         now: Callable[[], datetime] = utc_now,
         timer: Callable[[], float] = time.monotonic,
@@ -115,6 +129,8 @@ class TaskRunner:
         self._store = store
         self._upstream = upstream
         self._defaults = defaults
+        self._limits = limits
+        self._slots: dict[tuple[str, int], asyncio.Semaphore] = {}
         self._now = now
         self._timer = timer
         self._jobs: dict[str, _Job] = {}
@@ -148,6 +164,8 @@ class TaskRunner:
         if not self.accepting:
             raise ShuttingDown("the proxy is shutting down and takes no new tasks")
         defaults = self._defaults()  # the policy in force now; the job keeps these values through any reload
+        limits = self._limits()
+        slots = self._admit(call, rule, limits)
         job = _Job(
             task_id=new_task_id(),
             call=call,
@@ -156,6 +174,8 @@ class TaskRunner:
             poll_interval_ms=rule.poll_interval_ms or defaults.poll_interval_ms,
             started_s=self._timer(),
             max_input_rounds=rule.max_input_rounds or defaults.max_input_rounds,
+            max_result_bytes=limits.max_result_bytes,
+            slots=slots,
         )
         call.message = _retry_message(call.message, None, None, keep_client_round=True)
         # Known before its record exists, so that no lost-replica sweep takes a task being created for a stray.
@@ -186,6 +206,33 @@ class TaskRunner:
             job.cancel_reason = "the task could not be stored"
             job.runner.cancel()  # type: ignore[union-attr]
             raise
+
+    def _admit(self, call: ToolCall, rule: ToolRule, limits: LimitsConfig) -> asyncio.Semaphore | None:
+        """Apply the policy's concurrency limits to a new task; returns the tool's slots when it has a limit."""
+        if len(self._jobs) >= limits.max_running_tasks:
+            raise LimitReached(
+                f"this proxy replica already runs {limits.max_running_tasks} background calls "
+                "(limits.max_running_tasks); try again later",
+                limit="max_running_tasks",
+            )
+        if limits.max_tasks_per_principal is not None:
+            mine = sum(1 for job in self._jobs.values() if job.call.principal == call.principal)
+            if mine >= limits.max_tasks_per_principal:
+                raise LimitReached(
+                    f"this caller already has {mine} tasks running, the most allowed "
+                    "(limits.max_tasks_per_principal); wait for one to finish",
+                    limit="max_tasks_per_principal",
+                )
+        if rule.max_concurrency is None:
+            return None
+        slots = self._slots.setdefault((call.tool, rule.max_concurrency), asyncio.Semaphore(rule.max_concurrency))
+        if rule.on_limit == "refuse" and slots.locked():
+            raise LimitReached(
+                f"tool {call.tool!r} runs at most {rule.max_concurrency} calls at once (max_concurrency), and this "
+                "policy refuses more instead of queueing them (on_limit: refuse); try again later",
+                limit="max_concurrency",
+            )
+        return slots
 
     async def cancel(self, task_id: str) -> TaskRecord | None:
         """Record the cancellation and stop the upstream call; None when the task is unknown.
@@ -274,6 +321,7 @@ class TaskRunner:
             poll_interval_ms=job.poll_interval_ms,
             status_message=job.last_message,
             owner=self.replica_id,
+            principal=job.call.principal,
         )
         job.is_task = True
         await self._store.create(record)
@@ -289,7 +337,15 @@ class TaskRunner:
     async def _run(self, job: _Job) -> None:
         structlog.contextvars.bind_contextvars(task_id=job.task_id, tool=job.call.tool)
         try:
-            await self._drive(job)
+            if job.slots is None:
+                await self._drive(job)
+            else:
+                if job.slots.locked():
+                    await self._progress(
+                        job, Progress(f"queued: {job.call.tool} runs a limited number of calls at once")
+                    )
+                async with job.slots:
+                    await self._drive(job)
         except asyncio.CancelledError:
             if job.cancel_reason == _SHUTDOWN:
                 error = error_object(INTERNAL_ERROR, f"Proxy failure: {_SHUTDOWN}")
@@ -350,7 +406,15 @@ class TaskRunner:
                         await self._open_questions(job, event)  # a legacy one waits on this very stream
                     elif isinstance(event, Finished):
                         outcome = "completed"
-                        await self._settle(job, TaskStatus.COMPLETED, result=event.result)
+                        size = len(dumps(event.result))
+                        if size > job.max_result_bytes:
+                            reason = (
+                                f"the result of {size} bytes exceeds limits.max_result_bytes ({job.max_result_bytes})"
+                            )
+                            error = error_object(INTERNAL_ERROR, f"Proxy failure: {reason}")
+                            await self._settle(job, TaskStatus.FAILED, error=error, status_message=reason)
+                        else:
+                            await self._settle(job, TaskStatus.COMPLETED, result=event.result)
                     else:
                         outcome = "failed"
                         await self._settle(

@@ -1,0 +1,102 @@
+"""Who is calling (task ownership, keyed hashes of credentials) and which Host and Origin may call at all."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import time
+from collections.abc import Callable
+
+from cachetools import TTLCache
+from multidict import MultiMapping
+
+from .config import ProxyConfig, SecurityConfig
+from .jsonrpc import INTERNAL_ERROR, JsonRpcError
+
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]", "::1")
+
+
+class Identity:
+    """Keyed hashes of who calls, so that logs and the store never hold a credential, nor one that can be guessed
+    back from its hash. The key comes from the config or the environment, else is random per process."""
+
+    def __init__(self, config: SecurityConfig) -> None:
+        key = config.principal_key or os.environ.get("MCP_TASKS_PROXY_PRINCIPAL_KEY") or secrets.token_hex(32)
+        self._key = key.encode()
+        self._mode = config.principal
+        self._header = config.principal_header
+
+    def _hash(self, value: str) -> str:
+        return hmac.new(self._key, value.encode(), hashlib.sha256).hexdigest()[:32]
+
+    def credential(self, headers: MultiMapping[str]) -> str:
+        """The caller's credential (Authorization), hashed; "" without one. Keys legacy sessions and MRTR handles."""
+        authorization = headers.get("Authorization", "")
+        return self._hash("authorization:" + authorization) if authorization else ""
+
+    def principal(self, headers: MultiMapping[str]) -> str:
+        """The owner of the tasks this request creates, and whose tasks it may see."""
+        if self._mode == "none":
+            return ""
+        if self._mode == "header":
+            value = headers.get(self._header, "")
+            return self._hash("header:" + value) if value else ""
+        return self.credential(headers)
+
+
+class HostGuard:
+    """Host and Origin checks against DNS rebinding (a browser page turning a loopback sidecar into its proxy)."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        loopback = config.listen.host in LOOPBACK_NAMES
+        hosts = config.security.allowed_hosts
+        origins = config.security.allowed_origins
+        self._hosts = hosts if hosts is not None else (["127.0.0.1", "localhost", "[::1]"] if loopback else ["*"])
+        self._origins = (
+            origins
+            if origins is not None
+            else (["http://127.0.0.1", "http://localhost", "http://[::1]"] if loopback else [])
+        )
+
+    def host_allowed(self, host: str | None) -> bool:
+        return host is not None and _matches(host.lower(), self._hosts)
+
+    def origin_allowed(self, origin: str | None) -> bool:
+        return origin is None or _matches(origin.lower(), self._origins)
+
+
+def _matches(value: str, patterns: list[str]) -> bool:
+    """`pattern` matches itself with any port, or exactly with its own port; "*" matches anything."""
+    for pattern in patterns:
+        pattern = pattern.lower()
+        if pattern == "*" or value == pattern:
+            return True
+        if value.startswith(pattern + ":") and value[len(pattern) + 1 :].isdigit():
+            return True
+    return False
+
+
+class PollGuard:
+    """The optional per-task polling rate limit (a MAY of SEP-2663): tasks/get on one task at most once per interval."""
+
+    def __init__(self, min_interval_ms: int, *, timer: Callable[[], float] = time.monotonic) -> None:
+        self._min_interval_s = min_interval_ms / 1000
+        self._timer = timer
+        # Bounded, and an entry is useless after the interval anyway.
+        self._last: TTLCache[str, float] = TTLCache(maxsize=100_000, ttl=max(self._min_interval_s, 1), timer=timer)
+
+    def check(self, task_id: str, poll_interval_ms: int) -> None:
+        if self._min_interval_s <= 0:
+            return
+        now = self._timer()
+        last = self._last.get(task_id)
+        if last is not None and now - last < self._min_interval_s:
+            raise JsonRpcError(
+                INTERNAL_ERROR,
+                f"Polling too fast: poll this task at most every {poll_interval_ms} ms",
+                {"pollIntervalMs": poll_interval_ms},
+                http_status=429,
+            )
+        self._last[task_id] = now
