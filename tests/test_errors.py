@@ -293,3 +293,45 @@ async def test_shutdown_fails_running_tasks_instead_of_leaving_them_working(make
     release.set()
     assert record.status == "failed"
     assert "shut down" in record.status_message
+
+
+async def slow_drip(request, body):
+    """The answer arrives a few bytes at a time."""
+    message = json.dumps(
+        {"jsonrpc": "2.0", "id": body["id"], "result": {"content": [{"type": "text", "text": "drip"}]}}
+    )
+    payload = f"data: {message}\n\n".encode()
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for start in range(0, len(payload), 7):
+        await response.write(payload[start : start + 7])
+        await asyncio.sleep(0.005)
+    await response.write_eof()
+    return response
+
+
+async def never_ends(request, body):
+    """Keep-alives forever, and never an answer."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    while True:
+        await response.write(b": keep-alive\n\n")
+        await asyncio.sleep(0.05)
+
+
+async def test_slow_drip_is_read_to_the_end(make_proxy, fake_upstream):
+    fake = await fake_upstream(_call_handler(slow_drip))
+    proxy = await make_proxy(fake.url, protocol="modern", tools=[{"match": "*"}])
+    created = await proxy.client.call_tool("job")
+    done = await task_reaches(proxy.client, created.result["taskId"], "completed", "failed")
+    assert done.result["result"]["content"][0]["text"] == "drip"
+    relayed = await proxy.client.call_tool("job", tasks=False)  # and relayed as it drips, for pass-through
+    assert relayed.message["result"]["content"][0]["text"] == "drip"
+
+
+async def test_a_stream_that_never_ends_is_cut_by_the_rule_timeout(make_proxy, fake_upstream):
+    fake = await fake_upstream(_call_handler(never_ends))
+    proxy = await make_proxy(fake.url, protocol="modern", tools=[{"match": "*", "timeout_s": 0.5}])
+    created = await proxy.client.call_tool("job")
+    failed = await task_reaches(proxy.client, created.result["taskId"], "failed")
+    assert "0.5 s limit (timeout_s)" in failed.result["statusMessage"]

@@ -1,0 +1,187 @@
+"""Fuzzing: malformed and adversarial JSON-RPC thrown at a running proxy (a real process, in front of a real
+`mcp` 2.x upstream). Every time: a JSON-RPC answer or a relayed upstream answer, never a 5xx; no task is corrupted;
+and the next request is served."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import ROOT, free_port, stop, wait_for_port
+from tests.factories import meta
+from tests.schemas import validate, validate_response
+
+METHODS = ["tools/call", "tools/list", "tasks/get", "tasks/update", "tasks/cancel", "tasks/list", "tasks/result",
+           "server/discover", "prompts/get", "initialize", "notifications/cancelled"]  # fmt: skip
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**80), max_value=2**80) | st.floats(allow_nan=False)
+    | st.text(max_size=30),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=4),
+    max_leaves=20,
+)  # fmt: skip
+ids = st.one_of(st.integers(min_value=-(2**70), max_value=2**70), st.text(max_size=40), json_values)
+
+
+@st.composite
+def rpc_like(draw) -> dict:
+    """Mostly-valid JSON-RPC with one or more fields wrong in type or value."""
+    params = draw(
+        st.fixed_dictionaries(
+            {},
+            optional={
+                "name": st.one_of(st.sampled_from(["slow_report", "add", "one_question"]), json_values),
+                "arguments": json_values,
+                "taskId": st.one_of(st.text(max_size=40), json_values),
+                "inputResponses": json_values,
+                "requestState": json_values,
+                "task": json_values,
+                "_meta": st.one_of(st.just(meta()), st.just(meta(tasks=False)), json_values),
+            },
+        )
+    )
+    message = {
+        "jsonrpc": draw(st.one_of(st.just("2.0"), json_values)),
+        "id": draw(ids),
+        "method": draw(st.one_of(st.sampled_from(METHODS), st.text(max_size=20), json_values)),
+        "params": draw(st.one_of(st.just(params), json_values)),
+    }
+    for key in draw(st.lists(st.sampled_from(list(message)), max_size=2)):
+        message.pop(key, None)
+    return message
+
+
+header_text = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=40)
+headers = st.fixed_dictionaries(
+    {},
+    optional={
+        "Content-Type": st.one_of(st.just("application/json"), header_text),
+        "Mcp-Name": header_text,
+        "Mcp-Method": header_text,
+        "MCP-Protocol-Version": st.one_of(st.just("2026-07-28"), header_text),
+        "Accept": header_text,
+    },
+)
+
+
+@pytest.fixture(scope="module")
+def proxy_port(mcp_upstream, tmp_path_factory) -> Iterator[int]:
+    port = free_port()
+    policy = tmp_path_factory.mktemp("fuzz") / "policy.yaml"
+    policy.write_text("tools:\n  - match: '*'\n")  # every tool a task for declaring clients: the most surface
+    process = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "--config", str(policy), "--upstream", mcp_upstream, "--port", str(port),
+         "--log-level", "error"],
+        cwd=ROOT,
+    )  # fmt: skip
+    try:
+        wait_for_port(port, process)
+        yield port
+    finally:
+        stop(process)
+
+
+def post(port: int, body: bytes, extra: dict[str, str] | None = None) -> tuple[int, str, bytes]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        base = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+        connection.request("POST", "/mcp", body=body, headers={**base, **(extra or {})})
+        response = connection.getresponse()
+        return response.status, response.getheader("Content-Type") or "", response.read()
+    finally:
+        connection.close()
+
+
+def assert_sane(status: int, content_type: str, body: bytes) -> None:
+    assert status < 500, (status, body[:300])
+    if content_type.startswith("application/json") and body:
+        message = json.loads(body)
+        assert isinstance(message, dict) and message.get("jsonrpc") == "2.0", body[:300]
+        assert ("result" in message) != ("error" in message)
+        if "error" in message:
+            assert isinstance(message["error"]["code"], int) and isinstance(message["error"]["message"], str)
+
+
+@pytest.fixture(scope="module")
+def a_task(proxy_port) -> str:
+    """A task created before the fuzzing; it must come out of it intact."""
+    message = {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+               "params": {"name": "one_question", "arguments": {}, "_meta": meta(elicitation={})}}  # fmt: skip
+    status, _, body = post(proxy_port, json.dumps(message).encode(), {"MCP-Protocol-Version": "2026-07-28"})
+    assert status == 200, body
+    return json.loads(body)["result"]["taskId"]
+
+
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@FUZZ
+@given(body=st.binary(max_size=300))
+def test_arbitrary_bytes(proxy_port, body):
+    assert_sane(*post(proxy_port, body))
+
+
+@FUZZ
+@given(value=json_values)
+def test_arbitrary_json(proxy_port, value):
+    assert_sane(*post(proxy_port, json.dumps(value).encode()))
+
+
+@FUZZ
+@given(message=rpc_like(), extra=headers)
+def test_json_rpc_with_wrong_fields_and_headers(proxy_port, a_task, message, extra):
+    assert_sane(*post(proxy_port, json.dumps(message).encode(), extra))
+
+
+@FUZZ
+@given(
+    task_id=st.one_of(st.text(max_size=60), st.just("x" * 10_000)),
+    responses=st.dictionaries(st.text(max_size=10), json_values, max_size=4),
+)
+def test_random_task_ids_and_foreign_keys(proxy_port, a_task, task_id, responses):
+    for method, params in (("tasks/get", {}), ("tasks/update", {"inputResponses": responses}), ("tasks/cancel", {})):
+        for target in (task_id, a_task if method == "tasks/update" else task_id):
+            message = {
+                "jsonrpc": "2.0",
+                "id": 5,
+                "method": method,
+                "params": {"taskId": target, **params, "_meta": meta()},
+            }
+            assert_sane(*post(proxy_port, json.dumps(message).encode(), {"MCP-Protocol-Version": "2026-07-28"}))
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"[" * 5000 + b"]" * 5000,
+        b'{"a":' * 3000 + b"1" + b"}" * 3000,
+        b'{"jsonrpc":"2.0","id":1,"id":2,"method":"tasks/get","method":"tools/list","params":{}}',
+        json.dumps([{"jsonrpc": "2.0", "id": n, "method": "tools/list", "params": {}} for n in range(3)]).encode(),
+        '{"jsonrpc":"2.0","id":"\u2603\U0001f600","method":"tools/list","params":{}}'.encode(),
+        b'{"jsonrpc":"2.0","id":1e400,"method":"tools/list"}',
+    ],
+    ids=["deep-array", "deep-object", "duplicate-keys", "batch", "unicode-id", "huge-float-id"],
+)
+def test_pathological_documents(proxy_port, body):
+    assert_sane(*post(proxy_port, body))
+
+
+def test_the_task_made_before_fuzzing_is_intact_and_the_proxy_serves(proxy_port, a_task):
+    message = {"jsonrpc": "2.0", "id": 9, "method": "tasks/get", "params": {"taskId": a_task, "_meta": meta()}}
+    status, _, body = post(proxy_port, json.dumps(message).encode(), {"MCP-Protocol-Version": "2026-07-28"})
+    assert status == 200
+    task = json.loads(body)["result"]
+    # Fuzzed tasks/update and tasks/cancel calls carried the right id (and, like its creator, no credential), so
+    # they may have answered it (perhaps with nonsense the upstream refused) or cancelled it. Whatever happened,
+    # the task is a well-formed DetailedTask.
+    validate_response(json.loads(body), "GetTaskResult")
+    validate(task, "DetailedTask")
+    if task["status"] == "failed":
+        assert task["error"]["message"] and task["statusMessage"]

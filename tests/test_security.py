@@ -1,0 +1,200 @@
+"""Hostile and broken traffic: task ownership, limits with clear errors, Host and Origin checks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+
+import pytest
+import redis.asyncio as redis_client
+import structlog
+from aiohttp import web
+
+from proxy.tasks.redis_store import RedisTaskStore
+from tests.conftest import eventually, task_reaches
+
+ALICE = {"Authorization": "Bearer alice-secret-token"}
+BOB = {"Authorization": "Bearer bob-secret-token"}
+
+
+def tag() -> str:
+    return secrets.token_hex(6)
+
+
+async def test_only_the_owner_sees_answers_or_cancels_a_task(make_proxy, mcp_upstream, upstream_client):
+    proxy = await make_proxy(mcp_upstream, tools=[{"match": "gated"}])
+    gate = tag()
+    created = await proxy.client.call_tool("gated", {"tag": gate}, headers=ALICE)
+    task_id = created.result["taskId"]
+    unknown = await proxy.client.get_task("no-such-task", headers=BOB)
+    for method, extra in (("tasks/get", {}), ("tasks/update", {"inputResponses": {}}), ("tasks/cancel", {})):
+        for who in (BOB, {}):  # another principal, and no credential at all
+            reply = await proxy.client.call(method, {"taskId": task_id, **extra}, headers=who)
+            # Exactly what an unknown id gets: nothing tells that the task exists.
+            assert (reply.status, reply.error) == (unknown.status, unknown.error), method
+    assert (await proxy.client.get_task(task_id, headers=ALICE)).result["status"] == "working"
+    await proxy.client.cancel_task(task_id, headers=ALICE)
+    assert (await proxy.client.get_task(task_id, headers=ALICE)).result["status"] == "cancelled"
+    await upstream_client.call_tool("release", {"tag": gate}, tasks=False)
+
+
+async def test_ownership_by_a_trusted_header_or_by_nobody(make_proxy, mcp_upstream):
+    proxy = await make_proxy(
+        mcp_upstream, tools=[{"match": "slow_report"}], security={"principal": "header", "principal_header": "X-User"}
+    )
+    created = await proxy.client.call_tool("slow_report", {"topic": "t", "seconds": 0}, headers={"X-User": "ann"})
+    task_id = created.result["taskId"]
+    assert (await proxy.client.get_task(task_id, headers={"X-User": "ann", **BOB})).status == 200
+    assert (await proxy.client.get_task(task_id, headers={"X-User": "ben"})).error["code"] == -32602
+    single = await make_proxy(mcp_upstream, tools=[{"match": "slow_report"}], security={"principal": "none"})
+    created = await single.client.call_tool("slow_report", {"topic": "t", "seconds": 0}, headers=ALICE)
+    assert (await single.client.get_task(created.result["taskId"], headers=BOB)).status == 200
+
+
+async def test_credentials_are_never_stored_nor_logged(make_proxy, mcp_upstream, redis_url):
+    prefix = f"sec-{tag()}:"
+    store = RedisTaskStore(redis_url, key_prefix=prefix, lease_s=5, timeout_s=2)
+    proxy = await make_proxy(mcp_upstream, store=store, tools=[{"match": "echo_authorization"}])
+    with structlog.testing.capture_logs() as logs:
+        created = await proxy.client.call_tool("echo_authorization", headers=ALICE)
+        done = await task_reaches(proxy.client, created.result["taskId"], "completed", headers=ALICE)
+    # The upstream got the credential (its own answer says so) ...
+    assert done.result["result"]["structuredContent"] == {"result": ALICE["Authorization"]}
+    raw = redis_client.Redis.from_url(redis_url)
+    records = [json.loads(await raw.get(key)) async for key in raw.scan_iter(f"{prefix}task:*")]
+    await raw.aclose()
+    assert len(records) == 1 and "alice-secret-token" in json.dumps(records[0].pop("result"))
+    # ... but the store holds no credential outside the tool's own result ...
+    assert "alice-secret-token" not in json.dumps(records[0]) and "Authorization" not in json.dumps(records[0])
+    # ... and no log line carries it.
+    assert "alice-secret-token" not in repr(logs)
+    assert logs and all(line.get("principal") != ALICE["Authorization"] for line in logs)
+
+
+async def test_running_task_limits_refuse_with_clear_errors(make_proxy, mcp_upstream, upstream_client):
+    proxy = await make_proxy(mcp_upstream, tools=[{"match": "gated"}], limits={"max_tasks_per_principal": 1})
+    gates = [tag(), tag()]
+    first = await proxy.client.call_tool("gated", {"tag": gates[0]}, headers=ALICE)
+    refused = await proxy.client.call_tool("gated", {"tag": tag()}, headers=ALICE)
+    assert refused.error["code"] == -32603
+    assert "limits.max_tasks_per_principal" in refused.error["message"]
+    assert refused.error["data"] == {"limit": "max_tasks_per_principal"}
+    other = await proxy.client.call_tool("gated", {"tag": gates[1]}, headers=BOB)  # someone else still can
+    assert other.result["resultType"] == "task"
+    for gate in gates:
+        await upstream_client.call_tool("release", {"tag": gate}, tasks=False)
+    await task_reaches(proxy.client, first.result["taskId"], "completed", headers=ALICE)
+
+    total = await make_proxy(mcp_upstream, tools=[{"match": "gated"}], limits={"max_running_tasks": 1})
+    gate = tag()
+    await total.client.call_tool("gated", {"tag": gate})
+    refused = await total.client.call_tool("gated", {"tag": tag()})
+    assert "limits.max_running_tasks" in refused.error["message"]
+    await upstream_client.call_tool("release", {"tag": gate}, tasks=False)
+
+
+async def test_per_tool_concurrency_queues_or_refuses_as_the_rule_says(make_proxy, mcp_upstream, upstream_client):
+    queued_proxy = await make_proxy(mcp_upstream, tools=[{"match": "gated", "max_concurrency": 1}])
+    first_gate, second_gate = tag(), tag()
+    first = await queued_proxy.client.call_tool("gated", {"tag": first_gate})
+    second = await queued_proxy.client.call_tool("gated", {"tag": second_gate})
+    waiting = await queued_proxy.client.get_task(second.result["taskId"])
+    assert waiting.result["status"] == "working"
+    assert waiting.result["statusMessage"].startswith("queued:")
+    assert (await upstream_client.call_tool("gate_state", {"tag": second_gate}, tasks=False)).result[
+        "structuredContent"
+    ]["result"] == "unknown"  # not started upstream while the slot is taken
+    await upstream_client.call_tool("release", {"tag": first_gate}, tasks=False)
+    await task_reaches(queued_proxy.client, first.result["taskId"], "completed")
+
+    async def second_started():
+        state = await upstream_client.call_tool("gate_state", {"tag": second_gate}, tasks=False)
+        return state.result["structuredContent"]["result"] == "started"
+
+    await eventually(second_started, what="the queued call starting once the slot is free")
+    await upstream_client.call_tool("release", {"tag": second_gate}, tasks=False)
+    await task_reaches(queued_proxy.client, second.result["taskId"], "completed")
+
+    refusing = await make_proxy(mcp_upstream, tools=[{"match": "gated", "max_concurrency": 1, "on_limit": "refuse"}])
+    gate = tag()
+    await refusing.client.call_tool("gated", {"tag": gate})
+    refused = await refusing.client.call_tool("gated", {"tag": tag()})
+    assert refused.error["code"] == -32603
+    assert "max_concurrency" in refused.error["message"] and "on_limit: refuse" in refused.error["message"]
+    await upstream_client.call_tool("release", {"tag": gate}, tasks=False)
+
+
+async def test_oversized_result_fails_the_task_and_names_the_limit(make_proxy, mcp_upstream):
+    proxy = await make_proxy(mcp_upstream, tools=[{"match": "slow_report"}], limits={"max_result_bytes": 100})
+    created = await proxy.client.call_tool("slow_report", {"topic": "a long topic " * 10, "seconds": 0})
+    failed = await task_reaches(proxy.client, created.result["taskId"], "failed", "completed")
+    assert failed.result["status"] == "failed"
+    assert "exceeds limits.max_result_bytes (100)" in failed.result["statusMessage"]
+
+
+async def test_polling_faster_than_allowed_gets_429_with_the_interval(make_proxy, mcp_upstream):
+    from tests.test_store import FakeTimer
+
+    timer = FakeTimer()
+    proxy = await make_proxy(
+        mcp_upstream, timer=timer, tools=[{"match": "slow_report"}],
+        tasks={"poll_interval_ms": 1500}, limits={"min_poll_interval_ms": 1000},
+    )  # fmt: skip
+    created = await proxy.client.call_tool("slow_report", {"topic": "t", "seconds": 0})
+    task_id = created.result["taskId"]
+    assert (await proxy.client.get_task(task_id)).status == 200
+    too_fast = await proxy.client.get_task(task_id)
+    assert too_fast.status == 429
+    assert too_fast.error["data"] == {"pollIntervalMs": 1500}
+    timer.advance(1.1)
+    assert (await proxy.client.get_task(task_id)).status == 200
+
+
+async def _answer_anything(request: web.Request) -> web.Response:
+    return web.json_response({"jsonrpc": "2.0", "id": 1, "result": {"resultType": "complete", "tools": []}})
+
+
+@pytest.mark.parametrize(
+    "headers, status",
+    [
+        ({"Host": "evil.example"}, 421),
+        ({"Host": "evil.example:8080"}, 421),
+        ({"Origin": "http://evil.example"}, 403),
+        ({"Origin": "http://localhost:3000"}, 200),
+        ({"Origin": "http://127.0.0.1"}, 200),
+        ({"Host": "localhost:9999"}, 200),
+    ],
+    ids=["host", "host-port", "origin", "loopback-origin", "loopback-origin-no-port", "loopback-host"],
+)
+async def test_host_and_origin_checks_on_loopback(make_proxy, fake_upstream, headers, status):
+    fake = await fake_upstream(_answer_anything)
+    proxy = await make_proxy(fake.url, protocol="modern")
+    reply = await proxy.client.call("tools/list", headers=headers)
+    assert reply.status == status
+    if status != 200:
+        assert reply.error["code"] == -32600
+
+
+async def test_configured_hosts_and_origins(make_proxy, fake_upstream):
+    fake = await fake_upstream(_answer_anything)
+    security = {"allowed_hosts": ["mcp.internal", "127.0.0.1"], "allowed_origins": ["https://app.example"]}
+    proxy = await make_proxy(fake.url, protocol="modern", security=security)
+    assert (await proxy.client.call("tools/list", headers={"Host": "mcp.internal"})).status == 200
+    assert (await proxy.client.call("tools/list", headers={"Origin": "https://app.example"})).status == 200
+    assert (await proxy.client.call("tools/list", headers={"Origin": "http://localhost"})).status == 403
+
+
+async def test_a_misbehaving_caller_does_not_disturb_another(make_proxy, mcp_upstream):
+    proxy = await make_proxy(mcp_upstream, tools=[{"match": "slow_report"}], limits={"max_body_bytes": 2048})
+
+    async def hostile():
+        for body in (b"{", b"[" * 1500, b'{"jsonrpc":"2.0","id":1,"method":7}', b"x" * 4096):
+            await proxy.client.post_raw(body, {"Content-Type": "application/json"})
+
+    async def honest():
+        created = await proxy.client.call_tool("slow_report", {"topic": "t", "seconds": 0}, headers=ALICE)
+        return await task_reaches(proxy.client, created.result["taskId"], "completed", headers=ALICE)
+
+    _, done = await asyncio.gather(hostile(), honest())
+    assert done.result["result"]["content"][0]["text"].startswith("Report on t")
