@@ -81,6 +81,37 @@ def follow(
             return task
 
 
+def follow_by_notifications(url: str, task_id: str) -> dict[str, Any]:
+    """subscriptions/listen with notifications.taskIds: the proxy pushes the task's state; no polling."""
+    message = {
+        "jsonrpc": "2.0",
+        "id": next(_ids),
+        "method": "subscriptions/listen",
+        "params": {"notifications": {"taskIds": [task_id]}, "_meta": envelope()},
+    }
+    headers = {
+        "Content-Type": "application/json",
+        "Accept": "application/json, text/event-stream",
+        "MCP-Protocol-Version": PROTOCOL_VERSION,
+        "Mcp-Method": "subscriptions/listen",
+    }
+    print(f"\n--> {json.dumps(message)}")
+    request = urllib.request.Request(url, data=json.dumps(message).encode(), headers=headers, method="POST")
+    task: dict[str, Any] = {}
+    with urllib.request.urlopen(request, timeout=60) as response:
+        for raw in response:  # the event stream, line by line, as it arrives
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            event = json.loads(line[5:])
+            if event.get("method") == "notifications/tasks":
+                task = event["params"]
+                print(f"<-- notifications/tasks: status={task['status']!r} statusMessage={task.get('statusMessage')!r}")
+            else:
+                print(f"<-- {json.dumps(event)}")
+    return task
+
+
 def main(url: str) -> int:
     print(f"Talking to {url}")
     rpc(url, "server/discover", {"_meta": envelope()})
@@ -130,9 +161,22 @@ def main(url: str) -> int:
     rpc(url, "tasks/cancel", {"taskId": task_id, "_meta": envelope()}, name=task_id)
     rpc(url, "tasks/get", {"taskId": task_id, "_meta": envelope()}, name=task_id)
 
+    print("\n# Follow a task by notifications (subscriptions/listen) instead of polling.")
+    created = rpc(
+        url,
+        "tools/call",
+        {"name": "slow_report", "arguments": {"topic": "comets", "seconds": 2}, "_meta": envelope()},
+        name="slow_report",
+    )
+    final = follow_by_notifications(url, created["result"]["taskId"])
+    assert final["status"] == "completed", final
+
     print("\n# A fast tool the policy leaves alone passes straight through.")
     rpc(url, "tools/call", {"name": "add", "arguments": {"a": 2, "b": 3}, "_meta": envelope()}, name="add")
-    print("\nDone: two tasks completed (one after asking for input), one cancelled, two calls passed through.")
+    print(
+        "\nDone: three tasks completed (one after asking for input, one followed by notifications), one cancelled, "
+        "two calls passed through."
+    )
     return 0
 
 

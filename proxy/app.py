@@ -15,7 +15,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from . import TASKS_EXTENSION
+from . import TASKS_EXTENSION, listen
 from .bridge import SyncBridge
 from .config import ConfigError, ProxyConfig, TaskMode
 from .envelope import (
@@ -48,7 +48,7 @@ from .jsonrpc import (
 )
 from .legacy import LegacyUpstream
 from .metrics import Metrics, method_label
-from .passthrough import forward, forward_rewritten
+from .passthrough import forward, forward_rewritten, open_upstream
 from .policy import LivePolicy
 from .security import HostGuard, Identity, PollGuard
 from .tasks.model import TaskRecord, utc_now
@@ -328,6 +328,8 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
             return await request.app[bridge_key].relay(request, message)
         return await forward(upstream, request, body, is_mcp=True, request_id=message["id"])
 
+    if method == "subscriptions/listen" and modern:
+        return await _listen(request, message)
     if method == "tools/call":
         # The era is not needed up front: a task learns it in the background, a pass-through call in relay().
         return await _tools_call(request, message, relay)
@@ -336,6 +338,40 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
             return await _discover_from_legacy(request, message)
         return await forward_rewritten(upstream, request, body, message["id"], _advertise_tasks)
     return await relay()
+
+
+async def _listen(request: web.Request, message: dict[str, Any]) -> web.StreamResponse:
+    """subscriptions/listen: task notifications are the proxy's, every other kind the upstream's (merged)."""
+    params = params_of(message)
+    task_ids, rest = listen.parse_filter(params)
+    upstream = request.app[upstream_key]
+    if task_ids is None:
+        return await forward(upstream, request, dumps(message), is_mcp=True, request_id=message["id"])
+    if not declares_tasks(message):
+        raise _missing_tasks_capability(
+            f"notifications.taskIds needs the {TASKS_EXTENSION} extension declared in this request's "
+            '_meta["io.modelcontextprotocol/clientCapabilities"].extensions'
+        )
+    check_protocol_version(message, request.headers)
+    request[info_key].mode = "listen"
+    upstream_response = None
+    if listen.wants_upstream(rest) and await _era(request) == "modern":
+        upstream_message = without_tasks_declaration(message)
+        upstream_message["params"] = {**upstream_message["params"], "notifications": rest}
+        response = await open_upstream(upstream, request, dumps(upstream_message), is_mcp=True, identity=True)
+        if response.status == 200 and response.headers.get("Content-Type", "").startswith("text/event-stream"):
+            upstream_response = response
+        else:
+            response.close()  # the upstream offers no subscription: only the task part is granted
+    return await listen.stream(
+        request,
+        message,
+        runner=request.app[runner_key],
+        store=request.app[store_key],
+        principal=request.app[identity_key].principal(request.headers),
+        task_ids=task_ids,
+        upstream_response=upstream_response,
+    )
 
 
 async def _era(request: web.Request) -> str:

@@ -31,4 +31,5 @@ def test_demo_walks_the_task_flow_and_exits_cleanly():
     assert '"status": "cancelled"' in out
     assert "status='input_required'" in out and '"method": "tasks/update"' in out
     assert "Dear Ada, here is your report on tides." in out
-    assert "Done: two tasks completed (one after asking for input), one cancelled, two calls passed through." in out
+    assert "<-- notifications/tasks: status='completed'" in out
+    assert "Done: three tasks completed" in out

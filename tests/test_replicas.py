@@ -178,3 +178,24 @@ async def test_redis_going_away_gives_quick_errors_and_not_ready_then_recovers(r
             assert response.status == 200
     finally:
         stop(process)
+
+
+async def test_a_transition_on_one_replica_reaches_a_listener_on_another(
+    replicas, session, mcp_upstream, upstream_client
+):
+    a, b = McpClient(session, replicas(mcp_upstream).url), replicas(mcp_upstream)
+    tag = gate_tag()
+    task_id = (await a.call_tool("gated", {"tag": tag})).result["taskId"]
+    message = {
+        "jsonrpc": "2.0", "id": "listen-b", "method": "subscriptions/listen",
+        "params": {"notifications": {"taskIds": [task_id]}, "_meta": meta()},
+    }  # fmt: skip
+    headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream",
+               "MCP-Protocol-Version": "2026-07-28", "Mcp-Method": "subscriptions/listen"}  # fmt: skip
+    async with session.post(b.url, json=message, headers=headers) as response:
+        body = b""
+        while b'"status":"working"' not in body:
+            body += await response.content.readany()
+        await upstream_client.call_tool("release", {"tag": tag}, tasks=False)
+        body += await response.read()  # the stream ends once the granted task is terminal
+    assert b'"status":"completed"' in body and b'"id":"listen-b","result"' in body

@@ -50,6 +50,13 @@ async def gate_state(tag: str) -> str:
 
 
 @server.tool()
+async def announce_tools_changed(ctx: Context) -> str:
+    """Publish notifications/tools/list_changed to subscriptions/listen streams."""
+    await ctx.notify_tools_changed()
+    return "announced"
+
+
+@server.tool()
 async def protocol_error_job() -> str:
     """Fail with a JSON-RPC error rather than a tool error."""
     raise MCPError(code=-32602, message="the job's parameters were rejected", data={"field": "none"})

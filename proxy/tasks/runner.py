@@ -32,6 +32,31 @@ _CANCELLED_BY_CLIENT = "cancelled at the client's request"
 _SHUTDOWN = "the proxy shut down before the upstream call finished"
 
 
+class TaskWatchers:
+    """Who listens (subscriptions/listen on this replica) for changes of which task."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str, set[asyncio.Queue[str]]] = {}
+
+    def watch(self, task_ids: list[str]) -> asyncio.Queue[str]:
+        queue: asyncio.Queue[str] = asyncio.Queue()
+        for task_id in task_ids:
+            self._queues.setdefault(task_id, set()).add(queue)
+        return queue
+
+    def unwatch(self, task_ids: list[str], queue: asyncio.Queue[str]) -> None:
+        for task_id in task_ids:
+            queues = self._queues.get(task_id)
+            if queues is not None:
+                queues.discard(queue)
+                if not queues:
+                    del self._queues[task_id]
+
+    def changed(self, task_id: str) -> None:
+        for queue in self._queues.get(task_id, ()):
+            queue.put_nowait(task_id)
+
+
 class ShuttingDown(Exception):
     """The proxy is stopping: it finishes what runs and takes no new task."""
 
@@ -141,6 +166,7 @@ class TaskRunner:
         # Unique per process, so a restarted replica never claims a dead one's tasks as its own.
         self.replica_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self._metrics.watch_running(self._running_by_status)
+        self.watchers = TaskWatchers()
 
     @property
     def running(self) -> int:
@@ -248,6 +274,8 @@ class TaskRunner:
 
     async def _on_event(self, event: dict[str, Any]) -> None:
         """An event from any replica (this one included) about a task whose call may run here."""
+        if event.get("type") in ("changed", "input"):
+            self.watchers.changed(str(event.get("taskId")))
         job = self._jobs.get(str(event.get("taskId")))
         if job is None:
             return
@@ -512,6 +540,8 @@ class TaskRunner:
                 **{"from": previous[-1].value},
                 to=record.status.value,
             )
+        if record is not None:
+            await self._announce(job.task_id)
 
     async def deliver_input(self, task_id: str, responses: dict[str, Any]) -> TaskRecord | None:
         """tasks/update: keep answers to outstanding keys; once none is outstanding, the task resumes.
@@ -639,7 +669,13 @@ class TaskRunner:
             to=to.value,
             duration_ms=duration_ms,
         )
+        await self._announce(task_id)
         return record
+
+    async def _announce(self, task_id: str) -> None:
+        """Tell every replica's listeners (subscriptions/listen) that the task changed."""
+        with contextlib.suppress(StoreUnavailable):  # a missed notification is caught up by polling
+            await self._store.publish({"type": "changed", "taskId": task_id})
 
 
 def _retry_message(

@@ -1,0 +1,168 @@
+"""`subscriptions/listen` with `notifications.taskIds`: push task state instead of polling (SEP-2663).
+
+The stream opens with `notifications/subscriptions/acknowledged` (the granted subset), then carries
+`notifications/tasks` with the full DetailedTask whenever a granted task changes, on any replica. Other notification
+types the client asks for are the upstream's: the same request goes upstream for those, and both streams are merged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import structlog
+from aiohttp import web
+
+from .jsonrpc import INVALID_PARAMS, JsonRpcError, dumps
+from .sse import SseParser
+from .tasks.model import TaskRecord
+from .tasks.runner import TaskRunner
+from .tasks.store import TaskStore
+
+log = structlog.get_logger(__name__)
+
+SUBSCRIPTION_ID = "io.modelcontextprotocol/subscriptionId"
+KEEPALIVE_S = 15.0
+
+
+def parse_filter(params: dict[str, Any]) -> tuple[list[str] | None, dict[str, Any]]:
+    """(taskIds or None, the rest of the filter); -32602 for a filter that is not an object or bad taskIds."""
+    notifications = params.get("notifications")
+    if not isinstance(notifications, dict):
+        raise JsonRpcError(INVALID_PARAMS, "Invalid params: notifications must be an object")
+    task_ids = notifications.get("taskIds")
+    if task_ids is not None and not (isinstance(task_ids, list) and all(isinstance(t, str) for t in task_ids)):
+        raise JsonRpcError(INVALID_PARAMS, "Invalid params: notifications.taskIds must be an array of strings")
+    rest = {key: value for key, value in notifications.items() if key != "taskIds"}
+    return (list(dict.fromkeys(task_ids)) if task_ids is not None else None), rest
+
+
+def wants_upstream(rest: dict[str, Any]) -> bool:
+    return any(value not in (False, None, [], {}) for value in rest.values())
+
+
+async def granted_tasks(store: TaskStore, task_ids: list[str], principal: str) -> dict[str, TaskRecord]:
+    """Only the caller's own tasks are granted; the others are silently left out, as if unknown."""
+    granted: dict[str, TaskRecord] = {}
+    for task_id in task_ids:
+        record = await store.get(task_id)
+        if record is not None and record.principal == principal:
+            granted[task_id] = record
+    return granted
+
+
+def _notification(method: str, params: dict[str, Any], subscription_id: Any) -> bytes:
+    message = {"jsonrpc": "2.0", "method": method, "params": {**params, "_meta": {SUBSCRIPTION_ID: subscription_id}}}
+    return b"event: message\ndata: " + dumps(message) + b"\n\n"
+
+
+async def stream(
+    request: web.Request,
+    message: dict[str, Any],
+    *,
+    runner: TaskRunner,
+    store: TaskStore,
+    principal: str,
+    task_ids: list[str],
+    upstream_response: aiohttp.ClientResponse | None,
+) -> web.StreamResponse:
+    """Serve one subscription until the client leaves, or (with no upstream part) every granted task is terminal."""
+    subscription_id = message["id"]
+    queue = runner.watchers.watch(task_ids)  # before reading state: no change can slip between the two
+    try:
+        granted = await granted_tasks(store, task_ids, principal)
+        upstream_events = _upstream_messages(upstream_response) if upstream_response is not None else None
+        acknowledged: dict[str, Any] = {}
+        if upstream_events is not None:
+            first = await anext(upstream_events, None)
+            if first is not None and first.get("method") == "notifications/subscriptions/acknowledged":
+                acknowledged = dict((first.get("params") or {}).get("notifications") or {})
+        if task_ids:
+            acknowledged["taskIds"] = list(granted)
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
+        await response.prepare(request)
+        await response.write(
+            _notification("notifications/subscriptions/acknowledged", {"notifications": acknowledged}, subscription_id)
+        )
+        open_tasks = set()
+        for task_id, record in granted.items():  # the state now, so a client that subscribes late misses nothing
+            await response.write(_notification("notifications/tasks", record.to_wire(), subscription_id))
+            if not record.is_terminal:
+                open_tasks.add(task_id)
+        await _serve(response, queue, store, open_tasks, subscription_id, upstream_events)
+        result = {"resultType": "complete", "_meta": {SUBSCRIPTION_ID: subscription_id}}
+        await response.write(
+            b"event: message\ndata: " + dumps({"jsonrpc": "2.0", "id": subscription_id, "result": result}) + b"\n\n"
+        )
+        await response.write_eof()
+        return response
+    finally:
+        runner.watchers.unwatch(task_ids, queue)
+        if upstream_response is not None:
+            upstream_response.close()
+
+
+async def _serve(
+    response: web.StreamResponse,
+    queue: asyncio.Queue[str],
+    store: TaskStore,
+    open_tasks: set[str],
+    subscription_id: Any,
+    upstream_events: AsyncIterator[dict[str, Any]] | None,
+) -> None:
+    upstream_next: asyncio.Future[dict[str, Any] | None] | None = (
+        asyncio.ensure_future(anext(upstream_events, None)) if upstream_events is not None else None
+    )
+    try:
+        while open_tasks or upstream_next is not None:
+            changed = asyncio.ensure_future(queue.get())
+            waiting = {changed} | ({upstream_next} if upstream_next is not None else set())
+            done, _ = await asyncio.wait(waiting, timeout=KEEPALIVE_S, return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                changed.cancel()
+                await response.write(b": keep-alive\n\n")
+                continue
+            if changed in done:
+                task_id = changed.result()
+                record = await store.get(task_id)
+                if record is not None:
+                    await response.write(_notification("notifications/tasks", record.to_wire(), subscription_id))
+                if record is None or record.is_terminal:
+                    open_tasks.discard(task_id)
+            else:
+                changed.cancel()
+            if upstream_next is not None and upstream_next in done:
+                upstream_message = upstream_next.result()
+                if upstream_message is None or "method" not in upstream_message:
+                    upstream_next = None  # the upstream ended its part of the subscription
+                else:
+                    await response.write(b"event: message\ndata: " + dumps(upstream_message) + b"\n\n")
+                    upstream_next = asyncio.ensure_future(anext(upstream_events, None))  # type: ignore[arg-type]
+    finally:
+        if upstream_next is not None:
+            upstream_next.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await upstream_next
+
+
+async def _upstream_messages(response: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
+    parser = SseParser()
+    try:
+        async for chunk in response.content.iter_any():
+            for event in parser.feed(chunk):
+                if not event.data:
+                    continue
+                try:
+                    message = json.loads(event.data)
+                except ValueError:
+                    continue
+                if isinstance(message, dict):
+                    yield message
+    except (aiohttp.ClientError, OSError) as exc:
+        log.info("upstream_subscription_ended", reason=type(exc).__name__)
