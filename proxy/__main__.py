@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import gc
 import os
 import sys
 from collections.abc import AsyncIterator, Sequence
@@ -98,11 +100,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         await reloader.stop()
 
     app.on_startup.append(announce)
+    app.on_startup.append(_quieter_gc)
     if config_path:
         app.cleanup_ctx.append(reload_ctx)
     # handler_cancellation: a client that closes its stream cancels the relay, which closes the upstream stream.
     web.run_app(
         app,
+        loop=_event_loop(),
         host=config.listen.host,
         port=config.listen.port,
         print=None,
@@ -110,6 +114,25 @@ def main(argv: Sequence[str] | None = None) -> None:
         handler_cancellation=True,
         shutdown_timeout=15,
     )
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop where it is installed (most of the proxy's time is spent in socket I/O), else asyncio's own loop."""
+    try:
+        import uvloop
+    except ImportError:
+        loop = asyncio.new_event_loop()
+    else:
+        loop = uvloop.new_event_loop()
+    asyncio.set_event_loop(loop)
+    return loop
+
+
+async def _quieter_gc(app: web.Application) -> None:
+    # What start-up made lives as long as the process: keep it out of the collector's way. Requests make many
+    # short-lived objects; collecting the young generation less often spares latency without growing memory much.
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 20)
 
 
 if __name__ == "__main__":

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
+import itertools
 import os
+import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime
 from typing import Any
@@ -44,6 +44,7 @@ from .jsonrpc import (
     error_object,
     error_response,
     is_valid_id,
+    loads,
     result_response,
 )
 from .legacy import LegacyUpstream
@@ -86,6 +87,10 @@ info_key = web.RequestKey("info_key", RequestInfo)
 
 MCP_PATH = "/mcp"
 LOCAL_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+VERBOSE_LEVELS = frozenset({"debug", "info"})
+# Request ids: unique per process and cheap (no random bytes per request); the prefix tells processes apart.
+_REQUEST_ID_PREFIX = f"{secrets.token_hex(4)}-"
+_request_numbers = itertools.count(1)
 OWNED_TASK_METHODS = frozenset({"tasks/get", "tasks/update", "tasks/cancel"})
 
 
@@ -98,7 +103,7 @@ def create_app(
 ) -> web.Application:
     """Build the application without starting anything; tests and the CLI both call this."""
     app = web.Application(
-        middlewares=[request_context, host_guard, error_boundary],
+        middlewares=[request_context, error_boundary],
         client_max_size=config.limits.max_body_bytes,
     )
     app[policy_key] = policy = LivePolicy(config)
@@ -173,9 +178,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 async def request_context(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Bind a request id for every log line of this request, and write one line when it is done."""
     structlog.contextvars.clear_contextvars()
-    request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
-    principal = request.app[identity_key].principal(request.headers) or None
-    structlog.contextvars.bind_contextvars(request_id=request_id, principal=principal)
+    request_id = request.headers.get("X-Request-Id") or f"{_REQUEST_ID_PREFIX}{next(_request_numbers):x}"
+    structlog.contextvars.bind_contextvars(request_id=request_id)
     started = time.perf_counter()
     info = request[info_key] = RequestInfo()
     status = 500
@@ -189,33 +193,37 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
             method = method_label(info.rpc_method)
             request.app[metrics_key].requests.labels(method, info.mode, str(status)).inc()
             request.app[metrics_key].request_seconds.labels(method, info.mode).observe(elapsed_s)
-            log.info(
-                "request_handled",
-                http_method=request.method,
-                path=request.path,
-                method=info.rpc_method,
-                tool=info.tool,
-                task_id=info.task_id,
-                mode=info.mode,
-                status=status,
-                duration_ms=round(elapsed_s * 1000, 2),
-            )
+            if request.app[policy_key].config.logging.level in VERBOSE_LEVELS:  # spare the work when not logged
+                log.info(
+                    "request_handled",
+                    principal=request.app[identity_key].principal(request.headers) or None,
+                    http_method=request.method,
+                    path=request.path,
+                    method=info.rpc_method,
+                    tool=info.tool,
+                    task_id=info.task_id,
+                    mode=info.mode,
+                    status=status,
+                    duration_ms=round(elapsed_s * 1000, 2),
+                )
 
 
-@web.middleware
-async def host_guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Refuse Host and Origin values the policy does not allow (DNS rebinding), before anything else runs."""
+def _refused_by_guard(request: web.Request) -> web.Response | None:
+    """Host and Origin values the policy does not allow (DNS rebinding) are refused before anything else runs."""
     guard = request.app[guard_key]
     if not guard.host_allowed(request.headers.get("Host")):
         return _json_error(request, error_object(INVALID_REQUEST, "Invalid Host header (security.allowed_hosts)"), 421)
     if not guard.origin_allowed(request.headers.get("Origin")):
         return _json_error(request, error_object(INVALID_REQUEST, "Origin not allowed (security.allowed_origins)"), 403)
-    return await handler(request)
+    return None
 
 
 @web.middleware
 async def error_boundary(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """The one place exceptions become wire errors; no request ever sees a traceback."""
+    """The Host/Origin guard, then the one place exceptions become wire errors: no request sees a traceback."""
+    refused = _refused_by_guard(request)
+    if refused is not None:
+        return refused
     try:
         return await handler(request)
     except JsonRpcError as exc:
@@ -293,7 +301,7 @@ async def handle_other(request: web.Request) -> web.StreamResponse:
 async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
     body = await _read_body(request)
     try:
-        message = json.loads(body)
+        message = loads(body)
     except (ValueError, RecursionError):
         raise JsonRpcError(PARSE_ERROR, "Parse error: the request body is not valid JSON") from None
     kind = classify(message)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
+
+import orjson
 
 PARSE_ERROR = -32700
 INVALID_REQUEST = -32600
@@ -72,8 +75,28 @@ def result_response(request_id: RequestId, result: dict[str, Any]) -> dict[str, 
     return {"jsonrpc": "2.0", "id": request_id, "result": result}
 
 
+_LONG_INTEGER = re.compile(rb"\d{19}")
+
+
+def loads(body: bytes | str) -> Any:
+    """Parse JSON with orjson, unless a number is long enough for orjson to read it as a float (an id past 64 bits
+    must come back as the same integer), or it is something orjson refuses that the standard library accepts."""
+    raw = body.encode() if isinstance(body, str) else body
+    if _LONG_INTEGER.search(raw) is None:
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            pass  # let the standard library decide, and raise its own error
+    return json.loads(raw)
+
+
 def dumps(message: Any) -> bytes:
-    return json.dumps(message, separators=(",", ":"), ensure_ascii=False).encode()
+    """Compact UTF-8 JSON. orjson on the hot path; the standard library for what orjson refuses (integers past
+    64 bits, which JSON-RPC ids may be)."""
+    try:
+        return orjson.dumps(message)
+    except TypeError:
+        return json.dumps(message, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def is_valid_id(value: Any) -> bool:

@@ -396,7 +396,8 @@ class LegacyUpstream:
                         error = to_modern_error(upstream_message["error"])
                         yield Failed(error, f"the upstream answered with JSON-RPC error {error.get('code')}")
                     elif isinstance(upstream_message.get("result"), dict):
-                        yield Finished(to_modern_result(legacy["method"], upstream_message["result"]))
+                        result = to_modern_result(legacy["method"], upstream_message["result"])
+                        yield Finished(result, len(dumps(result)))
                     else:
                         yield proxy_failure("the upstream's response has no result object", self.url)
                     return

@@ -91,6 +91,8 @@ class Progress:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Finished:
     result: dict[str, Any]
+    size: int = 0
+    """Bytes of the message that carried it, as received (what limits.max_result_bytes bounds)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -233,7 +235,7 @@ class Upstream:
                 async for sse in iter_events(response.content.iter_any()):
                     if not sse.data:
                         continue  # priming events and keep-alives carry nothing
-                    event = self._interpret(_loads(sse.data), request_id, response.status)
+                    event = self._interpret(_loads(sse.data), request_id, response.status, len(sse.data))
                     if event is not None:
                         yield event
                         if not isinstance(event, Progress):
@@ -245,14 +247,14 @@ class Upstream:
             yield proxy_failure(f"the upstream connection broke mid-call ({type(exc).__name__})", self.url)
             return
         message = _loads(body) if content_type in ("application/json", "") else None
-        event = self._interpret(message, request_id, response.status) if message is not None else None
+        event = self._interpret(message, request_id, response.status, len(body)) if message is not None else None
         if event is None or isinstance(event, Progress):
             detail = f"HTTP {response.status}" + (f" {content_type}" if content_type else "")
             yield proxy_failure(f"the upstream answered {detail} without a JSON-RPC response", self.url)
             return
         yield event
 
-    def _interpret(self, message: Any, request_id: Any, http_status: int) -> Event | None:
+    def _interpret(self, message: Any, request_id: Any, http_status: int, size: int) -> Event | None:
         if not isinstance(message, dict):
             return proxy_failure("the upstream sent something that is not a JSON-RPC message", self.url)
         method = message.get("method")
@@ -279,7 +281,7 @@ class Upstream:
                     "the upstream's input_required result has neither inputRequests nor requestState", self.url
                 )
             return InputNeeded(result)
-        return Finished(result)
+        return Finished(result, size)
 
 
 def interpret_progress(message: dict[str, Any]) -> Progress:

@@ -434,7 +434,7 @@ class TaskRunner:
                         await self._open_questions(job, event)  # a legacy one waits on this very stream
                     elif isinstance(event, Finished):
                         outcome = "completed"
-                        size = len(dumps(event.result))
+                        size = event.size or len(dumps(event.result))
                         if size > job.max_result_bytes:
                             reason = (
                                 f"the result of {size} bytes exceeds limits.max_result_bytes ({job.max_result_bytes})"

@@ -1,0 +1,344 @@
+"""The benchmark: pass-through overhead, the task path (memory and Redis), scale, and a peer, in one run.
+
+    python bench/run.py            # about 6 minutes on 2 cores; --quick for a shorter, noisier run
+
+Everything runs on loopback in processes of their own, started and stopped here: a fast upstream
+(bench/fast_upstream.py), the minimal aiohttp forwarder (bench/minimal_forwarder.py), mcp-tasks-proxy (memory and
+Redis stores), a redis-server, and the peer (bench/peer_server.py: FastMCP with fastmcp-tasks, in a virtual
+environment of its own under bench/.peer-venv). Load comes from wrk (Debian's package) with one thread. Figures are
+medians of interleaved repeats; on 2 shared cores compare ratios measured side by side, not absolute values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+
+import aiohttp
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+PEER_VENV = HERE / ".peer-venv"
+PEER_REQUIREMENT = "fastmcp-tasks==4.1.4"
+PROTOCOL = "2026-07-28"
+TASKS = "io.modelcontextprotocol/tasks"
+META = {"io.modelcontextprotocol/protocolVersion": PROTOCOL, "io.modelcontextprotocol/clientCapabilities": {}}
+META_TASKS = {**META, "io.modelcontextprotocol/clientCapabilities": {"extensions": {TASKS: {}}}}
+WORK = Path(tempfile.mkdtemp(prefix="mcp-tasks-proxy-bench-"))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_port(port: int, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise SystemExit(f"nothing listened on {port}")
+
+
+@contextmanager
+def process(*argv: str, port: int, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen(
+        list(argv), env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        wait_port(port)
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@contextmanager
+def proxy(upstream: str, store: dict, **extra: object) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    port = free_port()
+    policy = {
+        "upstream": {"url": upstream, "protocol": "modern"},
+        "store": store,
+        "tools": [{"match": "echo", "task": "optional"}, {"match": "hold"}, {"match": "ask"}],
+        "tasks": {"max_tasks": 200_000},
+        "limits": {"max_running_tasks": 20_000},
+        "security": {"principal_key": "bench"},
+        "logging": {"level": "warning", "format": "json"},
+        **extra,
+    }
+    path = WORK / f"policy-{port}.json"  # JSON is YAML too
+    path.write_text(json.dumps(policy))
+    with process(sys.executable, "-m", "proxy", "--config", str(path), "--port", str(port), port=port) as proc:
+        yield f"http://127.0.0.1:{port}/mcp", proc
+
+
+def body(method: str, params: dict, meta: dict) -> str:
+    return json.dumps({"jsonrpc": "2.0", "id": 1, "method": method, "params": {**params, "_meta": meta}})
+
+
+def wrk(url: str, method: str, params: dict, *, meta: dict, connections: int, seconds: float, name: str | None = None):
+    """req/s, p50 ms, p99 ms of one wrk run posting the same JSON-RPC request."""
+    headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream",
+               "MCP-Protocol-Version": PROTOCOL, "Mcp-Method": method}  # fmt: skip
+    if name is not None:
+        headers["Mcp-Name"] = name
+    script = WORK / f"wrk-{abs(hash((method, json.dumps(params))))}.lua"
+    lines = ['wrk.method = "POST"', f"wrk.body = {json.dumps(body(method, params, meta))}"]
+    lines += [f'wrk.headers["{key}"] = "{value}"' for key, value in headers.items()]
+    script.write_text("\n".join(lines) + "\n")
+    out = subprocess.run(
+        ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency", "-s", str(script), url],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    rate = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    if errors:
+        raise SystemExit(f"wrk saw {errors.group(1)} error responses from {url} ({method}):\n{out}")
+    return rate, _latency(out, "50%"), _latency(out, "99%")
+
+
+def _latency(out: str, percentile: str) -> float:
+    match = re.search(rf"{percentile}\s+([\d.]+)(us|ms|s)\b", out)
+    value, unit = float(match.group(1)), match.group(2)
+    return value / 1000 if unit == "us" else value * 1000 if unit == "s" else value
+
+
+def median_runs(runs: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+    return tuple(statistics.median(values) for values in zip(*runs, strict=True))  # type: ignore[return-value]
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+async def rpc(session: aiohttp.ClientSession, url: str, method: str, params: dict, meta: dict = META_TASKS) -> dict:
+    headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream",
+               "MCP-Protocol-Version": PROTOCOL, "Mcp-Method": method}  # fmt: skip
+    if "name" in params:
+        headers["Mcp-Name"] = params["name"]
+    if "taskId" in params:
+        headers["Mcp-Name"] = params["taskId"]
+    async with session.post(url, data=body(method, params, meta), headers=headers) as response:
+        return await response.json()
+
+
+async def create_tasks(url: str, tool: str, count: int, concurrency: int = 64) -> list[str]:
+    ids: list[str] = []
+    numbers = iter(range(count))
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
+
+        async def worker() -> None:
+            for _ in numbers:
+                answer = await rpc(session, url, "tools/call", {"name": tool, "arguments": {}})
+                ids.append(answer["result"]["taskId"])
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return ids
+
+
+async def update_round_trip(url: str, rounds: int) -> tuple[float, float]:
+    """Median ms of the tasks/update ack, and of update → completed visible on tasks/get."""
+    acks, completions = [], []
+    answer = {"q": {"action": "accept", "content": {"a": "x"}}}
+    async with aiohttp.ClientSession() as session:
+        for _ in range(rounds):
+            asking = {
+                **META_TASKS,
+                "io.modelcontextprotocol/clientCapabilities": {"extensions": {TASKS: {}}, "elicitation": {}},
+            }
+            created = await rpc(session, url, "tools/call", {"name": "ask", "arguments": {}}, meta=asking)
+            task_id = created["result"]["taskId"]
+            deadline = time.perf_counter() + 30
+            while (await rpc(session, url, "tasks/get", {"taskId": task_id}))["result"]["status"] != "input_required":
+                if time.perf_counter() > deadline:
+                    raise SystemExit(f"task {task_id} never asked for input")
+                await asyncio.sleep(0.001)
+            started = time.perf_counter()
+            await rpc(session, url, "tasks/update", {"taskId": task_id, "inputResponses": answer})
+            acks.append((time.perf_counter() - started) * 1000)
+            while (status := (await rpc(session, url, "tasks/get", {"taskId": task_id}))["result"]["status"]) in (
+                "working",
+                "input_required",
+            ):
+                if time.perf_counter() - started > 30:
+                    raise SystemExit(f"task {task_id} did not finish after tasks/update")
+            if status != "completed":
+                raise SystemExit(f"task {task_id} ended {status} after tasks/update")
+            completions.append((time.perf_counter() - started) * 1000)
+    return statistics.median(acks), statistics.median(completions)
+
+
+def table(title: str, header: list[str], rows: list[list[str]]) -> None:
+    print(f"\n### {title}\n", flush=True)
+    print("| " + " | ".join(header) + " |")
+    print("|" + " --- |" * len(header))
+    for row in rows:
+        print("| " + " | ".join(row) + " |", flush=True)
+
+
+def passthrough(upstream: str, seconds: float, repeats: int) -> None:
+    forwarder_port = free_port()
+    forwarder = (sys.executable, str(HERE / "minimal_forwarder.py"), str(forwarder_port), upstream)
+    with process(*forwarder, port=forwarder_port), proxy(upstream, {"backend": "memory"}) as (proxy_url, _):
+        targets = {
+            "direct": upstream,
+            "minimal forwarder": f"http://127.0.0.1:{forwarder_port}/mcp",
+            "mcp-tasks-proxy": proxy_url,
+        }
+        rows = []
+        for connections in (1, 16, 64):
+            runs: dict[str, list] = {name: [] for name in targets}
+            for _ in range(repeats):
+                for name, url in targets.items():  # interleaved: each target sees the same machine noise
+                    runs[name].append(wrk(url, "tools/call", {"name": "plain", "arguments": {}}, meta=META,
+                                          connections=connections, seconds=seconds, name="plain"))  # fmt: skip
+            medians = {name: median_runs(r) for name, r in runs.items()}
+            floor, ours = medians["minimal forwarder"], medians["mcp-tasks-proxy"]
+            for name, (rate, p50, p99) in medians.items():
+                ratio = f"{rate / floor[0]:.2f}x" if name != "direct" else ""
+                rows.append([str(connections), name, f"{rate:.0f}", f"{p50:.2f}", f"{p99:.2f}", ratio])
+            print(f"  c={connections}: proxy/forwarder throughput {ours[0] / floor[0]:.2f}x", file=sys.stderr)
+    table("Pass-through (a tools/call the policy does not make a task)",
+          ["concurrency", "target", "req/s", "p50 ms", "p99 ms", "vs minimal forwarder"], rows)  # fmt: skip
+
+
+def task_path(upstream: str, redis_url: str, seconds: float, repeats: int, peer_url: str | None) -> None:
+    rows = []
+    stores = {"memory": {"backend": "memory"}, "redis": {"backend": "redis", "url": redis_url, "key_prefix": "bench:"}}
+    for name, store in stores.items():
+        with proxy(upstream, store) as (url, _):
+            rows.append([name, *task_figures(url, seconds, repeats, update=True)])
+    if peer_url is not None:
+        rows.append(["fastmcp-tasks (peer)", *task_figures(peer_url, seconds, repeats, update=False)])
+    table("Task path (the tool answers at once upstream)",
+          ["server", "CreateTaskResult p50 ms (c16)", "p99 ms (c16)", "tasks/get req/s (c16)", "tasks/get req/s (c64)",
+           "tasks/update ack ms", "update → completed ms"], rows)  # fmt: skip
+
+
+def task_figures(url: str, seconds: float, repeats: int, *, update: bool) -> list[str]:
+    create = median_runs([wrk(url, "tools/call", {"name": "echo", "arguments": {}}, meta=META_TASKS, connections=16,
+                              seconds=seconds, name="echo") for _ in range(repeats)])  # fmt: skip
+    task_id = asyncio.run(create_tasks(url, "echo", 1, concurrency=1))[0]
+    time.sleep(1)  # let it complete: what is measured is reading a finished task
+    get16 = median_runs([wrk(url, "tasks/get", {"taskId": task_id}, meta=META_TASKS, connections=16,
+                             seconds=seconds, name=task_id) for _ in range(repeats)])  # fmt: skip
+    get64 = median_runs([wrk(url, "tasks/get", {"taskId": task_id}, meta=META_TASKS, connections=64,
+                             seconds=seconds, name=task_id) for _ in range(repeats)])  # fmt: skip
+    ack, completed = asyncio.run(update_round_trip(url, 100)) if update else (float("nan"), float("nan"))
+    return [f"{create[1]:.2f}", f"{create[2]:.2f}", f"{get16[0]:.0f}", f"{get64[0]:.0f}",
+            "n/a" if not update else f"{ack:.2f}", "n/a" if not update else f"{completed:.2f}"]  # fmt: skip
+
+
+def scale(upstream_port: int, seconds: float, working: int, stored: int) -> None:
+    upstream = f"http://127.0.0.1:{upstream_port}/mcp"
+    rows = []
+    with proxy(upstream, {"backend": "memory"}) as (url, proc):
+        idle = rss_mb(proc.pid)
+        held = asyncio.run(create_tasks(url, "hold", working))
+        time.sleep(1)
+        rows.append([f"{working:,} working (their upstream calls open)", f"{rss_mb(proc.pid):.0f}", f"{idle:.0f}",
+                     *[f"{v:.2f}" for v in wrk(url, "tasks/get", {"taskId": held[0]}, meta=META_TASKS, connections=16,
+                                                seconds=seconds, name=held[0])[1:]]])  # fmt: skip
+        asyncio.run(_release(upstream_port))
+    with proxy(upstream, {"backend": "memory"}) as (url, proc):
+        growth = []
+        done = 0
+        for checkpoint in (1_000, 10_000, stored):
+            ids = asyncio.run(create_tasks(url, "echo", checkpoint - done))
+            done = checkpoint
+            time.sleep(1)
+            rate, p50, p99 = wrk(url, "tasks/get", {"taskId": ids[0]}, meta=META_TASKS, connections=16,
+                                 seconds=seconds, name=ids[0])  # fmt: skip
+            growth.append(
+                [f"{checkpoint:,} stored", f"{rss_mb(proc.pid):.0f}", "", f"{p50:.2f}", f"{p99:.2f}", f"{rate:.0f}"]
+            )
+    for row in rows:
+        row.append("")
+    header = ["tasks", "proxy RSS MB", "RSS idle MB", "tasks/get p50 ms", "p99 ms", "tasks/get req/s"]
+    table("Scale (memory store; tasks/get at concurrency 16)", header, rows + growth)
+
+
+async def _release(port: int) -> None:
+    async with aiohttp.ClientSession() as session, session.post(f"http://127.0.0.1:{port}/release") as response:
+        await response.read()
+
+
+def peer_python() -> Path | None:
+    python = PEER_VENV / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(PEER_VENV)], check=True)
+        done = subprocess.run([str(python), "-m", "pip", "install", "--quiet", PEER_REQUIREMENT])
+        if done.returncode != 0:
+            print("could not install the peer; its row is left out", file=sys.stderr)
+            return None
+    return python
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="1 s runs, 1 repeat, smaller scale (for a smoke test)")
+    parser.add_argument("--sections", default="passthrough,tasks,scale", help="comma-separated subset")
+    args = parser.parse_args()
+    seconds, repeats = (1, 1) if args.quick else (4, 3)
+    working, stored = (1_000, 20_000) if args.quick else (10_000, 100_000)
+    for tool in ("wrk", "redis-server"):
+        if shutil.which(tool) is None:
+            raise SystemExit(f"{tool} is needed: apt-get install {tool}")
+    print(f"# {datetime.now(UTC):%Y-%m-%d} · {platform.machine()} · {os.cpu_count()} cores · "
+          f"{platform.python_implementation()} {platform.python_version()} · wrk -t1, {seconds} s runs, "
+          f"median of {repeats}")  # fmt: skip
+    sections = set(args.sections.split(","))
+    upstream_port, redis_port = free_port(), free_port()
+    upstream = f"http://127.0.0.1:{upstream_port}/mcp"
+    with (
+        process(sys.executable, str(HERE / "fast_upstream.py"), str(upstream_port), port=upstream_port),
+        process("redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                port=redis_port),
+    ):  # fmt: skip
+        if "passthrough" in sections:
+            passthrough(upstream, seconds, repeats)
+        if "tasks" in sections:
+            python = peer_python()
+            peer_port = free_port()
+            if python is not None:
+                with process(str(python), str(HERE / "peer_server.py"), str(peer_port), port=peer_port):
+                    task_path(
+                        upstream,
+                        f"redis://127.0.0.1:{redis_port}/0",
+                        seconds,
+                        repeats,
+                        f"http://127.0.0.1:{peer_port}/mcp",
+                    )
+            else:
+                task_path(upstream, f"redis://127.0.0.1:{redis_port}/0", seconds, repeats, None)
+        if "scale" in sections:
+            scale(upstream_port, seconds, working, stored)
+
+
+if __name__ == "__main__":
+    main()
