@@ -22,7 +22,7 @@ from multidict import CIMultiDict, MultiMapping
 from . import PROTOCOL_VERSION, TASKS_EXTENSION, __version__
 from .jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, dumps, error_object
 from .security import Identity
-from .sse import SseParser
+from .sse import SseParser, json_message
 from .upstream import (
     TASK_CALL_SKIP,
     Event,
@@ -323,13 +323,8 @@ class LegacyUpstream:
                             last_event_id = event.id
                         if event.retry_ms is not None:
                             retry_ms = event.retry_ms
-                        if not event.data:
-                            continue
-                        try:
-                            message = json.loads(event.data)
-                        except ValueError:
-                            continue
-                        if isinstance(message, dict):
+                        message = json_message(event)
+                        if message is not None:
                             resumes = 0
                             yield message
             except (aiohttp.ClientError, OSError):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,7 +17,7 @@ import structlog
 from aiohttp import web
 
 from .jsonrpc import INVALID_PARAMS, JsonRpcError, dumps
-from .sse import SseParser
+from .sse import iter_events, json_message
 from .tasks.model import TaskRecord
 from .tasks.runner import TaskRunner
 from .tasks.store import TaskStore
@@ -152,17 +151,10 @@ async def _serve(
 
 
 async def _upstream_messages(response: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
-    parser = SseParser()
     try:
-        async for chunk in response.content.iter_any():
-            for event in parser.feed(chunk):
-                if not event.data:
-                    continue
-                try:
-                    message = json.loads(event.data)
-                except ValueError:
-                    continue
-                if isinstance(message, dict):
-                    yield message
+        async for event in iter_events(response.content.iter_any()):
+            message = json_message(event)
+            if message is not None:
+                yield message
     except (aiohttp.ClientError, OSError) as exc:
         log.info("upstream_subscription_ended", reason=type(exc).__name__)

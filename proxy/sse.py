@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import AsyncIterable, AsyncIterator
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -97,3 +99,14 @@ async def iter_events(chunks: AsyncIterable[bytes]) -> AsyncIterator[SseEvent]:
     async for chunk in chunks:
         for event in parser.feed(chunk):
             yield event
+
+
+def json_message(event: SseEvent) -> dict[str, Any] | None:
+    """The JSON-RPC message an event carries; None for priming events, keep-alives and anything not a JSON object."""
+    if not event.data:
+        return None
+    try:
+        message = json.loads(event.data)
+    except ValueError:
+        return None
+    return message if isinstance(message, dict) else None
