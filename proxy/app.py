@@ -190,9 +190,7 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
     finally:
         if request.path not in LOCAL_PATHS:
             elapsed_s = time.perf_counter() - started
-            method = method_label(info.rpc_method)
-            request.app[metrics_key].requests.labels(method, info.mode, str(status)).inc()
-            request.app[metrics_key].request_seconds.labels(method, info.mode).observe(elapsed_s)
+            request.app[metrics_key].observe_request(method_label(info.rpc_method), info.mode, status, elapsed_s)
             if request.app[policy_key].config.logging.level in VERBOSE_LEVELS:  # spare the work when not logged
                 log.info(
                     "request_handled",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -73,6 +74,20 @@ class Metrics:
         self.input_rounds = Counter(
             "mcp_tasks_proxy_input_rounds", "Times a task asked its client for input, by tool", ["tool"], registry=r
         )
+
+        self._per_request: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+
+    def observe_request(self, method: str, mode: str, status: int, seconds: float) -> None:
+        """Count one answered request. Label children are looked up once per label set: this runs per request."""
+        key = (method, mode, str(status))
+        children = self._per_request.get(key)
+        if children is None:
+            children = self._per_request[key] = (
+                self.requests.labels(method, mode, key[2]),
+                self.request_seconds.labels(method, mode),
+            )
+        children[0].inc()
+        children[1].observe(seconds)
 
     def watch_running(self, running_by_status: Callable[[], dict[str, int]]) -> None:
         """Report the tasks whose calls run on this replica, by status, at every scrape."""
