@@ -189,10 +189,10 @@ async def test_sampling_and_roots_reach_a_client_that_declared_them(proxy):
     asking = await task_reaches(proxy.client, task_id, "input_required")
     ((key, roots),) = asking.result["inputRequests"].items()
     assert roots["method"] == "roots/list"
-    answer = {"roots": [{"uri": "file:///work/project", "name": "project"}]}
+    answer = {"roots": [{"uri": "file:///home/user/project", "name": "project"}]}
     await proxy.client.call("tasks/update", {"taskId": task_id, "inputResponses": {key: answer}})
     done = await task_reaches(proxy.client, task_id, "completed")
-    assert done.result["result"]["content"][0]["text"] == "file:///work/project"
+    assert done.result["result"]["content"][0]["text"] == "file:///home/user/project"
 
 
 async def test_progress_and_cancel_reach_the_legacy_server(proxy, legacy_client):
