@@ -13,7 +13,7 @@ from multidict import CIMultiDict, MultiMapping
 from . import PROTOCOL_VERSION, __version__
 from .jsonrpc import dumps
 from .legacy import LegacyUpstream, single_answer
-from .upstream import TASK_CALL_SKIP, Event, Upstream, UpstreamUnavailable, end_to_end_headers, proxy_failure
+from .upstream import Event, Upstream, UpstreamUnavailable, own_request_headers, proxy_failure
 
 log = structlog.get_logger(__name__)
 
@@ -51,18 +51,8 @@ class Gateway:
         return self._era
 
     async def _probe(self, client_headers: MultiMapping[str]) -> Era:
-        headers = end_to_end_headers(client_headers, TASK_CALL_SKIP)
-        for name in list(headers):
-            if name.lower().startswith("mcp-"):
-                del headers[name]
-        headers.update(
-            {
-                "Content-Type": "application/json",
-                "Accept": "application/json, text/event-stream",
-                "MCP-Protocol-Version": PROTOCOL_VERSION,
-                "Mcp-Method": "server/discover",
-            }
-        )
+        headers = own_request_headers(client_headers, drop_mcp_headers=True)
+        headers.update({"MCP-Protocol-Version": PROTOCOL_VERSION, "Mcp-Method": "server/discover"})
         meta = {
             "io.modelcontextprotocol/protocolVersion": PROTOCOL_VERSION,
             "io.modelcontextprotocol/clientCapabilities": {},

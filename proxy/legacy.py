@@ -24,15 +24,14 @@ from .jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, dumps, error_object
 from .security import Identity
 from .sse import SseParser, json_message
 from .upstream import (
-    TASK_CALL_SKIP,
     Event,
     Failed,
     Finished,
     InputNeeded,
     Upstream,
     UpstreamUnavailable,
-    end_to_end_headers,
     interpret_progress,
+    own_request_headers,
     proxy_failure,
 )
 
@@ -63,13 +62,8 @@ class LegacySession:
     principal: str
 
     def headers(self, client_headers: MultiMapping[str]) -> CIMultiDict[str]:
-        headers = end_to_end_headers(client_headers, TASK_CALL_SKIP)
-        for name in list(headers):
-            if name.lower().startswith("mcp-"):
-                del headers[name]  # Mcp-Method, Mcp-Name, Mcp-Param-*: not defined before 2026-07-28
-        headers.popall("MCP-Protocol-Version", None)
-        headers["Content-Type"] = "application/json"
-        headers["Accept"] = "application/json, text/event-stream"
+        # Mcp-Method, Mcp-Name, Mcp-Param-* are not defined before 2026-07-28; version and session are the session's.
+        headers = own_request_headers(client_headers, drop_mcp_headers=True)
         headers["MCP-Protocol-Version"] = self.protocol_version
         if self.session_id is not None:
             headers["Mcp-Session-Id"] = self.session_id

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -17,7 +16,7 @@ import aiohttp
 import structlog
 from multidict import CIMultiDict, MultiMapping
 
-from .jsonrpc import INTERNAL_ERROR, dumps, error_object
+from .jsonrpc import INTERNAL_ERROR, dumps, error_object, loads
 from .sse import iter_events
 
 log = structlog.get_logger(__name__)
@@ -64,6 +63,19 @@ def request_headers(headers: MultiMapping[str]) -> CIMultiDict[str]:
 
 def response_headers(headers: MultiMapping[str]) -> CIMultiDict[str]:
     return end_to_end_headers(headers, _RESPONSE_SKIP)
+
+
+def own_request_headers(client_headers: MultiMapping[str], *, drop_mcp_headers: bool = False) -> CIMultiDict[str]:
+    """Headers for a JSON-RPC POST the proxy makes for a client: the client's end-to-end headers (credentials
+    included), JSON in, JSON or an event stream out. `drop_mcp_headers` removes every Mcp-* header (MCP-Protocol-
+    Version included), for requests whose routing headers the proxy sets itself."""
+    headers = end_to_end_headers(client_headers, TASK_CALL_SKIP)
+    if drop_mcp_headers:
+        for name in {name for name in headers if name.lower().startswith("mcp-")}:
+            headers.popall(name, None)
+    headers["Content-Type"] = "application/json"
+    headers["Accept"] = "application/json, text/event-stream"
+    return headers
 
 
 class UpstreamUnavailable(Exception):
@@ -189,9 +201,7 @@ class Upstream:
 
         Closing the generator early closes the upstream response, which is how 2026-07-28 HTTP cancels.
         """
-        headers = end_to_end_headers(client_headers, TASK_CALL_SKIP)
-        headers["Content-Type"] = "application/json"
-        headers["Accept"] = "application/json, text/event-stream"
+        headers = own_request_headers(client_headers)
         try:
             response = await self.request("POST", self.url, headers, dumps(message))
         except (ConnectionError, aiohttp.ClientError, OSError) as exc:
@@ -212,9 +222,7 @@ class Upstream:
         """
         if "Mcp-Session-Id" not in client_headers:
             return
-        headers = end_to_end_headers(client_headers, TASK_CALL_SKIP)
-        headers["Content-Type"] = "application/json"
-        headers["Accept"] = "application/json, text/event-stream"
+        headers = own_request_headers(client_headers)
         headers.popall("Mcp-Method", None)
         headers.popall("Mcp-Name", None)
         message = {
@@ -297,8 +305,8 @@ def interpret_progress(message: dict[str, Any]) -> Progress:
 
 def _loads(data: str | bytes) -> Any:
     try:
-        return json.loads(data)
-    except ValueError:
+        return loads(data)
+    except (ValueError, RecursionError):
         return None
 
 

@@ -9,6 +9,7 @@ import json
 from aiohttp import web
 
 from tests.conftest import eventually, task_reaches
+from tests.factories import headers_for, meta, request
 
 
 class ScriptedLegacyServer:
@@ -130,3 +131,16 @@ async def test_forced_legacy_protocol_skips_the_probe(make_proxy, fake_upstream)
     reply = await proxy.client.call("server/discover")
     assert reply.result["_meta"]["io.modelcontextprotocol/serverInfo"] == {"name": "s", "version": "1"}
     assert not any(m.get("method") == "server/discover" for _, m in server.received)
+
+
+async def test_repeated_mcp_headers_are_all_dropped_towards_a_legacy_server(make_proxy, fake_upstream):
+    server, fake = await scripted(fake_upstream)
+    proxy = await make_proxy(fake.url)
+    message = request("tools/call", {"name": "t", "arguments": {}, "_meta": meta(tasks=False)})
+    headers = [*headers_for(message).items(), ("Mcp-Param-Region", "eu"), ("Mcp-Param-Region", "us")]
+    async with proxy.client.session.post(proxy.url, data=json.dumps(message), headers=headers) as response:
+        answer = await response.json()
+    assert answer["result"]["content"][0]["text"] == "ok on s1"
+    call = next(h for h in fake.received if b'"tools/call"' in h["body"])
+    assert "Mcp-Param-Region" not in call["headers"] and "Mcp-Method" not in call["headers"]
+    assert call["headers"]["MCP-Protocol-Version"] == "2025-06-18"
