@@ -16,6 +16,7 @@ import aiohttp
 import structlog
 from multidict import CIMultiDict, MultiMapping
 
+from .calls import CallClient, CallError, CallResponse
 from .jsonrpc import INTERNAL_ERROR, dumps, error_object, loads
 from .sse import iter_events
 
@@ -142,7 +143,7 @@ def proxy_failure(reason: str, upstream: str) -> Failed:
 
 
 class Upstream:
-    """One aiohttp session to the upstream MCP endpoint, shared by pass-through and background calls."""
+    """The upstream MCP endpoint: an aiohttp session relays pass-through traffic, a CallClient makes task calls."""
 
     def __init__(self, url: str, *, connect_timeout_s: float) -> None:
         self.url = url
@@ -150,6 +151,7 @@ class Upstream:
         self._origin = urlunsplit((parts.scheme, parts.netloc, "", "", ""))
         self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_connect=connect_timeout_s)
         self._session: aiohttp.ClientSession | None = None
+        self._calls = CallClient(url, connect_timeout_s=connect_timeout_s)
 
     async def __aenter__(self) -> Upstream:
         self._session = aiohttp.ClientSession(
@@ -162,6 +164,7 @@ class Upstream:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
+        await self._calls.aclose()
         if self._session is not None:
             await self._session.close()
 
@@ -203,17 +206,13 @@ class Upstream:
         """
         headers = own_request_headers(client_headers)
         try:
-            response = await self.request("POST", self.url, headers, dumps(message))
-        except (ConnectionError, aiohttp.ClientError, OSError) as exc:
+            response = await self._calls.post(headers, dumps(message))
+        except OSError as exc:  # CallError included
             yield proxy_failure(f"upstream unreachable ({exc})", self.url)
             return
-        async with response:
-            try:
-                async for event in self._read_call(response, message["id"]):
-                    yield event
-            finally:
-                if not response.content.at_eof():
-                    response.close()  # an unfinished stream is closed, not pooled: the upstream sees the cancel
+        async with response:  # closing an unfinished response closes its connection: the upstream sees the cancel
+            async for event in self._read_call(response, message["id"]):
+                yield event
 
     async def notify_cancelled(self, request_id: str, client_headers: MultiMapping[str], reason: str) -> None:
         """Tell a legacy session that a call is cancelled: legacy HTTP does not read a dropped stream as one.
@@ -236,11 +235,11 @@ class Upstream:
         except (ConnectionError, aiohttp.ClientError, OSError) as exc:
             log.warning("upstream_cancel_not_delivered", reason=str(exc))
 
-    async def _read_call(self, response: aiohttp.ClientResponse, request_id: Any) -> AsyncIterator[Event]:
-        content_type = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
+    async def _read_call(self, response: CallResponse, request_id: Any) -> AsyncIterator[Event]:
+        content_type = response.content_type
         try:
             if content_type == "text/event-stream":
-                async for sse in iter_events(response.content.iter_any()):
+                async for sse in iter_events(response.iter_chunks()):
                     if not sse.data:
                         continue  # priming events and keep-alives carry nothing
                     event = self._interpret(_loads(sse.data), request_id, response.status, len(sse.data))
@@ -251,8 +250,8 @@ class Upstream:
                 yield proxy_failure("the upstream closed its event stream before answering the call", self.url)
                 return
             body = await response.read()
-        except (aiohttp.ClientError, OSError) as exc:
-            yield proxy_failure(f"the upstream connection broke mid-call ({type(exc).__name__})", self.url)
+        except CallError as exc:
+            yield proxy_failure(f"the upstream connection broke mid-call ({exc})", self.url)
             return
         message = _loads(body) if content_type in ("application/json", "") else None
         event = self._interpret(message, request_id, response.status, len(body)) if message is not None else None

@@ -100,10 +100,13 @@ class _Job:
     started_s: float
     is_task: bool = False
     """False while the sync window runs; from then on the outcome goes to the store."""
-    created: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
-    outcome: asyncio.Future[DirectOutcome] = dataclasses.field(
-        default_factory=lambda: asyncio.get_running_loop().create_future()
-    )
+    # Events and futures are made only when something waits on them: ten thousand working tasks should cost as
+    # little as possible, and most jobs never have a sync window, an input round or a question to wait for.
+    stored: bool = False
+    """The task's record exists (creation finished)."""
+    stored_event: asyncio.Event | None = None
+    outcome: asyncio.Future[DirectOutcome] | None = None
+    """Only while a sync window runs: the outcome, when it comes inside the window."""
     max_input_rounds: int = 10
     max_result_bytes: int = 16 * 1024 * 1024
     slots: asyncio.Semaphore | None = None
@@ -115,18 +118,30 @@ class _Job:
     """The JSON-RPC id of the upstream attempt in flight (each MRTR round has its own)."""
     upstream_busy: bool = False
     waiting_input: bool = False
-    answered: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
-    """Set when tasks/update has answered every outstanding input request."""
-    issued_keys: set[str] = dataclasses.field(default_factory=set)
+    answered: asyncio.Event | None = None
+    """Made for each modern input round; set when tasks/update has answered every outstanding input request."""
+    issued_keys: set[str] | None = None
     replies: dict[str, Callable[[dict[str, Any]], Awaitable[None]]] = dataclasses.field(default_factory=dict)
     """Legacy upstreams: how to post the answer to each outstanding task key back on the open call."""
-    promote: asyncio.Future[None] = dataclasses.field(
-        default_factory=lambda: asyncio.get_running_loop().create_future()
-    )
-    """Resolved when the call must become a task before its sync window ends (a legacy server asked for input)."""
+    promote: asyncio.Future[None] | None = None
+    """Only while a sync window runs: resolved when the call must become a task before the window ends (a legacy
+    server asked for input)."""
+
+    def mark_stored(self) -> None:
+        self.stored = True
+        if self.stored_event is not None:
+            self.stored_event.set()
+
+    async def wait_stored(self) -> None:
+        if not self.stored:
+            if self.stored_event is None:
+                self.stored_event = asyncio.Event()
+            await self.stored_event.wait()
 
     def unique_key(self, upstream_key: str) -> str:
         """A key never used before in this task (SEP-2663), even when the upstream reuses one across rounds."""
+        if self.issued_keys is None:
+            self.issued_keys = set()
         candidate, n = upstream_key, 1
         while candidate in self.issued_keys:
             n += 1
@@ -214,6 +229,8 @@ class TaskRunner:
                 raise
             self._spawn(job)
             return record
+        loop = asyncio.get_running_loop()
+        job.outcome, job.promote = loop.create_future(), loop.create_future()
         self._spawn(job)
         try:
             await asyncio.wait(
@@ -226,6 +243,7 @@ class TaskRunner:
             raise
         if job.outcome.done():
             return job.outcome.result()
+        job.outcome = job.promote = None
         try:
             return await self._create_record(job)
         except BaseException:
@@ -291,7 +309,8 @@ class TaskRunner:
             if event.get("resumed"):
                 if job.replies == {}:
                     job.waiting_input = False  # legacy: nothing outstanding; modern: _ask_client clears it
-                job.answered.set()
+                if job.answered is not None:
+                    job.answered.set()
 
     async def _reap_forever(self) -> None:
         while True:
@@ -353,7 +372,7 @@ class TaskRunner:
         )
         job.is_task = True
         await self._store.create(record)
-        job.created.set()
+        job.mark_stored()
         self._metrics.tasks_created.labels(job.call.tool).inc()
         log.info("task_transition", task_id=job.task_id, tool=job.call.tool, to=record.status.value, duration_ms=0)
         return record
@@ -475,7 +494,7 @@ class TaskRunner:
             task_key = job.unique_key(upstream_key)
             key_map[task_key] = upstream_key
             task_requests[task_key] = input_request
-        job.answered.clear()
+        job.answered = answered = asyncio.Event()  # before the record says input_required: no answer is missed
         job.waiting_input = True
         self._metrics.input_rounds.labels(job.call.tool).inc()
         waiting = await self._transition(
@@ -491,7 +510,7 @@ class TaskRunner:
         remaining_s = job.started_s + job.ttl_ms / 1000 - self._timer()
         try:
             # Nobody can answer after the record expires, so the wait is bounded by the task's TTL.
-            await asyncio.wait_for(job.answered.wait(), timeout=max(remaining_s, 0))
+            await asyncio.wait_for(answered.wait(), timeout=max(remaining_s, 0))
         except TimeoutError:
             self._abandon(job)
             return None
@@ -506,9 +525,9 @@ class TaskRunner:
         """A legacy server's request joins the task's outstanding inputRequests; the call's stream stays open."""
         if not job.is_task:
             # Only a task can hold a question open for a later answer: the call becomes one now.
-            if not job.promote.done():
+            if job.promote is not None and not job.promote.done():
                 job.promote.set_result(None)
-            await job.created.wait()
+            await job.wait_stored()
         assert needed.reply is not None
         if not job.waiting_input:
             job.waiting_input = True
@@ -594,7 +613,7 @@ class TaskRunner:
         if message is None:
             return
         job.last_message = message
-        if job.is_task and job.created.is_set():
+        if job.is_task and job.stored:
 
             def apply(record: TaskRecord) -> TaskRecord:
                 if record.status is not TaskStatus.WORKING:
@@ -616,10 +635,10 @@ class TaskRunner:
     async def _settle(self, job: _Job, status: TaskStatus, **fields: Any) -> None:
         if not job.is_task:
             outcome = DirectOutcome(result=fields.get("result"), error=fields.get("error"))
-            if not job.outcome.done():
+            if job.outcome is not None and not job.outcome.done():
                 job.outcome.set_result(outcome)
             return
-        await job.created.wait()
+        await job.wait_stored()
         for delay_s in (0.5, 1, 2, 4, 8, 15, None):
             try:
                 if await self._transition(job.task_id, status, job=job, **fields) is None:

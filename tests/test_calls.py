@@ -1,0 +1,254 @@
+"""The task-call HTTP client against scripted TCP servers on loopback: framing, reuse, faults, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import re
+import secrets
+import zlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from proxy.calls import CallClient, CallError
+
+Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+class ScriptedServer:
+    """Answers each request on a connection with the script; records requests and connections."""
+
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.connections = 0
+        self.requests: list[tuple[bytes, bytes]] = []
+        self.closed_by_client = asyncio.Event()
+        self.server: asyncio.Server | None = None
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":", 1)[1])
+                body = await reader.readexactly(length)
+                self.requests.append((head, body))
+                await self.script(reader, writer)
+                if writer.is_closing():
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self.closed_by_client.set()
+        finally:
+            writer.close()
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/mcp?x=1"
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Callable[[Script], Awaitable[ScriptedServer]]]:
+    servers: list[ScriptedServer] = []
+
+    async def start(script: Script) -> ScriptedServer:
+        scripted = ScriptedServer(script)
+        scripted.server = await asyncio.start_server(scripted._handle, "127.0.0.1", 0)
+        servers.append(scripted)
+        return scripted
+
+    yield start
+    for scripted in servers:
+        assert scripted.server is not None
+        scripted.server.close()
+
+
+def respond(raw: bytes, *, close: bool = False) -> Script:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(raw)
+        await writer.drain()
+        if close:
+            writer.close()
+
+    return script
+
+
+JSON = b'{"jsonrpc":"2.0","id":1,"result":{}}'
+
+
+async def test_a_request_goes_out_as_written_and_a_content_length_answer_is_read(serve) -> None:
+    server = await serve(respond(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                                 % (len(JSON), JSON)))  # fmt: skip
+    client = CallClient(server.url, connect_timeout_s=2)
+    async with await client.post({"Authorization": "Bearer t", "Mcp-Method": "tools/call"}, b'{"a":1}') as response:
+        assert response.status == 200
+        assert response.content_type == "application/json"
+        assert await response.read() == JSON
+    head, body = server.requests[0]
+    assert head.startswith(b"POST /mcp?x=1 HTTP/1.1\r\nHost: 127.0.0.1:")
+    assert b"\r\nAuthorization: Bearer t\r\n" in head and b"\r\nMcp-Method: tools/call\r\n" in head
+    assert body == b'{"a":1}'
+    await client.aclose()
+
+
+async def test_a_finished_connection_is_reused_and_one_the_server_closes_is_not(serve) -> None:
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"
+    kept = await serve(respond(answer))
+    client = CallClient(kept.url, connect_timeout_s=2)
+    for _ in range(3):
+        async with await client.post({}, b"x") as response:
+            assert await response.read() == b"{}"
+    assert kept.connections == 1
+    closing = await serve(respond(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\n{}"))
+    client = CallClient(closing.url, connect_timeout_s=2)
+    for _ in range(3):
+        async with await client.post({}, b"x") as response:
+            assert await response.read() == b"{}"
+    assert closing.connections == 3
+
+
+async def test_idle_connections_expire_before_the_usual_server_keep_alive(serve) -> None:
+    server = await serve(respond(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"))
+    client = CallClient(server.url, connect_timeout_s=2, idle_s=0.05)
+    async with await client.post({}, b"x") as response:
+        await response.read()
+    await asyncio.sleep(0.1)
+    async with await client.post({}, b"x") as response:
+        await response.read()
+    assert server.connections == 2
+
+
+async def test_chunked_split_anywhere_and_gzip_are_decoded(serve) -> None:
+    payload = b'{"jsonrpc":"2.0","id":1,"result":{"text":"' + secrets.token_hex(2500).encode() + b'"}}'
+    packed = gzip.compress(payload)
+    assert len(packed) > 1000  # three non-empty chunks: an empty one would end the body early
+    chunked = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(part), part) for part in (packed[:7], packed[7:100], packed[100:]))
+    raw = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Encoding: gzip\r\n\r\n" + chunked + b"0\r\nX: y\r\n\r\n"
+
+    async def dribble(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for i in range(0, len(raw), 3):  # every boundary lands inside some token
+            writer.write(raw[i : i + 3])
+            await writer.drain()
+            await asyncio.sleep(0)
+
+    server = await serve(dribble)
+    client = CallClient(server.url, connect_timeout_s=2)
+    async with await client.post({}, b"x") as response:
+        assert await response.read() == payload
+    async with await client.post({}, b"x") as response:  # the chunked framing ended cleanly: reused
+        assert await response.read() == payload
+    assert server.connections == 1
+
+
+async def test_a_body_delimited_by_close_and_a_deflate_body(serve) -> None:
+    server = await serve(respond(b"HTTP/1.1 200 OK\r\nContent-Encoding: deflate\r\n\r\n" + zlib.compress(b"hello"),
+                                 close=True))  # fmt: skip
+    client = CallClient(server.url, connect_timeout_s=2)
+    async with await client.post({}, b"x") as response:
+        assert await response.read() == b"hello"
+
+
+async def test_an_interim_100_continue_is_skipped(serve) -> None:
+    server = await serve(respond(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\nok"))
+    client = CallClient(server.url, connect_timeout_s=2)
+    async with await client.post({}, b"x") as response:
+        assert response.status == 201
+        assert await response.read() == b"ok"
+
+
+async def test_a_stream_is_read_as_it_arrives(serve) -> None:
+    release = asyncio.Event()
+
+    async def stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        writer.write(b"7\r\ndata: 1\r\n")
+        await writer.drain()
+        await release.wait()
+        writer.write(b"7\r\ndata: 2\r\n0\r\n\r\n")
+        await writer.drain()
+
+    server = await serve(stream)
+    client = CallClient(server.url, connect_timeout_s=2)
+    async with await client.post({}, b"x") as response:
+        assert response.content_type == "text/event-stream"
+        chunks = response.iter_chunks()
+        assert await anext(chunks) == b"data: 1"
+        release.set()
+        assert await anext(chunks) == b"data: 2"
+        with pytest.raises(StopAsyncIteration):
+            await anext(chunks)
+
+
+async def test_closing_an_unfinished_response_closes_the_connection(serve) -> None:
+    async def never_ends(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n: ping\n\n")
+        await writer.drain()
+        await reader.read()  # until the client goes away
+
+    server = await serve(never_ends)
+    client = CallClient(server.url, connect_timeout_s=2)
+    response = await client.post({}, b"x")
+    assert await anext(response.iter_chunks()) == b": ping\n\n"
+    response.close()
+    await asyncio.wait_for(server.closed_by_client.wait(), 5)
+    assert client._reuse() is None
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort", "closed the connection before the response"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nab", "closed the connection before the response"),
+        (b"SSH-2.0-OpenSSH\r\n\r\n", "malformed HTTP response (bad status line"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n", "malformed HTTP response (bad content-length"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "malformed HTTP response"),
+        (b"HTTP/1.1 200 OK\r\nContent-Encoding: br\r\n\r\n", "unsupported content-encoding"),
+        (b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: 4\r\n\r\nnope", "undecodable"),
+        (b"HTTP/1.1 200 OK\r\n" + b"X: " + b"a" * 70_000, "response head too large"),
+        (b"", "closed the connection before the response"),
+    ],
+)
+async def test_broken_answers_raise_a_call_error_naming_the_fault(serve, raw: bytes, message: str) -> None:
+    server = await serve(respond(raw, close=True))
+    client = CallClient(server.url, connect_timeout_s=2)
+    with pytest.raises(CallError, match=re.escape(message)):
+        async with await client.post({}, b"x") as response:
+            await response.read()
+    assert client._reuse() is None
+
+
+async def test_a_read_limit_stops_a_body_that_is_too_long(serve) -> None:
+    server = await serve(respond(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + b"a" * 100))
+    client = CallClient(server.url, connect_timeout_s=2)
+    with pytest.raises(CallError, match="longer than 10 bytes"):
+        async with await client.post({}, b"x") as response:
+            await response.read(limit=10)
+
+
+async def test_a_large_body_is_read_whole_through_flow_control(serve) -> None:
+    payload = bytes(range(256)) * 20_000  # 5 MB: reading pauses and resumes several times
+    server = await serve(respond(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(payload), payload)))
+    client = CallClient(server.url, connect_timeout_s=2)
+    async with await client.post({}, b"x") as response:
+        chunks = [chunk async for chunk in response.iter_chunks()]
+    assert b"".join(chunks) == payload
+    assert server.connections == 1
+
+
+async def test_refused_connections_and_unsendable_headers_are_call_errors() -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    client = CallClient(f"http://127.0.0.1:{port}/mcp", connect_timeout_s=2)
+    with pytest.raises(CallError):
+        await client.post({}, b"x")
+    with pytest.raises(CallError, match="cannot be sent"):
+        await client.post({"X-Evil": "a\r\nInjected: 1"}, b"x")
+    with pytest.raises(ValueError, match="not an http"):
+        CallClient("ftp://127.0.0.1/x", connect_timeout_s=1)
