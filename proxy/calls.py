@@ -392,8 +392,9 @@ class CallClient:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self._connect_timeout_s):
+                server_hostname = self._host if self._ssl else None
                 _, connection = await loop.create_connection(
-                    _Connection, self._host, self._port, ssl=self._ssl, server_hostname=self._host if self._ssl else None
+                    _Connection, self._host, self._port, ssl=self._ssl, server_hostname=server_hostname
                 )
         except TimeoutError as exc:
             raise CallError(f"no connection within {self._connect_timeout_s:g} s") from exc

@@ -127,7 +127,8 @@ async def test_chunked_split_anywhere_and_gzip_are_decoded(serve) -> None:
     packed = gzip.compress(payload)
     assert len(packed) > 1000  # three non-empty chunks: an empty one would end the body early
     chunked = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(part), part) for part in (packed[:7], packed[7:100], packed[100:]))
-    raw = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Encoding: gzip\r\n\r\n" + chunked + b"0\r\nX: y\r\n\r\n"
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Encoding: gzip\r\n\r\n"
+    raw = head + chunked + b"0\r\nX: y\r\n\r\n"
 
     async def dribble(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         for i in range(0, len(raw), 3):  # every boundary lands inside some token
