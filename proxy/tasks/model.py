@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import secrets
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
+
+from ..jsonrpc import dumps, loads
 
 
 class TaskStatus(StrEnum):
@@ -92,17 +93,21 @@ class TaskRecord:
         return wire
 
 
-def to_json(record: TaskRecord) -> str:
+_FIELDS = dataclasses.fields(TaskRecord)
+
+
+def to_json(record: TaskRecord) -> bytes:
     """The stored form: JSON (never pickle), every field, times in ISO 8601."""
-    data = dataclasses.asdict(record)
+    # Shallow: asdict() would deep-copy the result, which can be megabytes, only to serialise it.
+    data = {field.name: getattr(record, field.name) for field in _FIELDS}
     data["created_at"] = record.created_at.isoformat()
     data["last_updated_at"] = record.last_updated_at.isoformat()
     data["status"] = record.status.value
-    return json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    return dumps(data)
 
 
 def from_json(text: str | bytes) -> TaskRecord:
-    data = json.loads(text)
+    data = loads(text)
     data["created_at"] = datetime.fromisoformat(data["created_at"])
     data["last_updated_at"] = datetime.fromisoformat(data["last_updated_at"])
     data["status"] = TaskStatus(data["status"])

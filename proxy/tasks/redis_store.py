@@ -1,16 +1,21 @@
 """Tasks in Redis (or Valkey), shared by several proxy replicas.
 
 Records are JSON under one key prefix. Redis enforces the TTL: the deadline is set at creation (SET PX NX) and kept
-by every update (SET XX KEEPTTL). Updates are optimistic transactions (WATCH/MULTI), so a terminal state is never
-overwritten, even by two replicas racing. Each replica keeps a lease key alive; the ids of unfinished tasks are in
-one set, so any replica can find the tasks of a replica whose lease lapsed. Events between replicas (a cancel,
-answers to an input round) go over one pub/sub channel.
+by every update (SET XX KEEPTTL). Updates are optimistic: read the record, apply the change, then write it with a
+compare-and-set script that succeeds only if the record is still the one read (its SHA-1), else read again; so a
+terminal state is never overwritten, even by two replicas racing, in two round trips and without WATCH (which would
+pin a connection per update). Each replica keeps a lease key alive; the ids of unfinished tasks are in one set, so
+any replica can find the tasks of a replica whose lease lapsed. Events between replicas (a cancel, answers to an
+input round) go over one pub/sub channel.
+
+The per-task commands go over one pipelining connection (resp.py); leases, the sweep and pub/sub use redis-py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,14 +23,27 @@ from typing import Any
 
 import redis.asyncio as redis
 import structlog
-from redis.exceptions import RedisError, WatchError
+from redis.exceptions import RedisError
 
 from .model import TaskRecord, from_json, to_json
+from .resp import RespClient, RespError
 from .store import EventHandler, StoreUnavailable, Updater
 
 log = structlog.get_logger(__name__)
 
 TASK_KEY_PREFIX = "mcp-tasks-proxy:"
+
+# KEYS: the task, the running set. ARGV: SHA-1 of the value the update was computed from, the new value, "1" when
+# the new status is terminal, the task id. Returns 1 when written, 0 when the record changed meanwhile, -1 when gone.
+_COMPARE_AND_SET = b"""
+local current = redis.call('GET', KEYS[1])
+if not current then return -1 end
+if redis.sha1hex(current) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[2], 'XX', 'KEEPTTL')
+if ARGV[3] == '1' then redis.call('SREM', KEYS[2], ARGV[4]) end
+return 1
+"""
+_COMPARE_AND_SET_SHA = hashlib.sha1(_COMPARE_AND_SET).hexdigest()
 
 
 class RedisTaskStore:
@@ -42,6 +60,7 @@ class RedisTaskStore:
             retry_on_timeout=False,
             health_check_interval=30,
         )
+        self._fast = RespClient(url, timeout_s=timeout_s)
         self._running_key = f"{key_prefix}running"
         self._channel = f"{key_prefix}events"
         self._tasks: list[asyncio.Task[None]] = []
@@ -58,47 +77,57 @@ class RedisTaskStore:
         """One place where Redis failures become StoreUnavailable, with the cause logged once."""
         try:
             yield
-        except (TimeoutError, RedisError, OSError) as exc:
+        except (TimeoutError, RedisError, RespError, OSError) as exc:
             log.warning("store_unavailable", operation=what, reason=type(exc).__name__)
             raise StoreUnavailable(f"the task store did not answer ({type(exc).__name__})") from exc
 
     async def create(self, record: TaskRecord) -> None:
-        async with self._answering("create"), self._redis.pipeline(transaction=True) as pipe:
-            pipe.set(self._key(record.task_id), to_json(record), px=record.ttl_ms, nx=True)
-            if not record.is_terminal:
-                pipe.sadd(self._running_key, record.task_id)
-            created, *_ = await pipe.execute()
-        if not created:
+        key = self._key(record.task_id)
+        commands: list[tuple[str | bytes | int, ...]] = [("MULTI",)]
+        commands.append(("SET", key, to_json(record), "PX", record.ttl_ms, "NX"))
+        if not record.is_terminal:
+            commands.append(("SADD", self._running_key, record.task_id))
+        commands.append(("EXEC",))
+        async with self._answering("create"):
+            replies = await self._fast.pipeline(commands)
+        created = replies[-1][0] if isinstance(replies[-1], list) else None
+        if created is None:
             raise StoreUnavailable(f"task id collision for {record.task_id}")  # 128 random bits: never in practice
 
     async def get(self, task_id: str) -> TaskRecord | None:
         async with self._answering("get"):
-            raw = await self._redis.get(self._key(task_id))
-        return from_json(raw) if raw is not None else None
+            raw = await self._fast.execute("GET", self._key(task_id))
+        return from_json(raw) if isinstance(raw, bytes) else None
 
     async def update(self, task_id: str, updater: Updater) -> TaskRecord | None:
         key = self._key(task_id)
-        async with self._answering("update"), self._redis.pipeline(transaction=True) as pipe:
+        async with self._answering("update"):
+            raw = await self._fast.execute("GET", key)
             while True:
-                try:
-                    await pipe.watch(key)
-                    raw = await pipe.get(key)
-                    if raw is None:
-                        await pipe.unwatch()
-                        return None
-                    current = from_json(raw)
-                    new = updater(current)  # may raise TaskStateError: nothing is written
-                    if new is current:
-                        await pipe.unwatch()
-                        return current
-                    pipe.multi()
-                    pipe.set(key, to_json(new), xx=True, keepttl=True)
-                    if new.is_terminal:
-                        pipe.srem(self._running_key, task_id)
-                    await pipe.execute()
+                if not isinstance(raw, bytes):
+                    return None
+                current = from_json(raw)
+                new = updater(current)  # may raise TaskStateError: nothing is written
+                if new is current:
+                    return current
+                written = await self._compare_and_set(key, raw, new)
+                if written == 1:
                     return new
-                except WatchError:
-                    continue  # another replica changed it first: read again and re-apply
+                if written == -1:
+                    return None
+                raw = await self._fast.execute("GET", key)  # another replica changed it first: re-apply on that
+
+    async def _compare_and_set(self, key: str, raw: bytes, new: TaskRecord) -> int:
+        args = (2, key, self._running_key, hashlib.sha1(raw).hexdigest(), to_json(new), int(new.is_terminal),
+                new.task_id)  # fmt: skip
+        try:
+            written = await self._fast.execute("EVALSHA", _COMPARE_AND_SET_SHA, *args)
+        except RespError as exc:
+            if not str(exc).startswith("NOSCRIPT"):
+                raise
+            written = await self._fast.execute("EVAL", _COMPARE_AND_SET, *args)  # loads it for the next EVALSHA
+        assert isinstance(written, int)
+        return written
 
     async def ping(self) -> None:
         async with self._answering("ping"):
@@ -118,7 +147,7 @@ class RedisTaskStore:
 
     async def publish(self, event: dict[str, Any]) -> None:
         async with self._answering("publish"):
-            await self._redis.publish(self._channel, json.dumps(event))
+            await self._fast.execute("PUBLISH", self._channel, json.dumps(event))
 
     async def running_task_ids(self) -> list[str]:
         async with self._answering("running"):
@@ -181,4 +210,5 @@ class RedisTaskStore:
         if self._replica_id is not None:
             with contextlib.suppress(RedisError, OSError):
                 await self._redis.delete(self._lease_key(self._replica_id))
+        await self._fast.aclose()
         await self._redis.aclose()

@@ -1,0 +1,123 @@
+"""The pipelining Redis connection of the store's hot path: against a real redis-server, and scripted faults."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import redis.asyncio as redis
+
+from proxy.tasks.model import TaskStatus, transition
+from proxy.tasks.redis_store import RedisTaskStore
+from proxy.tasks.resp import RespClient, RespError
+from tests.test_store_contract import T0, record
+
+
+async def test_concurrent_commands_each_get_their_own_reply(redis_url: str) -> None:
+    client = RespClient(redis_url, timeout_s=5)
+    try:
+        await asyncio.gather(*(client.execute("SET", f"resp:{n}", f"value-{n}") for n in range(300)))
+        order = list(range(300))
+        random.shuffle(order)
+        replies = await asyncio.gather(*(client.execute("GET", f"resp:{n}") for n in order))
+        assert replies == [f"value-{n}".encode() for n in order]
+        assert await client.execute("GET", "resp:missing") is None
+        assert await client.execute("DEL", "resp:0", "resp:1") == 2
+    finally:
+        await client.aclose()
+
+
+async def test_an_error_reply_raises_and_its_neighbours_still_answer(redis_url: str) -> None:
+    client = RespClient(redis_url, timeout_s=5)
+    try:
+        await client.execute("SET", "resp:text", "abc")
+        with pytest.raises(RespError, match="WRONGTYPE|not an integer"):
+            await client.pipeline([("SET", "resp:a", "1"), ("INCR", "resp:text"), ("SET", "resp:b", "2")])
+        assert await client.pipeline([("GET", "resp:a"), ("GET", "resp:b")]) == [b"1", b"2"]
+        replies = await client.pipeline([("MULTI",), ("INCR", "resp:n"), ("INCR", "resp:n"), ("EXEC",)])
+        assert replies == [b"OK", b"QUEUED", b"QUEUED", [1, 2]]
+    finally:
+        await client.aclose()
+
+
+async def test_a_cancelled_caller_does_not_shift_the_replies_of_others(redis_url: str) -> None:
+    client = RespClient(redis_url, timeout_s=5)
+    try:
+        await client.pipeline([("SET", "resp:x", "x"), ("SET", "resp:y", "y")])
+        for _ in range(50):
+            doomed = asyncio.ensure_future(client.execute("GET", "resp:x"))
+            await asyncio.sleep(0)  # written, not yet answered
+            doomed.cancel()
+            assert await client.execute("GET", "resp:y") == b"y"
+            with pytest.raises(asyncio.CancelledError):
+                await doomed
+    finally:
+        await client.aclose()
+
+
+async def test_the_store_reloads_its_script_when_redis_forgot_it(redis_url: str) -> None:
+    store = RedisTaskStore(redis_url, key_prefix="noscript:", lease_s=2, timeout_s=2)
+    admin = redis.Redis.from_url(redis_url)
+    try:
+        rec = record()
+        await store.create(rec)
+        await admin.script_flush()
+        done = await store.update(rec.task_id, lambda r: transition(r, TaskStatus.COMPLETED, now=T0, result={}))
+        assert done is not None and done.status is TaskStatus.COMPLETED
+        assert (await store.get(rec.task_id)) == done
+        assert not await admin.sismember("noscript:running", rec.task_id)  # the script also left the running set
+    finally:
+        await admin.aclose()
+        await store.aclose()
+
+
+class ScriptedRedis:
+    """Records what each connection sends; answers +OK to AUTH/SELECT and nothing to anything else."""
+
+    def __init__(self) -> None:
+        self.connections: list[list[bytes]] = []
+        self.server: asyncio.Server | None = None
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen: list[bytes] = []
+        self.connections.append(seen)
+        try:
+            while data := await reader.read(4096):
+                seen.append(data)
+                for word in (b"AUTH", b"SELECT"):
+                    if word in data:
+                        writer.write(b"+OK\r\n")
+        finally:
+            writer.close()
+
+    @property
+    def port(self) -> int:
+        assert self.server is not None
+        return self.server.sockets[0].getsockname()[1]
+
+
+async def test_credentials_and_database_from_the_url_and_a_reconnect_after_a_timeout() -> None:
+    scripted = ScriptedRedis()
+    scripted.server = await asyncio.start_server(scripted.handle, "127.0.0.1", 0)
+    client = RespClient(f"redis://user:secret@127.0.0.1:{scripted.port}/3", timeout_s=0.3)
+    try:
+        with pytest.raises(TimeoutError):
+            await client.execute("GET", "k")
+        with pytest.raises(TimeoutError):
+            await client.execute("GET", "k")
+        assert len(scripted.connections) == 2  # the connection that stopped answering was replaced
+        sent = b"".join(scripted.connections[0])
+        assert sent.startswith(b"*3\r\n$4\r\nAUTH\r\n$4\r\nuser\r\n$6\r\nsecret\r\n*2\r\n$6\r\nSELECT\r\n$1\r\n3\r\n")
+        assert sent.endswith(b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n")
+    finally:
+        await client.aclose()
+        scripted.server.close()
+
+
+async def test_an_unreachable_redis_is_a_resp_error() -> None:
+    from tests.conftest import free_port
+
+    client = RespClient(f"redis://127.0.0.1:{free_port()}/0", timeout_s=2)
+    with pytest.raises(RespError, match="cannot connect"):
+        await client.execute("PING")
