@@ -517,24 +517,26 @@ async def _tasks_method(request: web.Request, message: dict[str, Any]) -> dict[s
         not isinstance(responses, dict) or not all(isinstance(answer, dict) for answer in responses.values())
     ):
         raise JsonRpcError(INVALID_PARAMS, "Invalid params: inputResponses must be an object of result objects")
-    store = request.app[store_key]
     runner = request.app[runner_key]
-    record = await store.get(task_id)
-    # Another principal's task answers exactly as an unknown one: nothing reveals that it exists.
-    if record is None or record.principal != request.app[identity_key].principal(request.headers):
-        raise _task_not_found()
-    request[info_key].tool = record.tool
+    # Another principal's task answers exactly as an unknown one: nothing reveals that it exists. For update and
+    # cancel the owner is checked inside the store's atomic update, which spares a read.
+    principal = request.app[identity_key].principal(request.headers)
     if method == "tasks/get":
+        record = await request.app[store_key].get(task_id)
+        if record is None or record.principal != principal:
+            raise _task_not_found()
+        request[info_key].tool = record.tool
         request.app[poll_guard_key].check(task_id, record.poll_interval_ms)
         return {**record.to_wire(), "resultType": "complete"}
     if method == "tasks/update":
         assert isinstance(responses, dict)
         # Answers to keys that are not outstanding are ignored (SEP-2663); the ack is eventually consistent.
-        if await runner.deliver_input(task_id, responses) is None:
-            raise _task_not_found()
-        return {"resultType": "complete"}
-    if await runner.cancel(task_id) is None:
+        record = await runner.deliver_input(task_id, responses, principal)
+    else:
+        record = await runner.cancel(task_id, principal)
+    if record is None:
         raise _task_not_found()
+    request[info_key].tool = record.tool
     return {"resultType": "complete"}
 
 

@@ -57,6 +57,16 @@ class TaskWatchers:
             queue.put_nowait(task_id)
 
 
+class _NotTheOwner(Exception):
+    """The task belongs to another principal: for its caller, it does not exist."""
+
+
+def _owned(record: TaskRecord, principal: str | None) -> TaskRecord:
+    if principal is not None and record.principal != principal:
+        raise _NotTheOwner
+    return record
+
+
 class ShuttingDown(Exception):
     """The proxy is stopping: it finishes what runs and takes no new task."""
 
@@ -278,14 +288,21 @@ class TaskRunner:
             )
         return slots
 
-    async def cancel(self, task_id: str) -> TaskRecord | None:
-        """Record the cancellation and stop the upstream call; None when the task is unknown.
+    async def cancel(self, task_id: str, principal: str | None = None) -> TaskRecord | None:
+        """Record the cancellation and stop the upstream call; None when the task is unknown (or, with `principal`,
+        not that principal's: ownership is checked in the same atomic update).
 
         A task that already finished keeps its terminal state: cancellation is cooperative (SEP-2663).
         """
-        record = await self._transition(task_id, TaskStatus.CANCELLED, status_message=_CANCELLED_BY_CLIENT)
+        try:
+            record = await self._transition(
+                task_id, TaskStatus.CANCELLED, principal=principal, status_message=_CANCELLED_BY_CLIENT
+            )
+        except _NotTheOwner:
+            return None
         if record is None:
-            return await self._store.get(task_id)
+            current = await self._store.get(task_id)
+            return current if current is not None and (principal is None or current.principal == principal) else None
         # Whichever replica holds the upstream call stops it; this one may not be it.
         await self._store.publish({"type": "cancel", "taskId": task_id})
         return record
@@ -562,16 +579,20 @@ class TaskRunner:
         if record is not None:
             await self._announce(job.task_id)
 
-    async def deliver_input(self, task_id: str, responses: dict[str, Any]) -> TaskRecord | None:
+    async def deliver_input(
+        self, task_id: str, responses: dict[str, Any], principal: str | None = None
+    ) -> TaskRecord | None:
         """tasks/update: keep answers to outstanding keys; once none is outstanding, the task resumes.
 
-        Answers to keys that are not outstanding are ignored (SEP-2663). None when the task is unknown.
+        Answers to keys that are not outstanding are ignored (SEP-2663). None when the task is unknown (or, with
+        `principal`, not that principal's).
         """
         resumed: list[TaskStatus] = []
         accepted: dict[str, Any] = {}
 
         def apply(record: TaskRecord) -> TaskRecord:
             accepted.clear()
+            _owned(record, principal)
             if record.status is not TaskStatus.INPUT_REQUIRED:
                 return record
             outstanding = dict(record.input_requests or {})
@@ -597,7 +618,10 @@ class TaskRunner:
                 status_message="input received; resuming the call",
             )
 
-        record = await self._store.update(task_id, apply)
+        try:
+            record = await self._store.update(task_id, apply)
+        except _NotTheOwner:
+            return None
         if record is None:
             return None
         if resumed:
@@ -657,12 +681,15 @@ class TaskRunner:
             job.runner.cancel()
 
     async def _transition(
-        self, task_id: str, to: TaskStatus, *, job: _Job | None = None, **fields: Any
+        self, task_id: str, to: TaskStatus, *, job: _Job | None = None, principal: str | None = None, **fields: Any
     ) -> TaskRecord | None:
-        """Apply one status change; None when the task is gone or already terminal (then it stays as it is)."""
+        """Apply one status change; None when the task is gone or already terminal (then it stays as it is).
+
+        With `principal`, another principal's task raises _NotTheOwner and is left unchanged."""
         previous: list[TaskStatus] = []
 
         def apply(record: TaskRecord) -> TaskRecord:
+            _owned(record, principal)
             previous.append(record.status)
             return transition(record, to, now=self._now(), **fields)
 
