@@ -1,11 +1,12 @@
-"""A small HTTP/1.1 client for the proxy's background tool calls: one asyncio protocol per connection.
+"""A small HTTP/1.1 client for the proxy's POSTs to the MCP endpoint: one asyncio protocol per connection.
 
 Every working task holds one upstream request open, for as long as the tool runs. aiohttp's client costs about
 12 KB per open request (request, response, connection, parser, stream reader, timers); this client costs under
 3 KB and a fraction of the CPU, which is what lets one replica hold ten thousand working tasks. It speaks only what
 a task call needs: one POST to one origin, a JSON or event-stream answer (Content-Length, chunked, or until
 close; gzip/deflate if the server compresses anyway), keep-alive reuse of finished connections, and closing the
-connection to cancel. Pass-through and legacy sessions keep aiohttp, which relays everything else.
+connection to cancel. Pass-through POSTs use it too, reading the body as sent (no decoding) with the headers in
+their original case and order; aiohttp relays everything else (GET streams, DELETE, other paths).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class _Connection(asyncio.Protocol):
         "_error",
         "_paused",
         "_decoder",
+        "_decode",
         "response",
         "reusable",
         "idle_since",
@@ -63,6 +65,7 @@ class _Connection(asyncio.Protocol):
         self._error: str | None = None
         self._paused = False
         self._decoder: zlib._Decompress | None = None
+        self._decode = True
         self.response: CallResponse | None = None
         self.reusable = False
         self.idle_since = 0.0
@@ -169,19 +172,25 @@ class _Connection(asyncio.Protocol):
         status = int(parts[1])
         if 100 <= status < 200:
             return  # an interim response (100 Continue): the real one follows
+        response = self.response
+        assert response is not None
         headers: dict[str, str] = {}
+        raw: list[tuple[str, str]] | None = [] if response.raw_headers is not None else None
         for line in lines[1:]:
             name, sep, value = line.partition(":")
             if not sep:
                 raise ValueError("header line without a colon")
-            name = name.strip().lower()
             value = value.strip()
+            if raw is not None:
+                raw.append((name.strip(), value))
+            name = name.strip().lower()
             headers[name] = f"{headers[name]}, {value}" if name in headers else value
-        response = self.response
-        assert response is not None
         response.status, response.headers = status, headers
+        response.reason = parts[2] if len(parts) > 2 else ""
+        if raw is not None:
+            response.raw_headers = raw
         self.reusable = parts[0] == "HTTP/1.1" and "close" not in headers.get("connection", "").lower()
-        encoding = headers.get("content-encoding", "identity").strip().lower()
+        encoding = headers.get("content-encoding", "identity").strip().lower() if self._decode else "identity"
         if encoding in ("gzip", "x-gzip"):
             self._decoder = zlib.decompressobj(16 + zlib.MAX_WBITS)
         elif encoding == "deflate":
@@ -248,10 +257,11 @@ class _Connection(asyncio.Protocol):
     def closed(self) -> bool:
         return self._closed or self.transport is None or self.transport.is_closing()
 
-    def send(self, data: bytes, response: CallResponse) -> asyncio.Future[None]:
+    def send(self, data: bytes, response: CallResponse, *, decode: bool) -> asyncio.Future[None]:
         """Write one request; the returned future resolves once the response head arrived."""
         assert self.transport is not None
         self.response = response
+        self._decode = decode
         self._state, self._error, self._remaining = "head", None, 0
         self._ready.clear()
         self._head = asyncio.get_running_loop().create_future()
@@ -292,11 +302,14 @@ class _Connection(asyncio.Protocol):
 class CallResponse:
     """The answer to one call: status, headers (lower-case names), then the body read whole or in chunks."""
 
-    __slots__ = ("status", "headers", "_connection", "_client")
+    __slots__ = ("status", "reason", "headers", "raw_headers", "_connection", "_client")
 
-    def __init__(self, connection: _Connection, client: CallClient) -> None:
+    def __init__(self, connection: _Connection, client: CallClient, *, raw_headers: bool = False) -> None:
         self.status = 0
+        self.reason = ""
         self.headers: dict[str, str] = {}
+        self.raw_headers: list[tuple[str, str]] | None = [] if raw_headers else None
+        """As received (case, order, repeats), when asked for: what a relay passes on."""
         self._connection: _Connection | None = connection
         self._client = client
 
@@ -350,16 +363,24 @@ class CallClient:
         host_header = f"[{self._host}]" if ":" in self._host else self._host
         if parts.port is not None:
             host_header += f":{parts.port}"
-        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        self._path = parts.path or "/"
+        self._host_header = host_header
+        path = self._path + (f"?{parts.query}" if parts.query else "")
         self._request_line = f"POST {path} HTTP/1.1\r\nHost: {host_header}\r\n".encode()
         self._connect_timeout_s = connect_timeout_s
         self._idle: collections.deque[_Connection] = collections.deque()
         self._max_idle = max_idle
         self._idle_s = idle_s
 
-    async def post(self, headers: Mapping[str, str], body: bytes) -> CallResponse:
-        """Send the request and wait for the response head; the caller reads the body and closes the response."""
-        head = [self._request_line]
+    async def post(
+        self, headers: Mapping[str, str], body: bytes, *, query: str = "", relay: bool = False
+    ) -> CallResponse:
+        """Send the request and wait for the response head; the caller reads the body and closes the response.
+
+        `query` is appended to the URL's path; `relay` keeps the body as sent (no decompression) and the headers as
+        received, for passing the response on.
+        """
+        head = [self._request_line if not query else self._request_line_with(query)]
         for name, value in headers.items():
             if "\r" in value or "\n" in value or "\r" in name or "\n" in name or ":" in name:
                 raise CallError(f"header {name!r} cannot be sent")
@@ -369,8 +390,8 @@ class CallClient:
         request = b"".join(head)
         del head, body  # a working task waits here for the whole call: hold nothing it no longer needs
         connection = self._reuse() or await self._connect()
-        response = CallResponse(connection, self)
-        answered = connection.send(request, response)
+        response = CallResponse(connection, self, raw_headers=relay)
+        answered = connection.send(request, response, decode=not relay)
         del request
         try:
             await answered
@@ -378,6 +399,11 @@ class CallClient:
             response.close()
             raise
         return response
+
+    def _request_line_with(self, query: str) -> bytes:
+        if any(c in query for c in " \r\n"):
+            raise CallError("the query string cannot be sent")
+        return f"POST {self._path}?{query} HTTP/1.1\r\nHost: {self._host_header}\r\n".encode()
 
     def _reuse(self) -> _Connection | None:
         now = time.monotonic()

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
 import structlog
 from aiohttp import web
+from multidict import CIMultiDict
 
+from .calls import CallError, CallResponse
 from .jsonrpc import INTERNAL_ERROR, RequestId, UpstreamError, dumps, error_object, error_response
 from .sse import SseEvent, SseParser
 from .upstream import Upstream, request_headers, response_headers
@@ -41,12 +43,17 @@ async def forward(
     request_id: RequestId = None,
 ) -> web.StreamResponse:
     """Send the request on unchanged and relay the answer: status, end-to-end headers and body bytes."""
+    if is_mcp and request.method == "POST" and body is not None:
+        return await _forward_post(upstream, request, body, request_id)
     response = await open_upstream(upstream, request, body, is_mcp=is_mcp)
     try:
         content_type = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
         if content_type in _STREAM_TYPES or (response.content_length is None and _may_have_body(request, response)):
             watch_id = request_id if content_type in _STREAM_TYPES else None
-            return await _relay_stream(request, response, upstream, watch_id)
+            relayed = web.StreamResponse(
+                status=response.status, reason=response.reason, headers=response_headers(response.headers)
+            )
+            return await _relay_stream(request, relayed, response.content.iter_any(), upstream, watch_id)
         try:
             payload = await response.read()
         except (aiohttp.ClientError, OSError) as exc:
@@ -62,30 +69,68 @@ async def forward(
             response.close()
 
 
+async def _forward_post(
+    upstream: Upstream, request: web.Request, body: bytes, request_id: RequestId
+) -> web.StreamResponse:
+    """A POST to the MCP endpoint (most of the traffic) goes through the lean client, its answer relayed as sent."""
+    try:
+        response = await upstream.post(request_headers(request.headers), body, query=request.rel_url.raw_query_string)
+    except OSError as exc:  # CallError included
+        raise UpstreamError(f"upstream unreachable ({exc})", upstream=upstream.url) from exc
+    with _closing(response):
+        assert response.raw_headers is not None
+        headers = response_headers(CIMultiDict(response.raw_headers))
+        content_type = response.content_type
+        if content_type in _STREAM_TYPES or (
+            "content-length" not in response.headers and response.status not in (204, 304)
+        ):
+            watch_id = request_id if content_type in _STREAM_TYPES else None
+            relayed = web.StreamResponse(status=response.status, reason=response.reason or None, headers=headers)
+            return await _relay_stream(request, relayed, response.iter_chunks(), upstream, watch_id)
+        try:
+            payload = await response.read()
+        except CallError as exc:
+            raise UpstreamError(f"the upstream connection broke mid-response ({exc})", upstream=upstream.url) from exc
+        return web.Response(status=response.status, reason=response.reason or None, headers=headers, body=payload)
+
+
+class _closing:
+    """Closes a CallResponse on the way out: pooled when read to its end, else the connection is closed (cancel)."""
+
+    def __init__(self, response: CallResponse) -> None:
+        self._response = response
+
+    def __enter__(self) -> CallResponse:
+        return self._response
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._response.close()
+
+
 def _may_have_body(request: web.Request, response: aiohttp.ClientResponse) -> bool:
     return request.method != "HEAD" and response.status not in (204, 304) and response.status >= 200
 
 
 async def _relay_stream(
-    request: web.Request, response: aiohttp.ClientResponse, upstream: Upstream, request_id: RequestId
+    request: web.Request,
+    relayed: web.StreamResponse,
+    chunks: AsyncIterator[bytes],
+    upstream: Upstream,
+    request_id: RequestId,
 ) -> web.StreamResponse:
     """Write each chunk as soon as it arrives; never buffer a stream to its end.
 
     When the upstream connection breaks before the answer to `request_id` went by, the client gets a JSON-RPC
     error event instead of a stream that just stops, so no caller waits forever.
     """
-    relayed = web.StreamResponse(
-        status=response.status, reason=response.reason, headers=response_headers(response.headers)
-    )
     await relayed.prepare(request)
     watcher = _AnswerWatcher(request_id) if request_id is not None else None
-    chunks = response.content.iter_any()
     while True:
         try:
             chunk = await anext(chunks)
         except StopAsyncIteration:
             break
-        except (aiohttp.ClientError, OSError) as exc:
+        except (aiohttp.ClientError, OSError) as exc:  # CallError included
             log.warning("upstream_stream_broken", reason=type(exc).__name__)
             if watcher is not None and not watcher.answered:
                 error = error_object(

@@ -197,6 +197,10 @@ class Upstream:
         except aiohttp.ClientConnectorError as exc:
             raise ConnectionError(f"cannot connect to {self.url}: {exc.os_error.strerror or exc}") from exc
 
+    async def post(self, headers: Mapping[str, str], body: bytes, *, query: str = "") -> CallResponse:
+        """A pass-through POST to the MCP endpoint: the response as sent, headers as received (see calls.py)."""
+        return await self._calls.post(headers, body, query=query, relay=True)
+
     async def call_tool(
         self, message: dict[str, Any], client_headers: MultiMapping[str], capabilities: dict[str, Any]
     ) -> AsyncIterator[Event]:

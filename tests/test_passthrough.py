@@ -240,3 +240,40 @@ async def test_discover_drops_legacy_task_capabilities(make_proxy, fake_upstream
     proxy = await make_proxy(fake.url, protocol="modern")
     reply = await proxy.client.call("server/discover")
     assert reply.result["capabilities"] == {"tools": {}, "extensions": {TASKS: {}}}
+
+
+async def test_a_post_answer_is_relayed_as_sent_compressed_chunked_and_with_repeated_headers(make_proxy, fake_upstream):
+    import gzip
+
+    document = b'{"jsonrpc":"2.0","id":7,"result":{"resultType":"complete","text":"' + b"z" * 3000 + b'"}}'
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        if request.query.get("shape") == "gzip":
+            response = web.Response(body=gzip.compress(document), headers={"Content-Encoding": "gzip"})
+        else:
+            response = web.StreamResponse()  # no Content-Length: chunked on the wire
+            await response.prepare(request)
+            await response.write(document[:100])
+            await response.write(document[100:])
+            await response.write_eof()
+            return response
+        response.headers.add("Set-Cookie", "a=1")
+        response.headers.add("Set-Cookie", "b=2")
+        response.content_type = "application/json"
+        return response
+
+    fake = await fake_upstream(handler)
+    proxy = await make_proxy(fake.url, protocol="modern")
+    call = b'{"jsonrpc":"2.0","id":7,"method":"tools/list"}'
+    async with aiohttp.ClientSession(auto_decompress=False) as session:
+        asks_gzip = {"Accept-Encoding": "gzip", "Content-Type": "application/json"}
+        async with session.post(proxy.url + "?shape=gzip&x=%20y", data=call, headers=asks_gzip) as response:
+            assert response.headers["Content-Encoding"] == "gzip"
+            assert response.headers.getall("Set-Cookie") == ["a=1", "b=2"]
+            assert gzip.decompress(await response.read()) == document
+        async with session.post(proxy.url + "?shape=chunked", data=call) as response:
+            assert response.status == 200
+            assert await response.read() == document
+    assert fake.received[0]["path"] == "/mcp?shape=gzip&x=%20y"
+    assert fake.received[0]["headers"]["Accept-Encoding"] == "gzip"
+    assert fake.received[0]["body"] == call
