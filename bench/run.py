@@ -1,6 +1,6 @@
 """The benchmark: pass-through overhead, the task path (memory and Redis), scale, and a peer, in one run.
 
-    python bench/run.py            # about 6 minutes on 2 cores; --quick for a shorter, noisier run
+    python bench/run.py            # about 10 minutes on 2 cores; --quick for a shorter, noisier run
 
 Everything runs on loopback in processes of their own, started and stopped here: a fast upstream
 (bench/fast_upstream.py), the minimal aiohttp forwarder (bench/minimal_forwarder.py), mcp-tasks-proxy (memory and
@@ -256,7 +256,7 @@ def task_path(upstream: str, redis_url: str, seconds: float, repeats: int, peer_
         rows.append(["fastmcp-tasks (peer)", *task_figures(peer_url, seconds, repeats, update=False)])
     table(f"Task path (the tool answers at once upstream; 16 clients create tasks at {PACED_RATE:,}/s, then as fast as "
           "they can)",
-          ["server", "CreateTaskResult p50 ms", "p99 ms", "(achieved /s)", "saturated: creations/s", "p50 ms",
+          ["server", "CreateTaskResult p50 ms", "p99 ms", "at (req/s)", "saturated: creations/s", "p50 ms",
            "p99 ms", "tasks/get req/s (c16)", "tasks/get req/s (c64)", "tasks/update ack ms",
            "update → completed ms"], rows)  # fmt: skip
 
