@@ -118,11 +118,7 @@ class _Connection(asyncio.Protocol):
                 del self._raw[: end + 4]
                 self._on_head(head)
             elif state == "length":
-                take = min(self._remaining, len(self._raw))
-                self._deliver(self._raw[:take])
-                del self._raw[:take]
-                self._remaining -= take
-                if self._remaining == 0:
+                if self._take_body():
                     self._finish()
             elif state == "close":
                 self._deliver(self._raw)
@@ -139,11 +135,7 @@ class _Connection(asyncio.Protocol):
                     raise ValueError("negative chunk size")
                 self._remaining, self._state = size, ("chunk-data" if size else "trailer")
             elif state == "chunk-data":
-                take = min(self._remaining, len(self._raw))
-                self._deliver(self._raw[:take])
-                del self._raw[:take]
-                self._remaining -= take
-                if self._remaining == 0:
+                if self._take_body():
                     self._state = "chunk-end"
             elif state == "chunk-end":
                 if len(self._raw) < 2:
@@ -163,6 +155,14 @@ class _Connection(asyncio.Protocol):
                 self.reusable = False
                 self._raw.clear()
                 return
+
+    def _take_body(self) -> bool:
+        """Deliver what has arrived of the `_remaining` body bytes; True once all of them have."""
+        take = min(self._remaining, len(self._raw))
+        self._deliver(self._raw[:take])
+        del self._raw[:take]
+        self._remaining -= take
+        return self._remaining == 0
 
     def _on_head(self, head: bytes) -> None:
         lines = head.decode("latin-1").split("\r\n")

@@ -121,3 +121,34 @@ async def test_an_unreachable_redis_is_a_resp_error() -> None:
     client = RespClient(f"redis://127.0.0.1:{free_port()}/0", timeout_s=2)
     with pytest.raises(RespError, match="cannot connect"):
         await client.execute("PING")
+
+
+async def test_a_unix_socket_url_with_a_database_reaches_that_database(tmp_path) -> None:
+    import shutil
+    import subprocess
+
+    from tests.conftest import stop
+
+    socket_path = tmp_path / "redis.sock"
+    binary = shutil.which("redis-server")
+    assert binary is not None
+    process = subprocess.Popen(
+        [binary, "--port", "0", "--unixsocket", str(socket_path), "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+    )
+    database_2 = redis.Redis(unix_socket_path=str(socket_path), db=2)
+    database_0 = redis.Redis(unix_socket_path=str(socket_path), db=0)
+    client = RespClient(f"unix://{socket_path}?db=2", timeout_s=5)
+    try:
+        for _ in range(200):
+            if socket_path.exists():
+                break
+            await asyncio.sleep(0.05)
+        await client.execute("SET", "resp:db", "two")
+        assert await database_2.get("resp:db") == b"two"
+        assert await database_0.get("resp:db") is None
+    finally:
+        await client.aclose()
+        await database_2.aclose()
+        await database_0.aclose()
+        stop(process)
