@@ -143,7 +143,8 @@ def proxy_failure(reason: str, upstream: str) -> Failed:
 
 
 class Upstream:
-    """The upstream MCP endpoint: an aiohttp session relays pass-through traffic, a CallClient makes task calls."""
+    """The upstream MCP endpoint: a CallClient makes every POST to it (task calls and pass-through); an aiohttp
+    session carries the rest (GET streams, DELETE, other paths, legacy sessions, the era probe)."""
 
     def __init__(self, url: str, *, connect_timeout_s: float) -> None:
         self.url = url
