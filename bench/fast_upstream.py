@@ -1,7 +1,9 @@
 """A deliberately fast 2026-07-28 upstream for benchmarks: every answer is immediate and tiny.
 
 Tools: `echo` answers at once; `hold` answers when POST /release is called (for many concurrently working tasks);
-`ask` asks for input (MRTR) until its retry carries an answer. Run: python bench/fast_upstream.py PORT
+`ask` asks for input (MRTR) until its retry carries an answer. It also answers a legacy `initialize` (with a
+session id), so that a proxy told `upstream.protocol: legacy` can use it as a 2025-11-25 server for `hold`.
+Run: python bench/fast_upstream.py PORT
 """
 
 from __future__ import annotations
@@ -24,6 +26,12 @@ async def mcp(request: web.Request) -> web.Response:
     message = await request.json()
     method = message.get("method")
     params = message.get("params") or {}
+    if method == "initialize":
+        result = {"protocolVersion": "2025-11-25", "capabilities": {"tools": {}}, "serverInfo": {"name": "fast"}}
+        body = {"jsonrpc": "2.0", "id": message["id"], "result": result}
+        return web.json_response(body, headers={"Mcp-Session-Id": "bench-session"})
+    if method is not None and "id" not in message:
+        return web.Response(status=202)  # notifications (notifications/initialized)
     if method == "server/discover":
         return _result(message["id"], {"supportedVersions": ["2026-07-28"], "capabilities": {"tools": {}}})
     if method == "tools/list":
@@ -48,7 +56,10 @@ async def mcp(request: web.Request) -> web.Response:
 
 
 async def release(request: web.Request) -> web.Response:
-    _released.set()
+    """Answer every `hold` call waiting now; later ones wait for the next release."""
+    global _released
+    waiting, _released = _released, asyncio.Event()
+    waiting.set()
     return web.Response(text="released")
 
 

@@ -76,10 +76,12 @@ def process(*argv: str, port: int, env: dict[str, str] | None = None) -> Iterato
 
 
 @contextmanager
-def proxy(upstream: str, store: dict, **extra: object) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+def proxy(
+    upstream: str, store: dict, *, protocol: str = "modern", **extra: object
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     port = free_port()
     policy = {
-        "upstream": {"url": upstream, "protocol": "modern"},
+        "upstream": {"url": upstream, "protocol": protocol},
         "store": store,
         "tools": [{"match": "echo", "task": "optional"}, {"match": "hold"}, {"match": "ask"}],
         "tasks": {"max_tasks": 200_000},
@@ -287,14 +289,17 @@ def task_figures(url: str, seconds: float, repeats: int, *, update: bool) -> lis
 def scale(upstream_port: int, seconds: float, working: int, stored: int) -> None:
     upstream = f"http://127.0.0.1:{upstream_port}/mcp"
     rows = []
-    with proxy(upstream, {"backend": "memory"}) as (url, proc):
-        idle = rss_mb(proc.pid)
-        held = asyncio.run(create_tasks(url, "hold", working))
-        time.sleep(1)
-        rows.append([f"{working:,} working (their upstream calls open)", f"{rss_mb(proc.pid):.0f}", f"{idle:.0f}",
-                     *[f"{v:.2f}" for v in wrk(url, "tasks/get", {"taskId": held[0]}, meta=META_TASKS, connections=16,
-                                                seconds=seconds, name=held[0])[1:]]])  # fmt: skip
-        asyncio.run(_release(upstream_port))
+    for protocol in ("modern", "legacy"):
+        with proxy(upstream, {"backend": "memory"}, protocol=protocol) as (url, proc):
+            idle = rss_mb(proc.pid)
+            held = asyncio.run(create_tasks(url, "hold", working))
+            time.sleep(1)
+            era = "2026-07-28" if protocol == "modern" else "legacy 2025-11-25"
+            rows.append([f"{working:,} working, {era} upstream (their calls open)", f"{rss_mb(proc.pid):.0f}",
+                         f"{idle:.0f}", *[f"{v:.2f}" for v in wrk(url, "tasks/get", {"taskId": held[0]},
+                                                                  meta=META_TASKS, connections=16, seconds=seconds,
+                                                                  name=held[0])[1:]]])  # fmt: skip
+            asyncio.run(_release(upstream_port))
     with proxy(upstream, {"backend": "memory"}) as (url, proc):
         growth = []
         done = 0

@@ -20,6 +20,7 @@ from cachetools import LRUCache
 from multidict import CIMultiDict, MultiMapping
 
 from . import PROTOCOL_VERSION, TASKS_EXTENSION, __version__
+from .calls import CallResponse
 from .jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, dumps, error_object
 from .security import Identity
 from .sse import SseParser, json_message
@@ -234,13 +235,16 @@ class LegacyUpstream:
 
     async def post(
         self, message: dict[str, Any], client_headers: MultiMapping[str]
-    ) -> tuple[LegacySession, aiohttp.ClientResponse]:
-        """POST over the caller's session, opening a new one when the upstream says the old one is gone (404)."""
+    ) -> tuple[LegacySession, CallResponse]:
+        """POST a call over the caller's session, opening a new one when the upstream says the old one is gone (404).
+
+        Through the lean client: a working task holds this response open for as long as the tool runs.
+        """
         for attempt in range(2):
             session = await self.session_for(client_headers)
-            response = await self._upstream.request("POST", self.url, session.headers(client_headers), dumps(message))
+            response = await self._upstream.post(session.headers(client_headers), dumps(message))
             if response.status == 404 and session.session_id is not None and attempt == 0:
-                response.release()
+                response.close()
                 if self._sessions.get(session.principal) is session:
                     del self._sessions[session.principal]
                 log.info("legacy_session_expired")
@@ -287,15 +291,14 @@ class LegacyUpstream:
     # --- reading a call -----------------------------------------------------------------------------------------
 
     async def messages(
-        self, session: LegacySession, client_headers: MultiMapping[str], response: aiohttp.ClientResponse
+        self, session: LegacySession, client_headers: MultiMapping[str], response: CallResponse
     ) -> AsyncIterator[dict[str, Any]]:
         """Every JSON-RPC message of a call's response, JSON or event stream.
 
         A 2025-11-25 server may close the connection without ending the stream (after a `retry:`); the call is
         then resumed with GET and Last-Event-ID, honouring the retry delay. Priming events carry no message.
         """
-        content_type = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
-        if content_type != "text/event-stream":
+        if response.content_type != "text/event-stream":
             body = await response.read()
             try:
                 message = json.loads(body)
@@ -307,11 +310,12 @@ class LegacyUpstream:
         last_event_id: str | None = None
         retry_ms = 1000
         resumes = 0
-        current = response
+        current: CallResponse | aiohttp.ClientResponse = response
         while True:
             parser = SseParser()
+            chunks = current.iter_chunks() if isinstance(current, CallResponse) else current.content.iter_any()
             try:
-                async for chunk in current.content.iter_any():
+                async for chunk in chunks:
                     for event in parser.feed(chunk):
                         if event.id is not None:
                             last_event_id = event.id
@@ -321,10 +325,10 @@ class LegacyUpstream:
                         if message is not None:
                             resumes = 0
                             yield message
-            except (aiohttp.ClientError, OSError):
+            except (aiohttp.ClientError, OSError):  # CallError included
                 pass
             finally:
-                if current is not response:
+                if isinstance(current, aiohttp.ClientResponse):
                     current.release()
             if last_event_id is None or resumes >= _MAX_RESUMES:
                 return
@@ -366,7 +370,7 @@ class LegacyUpstream:
             return
         finished = False
         try:
-            if response.status >= 400 and "json" not in response.headers.get("Content-Type", ""):
+            if response.status >= 400 and "json" not in response.content_type:
                 finished = True
                 reason = f"the upstream answered HTTP {response.status} without a JSON-RPC response"
                 yield proxy_failure(reason, self.url)
@@ -393,9 +397,7 @@ class LegacyUpstream:
             finished = True
             yield proxy_failure("the upstream closed its event stream before answering the call", self.url)
         finally:
-            if not response.content.at_eof():
-                response.close()
-            response.release()
+            response.close()  # pooled if read to its end, else closed
             if not finished:
                 self.cancel_later(session, client_headers, request_id, "cancelled by the client")
 

@@ -74,7 +74,9 @@ async def _forward_post(
 ) -> web.StreamResponse:
     """A POST to the MCP endpoint (most of the traffic) goes through the lean client, its answer relayed as sent."""
     try:
-        response = await upstream.post(request_headers(request.headers), body, query=request.rel_url.raw_query_string)
+        response = await upstream.post(
+            request_headers(request.headers), body, query=request.rel_url.raw_query_string, relay=True
+        )
     except OSError as exc:  # CallError included
         raise UpstreamError(f"upstream unreachable ({exc})", upstream=upstream.url) from exc
     with _closing(response):

@@ -198,9 +198,11 @@ class Upstream:
         except aiohttp.ClientConnectorError as exc:
             raise ConnectionError(f"cannot connect to {self.url}: {exc.os_error.strerror or exc}") from exc
 
-    async def post(self, headers: Mapping[str, str], body: bytes, *, query: str = "") -> CallResponse:
-        """A pass-through POST to the MCP endpoint: the response as sent, headers as received (see calls.py)."""
-        return await self._calls.post(headers, body, query=query, relay=True)
+    async def post(
+        self, headers: Mapping[str, str], body: bytes, *, query: str = "", relay: bool = False
+    ) -> CallResponse:
+        """A POST to the MCP endpoint through the lean client; `relay` keeps the response as sent (see calls.py)."""
+        return await self._calls.post(headers, body, query=query, relay=relay)
 
     async def call_tool(
         self, message: dict[str, Any], client_headers: MultiMapping[str], capabilities: dict[str, Any]
@@ -211,7 +213,7 @@ class Upstream:
         """
         headers = own_request_headers(client_headers)
         try:
-            response = await self._calls.post(headers, dumps(message))
+            response = await self.post(headers, dumps(message))
         except OSError as exc:  # CallError included
             yield proxy_failure(f"upstream unreachable ({exc})", self.url)
             return
