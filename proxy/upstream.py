@@ -198,11 +198,15 @@ class Upstream:
         except aiohttp.ClientConnectorError as exc:
             raise ConnectionError(f"cannot connect to {self.url}: {exc.os_error.strerror or exc}") from exc
 
-    async def post(
+    def post(
         self, headers: Mapping[str, str], body: bytes, *, query: str = "", relay: bool = False
-    ) -> CallResponse:
-        """A POST to the MCP endpoint through the lean client; `relay` keeps the response as sent (see calls.py)."""
-        return await self._calls.post(headers, body, query=query, relay=relay)
+    ) -> Awaitable[CallResponse]:
+        """A POST to the MCP endpoint through the lean client; `relay` keeps the response as sent (see calls.py).
+
+        Not a coroutine of its own on purpose: a frame here would hold `body` for as long as the call waits for its
+        answer (the whole run of a working task), where CallClient.post lets go of it once sent.
+        """
+        return self._calls.post(headers, body, query=query, relay=relay)
 
     async def call_tool(
         self, message: dict[str, Any], client_headers: MultiMapping[str], capabilities: dict[str, Any]
