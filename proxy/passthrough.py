@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -11,7 +12,7 @@ import structlog
 from aiohttp import web
 from multidict import CIMultiDict
 
-from .calls import CallError, CallResponse
+from .calls import CallError
 from .jsonrpc import INTERNAL_ERROR, RequestId, UpstreamError, dumps, error_object, error_response
 from .sse import SseEvent, SseParser
 from .upstream import Upstream, request_headers, response_headers
@@ -79,7 +80,7 @@ async def _forward_post(
         )
     except OSError as exc:  # CallError included
         raise UpstreamError(f"upstream unreachable ({exc})", upstream=upstream.url) from exc
-    with _closing(response):
+    with contextlib.closing(response):  # pooled when read to its end, else closed: the upstream sees a cancel
         assert response.raw_headers is not None
         headers = response_headers(CIMultiDict(response.raw_headers))
         content_type = response.content_type
@@ -94,19 +95,6 @@ async def _forward_post(
         except CallError as exc:
             raise UpstreamError(f"the upstream connection broke mid-response ({exc})", upstream=upstream.url) from exc
         return web.Response(status=response.status, reason=response.reason or None, headers=headers, body=payload)
-
-
-class _closing:
-    """Closes a CallResponse on the way out: pooled when read to its end, else the connection is closed (cancel)."""
-
-    def __init__(self, response: CallResponse) -> None:
-        self._response = response
-
-    def __enter__(self) -> CallResponse:
-        return self._response
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._response.close()
 
 
 def _may_have_body(request: web.Request, response: aiohttp.ClientResponse) -> bool:
