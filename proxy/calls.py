@@ -19,6 +19,8 @@ import zlib
 from collections.abc import AsyncIterator, Mapping
 from urllib.parse import urlsplit
 
+from multidict import CIMultiDict
+
 _MAX_HEAD_BYTES = 64 * 1024
 _HIGH_WATER = 1024 * 1024
 """Buffered body bytes above which the socket stops being read until the consumer catches up."""
@@ -175,14 +177,14 @@ class _Connection(asyncio.Protocol):
         response = self.response
         assert response is not None
         headers: dict[str, str] = {}
-        raw: list[tuple[str, str]] | None = [] if response.raw_headers is not None else None
+        raw: CIMultiDict[str] | None = CIMultiDict() if response.raw_headers is not None else None
         for line in lines[1:]:
             name, sep, value = line.partition(":")
             if not sep:
                 raise ValueError("header line without a colon")
             value = value.strip()
             if raw is not None:
-                raw.append((name.strip(), value))
+                raw.add(name.strip(), value)
             name = name.strip().lower()
             headers[name] = f"{headers[name]}, {value}" if name in headers else value
         response.status, response.headers = status, headers
@@ -308,7 +310,7 @@ class CallResponse:
         self.status = 0
         self.reason = ""
         self.headers: dict[str, str] = {}
-        self.raw_headers: list[tuple[str, str]] | None = [] if raw_headers else None
+        self.raw_headers: CIMultiDict[str] | None = CIMultiDict() if raw_headers else None
         """As received (case, order, repeats), when asked for: what a relay passes on."""
         self._connection: _Connection | None = connection
         self._client = client

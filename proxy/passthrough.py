@@ -10,7 +10,6 @@ from typing import Any
 import aiohttp
 import structlog
 from aiohttp import web
-from multidict import CIMultiDict
 
 from .calls import CallError
 from .jsonrpc import INTERNAL_ERROR, RequestId, UpstreamError, dumps, error_object, error_response
@@ -82,7 +81,7 @@ async def _forward_post(
         raise UpstreamError(f"upstream unreachable ({exc})", upstream=upstream.url) from exc
     with contextlib.closing(response):  # pooled when read to its end, else closed: the upstream sees a cancel
         assert response.raw_headers is not None
-        headers = response_headers(CIMultiDict(response.raw_headers))
+        headers = response_headers(response.raw_headers)
         content_type = response.content_type
         if content_type in _STREAM_TYPES or (
             "content-length" not in response.headers and response.status not in (204, 304)
