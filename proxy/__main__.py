@@ -14,11 +14,12 @@ import structlog
 from aiohttp import web
 
 from . import __version__
-from .app import MCP_PATH, create_app, policy_key
+from .app import MCP_PATH, create_app, metrics_key, policy_key
 from .check import check_main
 from .config import ENV_PREFIX, ConfigError, ProxyConfig, apply_overrides, load_config
 from .log import configure_logging
 from .policy import PolicyReloader
+from .serve import BindError, bind, serve
 
 # Each operator setting is declared once: (flag, config path, environment variable suffix, type).
 OVERRIDES = (
@@ -78,10 +79,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(2) from None
     configure_logging(level=config.logging.level, format=config.logging.format)
     log = structlog.get_logger("proxy")
-    app = create_app(config)
+    try:
+        app = create_app(config)
+        sock = bind(config.listen.host, config.listen.port)  # before anything starts: a port in use is one line
+    except (ConfigError, BindError) as exc:
+        print(f"mcp-tasks-proxy: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     config_path = args.config or os.environ.get(f"{ENV_PREFIX}CONFIG")
 
-    async def announce(app: web.Application) -> None:
+    def announce() -> None:
         log.info(
             "proxy_started",
             listen=f"http://{config.listen.host}:{config.listen.port}{MCP_PATH}",
@@ -99,21 +105,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         yield
         await reloader.stop()
 
-    app.on_startup.append(announce)
     app.on_startup.append(_quieter_gc)
     if config_path:
         app.cleanup_ctx.append(reload_ctx)
-    # handler_cancellation: a client that closes its stream cancels the relay, which closes the upstream stream.
-    web.run_app(
-        app,
-        loop=_event_loop(),
-        host=config.listen.host,
-        port=config.listen.port,
-        print=None,
-        access_log=None,
-        handler_cancellation=True,
-        shutdown_timeout=15,
-    )
+    refused = app[metrics_key].connections_refused
+    loop = _event_loop()
+    try:
+        loop.run_until_complete(serve(app, sock, config.listen, on_refused=refused.inc, announce=announce))
+    finally:
+        sock.close()
+        loop.close()
 
 
 def _event_loop() -> asyncio.AbstractEventLoop:

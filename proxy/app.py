@@ -52,7 +52,7 @@ from .metrics import Metrics, method_label
 from .passthrough import forward, forward_rewritten, open_upstream
 from .policy import LivePolicy
 from .security import HostGuard, Identity, PollGuard
-from .tasks.model import TaskRecord, utc_now
+from .tasks.model import TaskRecord, is_task_id, utc_now
 from .tasks.redis_store import RedisTaskStore
 from .tasks.runner import DirectOutcome, LimitReached, ShuttingDown, TaskRunner, ToolCall
 from .tasks.store import MemoryTaskStore, StoreFullError, StoreUnavailable, TaskStore
@@ -127,7 +127,12 @@ def create_app(
             app[upstream_key] = upstream
             legacy = LegacyUpstream(upstream, max_sessions=config.upstream.max_sessions, identity=identity)
             app[gateway_key] = Gateway(upstream, legacy, config.upstream.protocol)
-            app[bridge_key] = SyncBridge(legacy, identity, input_wait_s=config.upstream.input_wait_s)
+            app[bridge_key] = SyncBridge(
+                legacy,
+                identity,
+                input_wait_s=config.upstream.input_wait_s,
+                max_bytes=lambda: policy.config.limits.max_result_bytes,
+            )
             probe = asyncio.ensure_future(_probe_era(app[gateway_key]))
             yield
             probe.cancel()
@@ -147,6 +152,8 @@ def create_app(
             now=now,
             timer=timer,
             reap_interval_s=config.store.reap_interval_s,
+            reconcile_interval_s=config.store.reconcile_interval_s,
+            lease_s=config.store.lease_s,
             metrics=app[metrics_key],
         )
         app[runner_key] = runner
@@ -342,7 +349,8 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
     if method == "server/discover":
         if modern and await _era(request) == "legacy":
             return await _discover_from_legacy(request, message)
-        return await forward_rewritten(upstream, request, body, message["id"], _advertise_tasks)
+        limit = request.app[policy_key].config.limits.max_result_bytes
+        return await forward_rewritten(upstream, request, body, message["id"], _advertise_tasks, limit=limit)
     return await relay()
 
 
@@ -377,6 +385,7 @@ async def _listen(request: web.Request, message: dict[str, Any]) -> web.StreamRe
         principal=request.app[identity_key].principal(request.headers),
         task_ids=task_ids,
         upstream_response=upstream_response,
+        max_bytes=request.app[policy_key].config.limits.max_result_bytes,
     )
 
 
@@ -408,9 +417,17 @@ async def _discover_from_legacy(request: web.Request, message: dict[str, Any]) -
 
 
 async def _read_body(request: web.Request) -> bytes:
-    limit = request.app[policy_key].config.limits.max_body_bytes
+    config = request.app[policy_key].config
+    limit = config.limits.max_body_bytes
     try:
-        return await request.read()
+        async with asyncio.timeout(config.listen.body_timeout_s):
+            return await request.read()
+    except TimeoutError:
+        raise JsonRpcError(
+            INVALID_REQUEST,
+            f"Request body not received within {config.listen.body_timeout_s:g} s (listen.body_timeout_s)",
+            http_status=408,
+        ) from None
     except web.HTTPRequestEntityTooLarge:
         raise JsonRpcError(
             INVALID_REQUEST,
@@ -511,12 +528,14 @@ async def _tasks_method(request: web.Request, message: dict[str, Any]) -> dict[s
     if not isinstance(task_id, str):
         raise JsonRpcError(INVALID_PARAMS, "Invalid params: taskId must be a string")
     check_name_header(request.headers, task_id)
-    request[info_key].task_id = task_id
     responses = params.get("inputResponses")
     if method == "tasks/update" and (
         not isinstance(responses, dict) or not all(isinstance(answer, dict) for answer in responses.values())
     ):
         raise JsonRpcError(INVALID_PARAMS, "Invalid params: inputResponses must be an object of result objects")
+    if not is_task_id(task_id):
+        raise _task_not_found()
+    request[info_key].task_id = task_id
     runner = request.app[runner_key]
     # Another principal's task answers exactly as an unknown one: nothing reveals that it exists. For update and
     # cancel the owner is checked inside the store's atomic update, which spares a read.

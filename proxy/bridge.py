@@ -67,9 +67,17 @@ def _abandon(call: _Call, why: str) -> None:
 
 class SyncBridge:
     def __init__(
-        self, legacy: LegacyUpstream, identity: Identity, *, input_wait_s: float, max_parked: int = 10_000
+        self,
+        legacy: LegacyUpstream,
+        identity: Identity,
+        *,
+        input_wait_s: float,
+        max_bytes: Callable[[], int],
+        max_parked: int = 10_000,
     ) -> None:
         self._legacy = legacy
+        self._max_bytes = max_bytes
+        """limits.max_result_bytes as the policy says now: the bound of each upstream answer read for a client."""
         self._identity = identity
         self._secret = secrets.token_bytes(32)
         self._parked = _ParkedCalls(maxsize=max_parked, ttl=input_wait_s)
@@ -111,7 +119,10 @@ class SyncBridge:
                 "params": params,
             }
             events = self._legacy.call(
-                upstream_message, request.headers, capabilities if isinstance(capabilities, dict) else {}
+                upstream_message,
+                request.headers,
+                capabilities if isinstance(capabilities, dict) else {},
+                max_bytes=self._max_bytes(),
             )
             queue: asyncio.Queue[Event] = asyncio.Queue()
             call = _Call(queue=queue, pump=asyncio.ensure_future(_pump(events, queue)))

@@ -3,10 +3,15 @@
 Every working task holds one upstream request open, for as long as the tool runs. aiohttp's client costs about
 12 KB per open request (request, response, connection, parser, stream reader, timers); this client costs under
 3 KB and a fraction of the CPU, which is what lets one replica hold ten thousand working tasks. It speaks only what
-a task call needs: one POST to one origin, a JSON or event-stream answer (Content-Length, chunked, or until
-close; gzip/deflate if the server compresses anyway), keep-alive reuse of finished connections, and closing the
-connection to cancel. Pass-through POSTs use it too, reading the body as sent (no decoding) with the headers in
-their original case and order; aiohttp relays everything else (GET streams, DELETE, other paths).
+a task call needs: one POST to one origin, a JSON or event-stream answer, keep-alive reuse of finished connections,
+and closing the connection to cancel. Pass-through POSTs use it too, reading the body as sent (no decoding) with the
+headers in their original case and order; aiohttp relays everything else (GET streams, DELETE, other paths).
+
+The bytes are parsed by httptools (llhttp, the parser of Node.js and uvicorn), which is strict where a proxy must
+be: Content-Length with chunked, a bad chunk size, bare LF or CR line ends, duplicate lengths are all errors; 1xx,
+204 and 304 have no body. A body cut short is an error, never a complete-looking answer. The head is bounded
+however its bytes arrive, and a compressed body is inflated only as fast as its reader takes it, in bounded slices,
+so a small gzip bomb costs a bounded amount of memory (the reader's own limit ends it).
 """
 
 from __future__ import annotations
@@ -19,11 +24,17 @@ import zlib
 from collections.abc import AsyncIterator, Mapping
 from urllib.parse import urlsplit
 
+import httptools
 from multidict import CIMultiDict
 
-_MAX_HEAD_BYTES = 64 * 1024
+MAX_HEAD_BYTES = 64 * 1024
+"""Status line and headers of one response, whatever pieces they arrive in."""
+_MAX_HEADERS = 200
 _HIGH_WATER = 1024 * 1024
 """Buffered body bytes above which the socket stops being read until the consumer catches up."""
+_INFLATE_IN = 16 * 1024
+_INFLATE_OUT = 256 * 1024
+"""A compressed body is inflated this many bytes in (and at most out) per step."""
 _IDLE_S = 4.0
 """How long a finished connection waits for reuse: below uvicorn's 5 s keep-alive, the usual MCP server's, so
 that a request is rarely sent on a connection the server is closing at that moment."""
@@ -34,16 +45,32 @@ class CallError(ConnectionError):
     """The call could not be made, or its connection broke before the answer was complete."""
 
 
+class BodyTooLarge(CallError):
+    """The body is longer than the reader's limit (decoded bytes are counted); the connection is closed."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the response is longer than {limit} bytes")
+        self.limit = limit
+
+
 class _Connection(asyncio.Protocol):
-    """Parses one response at a time off a socket; decoded body bytes wait in `_ready` for the reader."""
+    """One response at a time off a socket, parsed by httptools; decoded body bytes wait in `_ready`."""
 
     __slots__ = (
         "transport",
+        "_parser",
         "_head",
-        "_raw",
+        "_head_bytes",
+        "_head_size",
+        "_header_count",
+        "_reason",
+        "_names",
+        "_values",
         "_ready",
+        "_compressed",
+        "_tail",
         "_state",
-        "_remaining",
+        "_until_close",
         "_waiter",
         "_closed",
         "_error",
@@ -57,11 +84,22 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
+        self._parser: httptools.HttpResponseParser | None = None
         self._head: asyncio.Future[None] | None = None
-        self._raw = bytearray()
+        self._head_bytes = 0
+        """Bytes received while the head was incomplete (the parser's own buffers grow with them)."""
+        self._head_size = 0
+        """Bytes of the status line and header fields parsed so far."""
+        self._header_count = 0
+        self._reason = b""
+        self._names: list[bytes] = []
+        self._values: list[bytes] = []
         self._ready = bytearray()
-        self._state = "idle"  # idle | head | length | chunk-size | chunk-data | chunk-end | trailer | close | done
-        self._remaining = 0
+        self._compressed = bytearray()
+        """Compressed body bytes not inflated yet (only while `_decoder` is set)."""
+        self._tail = b""
+        self._state = "idle"  # idle | head | body | complete (parsed to its end) | done (handed over) | failed
+        self._until_close = False
         self._waiter: asyncio.Future[None] | None = None
         self._closed = False
         self._error: str | None = None
@@ -78,120 +116,101 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        if self._state in ("idle", "done"):
-            self.reusable = False  # bytes nobody asked for: this connection cannot be trusted again
-            self.close()
+        if self._state not in ("head", "interim", "body"):
+            if self._state in ("idle", "complete", "done"):
+                self.reusable = False  # bytes nobody asked for: this connection cannot be trusted again
+                self.close()
             return
-        self._raw += data
+        parser = self._parser
+        assert parser is not None
+        in_head = self._state == "head"
+        if in_head:
+            self._head_bytes += len(data)
         try:
-            self._parse()
-        except ValueError as exc:
-            self._fail(f"the upstream sent a malformed HTTP response ({exc})")
+            parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail("the upstream switched protocols (HTTP 101), which an MCP endpoint never does")
+            return
+        except httptools.HttpParserError as exc:
+            cause = exc.__context__ if isinstance(exc, httptools.HttpParserCallbackError) else exc
+            if isinstance(cause, _ExtraResponse):
+                return  # the response asked for is complete and stands; the connection is not reused
+            self._fail(f"the upstream sent a malformed HTTP response ({cause})")
+            return
+        if self._state == "head" and self._head_bytes > MAX_HEAD_BYTES:
+            self._fail(f"the upstream's response head exceeds {MAX_HEAD_BYTES} bytes")
 
     def eof_received(self) -> bool:
-        if self._state == "close":
-            self._finish()
-        elif self._state not in ("idle", "done"):
-            self._fail("the upstream closed the connection before the response was complete")
+        self._ended()
         self.reusable = False
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
         self.reusable = False
-        if self._state == "close":
-            self._finish()
-        elif self._state not in ("idle", "done"):
-            self._fail("the upstream connection was lost before the response was complete")
+        self._ended()
         self._wake()
 
-    # parsing
+    def _ended(self) -> None:
+        if self._state == "body" and self._until_close:
+            self._state = "complete"  # a body delimited by the end of the connection
+            self._wake()
+        elif self._state in ("head", "body"):
+            self._fail("the upstream closed the connection before the response was complete")
 
-    def _parse(self) -> None:
-        while self._raw:
-            state = self._state
-            if state == "head":
-                end = self._raw.find(b"\r\n\r\n")
-                if end < 0:
-                    if len(self._raw) > _MAX_HEAD_BYTES:
-                        raise ValueError("response head too large")
-                    return
-                head = bytes(self._raw[:end])
-                del self._raw[: end + 4]
-                self._on_head(head)
-            elif state == "length":
-                if self._take_body():
-                    self._finish()
-            elif state == "close":
-                self._deliver(self._raw)
-                self._raw.clear()
-            elif state == "chunk-size":
-                end = self._raw.find(b"\r\n")
-                if end < 0:
-                    if len(self._raw) > 1024:
-                        raise ValueError("chunk size line too long")
-                    return
-                size = int(bytes(self._raw[:end]).split(b";", 1)[0].strip(), 16)
-                del self._raw[: end + 2]
-                if size < 0:
-                    raise ValueError("negative chunk size")
-                self._remaining, self._state = size, ("chunk-data" if size else "trailer")
-            elif state == "chunk-data":
-                if self._take_body():
-                    self._state = "chunk-end"
-            elif state == "chunk-end":
-                if len(self._raw) < 2:
-                    return
-                if self._raw[:2] != b"\r\n":
-                    raise ValueError("chunk not followed by CRLF")
-                del self._raw[:2]
-                self._state = "chunk-size"
-            elif state == "trailer":
-                end = self._raw.find(b"\r\n")
-                if end < 0:
-                    return
-                del self._raw[: end + 2]
-                if end == 0:
-                    self._finish()
-            else:  # done, yet bytes follow the response
-                self.reusable = False
-                self._raw.clear()
-                return
+    # httptools callbacks
 
-    def _take_body(self) -> bool:
-        """Deliver what has arrived of the `_remaining` body bytes; True once all of them have."""
-        take = min(self._remaining, len(self._raw))
-        self._deliver(self._raw[:take])
-        del self._raw[:take]
-        self._remaining -= take
-        return self._remaining == 0
+    def on_message_begin(self) -> None:
+        if self._state != "head":
+            # A second response after the one asked for: the connection is out of step; this one stands.
+            self.reusable = False
+            raise _ExtraResponse
+        self._reason = b""
+        self._names.clear()
+        self._values.clear()
+        self._header_count = self._head_size = 0
 
-    def _on_head(self, head: bytes) -> None:
-        lines = head.decode("latin-1").split("\r\n")
-        parts = lines[0].split(" ", 2)
-        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
-            raise ValueError(f"bad status line {lines[0][:80]!r}")
-        status = int(parts[1])
-        if 100 <= status < 200:
-            return  # an interim response (100 Continue): the real one follows
+    def on_status(self, status: bytes) -> None:
+        self._reason += status
+        self._count(len(status))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_count += 1
+        if self._header_count > _MAX_HEADERS:
+            raise ValueError(f"more than {_MAX_HEADERS} header fields")
+        self._count(len(name) + len(value) + 4)
+        self._names.append(name)
+        self._values.append(value)
+
+    def _count(self, size: int) -> None:
+        self._head_size += size
+        if self._head_size > MAX_HEAD_BYTES:
+            raise ValueError(f"the response head exceeds {MAX_HEAD_BYTES} bytes")
+
+    def on_headers_complete(self) -> None:
+        parser = self._parser
+        assert parser is not None
+        status = parser.get_status_code()
+        if status < 100 or status > 599:
+            raise ValueError(f"status code {status}")
+        if status < 200:
+            self._state = "interim"  # 100 Continue, 103 Early Hints: the real answer follows
+            return
         response = self.response
         assert response is not None
         headers: dict[str, str] = {}
         raw: CIMultiDict[str] | None = CIMultiDict() if response.raw_headers is not None else None
-        for line in lines[1:]:
-            name, sep, value = line.partition(":")
-            if not sep:
-                raise ValueError("header line without a colon")
-            value = value.strip()
+        for name_bytes, value_bytes in zip(self._names, self._values, strict=True):
+            name, value = name_bytes.decode("latin-1"), value_bytes.decode("latin-1").strip()
             if raw is not None:
-                raw.add(name.strip(), value)
-            name = name.strip().lower()
+                raw.add(name, value)
+            name = name.lower()
             headers[name] = f"{headers[name]}, {value}" if name in headers else value
         response.status, response.headers = status, headers
-        response.reason = parts[2] if len(parts) > 2 else ""
+        response.reason = self._reason.decode("latin-1")
         if raw is not None:
             response.raw_headers = raw
-        self.reusable = parts[0] == "HTTP/1.1" and "close" not in headers.get("connection", "").lower()
+        self.reusable = parser.should_keep_alive()
         encoding = headers.get("content-encoding", "identity").strip().lower() if self._decode else "identity"
         if encoding in ("gzip", "x-gzip"):
             self._decoder = zlib.decompressobj(16 + zlib.MAX_WBITS)
@@ -199,51 +218,73 @@ class _Connection(asyncio.Protocol):
             self._decoder = zlib.decompressobj()
         elif encoding != "identity":
             raise ValueError(f"unsupported content-encoding {encoding!r}")
-        if "chunked" in headers.get("transfer-encoding", "").lower():
-            self._state = "chunk-size"
-        elif "content-length" in headers:
-            length = headers["content-length"]
-            if not length.isdigit():
-                raise ValueError(f"bad content-length {length!r}")
-            self._remaining = int(length)
-            self._state = "length" if self._remaining else "done"
-        elif status in (204, 304):
-            self._state = "done"
+        # llhttp's framing rules, restated to know whether the end of the connection ends the body.
+        transfer = headers.get("transfer-encoding")
+        if transfer is not None:
+            self._until_close = transfer.rsplit(",", 1)[-1].strip().lower() != "chunked"
         else:
-            self._state = "close"
+            self._until_close = "content-length" not in headers and status not in (204, 304)
+        if self._until_close:
             self.reusable = False
+        self._state = "body"
         if self._head is not None and not self._head.done():
             self._head.set_result(None)
-        if self._state == "done":
-            self._finish()
 
-    def _deliver(self, data: bytes | bytearray) -> None:
-        if not data:
+    def on_body(self, body: bytes) -> None:
+        if self._decoder is None:
+            self._ready += body
+        else:
+            self._compressed += body
+            self._inflate()
+        self._flow()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        if self._state == "interim":
+            self._state = "head"
             return
-        if self._decoder is not None:
+        self._state = "complete"
+        self._wake()
+
+    # body delivery
+
+    def _inflate(self) -> None:
+        """Inflate pending compressed bytes while the reader's buffer has room; the rest waits for `next_chunk`."""
+        decoder = self._decoder
+        assert decoder is not None
+        taken = 0
+        while len(self._ready) < _HIGH_WATER:
+            if self._tail:
+                data, self._tail = self._tail, b""
+            elif taken < len(self._compressed):
+                data = bytes(self._compressed[taken : taken + _INFLATE_IN])
+                taken += len(data)
+            else:
+                break
             try:
-                data = self._decoder.decompress(data)
+                self._ready += decoder.decompress(data, _INFLATE_OUT)
             except zlib.error as exc:
                 raise ValueError(f"undecodable compressed body ({exc})") from exc
-        self._ready += data
-        if len(self._ready) > _HIGH_WATER and not self._paused and self.transport is not None:
+            self._tail = decoder.unconsumed_tail
+        del self._compressed[:taken]
+
+    def _pending(self) -> bool:
+        return bool(self._tail or self._compressed)
+
+    def _flow(self) -> None:
+        buffered = len(self._ready) + len(self._compressed)
+        if buffered > _HIGH_WATER and not self._paused and self.transport is not None:
             self._paused = True
             self.transport.pause_reading()
-        self._wake()
-
-    def _finish(self) -> None:
-        if self._decoder is not None:
-            self._ready += self._decoder.flush()
-            self._decoder = None
-        self._state = "done"
-        if self._raw:
-            self.reusable = False
-        self._wake()
 
     def _fail(self, reason: str) -> None:
         if self._error is None:
             self._error = reason
+        self._state = "failed"
         self.reusable = False
+        self._compressed.clear()
+        self._tail = b""
+        self._decoder = None
         if self._head is not None and not self._head.done():
             self._head.set_exception(CallError(reason))
         self._wake()
@@ -264,8 +305,15 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None
         self.response = response
         self._decode = decode
-        self._state, self._error, self._remaining = "head", None, 0
+        self._decoder = None
+        self._state, self._error, self._until_close, self._head_bytes = "head", None, False, 0
         self._ready.clear()
+        self._compressed.clear()
+        self._tail = b""
+        self._parser = httptools.HttpResponseParser(self)
+        if self._paused:
+            self._paused = False
+            self.transport.resume_reading()
         self._head = asyncio.get_running_loop().create_future()
         self.transport.write(data)
         return self._head
@@ -273,10 +321,26 @@ class _Connection(asyncio.Protocol):
     async def next_chunk(self) -> bytes:
         """Body bytes decoded so far, waiting for some if none is buffered; b"" at the end of the body."""
         while not self._ready:
-            if self._state == "done":
-                return b""
             if self._error is not None:
                 raise CallError(self._error)
+            if self._decoder is not None and self._pending():
+                try:
+                    self._inflate()
+                except ValueError as exc:
+                    self._fail(f"the upstream sent a malformed HTTP response ({exc})")
+                await asyncio.sleep(0)  # a long compressed body must not hold the event loop
+                continue
+            if self._state == "complete":
+                self._state = "done"
+                if self._decoder is not None:
+                    decoder, self._decoder = self._decoder, None
+                    if not decoder.eof:
+                        self._fail("the upstream's compressed body ends before its compressed stream does")
+                        raise CallError(self._error or "")
+                    self._ready += decoder.flush()
+                continue
+            if self._state == "done":
+                return b""
             if self._closed:
                 raise CallError("the upstream connection was lost before the response was complete")
             self._waiter = asyncio.get_running_loop().create_future()
@@ -286,7 +350,7 @@ class _Connection(asyncio.Protocol):
                 self._waiter = None
         chunk = bytes(self._ready)
         self._ready.clear()
-        if self._paused and self.transport is not None:
+        if self._paused and self.transport is not None and not self._pending():
             self._paused = False
             self.transport.resume_reading()
         return chunk
@@ -299,6 +363,10 @@ class _Connection(asyncio.Protocol):
         self._closed = True
         if self.transport is not None:
             self.transport.close()
+
+
+class _ExtraResponse(Exception):
+    """Raised from a parser callback to stop parsing bytes that follow the response."""
 
 
 class CallResponse:
@@ -327,12 +395,13 @@ class CallResponse:
             yield chunk
 
     async def read(self, limit: int | None = None) -> bytes:
-        """The whole body; CallError when the connection breaks, or when it is longer than `limit` bytes."""
+        """The whole body; CallError when the connection breaks, BodyTooLarge past `limit` bytes (decoded)."""
         body = bytearray()
         async for chunk in self.iter_chunks():
             body += chunk
             if limit is not None and len(body) > limit:
-                raise CallError(f"the response is longer than {limit} bytes")
+                self.close()  # the rest is never read: the connection cannot be reused
+                raise BodyTooLarge(limit)
         return bytes(body)
 
     def close(self) -> None:

@@ -85,7 +85,7 @@ async def list_tools(config: ProxyConfig) -> list[str]:
                 message = {"jsonrpc": "2.0", "id": f"check-{page}", "method": "tools/list", "params": params}
                 headers = CIMultiDict({"MCP-Protocol-Version": PROTOCOL_VERSION, "Mcp-Method": "tools/list"})
                 result = None
-                async for event in gateway.call_tool(message, headers, {}):
+                async for event in gateway.call_tool(message, headers, {}, max_bytes=config.limits.max_result_bytes):
                     if isinstance(event, Finished):
                         result = event.result
                     elif isinstance(event, Failed):

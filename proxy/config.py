@@ -34,6 +34,13 @@ PositiveInt = Annotated[int, Field(gt=0)]
 class ListenConfig(_Strict):
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8080
+    header_timeout_s: Annotated[float, Field(gt=0)] = 15.0
+    """How long a client connection may go without a complete request head: from its start to its first request,
+    and between requests on a kept-alive connection. Past it the connection is closed (slow senders, idle ones)."""
+    body_timeout_s: Annotated[float, Field(gt=0)] = 60.0
+    """How long a client may take to send a request's body; past it the request gets HTTP 408."""
+    max_connections: PositiveInt = 4096
+    """Open client connections at most; past it a new connection is answered HTTP 503 and closed."""
 
 
 class UpstreamConfig(_Strict):
@@ -97,6 +104,9 @@ class StoreConfig(_Strict):
     """How often each replica looks for running tasks of lost replicas (lost ones end within lease_s + this)."""
     timeout_s: Annotated[float, Field(gt=0)] = 2.0
     """Limit of each Redis call; past it the request that needed it gets -32603 instead of hanging."""
+    reconcile_interval_s: Annotated[float, Field(gt=0)] = 5.0
+    """How often each replica re-reads the tasks it runs for cancellations and answers whose event it missed
+    (pub/sub drops what is published while a connection is down; reconnects trigger the same re-read at once)."""
 
     @model_validator(mode="after")
     def _url_for_redis(self) -> StoreConfig:

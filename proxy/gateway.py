@@ -75,7 +75,12 @@ class Gateway:
         return "legacy"
 
     async def call_tool(
-        self, message: dict[str, Any], client_headers: MultiMapping[str], capabilities: dict[str, Any]
+        self,
+        message: dict[str, Any],
+        client_headers: MultiMapping[str],
+        capabilities: dict[str, Any],
+        *,
+        max_bytes: int,
     ) -> AsyncIterator[Event]:
         try:
             era = await self.era(client_headers)
@@ -83,9 +88,9 @@ class Gateway:
             yield proxy_failure(str(exc), self.url)
             return
         if era == "legacy":
-            events = self.legacy.call(message, client_headers, capabilities)
+            events = self.legacy.call(message, client_headers, capabilities, max_bytes=max_bytes)
         else:
-            events = self.upstream.call_tool(message, client_headers, capabilities)
+            events = self.upstream.call_tool(message, client_headers, capabilities, max_bytes=max_bytes)
         try:
             async for event in events:
                 yield event

@@ -20,10 +20,10 @@ from cachetools import LRUCache
 from multidict import CIMultiDict, MultiMapping
 
 from . import PROTOCOL_VERSION, TASKS_EXTENSION, __version__
-from .calls import CallResponse
+from .calls import BodyTooLarge, CallResponse
 from .jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, dumps, error_object
 from .security import Identity
-from .sse import SseParser, json_message
+from .sse import SseLimitError, SseParser, json_message
 from .upstream import (
     Event,
     Failed,
@@ -34,6 +34,8 @@ from .upstream import (
     interpret_progress,
     own_request_headers,
     proxy_failure,
+    read_bounded,
+    too_large,
 )
 
 log = structlog.get_logger(__name__)
@@ -291,15 +293,21 @@ class LegacyUpstream:
     # --- reading a call -----------------------------------------------------------------------------------------
 
     async def messages(
-        self, session: LegacySession, client_headers: MultiMapping[str], response: CallResponse
+        self,
+        session: LegacySession,
+        client_headers: MultiMapping[str],
+        response: CallResponse,
+        *,
+        max_bytes: int,
     ) -> AsyncIterator[dict[str, Any]]:
         """Every JSON-RPC message of a call's response, JSON or event stream.
 
         A 2025-11-25 server may close the connection without ending the stream (after a `retry:`); the call is
-        then resumed with GET and Last-Event-ID, honouring the retry delay. Priming events carry no message.
+        then resumed with GET and Last-Event-ID, honouring the retry delay. Priming events carry no message. A body
+        or event longer than `max_bytes` raises BodyTooLarge or SseLimitError.
         """
         if response.content_type != "text/event-stream":
-            body = await response.read()
+            body = await response.read(max_bytes)
             try:
                 message = json.loads(body)
             except ValueError:
@@ -312,7 +320,7 @@ class LegacyUpstream:
         resumes = 0
         current: CallResponse | aiohttp.ClientResponse = response
         while True:
-            parser = SseParser()
+            parser = SseParser(max_bytes)
             chunks = current.iter_chunks() if isinstance(current, CallResponse) else current.content.iter_any()
             try:
                 async for chunk in chunks:
@@ -353,7 +361,7 @@ class LegacyUpstream:
         client_headers: MultiMapping[str],
         capabilities: dict[str, Any],
         *,
-        on_request: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None,
+        max_bytes: int,
     ) -> AsyncIterator[Event]:
         """POST one request and yield its events; the last is Finished or Failed.
 
@@ -375,7 +383,7 @@ class LegacyUpstream:
                 reason = f"the upstream answered HTTP {response.status} without a JSON-RPC response"
                 yield proxy_failure(reason, self.url)
                 return
-            async for upstream_message in self.messages(session, client_headers, response):
+            async for upstream_message in self.messages(session, client_headers, response, max_bytes=max_bytes):
                 method = upstream_message.get("method")
                 if method == "notifications/progress":
                     yield interpret_progress(upstream_message)
@@ -396,6 +404,8 @@ class LegacyUpstream:
                     return
             finished = True
             yield proxy_failure("the upstream closed its event stream before answering the call", self.url)
+        except (BodyTooLarge, SseLimitError):
+            yield too_large(max_bytes)  # not finished upstream: the finally below cancels the call there
         finally:
             response.close()  # pooled if read to its end, else closed
             if not finished:
@@ -460,12 +470,22 @@ class _SessionCache(LRUCache):
         return key, session
 
 
+HANDSHAKE_MAX_BYTES = 4 * 1024 * 1024
+"""The largest initialize or discover answer the proxy reads for itself."""
+
+
 async def single_answer(response: aiohttp.ClientResponse, request_id: Any) -> dict[str, Any] | None:
-    """The response to `request_id` in a body that is either JSON or an event stream that ends."""
+    """The response to `request_id` in a body that is either JSON or an event stream that ends; None when it has
+    none (or it is over HANDSHAKE_MAX_BYTES)."""
     content_type = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
-    body = await response.read()
+    try:
+        body = await read_bounded(response, HANDSHAKE_MAX_BYTES)
+        events = SseParser(HANDSHAKE_MAX_BYTES).feed(body + b"\n\n") if content_type == "text/event-stream" else []
+    except (BodyTooLarge, SseLimitError):
+        log.warning("upstream_answer_too_large", limit=HANDSHAKE_MAX_BYTES)
+        return None
     if content_type == "text/event-stream":
-        candidates = [event.data for event in SseParser().feed(body + b"\n\n") if event.data]
+        candidates = [event.data for event in events if event.data]
     else:
         candidates = [body.decode("utf-8", errors="replace")]
     for data in candidates:

@@ -17,8 +17,8 @@ import structlog
 from aiohttp import web
 
 from .jsonrpc import INVALID_PARAMS, JsonRpcError, dumps
-from .sse import iter_events, json_message
-from .tasks.model import TaskRecord
+from .sse import SseLimitError, iter_events, json_message
+from .tasks.model import TaskRecord, is_task_id
 from .tasks.runner import TaskRunner
 from .tasks.store import TaskStore
 
@@ -47,7 +47,7 @@ def wants_upstream(rest: dict[str, Any]) -> bool:
 async def granted_tasks(store: TaskStore, task_ids: list[str], principal: str) -> dict[str, TaskRecord]:
     """Only the caller's own tasks are granted; the others are silently left out, as if unknown."""
     granted: dict[str, TaskRecord] = {}
-    for task_id in task_ids:
+    for task_id in filter(is_task_id, task_ids):
         record = await store.get(task_id)
         if record is not None and record.principal == principal:
             granted[task_id] = record
@@ -68,13 +68,14 @@ async def stream(
     principal: str,
     task_ids: list[str],
     upstream_response: aiohttp.ClientResponse | None,
+    max_bytes: int,
 ) -> web.StreamResponse:
     """Serve one subscription until the client leaves, or (with no upstream part) every granted task is terminal."""
     subscription_id = message["id"]
     queue = runner.watchers.watch(task_ids)  # before reading state: no change can slip between the two
     try:
         granted = await granted_tasks(store, task_ids, principal)
-        upstream_events = _upstream_messages(upstream_response) if upstream_response is not None else None
+        upstream_events = _upstream_messages(upstream_response, max_bytes) if upstream_response is not None else None
         acknowledged: dict[str, Any] = {}
         if upstream_events is not None:
             first = await anext(upstream_events, None)
@@ -89,12 +90,12 @@ async def stream(
         await response.write(
             _notification("notifications/subscriptions/acknowledged", {"notifications": acknowledged}, subscription_id)
         )
-        open_tasks = set()
+        sent: dict[str, Any] = {}
         for task_id, record in granted.items():  # the state now, so a client that subscribes late misses nothing
             await response.write(_notification("notifications/tasks", record.to_wire(), subscription_id))
             if not record.is_terminal:
-                open_tasks.add(task_id)
-        await _serve(response, queue, store, open_tasks, subscription_id, upstream_events)
+                sent[task_id] = record.last_updated_at
+        await _serve(response, queue, store, principal, sent, subscription_id, upstream_events)
         result = {"resultType": "complete", "_meta": {SUBSCRIPTION_ID: subscription_id}}
         await response.write(
             b"event: message\ndata: " + dumps({"jsonrpc": "2.0", "id": subscription_id, "result": result}) + b"\n\n"
@@ -111,13 +112,32 @@ async def _serve(
     response: web.StreamResponse,
     queue: asyncio.Queue[str],
     store: TaskStore,
-    open_tasks: set[str],
+    principal: str,
+    open_tasks: dict[str, Any],
     subscription_id: Any,
     upstream_events: AsyncIterator[dict[str, Any]] | None,
 ) -> None:
+    """Until every open task is terminal (and the upstream part ended): each change of an open task goes out once.
+
+    `open_tasks` maps each granted, unfinished task to the lastUpdatedAt last sent. Besides change events, every
+    keep-alive tick re-reads the open tasks: an event lost between replicas (a dropped subscription, a failed
+    publish) delays a notification by one tick at most, never forever."""
     upstream_next: asyncio.Future[dict[str, Any] | None] | None = (
         asyncio.ensure_future(anext(upstream_events, None)) if upstream_events is not None else None
     )
+
+    async def send_if_changed(task_id: str) -> None:
+        if task_id not in open_tasks:
+            return
+        record = await store.get(task_id)
+        if record is not None and record.principal != principal:
+            record = None  # only ever the caller's own task (ids are unique; this is the second lock on the door)
+        if record is not None and record.last_updated_at != open_tasks[task_id]:
+            await response.write(_notification("notifications/tasks", record.to_wire(), subscription_id))
+            open_tasks[task_id] = record.last_updated_at
+        if record is None or record.is_terminal:
+            open_tasks.pop(task_id, None)
+
     try:
         while open_tasks or upstream_next is not None:
             changed = asyncio.ensure_future(queue.get())
@@ -126,14 +146,11 @@ async def _serve(
             if not done:
                 changed.cancel()
                 await response.write(b": keep-alive\n\n")
+                for task_id in list(open_tasks):
+                    await send_if_changed(task_id)
                 continue
             if changed in done:
-                task_id = changed.result()
-                record = await store.get(task_id)
-                if record is not None:
-                    await response.write(_notification("notifications/tasks", record.to_wire(), subscription_id))
-                if record is None or record.is_terminal:
-                    open_tasks.discard(task_id)
+                await send_if_changed(changed.result())
             else:
                 changed.cancel()
             if upstream_next is not None and upstream_next in done:
@@ -150,11 +167,11 @@ async def _serve(
                 await upstream_next
 
 
-async def _upstream_messages(response: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
+async def _upstream_messages(response: aiohttp.ClientResponse, max_bytes: int) -> AsyncIterator[dict[str, Any]]:
     try:
-        async for event in iter_events(response.content.iter_any()):
+        async for event in iter_events(response.content.iter_any(), max_bytes):
             message = json_message(event)
             if message is not None:
                 yield message
-    except (aiohttp.ClientError, OSError) as exc:
-        log.info("upstream_subscription_ended", reason=type(exc).__name__)
+    except (aiohttp.ClientError, OSError, SseLimitError) as exc:
+        log.info("upstream_subscription_ended", reason=str(exc) or type(exc).__name__)

@@ -1,11 +1,50 @@
-"""structlog set-up: JSON lines for machines, console lines on a terminal."""
+"""structlog set-up: JSON lines for machines, console lines on a terminal.
+
+An unexpected error is logged as its type and its frames (file, line, function) only: structlog's default would add
+each frame's local variables and the exception's message, and either can hold a tool's arguments, a result, an
+input response or a credential.
+"""
 
 from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
 
 import structlog
+from structlog.tracebacks import ExceptionDictTransformer
+
+_frames_only = ExceptionDictTransformer(show_locals=False)
+
+
+def _trace(exc_info: Any) -> list[dict[str, Any]]:
+    """Each exception of the chain as {exc_type, frames}: no message, no locals."""
+    trace = []
+    for stack in _frames_only(exc_info):
+        frames = [{"filename": f["filename"], "lineno": f["lineno"], "name": f["name"]} for f in stack["frames"]]
+        trace.append({"exc_type": stack["exc_type"], "is_cause": stack["is_cause"], "frames": frames})
+    return trace
+
+
+def _exception_fields(logger: Any, method: str, event: dict[str, Any]) -> dict[str, Any]:
+    exc_info = event.pop("exc_info", None)
+    if exc_info:
+        if exc_info is True:
+            exc_info = sys.exc_info()
+        elif isinstance(exc_info, BaseException):
+            exc_info = (type(exc_info), exc_info, exc_info.__traceback__)
+        if exc_info[0] is not None:
+            event["exception"] = _trace(exc_info)
+    return event
+
+
+def _console_trace(sio: Any, exc_info: Any) -> None:
+    """ConsoleRenderer's exception formatter: the same frames, as text."""
+    for stack in _trace(exc_info):
+        sio.write("\nTraceback (frames only; messages and locals are not logged):\n")
+        for frame in stack["frames"]:
+            sio.write(f'  File "{frame["filename"]}", line {frame["lineno"]}, in {frame["name"]}\n')
+        sio.write(f"{stack['exc_type']}\n")
 
 
 def configure_logging(*, level: str = "info", format: str = "auto") -> None:
@@ -17,9 +56,11 @@ def configure_logging(*, level: str = "info", format: str = "auto") -> None:
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
     renderer: structlog.typing.Processor = (
-        structlog.dev.ConsoleRenderer() if use_console else structlog.processors.JSONRenderer()
+        structlog.dev.ConsoleRenderer(exception_formatter=_console_trace)
+        if use_console
+        else structlog.processors.JSONRenderer()
     )
-    tail: list[structlog.typing.Processor] = [] if use_console else [structlog.processors.dict_tracebacks]
+    tail: list[structlog.typing.Processor] = [] if use_console else [_exception_fields]
     structlog.configure(
         processors=[*shared, *tail, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),

@@ -74,6 +74,10 @@ class Metrics:
         self.input_rounds = Counter(
             "mcp_tasks_proxy_input_rounds", "Times a task asked its client for input, by tool", ["tool"], registry=r
         )
+        self.connections_refused = Counter(
+            "mcp_tasks_proxy_connections_refused", "Client connections refused past listen.max_connections",
+            registry=r,
+        )  # fmt: skip
 
         self._per_request: dict[tuple[str, str, str], tuple[Any, Any]] = {}
 

@@ -1,4 +1,9 @@
-"""Byte-faithful forwarding of everything the proxy does not own, event streams relayed as they arrive."""
+"""Byte-faithful forwarding of everything the proxy does not own, event streams relayed as they arrive.
+
+What the proxy does not inspect streams through: a small body is read whole (one write is cheaper), a large one
+or one of unknown length is relayed chunk by chunk, so memory never grows with what the upstream sends. A body cut
+short upstream is cut short for the client too (its connection is closed mid-body), never ended cleanly.
+"""
 
 from __future__ import annotations
 
@@ -11,14 +16,16 @@ import aiohttp
 import structlog
 from aiohttp import web
 
-from .calls import CallError
+from .calls import BodyTooLarge, CallError
 from .jsonrpc import INTERNAL_ERROR, RequestId, UpstreamError, dumps, error_object, error_response
-from .sse import SseEvent, SseParser
-from .upstream import Upstream, request_headers, response_headers
+from .sse import DEFAULT_MAX_EVENT_BYTES, SseEvent, SseLimitError, SseParser
+from .upstream import Upstream, read_bounded, request_headers, response_headers
 
 log = structlog.get_logger(__name__)
 
 _STREAM_TYPES = ("text/event-stream",)
+_READ_WHOLE_BYTES = 256 * 1024
+"""Bodies up to this size (by Content-Length) are read whole and sent in one write; larger ones are streamed."""
 
 
 async def open_upstream(
@@ -48,11 +55,13 @@ async def forward(
     response = await open_upstream(upstream, request, body, is_mcp=is_mcp)
     try:
         content_type = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
-        if content_type in _STREAM_TYPES or (response.content_length is None and _may_have_body(request, response)):
+        length = response.content_length if _may_have_body(request, response) else 0
+        if content_type in _STREAM_TYPES or length is None or length > _READ_WHOLE_BYTES:
             watch_id = request_id if content_type in _STREAM_TYPES else None
             relayed = web.StreamResponse(
                 status=response.status, reason=response.reason, headers=response_headers(response.headers)
             )
+            relayed.content_length = length if content_type not in _STREAM_TYPES else None
             return await _relay_stream(request, relayed, response.content.iter_any(), upstream, watch_id)
         try:
             payload = await response.read()
@@ -83,11 +92,11 @@ async def _forward_post(
         assert response.raw_headers is not None
         headers = response_headers(response.raw_headers)
         content_type = response.content_type
-        if content_type in _STREAM_TYPES or (
-            "content-length" not in response.headers and response.status not in (204, 304)
-        ):
+        length = _content_length(response.headers.get("content-length")) if response.status not in (204, 304) else 0
+        if content_type in _STREAM_TYPES or length is None or length > _READ_WHOLE_BYTES:
             watch_id = request_id if content_type in _STREAM_TYPES else None
             relayed = web.StreamResponse(status=response.status, reason=response.reason or None, headers=headers)
+            relayed.content_length = length if content_type not in _STREAM_TYPES else None
             return await _relay_stream(request, relayed, response.iter_chunks(), upstream, watch_id)
         try:
             payload = await response.read()
@@ -100,6 +109,11 @@ def _may_have_body(request: web.Request, response: aiohttp.ClientResponse) -> bo
     return request.method != "HEAD" and response.status not in (204, 304) and response.status >= 200
 
 
+def _content_length(value: str | None) -> int | None:
+    # The parser already refused a malformed or repeated Content-Length.
+    return int(value) if value is not None else None
+
+
 async def _relay_stream(
     request: web.Request,
     relayed: web.StreamResponse,
@@ -110,7 +124,8 @@ async def _relay_stream(
     """Write each chunk as soon as it arrives; never buffer a stream to its end.
 
     When the upstream connection breaks before the answer to `request_id` went by, the client gets a JSON-RPC
-    error event instead of a stream that just stops, so no caller waits forever.
+    error event instead of a stream that just stops, so no caller waits forever. Any other break is passed on as a
+    break: the client's connection is closed before the body's end.
     """
     await relayed.prepare(request)
     watcher = _AnswerWatcher(request_id) if request_id is not None else None
@@ -120,7 +135,7 @@ async def _relay_stream(
         except StopAsyncIteration:
             break
         except (aiohttp.ClientError, OSError) as exc:  # CallError included
-            log.warning("upstream_stream_broken", reason=type(exc).__name__)
+            log.warning("upstream_stream_broken", reason=str(exc) or type(exc).__name__)
             if watcher is not None and not watcher.answered:
                 error = error_object(
                     INTERNAL_ERROR,
@@ -130,7 +145,10 @@ async def _relay_stream(
                 await _write_to_client(
                     relayed, b"event: message\ndata: " + dumps(error_response(request_id, error)) + b"\n\n"
                 )
-            break
+                break
+            if request.transport is not None:
+                request.transport.close()  # the client sees a broken response, as the proxy did
+            return relayed
         if watcher is not None:
             watcher.feed(chunk)
         if not await _write_to_client(relayed, chunk):
@@ -157,13 +175,20 @@ class _AnswerWatcher:
 
     def __init__(self, request_id: RequestId) -> None:
         self._request_id = request_id
-        self._parser = SseParser()
+        self._parser = SseParser(DEFAULT_MAX_EVENT_BYTES)
         self.answered = False
 
     def feed(self, chunk: bytes) -> None:
         if self.answered:
             return
-        for event in self._parser.feed(chunk):
+        try:
+            events = self._parser.feed(chunk)
+        except SseLimitError:
+            # An event too large to follow (the relay itself goes on untouched): it may be the answer, so the
+            # proxy stops watching rather than risk sending a second one.
+            self.answered = True
+            return
+        for event in events:
             if _answers(event, self._request_id):
                 self.answered = True
                 return
@@ -185,12 +210,17 @@ async def forward_rewritten(
     body: bytes,
     request_id: RequestId,
     rewrite: Callable[[dict[str, Any]], None],
+    *,
+    limit: int,
 ) -> web.Response:
-    """Forward a request whose answer the proxy amends (server/discover): the whole answer is read, then rewritten."""
+    """Forward a request whose answer the proxy amends (server/discover): the whole answer is read (up to `limit`
+    bytes), then rewritten."""
     response = await open_upstream(upstream, request, body, is_mcp=True, identity=True)
     async with response:
         try:
-            payload = await response.read()
+            payload = await read_bounded(response, limit)
+        except BodyTooLarge as exc:
+            raise UpstreamError(f"the upstream's answer exceeds {limit} bytes", upstream=upstream.url) from exc
         except (aiohttp.ClientError, OSError) as exc:
             raise UpstreamError(
                 f"the upstream connection broke mid-response ({type(exc).__name__})", upstream=upstream.url
@@ -222,7 +252,11 @@ def _rewrite_json(payload: bytes, request_id: RequestId, rewrite: Callable[[dict
 
 def _rewrite_sse(payload: bytes, request_id: RequestId, rewrite: Callable[[dict[str, Any]], None]) -> bytes:
     out: list[bytes] = []
-    for event in SseParser().feed(payload):
+    try:
+        events = SseParser(len(payload) + 1).feed(payload)  # already bounded by the read
+    except SseLimitError:  # pragma: no cover - the bound is the whole payload
+        return payload
+    for event in events:
         data = event.data
         try:
             message = json.loads(data) if data else None

@@ -16,9 +16,9 @@ import aiohttp
 import structlog
 from multidict import CIMultiDict, MultiMapping
 
-from .calls import CallClient, CallError, CallResponse
+from .calls import BodyTooLarge, CallClient, CallError, CallResponse
 from .jsonrpc import INTERNAL_ERROR, dumps, error_object, loads
-from .sse import iter_events
+from .sse import SseLimitError, iter_events
 
 log = structlog.get_logger(__name__)
 
@@ -142,6 +142,13 @@ def proxy_failure(reason: str, upstream: str) -> Failed:
     return Failed(error_object(INTERNAL_ERROR, f"Upstream failure: {reason}", {"upstream": upstream}), reason)
 
 
+def too_large(limit: int) -> Failed:
+    """The upstream's answer (a body, or one event of its stream) is over limits.max_result_bytes: the read stopped
+    there, and the call with it."""
+    reason = f"the upstream's answer exceeds limits.max_result_bytes ({limit})"
+    return Failed(error_object(INTERNAL_ERROR, f"Proxy failure: {reason}"), reason)
+
+
 class Upstream:
     """The upstream MCP endpoint: a CallClient makes every POST to it (task calls and pass-through); an aiohttp
     session carries the rest (GET streams, DELETE, other paths, legacy sessions, the era probe)."""
@@ -209,11 +216,17 @@ class Upstream:
         return self._calls.post(headers, body, query=query, relay=relay)
 
     async def call_tool(
-        self, message: dict[str, Any], client_headers: MultiMapping[str], capabilities: dict[str, Any]
+        self,
+        message: dict[str, Any],
+        client_headers: MultiMapping[str],
+        capabilities: dict[str, Any],
+        *,
+        max_bytes: int,
     ) -> AsyncIterator[Event]:
         """POST one tools/call and yield what happens to it; the last event is Finished or Failed.
 
-        Closing the generator early closes the upstream response, which is how 2026-07-28 HTTP cancels.
+        Closing the generator early closes the upstream response, which is how 2026-07-28 HTTP cancels. A body or
+        event longer than `max_bytes` is not read on: the call fails (limits.max_result_bytes).
         """
         headers = own_request_headers(client_headers)
         try:
@@ -222,7 +235,7 @@ class Upstream:
             yield proxy_failure(f"upstream unreachable ({exc})", self.url)
             return
         async with response:  # closing an unfinished response closes its connection: the upstream sees the cancel
-            async for event in self._read_call(response, message["id"]):
+            async for event in self._read_call(response, message["id"], max_bytes):
                 yield event
 
     async def notify_cancelled(self, request_id: str, client_headers: MultiMapping[str], reason: str) -> None:
@@ -246,11 +259,11 @@ class Upstream:
         except (ConnectionError, aiohttp.ClientError, OSError) as exc:
             log.warning("upstream_cancel_not_delivered", reason=str(exc))
 
-    async def _read_call(self, response: CallResponse, request_id: Any) -> AsyncIterator[Event]:
+    async def _read_call(self, response: CallResponse, request_id: Any, max_bytes: int) -> AsyncIterator[Event]:
         content_type = response.content_type
         try:
             if content_type == "text/event-stream":
-                async for sse in iter_events(response.iter_chunks()):
+                async for sse in iter_events(response.iter_chunks(), max_bytes):
                     if not sse.data:
                         continue  # priming events and keep-alives carry nothing
                     event = self._interpret(_loads(sse.data), request_id, response.status, len(sse.data))
@@ -260,7 +273,10 @@ class Upstream:
                             return
                 yield proxy_failure("the upstream closed its event stream before answering the call", self.url)
                 return
-            body = await response.read()
+            body = await response.read(max_bytes)
+        except (BodyTooLarge, SseLimitError):
+            yield too_large(max_bytes)
+            return
         except CallError as exc:
             yield proxy_failure(f"the upstream connection broke mid-call ({exc})", self.url)
             return
@@ -300,6 +316,17 @@ class Upstream:
                 )
             return InputNeeded(result)
         return Finished(result, size)
+
+
+async def read_bounded(response: aiohttp.ClientResponse, limit: int) -> bytes:
+    """An aiohttp response's body, read no further than `limit` bytes (BodyTooLarge past it)."""
+    body = bytearray()
+    async for chunk in response.content.iter_any():
+        body += chunk
+        if len(body) > limit:
+            response.close()
+            raise BodyTooLarge(limit)
+    return bytes(body)
 
 
 def interpret_progress(message: dict[str, Any]) -> Progress:

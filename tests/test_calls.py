@@ -199,20 +199,32 @@ async def test_closing_an_unfinished_response_closes_the_connection(serve) -> No
     assert client._reuse() is None
 
 
-@pytest.mark.parametrize(
-    ("raw", "message"),
-    [
-        (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort", "closed the connection before the response"),
-        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nab", "closed the connection before the response"),
-        (b"SSH-2.0-OpenSSH\r\n\r\n", "malformed HTTP response (bad status line"),
-        (b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n", "malformed HTTP response (bad content-length"),
-        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "malformed HTTP response"),
-        (b"HTTP/1.1 200 OK\r\nContent-Encoding: br\r\n\r\n", "unsupported content-encoding"),
-        (b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: 4\r\n\r\nnope", "undecodable"),
-        (b"HTTP/1.1 200 OK\r\n" + b"X: " + b"a" * 70_000, "response head too large"),
-        (b"", "closed the connection before the response"),
-    ],
-)
+_BROKEN = [
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort", "closed the connection before the response"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nab", "closed the connection before the response"),
+    (b"SSH-2.0-OpenSSH\r\n\r\n", "malformed HTTP response (Expected HTTP/"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n", "malformed HTTP response (Invalid character in Content-Length"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "malformed HTTP response"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0x1f\r\n", "Invalid character in chunk size"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1_0\r\n", "Invalid character in chunk size"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+     "Transfer-Encoding can't be present with Content-Length"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nab", "Duplicate Content-Length"),
+    (b"HTTP/1.1 200 OK\nContent-Length: 2\n\nok", "Missing expected CR"),
+    (b"HTTP/1.1 200 OK\r\nX: a\r\n folded\r\nContent-Length: 0\r\n\r\n", "malformed HTTP response"),
+    (b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: upgrade\r\n\r\n", "switched protocols"),
+    (b"HTTP/1.1 099 Odd\r\nContent-Length: 0\r\n\r\n", "status code 99"),
+    (b"HTTP/1.1 200 OK\r\nContent-Encoding: br\r\n\r\n", "unsupported content-encoding"),
+    (b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: 4\r\n\r\nnope", "undecodable"),
+    (b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: 12\r\n\r\n" + gzip.compress(b"x" * 100)[:12],
+     "compressed body ends before"),
+    (b"HTTP/1.1 200 OK\r\n" + b"X: " + b"a" * 70_000, "response head exceeds 65536 bytes"),
+    (b"HTTP/1.1 200 OK\r\n" + b"X: a\r\n" * 300 + b"\r\n", "more than 200 header fields"),
+    (b"", "closed the connection before the response"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("raw", "message"), _BROKEN, ids=[str(n) for n in range(len(_BROKEN))])
 async def test_broken_answers_raise_a_call_error_naming_the_fault(serve, raw: bytes, message: str) -> None:
     server = await serve(respond(raw, close=True))
     client = CallClient(server.url, connect_timeout_s=2)
@@ -253,3 +265,87 @@ async def test_refused_connections_and_unsendable_headers_are_call_errors() -> N
         await client.post({"X-Evil": "a\r\nInjected: 1"}, b"x")
     with pytest.raises(ValueError, match="not an http"):
         CallClient("ftp://127.0.0.1/x", connect_timeout_s=1)
+
+
+async def test_a_head_over_the_limit_is_refused_however_its_bytes_arrive(serve) -> None:
+    head = b"HTTP/1.1 200 OK\r\n" + b"X-Big: " + b"a" * 70_000 + b"\r\nContent-Length: 0\r\n\r\n"
+
+    async def one_write(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(head)
+        await writer.drain()
+
+    async def in_pieces(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for i in range(0, len(head), 1000):
+            writer.write(head[i : i + 1000])
+            await writer.drain()
+
+    for script in (one_write, in_pieces):
+        server = await serve(script)
+        client = CallClient(server.url, connect_timeout_s=2)
+        with pytest.raises(CallError, match="exceeds 65536 bytes"):
+            await client.post({}, b"x")
+
+
+@pytest.mark.parametrize("status", [204, 304])
+async def test_no_body_for_204_and_304_even_with_a_content_length(serve, status: int) -> None:
+    # Content-Length on these describes a representation, not a body (RFC 9110 §8.6): waiting for it would hang.
+    server = await serve(respond(b"HTTP/1.1 %d X\r\nContent-Length: 5\r\n\r\n" % status))
+    client = CallClient(server.url, connect_timeout_s=2)
+    for _ in range(2):
+        async with await client.post({}, b"x") as response:
+            assert response.status == status
+            assert await asyncio.wait_for(response.read(), 5) == b""
+    assert server.connections == 1  # the framing was understood: the connection was reused
+
+
+async def test_a_response_followed_by_bytes_nobody_asked_for_stands_but_is_not_reused(serve) -> None:
+    server = await serve(respond(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokHTTP/1.1 200 OK\r\n\r\nrogue"))
+    client = CallClient(server.url, connect_timeout_s=2)
+    async with await client.post({}, b"x") as response:
+        assert await response.read() == b"ok"
+    async with await client.post({}, b"x") as response:
+        assert await response.read() == b"ok"
+    assert server.connections == 2
+
+
+async def test_a_gzip_bomb_costs_bounded_memory_and_ends_at_the_read_limit(serve) -> None:
+    import tracemalloc
+
+    bomb = gzip.compress(b"\0" * (200 * 1024 * 1024), compresslevel=9)  # ~200 KB that inflates to 200 MB
+    assert len(bomb) < 300_000
+    server = await serve(respond(b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n\r\n%s"
+                                 % (len(bomb), bomb)))  # fmt: skip
+    client = CallClient(server.url, connect_timeout_s=2)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CallError, match="longer than 4194304 bytes"):
+            async with await client.post({}, b"x") as response:
+                await response.read(limit=4 * 1024 * 1024)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 20 * 1024 * 1024, peak  # the limit plus a few inflate slices, not 200 MB
+
+
+async def test_a_long_compressed_stream_is_inflated_as_it_is_read(serve) -> None:
+    # A streaming reader takes every byte of a body far larger than the buffer, without holding it all.
+    import tracemalloc
+
+    events = b"data: x\n\n" * (5 * 1024 * 1024)  # 45 MB of events
+    bomb = gzip.compress(events)
+    expected = len(events)
+    del events
+    server = await serve(respond(b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n\r\n%s"
+                                 % (len(bomb), bomb)))  # fmt: skip
+    client = CallClient(server.url, connect_timeout_s=2)
+    tracemalloc.start()
+    total = 0
+    try:
+        async with await client.post({}, b"x") as response:
+            async for chunk in response.iter_chunks():
+                total += len(chunk)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert total == expected
+    assert peak < 12 * 1024 * 1024, peak

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from proxy.sse import SseEvent, SseParser
+from proxy import sse
+from proxy.sse import SseEvent, SseLimitError, SseParser
 
 STREAM = (
     b'event: message\r\nid: 1\r\ndata: {"a":1}\r\n\r\n'  # CRLF
@@ -42,3 +45,90 @@ def test_unfinished_event_is_held_back():
     parser = SseParser()
     assert parser.feed(b"data: partial") == []
     assert parser.feed(b"\n\n") == [SseEvent(data="partial")]
+
+
+def test_a_byte_order_mark_at_the_start_is_dropped_even_when_split():
+    parser = SseParser()
+    assert parser.feed(b"\xef") == []
+    assert parser.feed(b"\xbb\xbfdata: a\n\n") == [SseEvent(data="a")]
+
+
+def test_an_event_over_the_bound_raises_instead_of_growing():
+    parser = SseParser(max_event_bytes=1000)
+    assert parser.feed(b"data: " + b"a" * 500 + b"\n\n") == [SseEvent(data="a" * 500)]
+    with pytest.raises(SseLimitError, match="exceeds 1000 bytes"):
+        for _ in range(100):
+            parser.feed(b"data: " + b"b" * 100 + b"\n")  # many lines of one event
+    parser = SseParser(max_event_bytes=1000)
+    with pytest.raises(SseLimitError):
+        for _ in range(100):
+            parser.feed(b"x" * 100)  # one line that never ends
+
+
+def test_each_byte_is_scanned_once_and_copied_at_most_once(monkeypatch):
+    # Counted, not timed: 1 MB of short lines, and one long line, fed whole and in 7-byte pieces. The quadratic
+    # parser this replaced copied the rest of its buffer at every line.
+    counts = {"scanned": 0, "joined": 0}
+    real = sse._LINE_END
+
+    class CountingPattern:
+        def finditer(self, chunk: bytes, position: int):
+            counts["scanned"] += len(chunk) - position
+            return real.finditer(chunk, position)
+
+    class CountingBytearray(bytearray):
+        def __iadd__(self, other):  # type: ignore[override]
+            counts["joined"] += len(other)
+            return super().__iadd__(other)
+
+    monkeypatch.setattr(sse, "_LINE_END", CountingPattern())
+    stream = b"data: x\n" * 131_072 + b"\n" + b"data: " + b"y" * 300_000 + b"\n\n"
+    for size in (len(stream), 7):
+        counts.update(scanned=0, joined=0)
+        parser = SseParser()
+        parser._partial = CountingBytearray()
+        events = []
+        for start in range(0, len(stream), size):
+            events.extend(parser.feed(stream[start : start + size]))
+        assert [len(event.data) for event in events] == [131_072 * 2 - 1, 300_000]
+        assert counts["scanned"] <= len(stream)
+        assert counts["joined"] <= len(stream)
+
+
+field_values = st.text(st.characters(blacklist_characters="\r\n\0", blacklist_categories=("Cs",)), max_size=12)
+# retry takes ASCII digits only (WHATWG); the reference's int() also takes "+5" or "1_0", so only digits are drawn.
+lines = st.one_of(
+    st.tuples(st.sampled_from(["data", "event", "id", "other"]), field_values).map(lambda p: f"{p[0]}: {p[1]}"),
+    st.from_regex(r"\Aretry: [0-9]{1,6}\Z"),
+    st.just(": comment"),
+    st.just("data"),
+    st.just(""),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    stream_lines=st.lists(lines, max_size=30),
+    ends=st.lists(st.sampled_from(["\n", "\r\n", "\r"]), min_size=1, max_size=3),
+    cuts=st.lists(st.integers(min_value=1, max_value=9), max_size=40),
+)
+def test_the_same_events_as_the_official_python_sdks_decoder(stream_lines, ends, cuts):
+    from httpx2._sse import _SSEParser
+
+    text = "".join(line + ends[n % len(ends)] for n, line in enumerate(stream_lines)) + "\n\n"
+    raw = text.encode()
+    ours: list[SseEvent] = []
+    parser = SseParser()
+    position = 0
+    for cut in cuts:
+        ours.extend(parser.feed(raw[position : position + cut]))
+        position += cut
+    ours.extend(parser.feed(raw[position:]))
+
+    reference = _SSEParser()  # httpx2's, which mcp 2.x's client reads every event stream with
+    theirs = [
+        (event.data, event.event, event.id or None, event.retry)
+        for event in [*reference.decode(text), *reference.flush()]
+        if event.data
+    ]
+    assert [(e.data, e.event, e.id or None, e.retry_ms) for e in ours if e.data] == theirs

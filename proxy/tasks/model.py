@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import secrets
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -35,6 +36,15 @@ class TaskStateError(Exception):
 def new_task_id() -> str:
     # Task ids are bearer handles (SEP-2663): 128 random bits, URL- and header-safe.
     return secrets.token_urlsafe(16)
+
+
+_TASK_ID = re.compile(r"[A-Za-z0-9_-]{16,64}")
+
+
+def is_task_id(value: object) -> bool:
+    """Whether `value` could be an id this proxy made. Anything else is unknown without asking the store, so a
+    hostile id (a lone surrogate, control characters, megabytes) never reaches a store key."""
+    return isinstance(value, str) and _TASK_ID.fullmatch(value) is not None
 
 
 def utc_now() -> datetime:

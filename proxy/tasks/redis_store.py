@@ -6,9 +6,12 @@ compare-and-set script that succeeds only if the record is still the one read (i
 terminal state is never overwritten, even by two replicas racing, in two round trips and without WATCH (which would
 pin a connection per update). Each replica keeps a lease key alive; the ids of unfinished tasks are in one set, so
 any replica can find the tasks of a replica whose lease lapsed. Events between replicas (a cancel, answers to an
-input round) go over one pub/sub channel.
+input round, changes for listeners) go over one pub/sub channel; pub/sub drops what is sent while a subscriber is
+disconnected, so the runner reconciles from the records after every (re)subscription and on a slow timer.
 
 The per-task commands go over one pipelining connection (resp.py); leases, the sweep and pub/sub use redis-py.
+Every reply is checked for the shape its command gives: one that cannot be right (a record of another task, a
+script result out of range) drops the connection, so that a desynchronised stream answers nobody else.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import asyncio
 import contextlib
 import hashlib
 import json
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -26,7 +30,7 @@ import structlog
 from redis.exceptions import RedisError
 
 from .model import TaskRecord, from_json, to_json
-from .resp import RespClient, RespError
+from .resp import DEFAULT_MAX_REPLY_BYTES, RespClient, RespError
 from .store import EventHandler, StoreUnavailable, Updater
 
 log = structlog.get_logger(__name__)
@@ -45,11 +49,40 @@ return 1
 """
 _COMPARE_AND_SET_SHA = hashlib.sha1(_COMPARE_AND_SET, usedforsecurity=False).hexdigest()
 
+_LEASE_RETRY_S = 0.5
+"""After a failed lease renewal, how soon to try again (the next regular one may be too late)."""
+
+
+class _Inconsistent(Exception):
+    """A reply that its command cannot give: the connection's replies may be shifted."""
+
+
+def _reason(exc: BaseException, timeout_s: float) -> str:
+    """What went wrong, in words an operator can act on (never a credential: Redis errors do not echo them)."""
+    if isinstance(exc, TimeoutError):
+        return f"Redis did not answer within {timeout_s:g} s (store.timeout_s)"
+    if isinstance(exc, _Inconsistent):
+        return f"Redis sent a reply that cannot be right ({exc}); the connection was reset"
+    text = str(exc).strip() or type(exc).__name__
+    if text.startswith("OOM"):
+        return f"Redis refused the write: it is out of memory (maxmemory): {text}"
+    if text.startswith(("WRONGPASS", "NOAUTH", "NOPERM")) or isinstance(exc, redis.AuthenticationError):
+        return f"Redis refused the credentials of store.url: {text}"
+    return text
+
 
 class RedisTaskStore:
     shared = True
 
-    def __init__(self, url: str, *, key_prefix: str = TASK_KEY_PREFIX, lease_s: float, timeout_s: float) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        key_prefix: str = TASK_KEY_PREFIX,
+        lease_s: float,
+        timeout_s: float,
+        max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
+    ) -> None:
         self._prefix = key_prefix
         self._lease_ms = int(lease_s * 1000)
         self._timeout_s = timeout_s
@@ -60,11 +93,14 @@ class RedisTaskStore:
             retry_on_timeout=False,
             health_check_interval=30,
         )
-        self._fast = RespClient(url, timeout_s=timeout_s)
+        self._fast = RespClient(url, timeout_s=timeout_s, max_reply_bytes=max_reply_bytes)
         self._running_key = f"{key_prefix}running"
         self._channel = f"{key_prefix}events"
         self._tasks: list[asyncio.Task[None]] = []
         self._replica_id: str | None = None
+        self._last_failure = time.monotonic()
+        """When a Redis call last failed (or the store was made): the sweep waits a lease after it."""
+        self.events_state = "not subscribed"
 
     def _key(self, task_id: str) -> str:
         return f"{self._prefix}task:{task_id}"
@@ -72,14 +108,22 @@ class RedisTaskStore:
     def _lease_key(self, replica_id: str) -> str:
         return f"{self._prefix}replica:{replica_id}"
 
+    def healthy_for(self) -> float:
+        """Seconds since a Redis call last failed on this replica."""
+        return time.monotonic() - self._last_failure
+
     @asynccontextmanager
     async def _answering(self, what: str) -> AsyncIterator[None]:
         """One place where Redis failures become StoreUnavailable, with the cause logged once."""
         try:
             yield
-        except (TimeoutError, RedisError, RespError, OSError) as exc:
-            log.warning("store_unavailable", operation=what, reason=type(exc).__name__)
-            raise StoreUnavailable(f"the task store did not answer ({type(exc).__name__})") from exc
+        except (TimeoutError, RedisError, RespError, OSError, _Inconsistent) as exc:
+            self._last_failure = time.monotonic()
+            if isinstance(exc, _Inconsistent):
+                self._fast.reset(str(exc))
+            reason = _reason(exc, self._timeout_s)
+            log.warning("store_unavailable", operation=what, reason=reason)
+            raise StoreUnavailable(reason) from exc
 
     async def create(self, record: TaskRecord) -> None:
         key = self._key(record.task_id)
@@ -90,26 +134,45 @@ class RedisTaskStore:
         commands.append(("EXEC",))
         async with self._answering("create"):
             replies = await self._fast.pipeline(commands)
-        created = replies[-1][0] if isinstance(replies[-1], list) else None
+            executed = replies[-1]
+            if not isinstance(executed, list) or len(executed) != len(commands) - 2:
+                raise _Inconsistent("EXEC did not answer one reply per queued command")
+            for reply in executed:
+                if isinstance(reply, RespError):
+                    raise reply  # e.g. OOM: nothing was written
+            created = executed[0]
         if created is None:
             raise StoreUnavailable(f"task id collision for {record.task_id}")  # 128 random bits: never in practice
 
     async def get(self, task_id: str) -> TaskRecord | None:
         async with self._answering("get"):
-            raw = await self._fast.execute("GET", self._key(task_id))
-        return from_json(raw) if isinstance(raw, bytes) else None
+            return self._record(task_id, await self._fast.execute("GET", self._key(task_id)))
+
+    def _record(self, task_id: str, raw: Any) -> TaskRecord | None:
+        if raw is None:
+            return None
+        if not isinstance(raw, bytes):
+            raise _Inconsistent("GET answered something other than a string")
+        try:
+            record = from_json(raw)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise _Inconsistent("a task record that does not parse") from exc
+        if record.task_id != task_id:
+            raise _Inconsistent("GET answered another task's record")
+        return record
 
     async def update(self, task_id: str, updater: Updater) -> TaskRecord | None:
         key = self._key(task_id)
         async with self._answering("update"):
             raw = await self._fast.execute("GET", key)
             while True:
-                if not isinstance(raw, bytes):
+                current = self._record(task_id, raw)
+                if current is None:
                     return None
-                current = from_json(raw)
                 new = updater(current)  # may raise TaskStateError: nothing is written
                 if new is current:
                     return current
+                assert isinstance(raw, bytes)
                 written = await self._compare_and_set(key, raw, new)
                 if written == 1:
                     return new
@@ -126,20 +189,26 @@ class RedisTaskStore:
             if not str(exc).startswith("NOSCRIPT"):
                 raise
             written = await self._fast.execute("EVAL", _COMPARE_AND_SET, *args)  # loads it for the next EVALSHA
+        if written not in (-1, 0, 1) or isinstance(written, bool):
+            raise _Inconsistent("the compare-and-set script answered out of its range")
         assert isinstance(written, int)
         return written
 
     async def ping(self) -> None:
         async with self._answering("ping"):
-            await self._redis.ping()
+            if await self._fast.execute("PING") != b"PONG":
+                raise _Inconsistent("PING was not answered with PONG")
 
-    async def start(self, replica_id: str, on_event: EventHandler) -> None:
+    async def start(
+        self, replica_id: str, on_event: EventHandler, on_resync: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
+        """Keep the lease and the subscription alive from now on, whatever Redis does; wait for the first
+        subscription (StoreUnavailable when Redis is not there yet: the loops go on trying)."""
         self._replica_id = replica_id
-        await self._renew_lease()
         subscribed = asyncio.get_running_loop().create_future()
         self._tasks = [
             asyncio.ensure_future(self._keep_lease()),
-            asyncio.ensure_future(self._listen(on_event, subscribed)),
+            asyncio.ensure_future(self._listen(on_event, on_resync, subscribed)),
         ]
         # Events published from now on must reach this replica: return only once subscribed.
         async with self._answering("subscribe"):
@@ -147,7 +216,9 @@ class RedisTaskStore:
 
     async def publish(self, event: dict[str, Any]) -> None:
         async with self._answering("publish"):
-            await self._fast.execute("PUBLISH", self._channel, json.dumps(event))
+            reply = await self._fast.execute("PUBLISH", self._channel, json.dumps(event))
+            if not isinstance(reply, int):
+                raise _Inconsistent("PUBLISH answered something other than a count")
 
     async def running_task_ids(self) -> list[str]:
         async with self._answering("running"):
@@ -162,42 +233,82 @@ class RedisTaskStore:
                 await self._redis.srem(self._running_key, *gone)
         return [task_id for task_id in ids if task_id not in gone]
 
+    async def still_running(self, task_ids: list[str]) -> set[str]:
+        """Which of these tasks are not terminal yet (the running set is updated with every terminal write)."""
+        running: set[str] = set()
+        async with self._answering("running"):
+            for start in range(0, len(task_ids), 1000):
+                batch = task_ids[start : start + 1000]
+                flags = await self._fast.execute("SMISMEMBER", self._running_key, *batch)
+                if not isinstance(flags, list) or len(flags) != len(batch):
+                    raise _Inconsistent("SMISMEMBER did not answer one flag per id")
+                running.update(task_id for task_id, flag in zip(batch, flags, strict=True) if flag == 1)
+        return running
+
     async def is_alive(self, replica_id: str) -> bool:
         async with self._answering("lease"):
             return bool(await self._redis.exists(self._lease_key(replica_id)))
 
     async def _renew_lease(self) -> None:
         assert self._replica_id is not None
+        key = self._lease_key(self._replica_id)
         async with self._answering("lease"):
-            await self._redis.set(self._lease_key(self._replica_id), "1", px=self._lease_ms)
+            # PEXPIRE first: unlike SET it is allowed when Redis is at maxmemory, so a full Redis does not make
+            # live replicas look lost. SET only when the key is gone (a Redis restarted without persistence).
+            if not await self._redis.pexpire(key, self._lease_ms):
+                await self._redis.set(key, "1", px=self._lease_ms)
 
     async def _keep_lease(self) -> None:
         while True:
-            await asyncio.sleep(self._lease_ms / 3000)
-            with contextlib.suppress(StoreUnavailable):  # logged; the next renewal tries again
+            try:
                 await self._renew_lease()
+            except StoreUnavailable:  # logged; try again soon, the lease may be about to lapse
+                await asyncio.sleep(_LEASE_RETRY_S)
+                continue
+            await asyncio.sleep(self._lease_ms / 3000)
 
-    async def _listen(self, on_event: EventHandler, subscribed: asyncio.Future[None]) -> None:
-        """Deliver every published event to this replica, reconnecting when Redis comes back."""
+    async def _listen(
+        self,
+        on_event: EventHandler,
+        on_resync: Callable[[], Awaitable[None]] | None,
+        subscribed: asyncio.Future[None],
+    ) -> None:
+        """Deliver every published event to this replica, reconnecting when Redis comes back.
+
+        What was published while the subscription was down is lost to it: after each (re)subscription the runner
+        re-reads what its tasks wait for (`on_resync`).
+        """
         while True:
-            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+            # Subscribe confirmations are kept: redis-py reconnects and re-subscribes by itself after a dropped
+            # connection, and its confirmation is the only sign that events may have been missed meanwhile.
+            pubsub = self._redis.pubsub(ignore_subscribe_messages=False)
             try:
                 await pubsub.subscribe(self._channel)
-                if not subscribed.done():
-                    subscribed.set_result(None)
                 async for message in pubsub.listen():
-                    if message.get("type") != "message":
+                    kind = message.get("type")
+                    if kind == "subscribe":
+                        self.events_state = "ok"
+                        if not subscribed.done():
+                            subscribed.set_result(None)
+                        if on_resync is not None:
+                            await on_resync()
+                        continue
+                    if kind != "message":
                         continue
                     try:
                         event = json.loads(message["data"])
                     except ValueError:
                         continue
+                    if not isinstance(event, dict):
+                        continue
                     try:
                         await on_event(event)
-                    except Exception:
-                        log.exception("store_event_failed", event_type=event.get("type"))
-            except (TimeoutError, RedisError, OSError) as exc:
-                log.warning("store_events_interrupted", reason=type(exc).__name__)
+                    except Exception as exc:
+                        log.warning("store_event_failed", event_type=event.get("type"), error=type(exc).__name__)
+            except (TimeoutError, RedisError, OSError, StoreUnavailable) as exc:
+                self._last_failure = time.monotonic()
+                self.events_state = f"resubscribing ({_reason(exc, self._timeout_s)})"
+                log.warning("store_events_interrupted", reason=_reason(exc, self._timeout_s))
                 await asyncio.sleep(1)
             finally:
                 with contextlib.suppress(RedisError, OSError):

@@ -6,6 +6,11 @@ creations a second. Here all requests share one connection, each is written at o
 guarantees it), so concurrent requests pipeline by themselves and a command costs a few tens of µs. Only commands
 that are atomic on their own go through it (SET NX/XX, GET, a compare-and-set script, PUBLISH): WATCH or SUBSCRIBE
 would change the connection's state for everyone, so leases, the lost-replica sweep and pub/sub keep redis-py.
+
+Replies are parsed by hiredis, the official C parser (redis-py uses it too). Pipelining by order is only safe while
+every reply is matched to exactly one waiting command, so: a command is encoded completely before it takes a reply
+slot; a reply nobody waits for, a malformed reply, or a reply larger than the bound ends the connection and fails
+only the commands that were waiting on it; the next command opens a new connection.
 """
 
 from __future__ import annotations
@@ -15,9 +20,13 @@ import collections
 import ssl
 from typing import Any
 
+import hiredis
 from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection, parse_url
 
 Reply = bytes | int | list[Any] | None
+Command = tuple[str | bytes | int, ...]
+
+DEFAULT_MAX_REPLY_BYTES = 64 * 1024 * 1024
 
 
 class RespError(Exception):
@@ -25,42 +34,50 @@ class RespError(Exception):
 
 
 class _Protocol(asyncio.Protocol):
-    """Parses RESP2 replies and resolves the oldest waiting future with each."""
+    """Feeds bytes to hiredis and resolves the oldest waiting future with each complete reply."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_reply_bytes: int) -> None:
         self.transport: asyncio.Transport | None = None
         self.waiting: collections.deque[asyncio.Future[Reply]] = collections.deque()
-        self._buffer = bytearray()
-        self._lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._reader = hiredis.Reader(replyError=RespError)
+        self._max_reply_bytes = max_reply_bytes
+        self._unanswered_bytes = 0
+        """Bytes received since the last complete reply: what one reply in progress holds, give or take a read."""
         self.broken: str | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        self._buffer += data
-        position = 0
-        try:
-            while self.waiting:
-                parsed = _parse(self._buffer, position)
-                if parsed is None:
-                    break
-                reply, position = parsed
-                future = self.waiting.popleft()
-                if future.done():
-                    continue  # its caller was cancelled; the reply still had to be consumed, in order
-                if isinstance(reply, RespError):
-                    future.set_exception(reply)
-                else:
-                    future.set_result(reply)
-        except ValueError as exc:
-            self.fail(f"Redis sent a malformed reply ({exc})")
-        del self._buffer[:position]
+        if self.broken is not None:
+            return
+        self._reader.feed(data)
+        self._unanswered_bytes += len(data)
+        while True:
+            try:
+                reply = self._reader.gets()
+            except hiredis.ProtocolError as exc:
+                self.fail(f"Redis sent a malformed reply ({exc})")
+                return
+            if reply is False:
+                break
+            self._unanswered_bytes = 0
+            if not self.waiting:
+                # A reply to no command: from here on, every reply would answer the wrong caller.
+                self.fail("Redis sent a reply that no command asked for")
+                return
+            future = self.waiting.popleft()
+            if future.done():
+                continue  # its caller was cancelled; the reply still had to be consumed, in order
+            if isinstance(reply, RespError):
+                future.set_exception(reply)
+            else:
+                future.set_result(reply)
+        if self._unanswered_bytes > self._max_reply_bytes:
+            self.fail(f"a Redis reply exceeds {self._max_reply_bytes} bytes")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.fail("the connection to Redis was lost")
-        if not self._lost.done():
-            self._lost.set_result(None)
 
     def fail(self, reason: str) -> None:
         self.broken = self.broken or reason
@@ -72,55 +89,33 @@ class _Protocol(asyncio.Protocol):
             self.transport.close()
 
 
-def _parse(buffer: bytearray, position: int) -> tuple[Reply | RespError, int] | None:
-    """One reply starting at `position`: (reply, position after it), or None while it is incomplete."""
-    end = buffer.find(b"\r\n", position)
-    if end < 0:
-        return None
-    kind, line = buffer[position : position + 1], bytes(buffer[position + 1 : end])
-    after = end + 2
-    if kind == b"+":
-        return line, after
-    if kind == b"-":
-        return RespError(line.decode("utf-8", "replace")), after
-    if kind == b":":
-        return int(line), after
-    if kind == b"$":
-        length = int(line)
-        if length < 0:
-            return None, after
-        if len(buffer) < after + length + 2:
-            return None
-        return bytes(buffer[after : after + length]), after + length + 2
-    if kind == b"*":
-        count = int(line)
-        if count < 0:
-            return None, after
-        items: list[Any] = []
-        for _ in range(count):
-            parsed = _parse(buffer, after)
-            if parsed is None:
-                return None
-            item, after = parsed
-            items.append(item)
-        return items, after
-    raise ValueError(f"unknown reply type {bytes(kind)!r}")
-
-
-def _encode(args: tuple[str | bytes | int, ...]) -> bytes:
-    out = [b"*%d\r\n" % len(args)]
-    for arg in args:
-        data = arg if isinstance(arg, bytes) else str(arg).encode()
-        out.append(b"$%d\r\n" % len(data))
-        out.append(data)
-        out.append(b"\r\n")
+def encode(commands: list[Command]) -> bytes:
+    """The RESP request for `commands`; ValueError (before anything is sent) for an argument that cannot go."""
+    out: list[bytes] = []
+    for args in commands:
+        if not args:
+            raise ValueError("an empty Redis command")
+        out.append(b"*%d\r\n" % len(args))
+        for arg in args:
+            if isinstance(arg, bytes):
+                data = arg
+            elif isinstance(arg, str):
+                try:
+                    data = arg.encode()  # strict: a lone surrogate is refused here, not half-way through a write
+                except UnicodeEncodeError as exc:
+                    raise ValueError("a Redis command argument is not valid Unicode text") from exc
+            elif isinstance(arg, int) and not isinstance(arg, bool):
+                data = b"%d" % arg
+            else:
+                raise ValueError(f"a Redis command argument of type {type(arg).__name__}")
+            out.append(b"$%d\r\n%s\r\n" % (len(data), data))
     return b"".join(out)
 
 
 class RespClient:
     """One shared, lazily (re)connected connection to the Redis that `url` names (redis-py's URL rules)."""
 
-    def __init__(self, url: str, *, timeout_s: float) -> None:
+    def __init__(self, url: str, *, timeout_s: float, max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES) -> None:
         options = parse_url(url)
         self._path: str | None = options.get("path")
         self._host = options.get("host", "localhost")
@@ -128,13 +123,15 @@ class RespClient:
         self._ssl = ssl.create_default_context() if options.get("connection_class") is SSLConnection else None
         if options.get("connection_class") is UnixDomainSocketConnection and self._path is None:
             raise ValueError(f"no socket path in {url!r}")
-        self._hello: list[tuple[str | bytes | int, ...]] = []
+        hello: list[Command] = []
         if options.get("password") is not None:
             user = options.get("username")
-            self._hello.append(("AUTH", user, options["password"]) if user else ("AUTH", options["password"]))
+            hello.append(("AUTH", user, options["password"]) if user else ("AUTH", options["password"]))
         if options.get("db"):
-            self._hello.append(("SELECT", int(options["db"])))
+            hello.append(("SELECT", int(options["db"])))
+        self._hello = hello
         self._timeout_s = timeout_s
+        self._max_reply_bytes = max_reply_bytes
         self._protocol: _Protocol | None = None
         self._connecting = asyncio.Lock()
 
@@ -144,32 +141,45 @@ class RespClient:
             return protocol
         async with self._connecting:
             if self._protocol is None or self._protocol.broken is not None:
-                loop = asyncio.get_running_loop()
-                if self._path is not None:
-                    _, protocol = await loop.create_unix_connection(_Protocol, self._path)
-                else:
-                    server_hostname = self._host if self._ssl else None
-                    _, protocol = await loop.create_connection(
-                        _Protocol, self._host, self._port, ssl=self._ssl, server_hostname=server_hostname
-                    )
-                for command in self._hello:
-                    await self._send(protocol, [command])
-                self._protocol = protocol
+                self._protocol = await self._connect()
             return self._protocol
+
+    async def _connect(self) -> _Protocol:
+        loop = asyncio.get_running_loop()
+
+        def factory() -> _Protocol:
+            return _Protocol(self._max_reply_bytes)
+
+        if self._path is not None:
+            _, protocol = await loop.create_unix_connection(factory, self._path)
+        else:
+            server_hostname = self._host if self._ssl else None
+            _, protocol = await loop.create_connection(
+                factory, self._host, self._port, ssl=self._ssl, server_hostname=server_hostname
+            )
+        if self._hello:
+            try:
+                await self._send(protocol, self._hello, encode(self._hello))
+            except BaseException:
+                # A refused AUTH or SELECT (or a timeout) must not leave the socket behind.
+                protocol.fail("Redis refused the connection's AUTH or SELECT")
+                raise
+        return protocol
 
     async def execute(self, *args: str | bytes | int) -> Reply:
         return (await self.pipeline([args]))[0]
 
-    async def pipeline(self, commands: list[tuple[str | bytes | int, ...]]) -> list[Reply]:
+    async def pipeline(self, commands: list[Command]) -> list[Reply]:
         """Send the commands in one write; their replies in order. An error reply raises RespError.
 
         One write keeps a MULTI ... EXEC block contiguous on the shared connection, so it stays atomic.
         """
+        request = encode(commands)  # before any connection or reply slot is involved
         protocol: _Protocol | None = None
         try:
             async with asyncio.timeout(self._timeout_s):
                 protocol = await self._connection()
-                return await self._send(protocol, commands)
+                return await self._send(protocol, commands, request)
         except TimeoutError:
             if protocol is not None:
                 protocol.fail(f"Redis did not answer within {self._timeout_s:g} s")  # reconnect next time
@@ -177,12 +187,18 @@ class RespClient:
         except OSError as exc:
             raise RespError(f"cannot connect to Redis ({exc.strerror or exc})") from exc
 
-    async def _send(self, protocol: _Protocol, commands: list[tuple[str | bytes | int, ...]]) -> list[Reply]:
+    def reset(self, reason: str) -> None:
+        """Drop the connection (the store saw a reply that cannot be right); waiting commands fail with `reason`."""
+        if self._protocol is not None:
+            self._protocol.fail(reason)
+
+    async def _send(self, protocol: _Protocol, commands: list[Command], request: bytes) -> list[Reply]:
+        if protocol.broken is not None or protocol.transport is None:
+            raise RespError(protocol.broken or "the connection to Redis is not open")
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in commands]
         protocol.waiting.extend(futures)
-        assert protocol.transport is not None
-        protocol.transport.write(b"".join(_encode(command) for command in commands))
+        protocol.transport.write(request)
         replies: list[Reply] = []
         error: RespError | None = None
         try:
@@ -201,6 +217,6 @@ class RespClient:
         return replies
 
     async def aclose(self) -> None:
-        if self._protocol is not None and self._protocol.transport is not None:
-            self._protocol.transport.close()
+        if self._protocol is not None:
+            self._protocol.fail("the client was closed")
             self._protocol = None

@@ -15,6 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 from multidict import CIMultiDict
+from tenacity import (
+    AsyncRetrying,
+    RetryError,
+    retry_if_exception_type,
+    stop_after_delay,
+    wait_exponential,
+    wait_random,
+)
 
 from ..config import LimitsConfig, TaskDefaults, ToolRule
 from ..jsonrpc import INTERNAL_ERROR, MISSING_REQUIRED_CLIENT_CAPABILITY, dumps, error_object
@@ -30,6 +38,8 @@ log = structlog.get_logger(__name__)
 
 _CANCELLED_BY_CLIENT = "cancelled at the client's request"
 _SHUTDOWN = "the proxy shut down before the upstream call finished"
+_SHUTDOWN_WRITE_S = 5.0
+"""On shutdown, how long a task's last write may wait for an unavailable store."""
 
 
 class TaskWatchers:
@@ -55,6 +65,9 @@ class TaskWatchers:
     def changed(self, task_id: str) -> None:
         for queue in self._queues.get(task_id, ()):
             queue.put_nowait(task_id)
+
+    def watched(self) -> list[str]:
+        return list(self._queues)
 
 
 class _NotTheOwner(Exception):
@@ -121,6 +134,14 @@ class _Job:
     max_result_bytes: int = 16 * 1024 * 1024
     slots: asyncio.Semaphore | None = None
     """The tool's max_concurrency slots, when its rule sets one."""
+    holds_slot: bool = False
+    """A slot was taken at admission (on_limit: refuse); it is given back when the job ends."""
+    settled: bool = False
+    """This replica wrote the task's terminal state: nothing from outside may cancel the call any more."""
+    round_open: bool = False
+    """A modern input round is recorded (input_required); a record found working again means it was answered."""
+    unwritten: tuple[TaskStatus, dict[str, Any]] | None = None
+    """The outcome while its write is under way (retried while the store is unavailable)."""
     last_message: str | None = None
     cancel_reason: str | None = None
     runner: asyncio.Task[None] | None = None
@@ -173,6 +194,8 @@ class TaskRunner:
         now: Callable[[], datetime] = utc_now,
         timer: Callable[[], float] = time.monotonic,
         reap_interval_s: float = 5.0,
+        reconcile_interval_s: float = 5.0,
+        lease_s: float = 0.0,
         metrics: Metrics | None = None,
     ) -> None:
         self._metrics = metrics or Metrics()
@@ -185,7 +208,10 @@ class TaskRunner:
         self._timer = timer
         self._jobs: dict[str, _Job] = {}
         self._reap_interval_s = reap_interval_s
+        self._reconcile_interval_s = reconcile_interval_s
+        self._lease_s = lease_s
         self._reaper: asyncio.Task[None] | None = None
+        self._reconciler: asyncio.Task[None] | None = None
         self.accepting = True
         """False once shutdown began: no new task is taken."""
         # Unique per process, so a restarted replica never claims a dead one's tasks as its own.
@@ -206,9 +232,10 @@ class TaskRunner:
 
     async def start(self) -> None:
         """Subscribe to events from every replica; with a shared store, also look for lost replicas' tasks."""
-        await self._store.start(self.replica_id, self._on_event)
         if self._store.shared:
             self._reaper = asyncio.ensure_future(self._reap_forever())
+            self._reconciler = asyncio.ensure_future(self._reconcile_forever())
+        await self._store.start(self.replica_id, self._on_event, self._resync)
 
     async def submit(self, call: ToolCall, rule: ToolRule) -> TaskRecord | DirectOutcome:
         """Start the call; return the stored task, or the outcome if it came inside the rule's sync window."""
@@ -217,6 +244,12 @@ class TaskRunner:
         defaults = self._defaults()  # the policy in force now; the job keeps these values through any reload
         limits = self._limits()
         slots = self._admit(call, rule, limits)
+        holds_slot = False
+        if slots is not None and rule.on_limit == "refuse":
+            # Taken now, in the same step as the check (acquire returns at once when a slot is free), so that a
+            # burst cannot be admitted past the limit before the first of its calls starts.
+            await slots.acquire()
+            holds_slot = True
         job = _Job(
             task_id=new_task_id(),
             call=call,
@@ -227,6 +260,7 @@ class TaskRunner:
             max_input_rounds=rule.max_input_rounds or defaults.max_input_rounds,
             max_result_bytes=limits.max_result_bytes,
             slots=slots,
+            holds_slot=holds_slot,
         )
         call.message = _retry_message(call.message, None, None, keep_client_round=True)
         # Known before its record exists, so that no lost-replica sweep takes a task being created for a stray.
@@ -235,7 +269,7 @@ class TaskRunner:
             try:
                 record = await self._create_record(job)  # durable before anyone hears of it (SEP-2663)
             except BaseException:
-                self._jobs.pop(job.task_id, None)
+                self._forget(job)
                 raise
             self._spawn(job)
             return record
@@ -304,8 +338,19 @@ class TaskRunner:
             current = await self._store.get(task_id)
             return current if current is not None and (principal is None or current.principal == principal) else None
         # Whichever replica holds the upstream call stops it; this one may not be it.
-        await self._store.publish({"type": "cancel", "taskId": task_id})
+        await self._tell_owner({"type": "cancel", "taskId": task_id})
         return record
+
+    async def _tell_owner(self, event: dict[str, Any]) -> None:
+        """Publish an event for the replica running the task. What the event says is already in the record, so a
+        failed publish loses nothing: the owner's reconciliation reads it from there (an acknowledged request
+        stays acknowledged)."""
+        if self._store.shared and event["taskId"] in self._jobs:
+            await self._on_event(event)  # ours: act now, whatever becomes of the publish (acting twice is harmless)
+        try:
+            await self._store.publish(event)
+        except StoreUnavailable:
+            log.warning("task_event_not_published", task_id=event["taskId"], event_type=event["type"])
 
     async def _on_event(self, event: dict[str, Any]) -> None:
         """An event from any replica (this one included) about a task whose call may run here."""
@@ -314,9 +359,8 @@ class TaskRunner:
         job = self._jobs.get(str(event.get("taskId")))
         if job is None:
             return
-        if event.get("type") == "cancel" and job.runner is not None:
-            job.cancel_reason = _CANCELLED_BY_CLIENT
-            job.runner.cancel()
+        if event.get("type") == "cancel":
+            self._stop_cancelled(job)
         elif event.get("type") == "input":
             answers = event.get("answers") if isinstance(event.get("answers"), dict) else {}
             for key, answer in answers.items():
@@ -329,6 +373,64 @@ class TaskRunner:
                 if job.answered is not None:
                     job.answered.set()
 
+    def _stop_cancelled(self, job: _Job, reason: str = _CANCELLED_BY_CLIENT) -> None:
+        """The task was cancelled (or failed) elsewhere: stop its upstream call, unless it already settled here."""
+        if job.runner is not None and not job.runner.done() and not job.settled:
+            job.cancel_reason = reason
+            job.runner.cancel()
+
+    async def _resync(self) -> None:
+        """After every (re)subscription to the store's events: whatever was published meanwhile was lost to this
+        replica, so its listeners re-read their tasks and its calls re-read what they wait for."""
+        for task_id in self.watchers.watched():
+            self.watchers.changed(task_id)
+        with contextlib.suppress(StoreUnavailable):  # logged by the store; the slow timer tries again
+            await self.reconcile()
+
+    async def _reconcile_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._reconcile_interval_s)
+            with contextlib.suppress(StoreUnavailable):
+                await self.reconcile()
+
+    async def reconcile(self) -> int:
+        """Act on what the records say, for events this replica may have missed (a dropped subscription, a failed
+        publish): tasks cancelled or ended elsewhere stop their call; answers given elsewhere reach the call that
+        waits for them. Returns how many jobs were acted on. Cheap: one set lookup for all running tasks, and a
+        read only of those that wait for input or ended."""
+        jobs = [job for job in self._jobs.values() if job.is_task and job.stored and not job.settled]
+        if not jobs:
+            return 0
+        running = await self._store.still_running([job.task_id for job in jobs])
+        acted = 0
+        for job in jobs:
+            ended = job.task_id not in running
+            if not ended and not (job.round_open or job.replies):
+                continue
+            record = await self._store.get(job.task_id)
+            if record is None or record.is_terminal:
+                if record is None or record.status is TaskStatus.CANCELLED:
+                    self._stop_cancelled(job)
+                else:
+                    self._stop_cancelled(job, reason="the task ended on another replica")
+                acted += 1
+                continue
+            collected = record.collected_responses or {}
+            for key in [key for key in job.replies if key in collected]:
+                reply = job.replies.pop(key, None)
+                if reply is not None:
+                    await reply(collected[key])  # legacy: posted back on the open call
+                    acted += 1
+            if record.status is TaskStatus.WORKING:
+                if not job.replies:
+                    job.waiting_input = False
+                if job.round_open and job.answered is not None and not job.answered.is_set():
+                    job.answered.set()  # modern: the round was answered; the next one starts
+                    acted += 1
+        if acted:
+            log.info("tasks_reconciled", jobs=acted)
+        return acted
+
     async def _reap_forever(self) -> None:
         while True:
             await asyncio.sleep(self._reap_interval_s)
@@ -337,6 +439,9 @@ class TaskRunner:
 
     async def reap_lost(self) -> int:
         """Fail the running tasks whose replica's lease lapsed (killed, partitioned); returns how many."""
+        if self._store.healthy_for() < self._lease_s:
+            # The store was out of reach within a lease: a live replica may not have renewed its lease since.
+            return 0
         reaped = 0
         alive: dict[str, bool] = {}
         for task_id in await self._store.running_task_ids():
@@ -362,8 +467,9 @@ class TaskRunner:
     async def aclose(self, grace_s: float = 0.0) -> None:
         """Let running calls finish for up to grace_s, then stop the rest and fail their tasks."""
         self.accepting = False
-        if self._reaper is not None:
-            self._reaper.cancel()
+        for loop_task in (self._reaper, self._reconciler):
+            if loop_task is not None:
+                loop_task.cancel()
         pending = [job.runner for job in self._jobs.values() if job.runner is not None]
         if pending and grace_s > 0:
             await asyncio.wait(pending, timeout=grace_s)
@@ -396,12 +502,18 @@ class TaskRunner:
 
     def _spawn(self, job: _Job) -> None:
         job.runner = asyncio.create_task(self._run(job), name=f"mcp-task:{job.task_id}")
-        job.runner.add_done_callback(lambda _: self._jobs.pop(job.task_id, None))
+        job.runner.add_done_callback(lambda _: self._forget(job))
+
+    def _forget(self, job: _Job) -> None:
+        self._jobs.pop(job.task_id, None)
+        if job.holds_slot and job.slots is not None:
+            job.holds_slot = False
+            job.slots.release()
 
     async def _run(self, job: _Job) -> None:
         structlog.contextvars.bind_contextvars(task_id=job.task_id, tool=job.call.tool)
         try:
-            if job.slots is None:
+            if job.slots is None or job.holds_slot:
                 await self._drive(job)
             else:
                 if job.slots.locked():
@@ -412,12 +524,16 @@ class TaskRunner:
                     await self._drive(job)
         except asyncio.CancelledError:
             if job.cancel_reason == _SHUTDOWN:
-                error = error_object(INTERNAL_ERROR, f"Proxy failure: {_SHUTDOWN}")
-                await self._settle(job, TaskStatus.FAILED, error=error, status_message=_SHUTDOWN)
-            elif job.cancel_reason == _CANCELLED_BY_CLIENT and job.upstream_busy:
-                await self._upstream.notify_cancelled(job.upstream_id, job.call.headers, _CANCELLED_BY_CLIENT)
+                if job.unwritten is not None:  # the outcome was in hand; only its write was interrupted
+                    status, fields = job.unwritten
+                    await self._settle(job, status, **fields)
+                else:
+                    error = error_object(INTERNAL_ERROR, f"Proxy failure: {_SHUTDOWN}")
+                    await self._settle(job, TaskStatus.FAILED, error=error, status_message=_SHUTDOWN)
             elif job.cancel_reason is None:
                 raise
+            elif job.upstream_busy:
+                await self._upstream.notify_cancelled(job.upstream_id, job.call.headers, job.cancel_reason)
         except Exception:
             log.exception("task_runner_error")
             error = error_object(INTERNAL_ERROR, "Proxy failure: internal error while following the upstream call")
@@ -455,7 +571,9 @@ class TaskRunner:
         """One upstream call; None once the outcome is settled, the InputNeeded when the upstream wants input."""
         job.upstream_id = message["id"]
         job.upstream_busy = True
-        events = self._upstream.call_tool(message, job.call.headers, job.call.capabilities)
+        events = self._upstream.call_tool(
+            message, job.call.headers, job.call.capabilities, max_bytes=job.max_result_bytes
+        )
         started_s = self._timer()
         outcome = "cancelled"
         try:
@@ -514,25 +632,30 @@ class TaskRunner:
         job.answered = answered = asyncio.Event()  # before the record says input_required: no answer is missed
         job.waiting_input = True
         self._metrics.input_rounds.labels(job.call.tool).inc()
-        waiting = await self._transition(
-            job.task_id,
-            TaskStatus.INPUT_REQUIRED,
-            job=job,
-            input_requests=task_requests,
-            collected_responses={},
-            status_message="waiting for the client's input",
+        waiting = await self._until_stored(
+            job,
+            lambda: self._transition(
+                job.task_id,
+                TaskStatus.INPUT_REQUIRED,
+                job=job,
+                input_requests=task_requests,
+                collected_responses={},
+                status_message="waiting for the client's input",
+            ),
         )
         if waiting is None:
             return None
-        remaining_s = job.started_s + job.ttl_ms / 1000 - self._timer()
+        job.round_open = True
         try:
             # Nobody can answer after the record expires, so the wait is bounded by the task's TTL.
-            await asyncio.wait_for(answered.wait(), timeout=max(remaining_s, 0))
+            await asyncio.wait_for(answered.wait(), timeout=max(self._remaining_s(job), 0))
         except TimeoutError:
             self._abandon(job)
             return None
+        finally:
+            job.round_open = False
         job.waiting_input = False
-        record = await self._store.get(job.task_id)
+        record = await self._until_stored(job, lambda: self._store.get(job.task_id))
         if record is None or record.status is not TaskStatus.WORKING:
             return None
         collected = record.collected_responses or {}
@@ -567,7 +690,7 @@ class TaskRunner:
                 status_message="waiting for the client's input",
             )
 
-        record = await self._update_live(job, apply)
+        record = await self._until_stored(job, lambda: self._update_live(job, apply))
         if record is not None and previous and previous[-1] is not TaskStatus.INPUT_REQUIRED:
             log.info(
                 "task_transition",
@@ -629,7 +752,7 @@ class TaskRunner:
         if accepted:
             # The replica holding the call posts legacy answers upstream, or starts the next MRTR round, once.
             event = {"type": "input", "taskId": task_id, "answers": dict(accepted), "resumed": bool(resumed)}
-            await self._store.publish(event)
+            await self._tell_owner(event)
         return record
 
     async def _progress(self, job: _Job, event: Progress) -> None:
@@ -644,7 +767,9 @@ class TaskRunner:
                     return record
                 return transition(record, TaskStatus.WORKING, now=self._now(), status_message=message)
 
-            await self._update_live(job, apply)
+            # Best effort (a failure is logged by the store): a later message or the outcome replaces it anyway.
+            with contextlib.suppress(StoreUnavailable):
+                await self._update_live(job, apply)
 
     async def _update_live(self, job: _Job, apply: Callable[[TaskRecord], TaskRecord]) -> TaskRecord | None:
         """Update a running job's record; None when it ended meanwhile (the job is stopped if the record is gone)."""
@@ -663,15 +788,36 @@ class TaskRunner:
                 job.outcome.set_result(outcome)
             return
         await job.wait_stored()
-        for delay_s in (0.5, 1, 2, 4, 8, 15, None):
-            try:
-                if await self._transition(job.task_id, status, job=job, **fields) is None:
-                    log.info("task_outcome_dropped", task_id=job.task_id, outcome=status.value)
-                return
-            except StoreUnavailable:
-                if delay_s is None:
-                    raise  # the outcome is lost with the store; the lease sweep fails the task once it is back
-                await asyncio.sleep(delay_s)  # an outcome is worth waiting for the store to come back
+        job.settled = True  # from here the call is over: a late cancel or reconciliation must not stop this write
+        job.unwritten = (status, fields)
+        written = await self._until_stored(job, lambda: self._transition(job.task_id, status, job=job, **fields))
+        job.unwritten = None
+        if written is None:
+            log.info("task_outcome_dropped", task_id=job.task_id, outcome=status.value)
+
+    def _remaining_s(self, job: _Job) -> float:
+        """Time left before the task's record expires (its TTL runs from creation)."""
+        return job.started_s + job.ttl_ms / 1000 - self._timer()
+
+    async def _until_stored(self, job: _Job, write: Callable[[], Awaitable[Any]]) -> Any:
+        """A store call the task cannot go on without (its outcome, an input round): retried with backoff while the
+        store is unavailable, until the task's TTL ends (then nobody could read it anyway, and None is returned).
+        The job stays in this replica's table meanwhile, and its lease is renewed on its own: no sweep fails it."""
+        limit_s = max(self._remaining_s(job), 0)
+        if not self.accepting:
+            limit_s = min(limit_s, _SHUTDOWN_WRITE_S)  # shutting down: a bounded wait, then it is lost with the store
+        retrying = AsyncRetrying(
+            retry=retry_if_exception_type(StoreUnavailable),
+            wait=wait_exponential(multiplier=0.2, max=5.0) + wait_random(0, 0.2),
+            stop=stop_after_delay(limit_s),
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    return await write()
+        except RetryError:
+            log.warning("task_store_write_abandoned", task_id=job.task_id, reason="the task's TTL ended")
+        return None
 
     def _abandon(self, job: _Job) -> None:
         # The record expired or was evicted while the call ran: nobody can read the outcome any more.

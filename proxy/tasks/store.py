@@ -45,8 +45,13 @@ class TaskStore(Protocol):
     async def ping(self) -> None:
         """Raise StoreUnavailable unless the store answers."""
 
-    async def start(self, replica_id: str, on_event: EventHandler) -> None:
-        """Begin delivering events published by any replica to `on_event`, and keep this replica's lease."""
+    async def start(
+        self, replica_id: str, on_event: EventHandler, on_resync: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
+        """Begin delivering events published by any replica to `on_event`, and keep this replica's lease.
+
+        `on_resync` runs after every (re)subscription: events published while the subscription was down are lost,
+        and the runner then re-reads what its tasks wait for."""
 
     async def publish(self, event: dict[str, Any]) -> None:
         """Send an event (a cancel, answers for an input round) to every replica, this one included."""
@@ -54,8 +59,15 @@ class TaskStore(Protocol):
     async def running_task_ids(self) -> list[str]:
         """Ids of tasks not yet terminal, for finding those whose replica is gone."""
 
+    async def still_running(self, task_ids: list[str]) -> set[str]:
+        """Which of these tasks are not terminal yet."""
+
     async def is_alive(self, replica_id: str) -> bool:
         """Whether that replica's lease is current."""
+
+    def healthy_for(self) -> float:
+        """Seconds since a call to the store last failed: the lost-replica sweep waits until every live replica
+        has had time to renew its lease."""
 
     async def aclose(self) -> None: ...
 
@@ -113,8 +125,10 @@ class MemoryTaskStore:
     async def ping(self) -> None:
         return None
 
-    async def start(self, replica_id: str, on_event: EventHandler) -> None:
-        self._on_event = on_event
+    async def start(
+        self, replica_id: str, on_event: EventHandler, on_resync: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
+        self._on_event = on_event  # in-process: no event is ever lost, so nothing to resync
 
     async def publish(self, event: dict[str, Any]) -> None:
         if self._on_event is not None:
@@ -123,8 +137,15 @@ class MemoryTaskStore:
     async def running_task_ids(self) -> list[str]:
         return [task_id for task_id, record in self._records.items() if not record.is_terminal]
 
+    async def still_running(self, task_ids: list[str]) -> set[str]:
+        records = {task_id: self._live(task_id) for task_id in task_ids}
+        return {task_id for task_id, record in records.items() if record is not None and not record.is_terminal}
+
     async def is_alive(self, replica_id: str) -> bool:
         return True  # one process: its own tasks are the only ones
+
+    def healthy_for(self) -> float:
+        return float("inf")
 
     async def aclose(self) -> None:
         self._records.clear()
