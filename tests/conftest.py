@@ -109,6 +109,55 @@ def start_redis() -> tuple[subprocess.Popen[bytes], str]:
     return process, f"redis://127.0.0.1:{port}/0"
 
 
+class RedisServer:
+    """A redis-server of the test's own, on a fixed loopback port so that it can be killed and started again there
+    (with its data directory, for persistence); its clients reconnect to the same URL."""
+
+    def __init__(self, directory: Path, *args: str) -> None:
+        self.port = free_port()
+        self.directory = directory
+        self.args = args
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        binary = shutil.which("redis-server")
+        assert binary is not None, "redis-server is needed by the Redis store tests (apt-get install redis-server)"
+        argv = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory),
+                "--save", "", *self.args]  # fmt: skip
+        self.process = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
+        wait_for_port(self.port, self.process)
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: whatever Redis did not write to disk is gone."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def stop(self) -> None:
+        if self.process is not None:
+            stop(self.process)
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]:
+    """redis_server(*args) starts a redis-server of this test's own; all are stopped at the end."""
+    servers: list[RedisServer] = []
+
+    def start(*args: str) -> RedisServer:
+        server = RedisServer(tmp_path, *args).start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
     process, url = start_redis()
@@ -144,6 +193,8 @@ async def make_proxy(
         # Tests do not wait for stray background calls at teardown unless they ask to.
         sections["tasks"] = {"shutdown_grace_s": 0, **sections.get("tasks", {})}
         upstream = {"url": upstream_url, "protocol": protocol, **sections.pop("upstream", {})}
+        if isinstance(store, dict):  # the store section of the config, not a store instance
+            sections["store"], store = store, None
         config = parse_config({"upstream": upstream, **sections})
         kwargs = {k: v for k, v in {"store": store, "timer": timer, "now": now}.items() if v is not None}
         app = create_app(config, **kwargs)

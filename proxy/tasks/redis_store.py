@@ -195,9 +195,11 @@ class RedisTaskStore:
         return written
 
     async def ping(self) -> None:
+        """A write, not a PING: a Redis that answers but refuses writes (maxmemory, a read-only replica) cannot
+        take tasks, and /readyz should say so and why."""
         async with self._answering("ping"):
-            if await self._fast.execute("PING") != b"PONG":
-                raise _Inconsistent("PING was not answered with PONG")
+            if await self._fast.execute("SET", f"{self._prefix}readyz", "1", "PX", 10_000) != b"OK":
+                raise _Inconsistent("SET was not answered with OK")
 
     async def start(
         self, replica_id: str, on_event: EventHandler, on_resync: Callable[[], Awaitable[None]] | None = None

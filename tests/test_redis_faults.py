@@ -1,0 +1,241 @@
+"""The Redis store under faults, with a real redis-server of each test's own: dropped pub/sub connections, Redis killed
+and restarted (with and without persistence), Redis at maxmemory, a wrong password. What it acknowledged, it keeps."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+
+import pytest
+import redis.asyncio as redis
+
+from tests.conftest import eventually, task_reaches
+from tests.factories import McpClient, meta
+from tests.test_replicas import gate_is, gate_tag
+
+PRINCIPAL_KEY = "faults-share-this-key"
+
+
+def store_section(url: str, prefix: str, **overrides) -> dict:
+    return {
+        "backend": "redis",
+        "url": url,
+        "key_prefix": prefix,
+        "lease_s": 1,
+        "reap_interval_s": 0.3,
+        "timeout_s": 0.5,
+        **overrides,
+    }
+
+
+async def replica(make_proxy, upstream: str, url: str, prefix: str, **store):
+    return await make_proxy(
+        upstream,
+        protocol="modern",
+        store=store_section(url, prefix, **store),
+        tools=[{"match": name} for name in ("gated", "one_question", "slow_report")],
+        tasks={"poll_interval_ms": 50},
+        security={"principal_key": PRINCIPAL_KEY},
+    )
+
+
+async def ask(client: McpClient) -> str:
+    created = await client.call("tools/call", {"name": "one_question", "arguments": {}, "_meta": meta(elicitation={})})
+    task_id = created.result["taskId"]
+    await task_reaches(client, task_id, "input_required")
+    return task_id
+
+
+async def answer(client: McpClient, task_id: str, text: str) -> None:
+    asking = (await client.get_task(task_id)).result
+    (key,) = asking["inputRequests"]
+    reply = await client.call(
+        "tasks/update",
+        {"taskId": task_id, "inputResponses": {key: {"action": "accept", "content": {"answer": text}}}},
+    )
+    assert reply.result == {"resultType": "complete"}
+
+
+async def kill_pubsub(url: str) -> int:
+    admin = redis.Redis.from_url(url)
+    try:
+        return await admin.client_kill_filter(_type="pubsub")
+    finally:
+        await admin.aclose()
+
+
+@pytest.mark.parametrize("attempt", range(3))
+async def test_an_answer_given_while_the_owners_subscription_is_down_still_resumes_the_task(
+    make_proxy, mcp_upstream, redis_server, attempt
+):
+    server = redis_server()
+    prefix = f"pubsub-{secrets.token_hex(3)}:"
+    # The slow timer is far away: only the re-read after the re-subscription can save the answer.
+    owner = await replica(make_proxy, mcp_upstream, server.url, prefix, reconcile_interval_s=600)
+    other = await replica(make_proxy, mcp_upstream, server.url, prefix, reconcile_interval_s=600)
+    task_id = await ask(owner.client)
+    assert await kill_pubsub(server.url) >= 2  # both replicas' subscriptions
+    await answer(other.client, task_id, f"after the kill {attempt}")  # published while nobody listens
+    done = await task_reaches(owner.client, task_id, "completed", "failed")
+    assert done.result["status"] == "completed"
+    assert f"you said after the kill {attempt}" in done.result["result"]["content"][0]["text"]
+
+
+async def test_a_cancel_given_while_the_owners_subscription_is_down_still_stops_the_call(
+    make_proxy, mcp_upstream, upstream_client, redis_server
+):
+    server = redis_server()
+    prefix = f"cancel-{secrets.token_hex(3)}:"
+    owner = await replica(make_proxy, mcp_upstream, server.url, prefix, reconcile_interval_s=600)
+    other = await replica(make_proxy, mcp_upstream, server.url, prefix, reconcile_interval_s=600)
+    tag = gate_tag()
+    task_id = (await owner.client.call_tool("gated", {"tag": tag})).result["taskId"]
+    await eventually(lambda: gate_is(upstream_client, tag, "started"), what="the call starting")
+    await kill_pubsub(server.url)
+    assert (await other.client.cancel_task(task_id)).result == {"resultType": "complete"}
+    await eventually(lambda: gate_is(upstream_client, tag, "cancelled"), what="the owner stopping the call")
+    assert (await owner.client.get_task(task_id)).result["status"] == "cancelled"
+
+
+async def test_events_lost_without_a_reconnect_are_caught_by_the_slow_timer(make_proxy, mcp_upstream, redis_server):
+    # A publish that failed after its record was written (the ack stays true): the owner's timer finds the answer.
+    server = redis_server()
+    prefix = f"deaf-{secrets.token_hex(3)}:"
+    owner = await replica(make_proxy, mcp_upstream, server.url, prefix, reconcile_interval_s=0.3)
+    other = await replica(make_proxy, mcp_upstream, server.url, prefix, reconcile_interval_s=600)
+    from proxy.app import store_key
+
+    async def lost(event):  # this replica's publishes go nowhere
+        return None
+
+    other.app[store_key].publish = lost
+    task_id = await ask(owner.client)
+    await answer(other.client, task_id, "never published")
+    done = await task_reaches(owner.client, task_id, "completed", "failed")
+    assert "you said never published" in done.result["result"]["content"][0]["text"]
+
+
+async def release_all(upstream_client: McpClient, tags: list[str]) -> None:
+    for tag in tags:
+        await upstream_client.call_tool("release", {"tag": tag}, tasks=False)
+
+
+async def statuses(client: McpClient, task_ids: list[str]) -> list[str | None]:
+    found = []
+    for task_id in task_ids:
+        reply = await client.get_task(task_id)
+        found.append(reply.result["status"] if reply.status == 200 else None)
+    return found
+
+
+async def test_redis_killed_and_restarted_with_persistence_every_task_completes(
+    make_proxy, mcp_upstream, upstream_client, redis_server
+):
+    server = redis_server("--appendonly", "yes", "--appendfsync", "always")
+    proxy = await replica(make_proxy, mcp_upstream, server.url, "aof:", lease_s=3)
+    tags = [gate_tag() for _ in range(10)]
+    task_ids = [(await proxy.client.call_tool("gated", {"tag": tag})).result["taskId"] for tag in tags]
+    for tag in tags:
+        await eventually(lambda tag=tag: gate_is(upstream_client, tag, "started"), what="every call starting")
+    server.kill()
+    await release_all(upstream_client, tags)  # the calls finish while Redis is gone
+    reply = await proxy.client.get_task(task_ids[0])
+    assert reply.status == 503 and "Task store unavailable" in reply.error["message"]
+    await asyncio.sleep(2)
+    server.start()  # the same port and data directory: the append-only file is read back
+
+    async def all_completed():
+        return await statuses(proxy.client, task_ids) == ["completed"] * len(task_ids)
+
+    await eventually(all_completed, what="every task completing after Redis came back")
+    for task_id in task_ids:
+        task = (await proxy.client.get_task(task_id)).result
+        assert task["result"]["content"][0]["text"].startswith("gate ")
+
+
+async def test_redis_restarted_without_persistence_loses_its_tasks_cleanly(
+    make_proxy, mcp_upstream, upstream_client, redis_server
+):
+    from proxy.app import runner_key
+
+    server = redis_server("--appendonly", "no")
+    proxy = await replica(make_proxy, mcp_upstream, server.url, "nopersist:")
+    tags = [gate_tag() for _ in range(5)]
+    task_ids = [(await proxy.client.call_tool("gated", {"tag": tag})).result["taskId"] for tag in tags]
+    for tag in tags:
+        await eventually(lambda tag=tag: gate_is(upstream_client, tag, "started"), what="every call starting")
+    server.kill()
+    await release_all(upstream_client, tags)
+    await asyncio.sleep(1)
+    server.start()  # empty: every record is gone with the old process
+
+    async def all_unknown():
+        replies = [await proxy.client.get_task(task_id) for task_id in task_ids]
+        return all(r.status == 400 and r.error["code"] == -32602 for r in replies)
+
+    await eventually(all_unknown, what="the lost tasks answering as unknown")
+    # Nothing waits on in the proxy for a record that cannot come back, and it serves new tasks at once.
+    await eventually(lambda: _none_running(proxy.app[runner_key]), what="the runner letting go of the lost tasks")
+    created = await proxy.client.call_tool("slow_report", {"topic": "after", "seconds": 0})
+    assert (await task_reaches(proxy.client, created.result["taskId"], "completed")).result["status"] == "completed"
+
+
+async def _none_running(runner) -> bool:
+    return runner.running == 0
+
+
+async def test_redis_at_maxmemory_keeps_results_until_it_has_room_and_no_live_task_is_reaped(
+    make_proxy, mcp_upstream, upstream_client, redis_server
+):
+    server = redis_server("--maxmemory-policy", "noeviction")
+    prefix = "oom:"
+    owner = await replica(make_proxy, mcp_upstream, server.url, prefix)
+    sweeper = await replica(make_proxy, mcp_upstream, server.url, prefix)  # its sweep looks for lost replicas
+    tags = [gate_tag() for _ in range(5)]
+    task_ids = [(await owner.client.call_tool("gated", {"tag": tag})).result["taskId"] for tag in tags]
+    for tag in tags:
+        await eventually(lambda tag=tag: gate_is(upstream_client, tag, "started"), what="every call starting")
+    admin = redis.Redis.from_url(server.url)
+    try:
+        await admin.config_set("maxmemory", 1)  # below what it uses: every write that needs memory is refused
+        refused = await owner.client.call_tool("slow_report", {"topic": "t", "seconds": 0})
+        assert refused.status == 503 and "out of memory" in refused.error["message"]
+        ready_url = owner.url.replace("/mcp", "/readyz")
+        async with owner.client.session.get(ready_url) as response:
+            assert response.status == 503
+            assert "out of memory" in (await response.json())["store"]
+        await release_all(upstream_client, tags)
+        await asyncio.sleep(3)  # three lease periods: a live owner whose lease lapsed would be reaped by now
+        assert await statuses(sweeper.client, task_ids) == ["working"] * len(tags)
+        await admin.config_set("maxmemory", 0)
+    finally:
+        await admin.aclose()
+
+    async def all_completed():
+        return await statuses(sweeper.client, task_ids) == ["completed"] * len(task_ids)
+
+    await eventually(all_completed, what="the kept results being written once Redis had room")
+
+
+async def test_a_wrong_password_is_a_clear_error_and_leaks_no_connection(make_proxy, mcp_upstream, redis_server):
+    server = redis_server("--requirepass", "right-password")
+    wrong = server.url.replace("redis://", "redis://:wrong-password@")
+    proxy = await replica(make_proxy, mcp_upstream, wrong, "auth:")
+    task_id = "A" * 22
+    fds_before = len(os.listdir("/proc/self/fd"))
+    for _ in range(300):
+        reply = await proxy.client.get_task(task_id)
+        assert reply.status == 503
+        assert "refused the credentials" in reply.error["message"] and "WRONGPASS" in reply.error["message"]
+        assert "wrong-password" not in reply.body.decode()
+    assert len(os.listdir("/proc/self/fd")) - fds_before < 20
+    admin = redis.Redis.from_url(server.url.replace("redis://", "redis://:right-password@"))
+    try:
+        clients = (await admin.info("clients"))["connected_clients"]
+    finally:
+        await admin.aclose()
+    assert clients < 20, clients
+    async with proxy.client.session.get(proxy.url.replace("/mcp", "/readyz")) as response:
+        assert response.status == 503
+        assert "refused the credentials of store.url" in (await response.json())["store"]
