@@ -87,16 +87,18 @@ def loads(body: bytes | str) -> Any:
             return orjson.loads(raw)
         except orjson.JSONDecodeError:
             pass  # let the standard library decide, and raise its own error
-    return json.loads(raw)
+    # Strict UTF-8 (JSON text is UTF-8, RFC 8259): json.loads(bytes) would let encoded surrogates through.
+    return json.loads(raw.decode("utf-8"))
 
 
 def dumps(message: Any) -> bytes:
-    """Compact UTF-8 JSON. orjson on the hot path; the standard library for what orjson refuses (integers past
-    64 bits, which JSON-RPC ids may be)."""
+    """Compact UTF-8 JSON. orjson on the hot path; the standard library for what orjson refuses: integers past
+    64 bits (JSON-RPC ids may be) and lone surrogates a client sent as escapes, which only ASCII output (escaped
+    again) can carry back."""
     try:
         return orjson.dumps(message)
     except TypeError:
-        return json.dumps(message, separators=(",", ":"), ensure_ascii=False).encode()
+        return json.dumps(message, separators=(",", ":")).encode()
 
 
 def is_valid_id(value: Any) -> bool:

@@ -2,7 +2,8 @@
 
 Linear in its input whatever the chunking: each chunk is scanned once for line ends, a line split across chunks is
 joined once, and nothing already parsed is copied again. An event (its lines, the one in progress included) is
-bounded: past the bound, feed() raises SseLimitError instead of growing. A differential fuzz test checks it against
+bounded: past the bound, feed() raises SseLimitError instead of growing (comment lines are dropped as they end, so
+they count only while in progress). A differential fuzz test checks it against
 the decoder of the official Python SDK's HTTP client (httpx2, derived from httpx-sse); neither is used here because
 their parsers are private to clients this proxy does not use, and httpx-sse's is unbounded.
 """
@@ -82,6 +83,8 @@ class SseParser:
                 if event is not None:
                     events.append(event)
                 continue
+            if line[:1] == b":":
+                continue  # a comment (a keep-alive): nothing of it is kept, so it counts toward no bound
             self._event_bytes += len(line) + 1
             if self._event_bytes > self._max_event_bytes:
                 raise SseLimitError(f"an event of the stream exceeds {self._max_event_bytes} bytes")
@@ -95,8 +98,6 @@ class SseParser:
         return events
 
     def _line(self, line: str) -> None:
-        if line.startswith(":"):
-            return
         field, _, value = line.partition(":")
         if value.startswith(" "):
             value = value[1:]

@@ -1,6 +1,7 @@
 """Fuzzing: malformed and adversarial JSON-RPC thrown at a running proxy (a real process, in front of a real
-`mcp` 2.x upstream). Every time: a JSON-RPC answer or a relayed upstream answer, never a 5xx; no task is corrupted;
-and the next request is served."""
+`mcp` 2.x upstream), once with the memory store and once with a real redis-server. Strings include lone surrogates
+(sent as JSON escapes), control characters and, in raw bodies, invalid UTF-8. Every time: a JSON-RPC answer or a
+relayed upstream answer, never a 5xx; no task is corrupted; and the next request is served."""
 
 from __future__ import annotations
 
@@ -21,13 +22,21 @@ from tests.schemas import validate, validate_response
 METHODS = ["tools/call", "tools/list", "tasks/get", "tasks/update", "tasks/cancel", "tasks/list", "tasks/result",
            "server/discover", "prompts/get", "initialize", "notifications/cancelled"]  # fmt: skip
 
+
+def hostile_text(max_size: int) -> st.SearchStrategy[str]:
+    """Any code point, lone surrogates (category Cs, which text() leaves out by default) and controls included."""
+    return st.text(st.characters(exclude_categories=()), max_size=max_size) | st.text(
+        st.sampled_from(["\ud800", "\udfff", "\x00", "\x1f", "\x7f", "\u2028", "\ufeff", "a"]), max_size=max_size
+    )
+
+
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(min_value=-(2**80), max_value=2**80) | st.floats(allow_nan=False)
-    | st.text(max_size=30),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=4),
+    | hostile_text(30),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(hostile_text(12), children, max_size=4),
     max_leaves=20,
 )  # fmt: skip
-ids = st.one_of(st.integers(min_value=-(2**70), max_value=2**70), st.text(max_size=40), json_values)
+ids = st.one_of(st.integers(min_value=-(2**70), max_value=2**70), hostile_text(40), json_values)
 
 
 @st.composite
@@ -39,7 +48,7 @@ def rpc_like(draw) -> dict:
             optional={
                 "name": st.one_of(st.sampled_from(["slow_report", "add", "one_question"]), json_values),
                 "arguments": json_values,
-                "taskId": st.one_of(st.text(max_size=40), json_values),
+                "taskId": st.one_of(hostile_text(40), json_values),
                 "inputResponses": json_values,
                 "requestState": json_values,
                 "task": json_values,
@@ -50,7 +59,7 @@ def rpc_like(draw) -> dict:
     message = {
         "jsonrpc": draw(st.one_of(st.just("2.0"), json_values)),
         "id": draw(ids),
-        "method": draw(st.one_of(st.sampled_from(METHODS), st.text(max_size=20), json_values)),
+        "method": draw(st.one_of(st.sampled_from(METHODS), hostile_text(20), json_values)),
         "params": draw(st.one_of(st.just(params), json_values)),
     }
     for key in draw(st.lists(st.sampled_from(list(message)), max_size=2)):
@@ -71,11 +80,17 @@ headers = st.fixed_dictionaries(
 )
 
 
-@pytest.fixture(scope="module")
-def proxy_port(mcp_upstream, tmp_path_factory) -> Iterator[int]:
+@pytest.fixture(scope="module", params=["memory", "redis"])
+def proxy_port(request, mcp_upstream, tmp_path_factory) -> Iterator[int]:
     port = free_port()
     policy = tmp_path_factory.mktemp("fuzz") / "policy.yaml"
-    policy.write_text("tools:\n  - match: '*'\n")  # every tool a task for declaring clients: the most surface
+    # Every tool a task for declaring clients: the most surface.
+    text = "tools:\n  - match: '*'\n"
+    if request.param == "redis":
+        redis_url = request.getfixturevalue("redis_url")
+        text += f"store: {{backend: redis, url: '{redis_url}', key_prefix: 'fuzz-{port}:'}}\n"
+        text += "security: {principal_key: fuzz-key}\n"
+    policy.write_text(text)
     process = subprocess.Popen(
         [sys.executable, "-m", "proxy", "--config", str(policy), "--upstream", mcp_upstream, "--port", str(port),
          "--log-level", "error"],
@@ -142,8 +157,8 @@ def test_json_rpc_with_wrong_fields_and_headers(proxy_port, a_task, message, ext
 
 @FUZZ
 @given(
-    task_id=st.one_of(st.text(max_size=60), st.just("x" * 10_000)),
-    responses=st.dictionaries(st.text(max_size=10), json_values, max_size=4),
+    task_id=st.one_of(hostile_text(60), st.just("x" * 10_000)),
+    responses=st.dictionaries(hostile_text(10), json_values, max_size=4),
 )
 def test_random_task_ids_and_foreign_keys(proxy_port, a_task, task_id, responses):
     for method, params in (("tasks/get", {}), ("tasks/update", {"inputResponses": responses}), ("tasks/cancel", {})):
@@ -154,7 +169,55 @@ def test_random_task_ids_and_foreign_keys(proxy_port, a_task, task_id, responses
                 "method": method,
                 "params": {"taskId": target, **params, "_meta": meta()},
             }
-            assert_sane(*post(proxy_port, json.dumps(message).encode(), {"MCP-Protocol-Version": "2026-07-28"}))
+            status, content_type, body = post(proxy_port, json.dumps(message).encode(),
+                                              {"MCP-Protocol-Version": "2026-07-28"})  # fmt: skip
+            assert_sane(status, content_type, body)
+            if target != a_task:
+                # Unknown, expired and malformed ids all read as "not found"; a store error here would be a fault.
+                assert json.loads(body)["error"]["code"] == -32602, body[:300]
+
+
+STRING_FIELDS = [
+    ("id",),
+    ("method",),
+    ("params", "name"),
+    ("params", "taskId"),
+    ("params", "arguments", "a"),
+    ("params", "inputResponses", "k"),
+    ("params", "_meta", "io.modelcontextprotocol/protocolVersion"),
+]
+
+
+@FUZZ
+@given(
+    method=st.sampled_from(["tools/call", "tasks/get", "tasks/update", "tasks/cancel"]),
+    field=st.sampled_from(STRING_FIELDS),
+    raw_bytes=st.binary(min_size=1, max_size=12).filter(lambda b: not _utf8(b))
+    | st.sampled_from([b"\xff", b"\xc0\x80", b"\xed\xa0\x80", b"\xf8\x88\x80\x80\x80", b"\x80"]),
+)
+def test_invalid_utf8_in_every_string_field(proxy_port, a_task, method, field, raw_bytes):
+    params = {"name": "one_question", "taskId": a_task, "arguments": {"a": "x"}, "inputResponses": {"k": "x"},
+              "_meta": meta()}  # fmt: skip
+    message = {"jsonrpc": "2.0", "id": 3, "method": method, "params": params}
+    target = message
+    for key in field[:-1]:
+        target = target[key]
+    target[field[-1]] = "MARKER"
+    body = json.dumps(message).encode().replace(b"MARKER", raw_bytes, 1)
+    headers = {"MCP-Protocol-Version": "2026-07-28", "Mcp-Method": method}
+    status, content_type, answer = post(proxy_port, body, headers)
+    assert_sane(status, content_type, answer)
+    if content_type.startswith("application/json") and answer:
+        message = json.loads(answer)
+        assert "error" in message and message["error"]["code"] == -32700, message  # not JSON: a parse error
+
+
+def _utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 @pytest.mark.parametrize(
@@ -166,8 +229,19 @@ def test_random_task_ids_and_foreign_keys(proxy_port, a_task, task_id, responses
         json.dumps([{"jsonrpc": "2.0", "id": n, "method": "tools/list", "params": {}} for n in range(3)]).encode(),
         '{"jsonrpc":"2.0","id":"\u2603\U0001f600","method":"tools/list","params":{}}'.encode(),
         b'{"jsonrpc":"2.0","id":1e400,"method":"tools/list"}',
+        b'{"jsonrpc":"2.0","id":"\\ud800","method":"tasks/get","params":{"taskId":"\\udfff"}}',
+        b'{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"\\ud800","arguments":{"\\udc00":"\\ud800"}}}',
     ],
-    ids=["deep-array", "deep-object", "duplicate-keys", "batch", "unicode-id", "huge-float-id"],
+    ids=[
+        "deep-array",
+        "deep-object",
+        "duplicate-keys",
+        "batch",
+        "unicode-id",
+        "huge-float-id",
+        "surrogate-id",
+        "surrogate-tool-name",
+    ],
 )
 def test_pathological_documents(proxy_port, body):
     assert_sane(*post(proxy_port, body))

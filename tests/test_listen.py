@@ -150,3 +150,27 @@ async def test_keepalives_and_cleanup_when_the_client_leaves(proxy, monkeypatch)
         return not watchers._queues
 
     await eventually(unwatched, what="the listener being removed after the client left")
+
+
+async def test_a_record_that_changed_hands_is_never_sent_to_the_listener(proxy, upstream_client):
+    """Defect 8: the loop re-read records without re-checking the principal. Whatever the store answers later (an
+    id re-created by someone else after expiry, a store that mixed replies up), only the listener's own task goes
+    out."""
+    import dataclasses
+
+    from proxy.app import store_key
+
+    gate = secrets.token_hex(6)
+    me = {"Authorization": "Bearer me"}
+    task_id = (await proxy.client.call_tool("gated", {"tag": gate}, headers=me)).result["taskId"]
+    message, response = await subscribe(proxy, [task_id], headers=me)
+    stream = Subscription(response)
+    assert (await stream.next())["params"]["notifications"] == {"taskIds": [task_id]}
+    assert (await stream.next())["params"]["status"] == "working"
+    store = proxy.app[store_key]
+    await store.update(task_id, lambda record: dataclasses.replace(record, principal="someone-else"))
+    await upstream_client.call_tool("release", {"tag": gate}, tasks=False)  # the task completes: a change event
+    final = await stream.next()
+    assert "method" not in final and final["id"] == message["id"], final  # the stream ends, the record unsent
+    assert b"gate " not in stream.raw and await stream.next() is None
+    response.release()

@@ -34,7 +34,7 @@ async def replica(make_proxy, upstream: str, url: str, prefix: str, **store):
         upstream,
         protocol="modern",
         store=store_section(url, prefix, **store),
-        tools=[{"match": name} for name in ("gated", "one_question", "slow_report")],
+        tools=[{"match": name} for name in ("gated", "gated_then_progress", "one_question", "slow_report")],
         tasks={"poll_interval_ms": 50},
         security={"principal_key": PRINCIPAL_KEY},
     )
@@ -135,7 +135,13 @@ async def test_redis_killed_and_restarted_with_persistence_every_task_completes(
     server = redis_server("--appendonly", "yes", "--appendfsync", "always")
     proxy = await replica(make_proxy, mcp_upstream, server.url, "aof:", lease_s=3)
     tags = [gate_tag() for _ in range(10)]
-    task_ids = [(await proxy.client.call_tool("gated", {"tag": tag})).result["taskId"] for tag in tags]
+    # Half the calls report progress after their release, while Redis is gone: a write that cannot be made and
+    # must be skipped, not fail the call (defect 3).
+    tools = ["gated", "gated_then_progress"] * 5
+    task_ids = [
+        (await proxy.client.call_tool(tool, {"tag": tag})).result["taskId"]
+        for tool, tag in zip(tools, tags, strict=True)
+    ]
     for tag in tags:
         await eventually(lambda tag=tag: gate_is(upstream_client, tag, "started"), what="every call starting")
     server.kill()
@@ -239,3 +245,36 @@ async def test_a_wrong_password_is_a_clear_error_and_leaks_no_connection(make_pr
     async with proxy.client.session.get(proxy.url.replace("/mcp", "/readyz")) as response:
         assert response.status == 503
         assert "refused the credentials of store.url" in (await response.json())["store"]
+
+
+async def test_a_task_id_that_is_not_unicode_is_refused_and_every_caller_keeps_its_own_record(
+    make_proxy, mcp_upstream, upstream_client, redis_server
+):
+    """Defect 1 end to end: a `tasks/get` for "\\ud800" used to shift every later Redis reply on the replica by one."""
+    server = redis_server()
+    proxy = await replica(make_proxy, mcp_upstream, server.url, f"surrogate-{secrets.token_hex(3)}:")
+    tags = [gate_tag() for _ in range(8)]
+    task_ids = []
+    for tag in tags:
+        created = await proxy.client.call("tools/call", {"name": "gated", "arguments": {"tag": tag}, "_meta": meta()})
+        task_ids.append(created.result["taskId"])
+    hostile = '{"jsonrpc":"2.0","id":7,"method":"tasks/get","params":{"taskId":"\\ud800","_meta":%s}}'
+    import json
+
+    for _ in range(3):
+        reply = await proxy.client.post_raw(
+            hostile % json.dumps(meta()),
+            {
+                "Content-Type": "application/json",
+                "Accept": "application/json, text/event-stream",
+                "MCP-Protocol-Version": "2026-07-28",
+                "Mcp-Method": "tasks/get",
+            },
+        )
+        assert reply.status in (200, 400) and reply.message["error"]["code"] == -32602
+    for _ in range(5):
+        answers = await asyncio.gather(*(proxy.client.get_task(task_id) for task_id in task_ids * 4))
+        assert [a.result["taskId"] for a in answers] == task_ids * 4
+    await release_all(upstream_client, tags)
+    for task_id in task_ids:
+        assert (await task_reaches(proxy.client, task_id, "completed")).result["taskId"] == task_id

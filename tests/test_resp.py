@@ -152,3 +152,112 @@ async def test_a_unix_socket_url_with_a_database_reaches_that_database(tmp_path)
         await database_2.aclose()
         await database_0.aclose()
         stop(process)
+
+
+class LyingRedis:
+    """A fake Redis for faults a real one never makes: `answer` maps each command's bytes to what goes back."""
+
+    def __init__(self, answer) -> None:
+        self.answer = answer
+        self.connections = 0
+        self.server: asyncio.Server | None = None
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self.writers.append(writer)
+        try:
+            while data := await reader.read(65536):
+                writer.write(self.answer(data))
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    async def __aenter__(self) -> str:
+        self.server = await asyncio.start_server(self.handle, "127.0.0.1", 0)
+        return f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
+
+    async def __aexit__(self, *exc) -> None:
+        assert self.server is not None
+        self.server.close()
+        for writer in self.writers:
+            writer.close()
+        await asyncio.sleep(0.01)  # let the handlers see their end
+
+
+def echo_key(data: bytes) -> bytes:
+    """`GET k` -> the bulk string k, so that a shifted reply is visible as a wrong key."""
+    key = data.split(b"\r\n")[-2]
+    return b"$%d\r\n%s\r\n" % (len(key), key)
+
+
+async def test_an_argument_that_cannot_be_encoded_takes_no_reply_slot(redis_url: str) -> None:
+    """Defect 1: a lone surrogate used to queue a reply slot and then fail, shifting every later reply by one."""
+    client = RespClient(redis_url, timeout_s=5)
+    try:
+        await client.pipeline([("SET", f"resp:k{n}", f"v{n}") for n in range(20)])
+        for _ in range(5):
+            with pytest.raises(ValueError, match="not valid Unicode"):
+                await client.execute("GET", "\ud800")
+        replies = await asyncio.gather(*(client.execute("GET", f"resp:k{n}") for n in range(20)))
+        assert replies == [f"v{n}".encode() for n in range(20)]
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize(
+    "fault, message",
+    [
+        (lambda data: echo_key(data) + b"+EXTRA\r\n", "no command asked for"),
+        (lambda data: b"?what\r\n", "malformed"),
+        (lambda data: b"$999999999\r\n" + b"x" * 200_000, "exceeds 100000 bytes"),
+    ],
+    ids=["extra-reply", "malformed-reply", "huge-bulk"],
+)
+async def test_a_reply_stream_that_cannot_be_right_fails_its_connection_and_no_reply_crosses(fault, message) -> None:
+    calls = 0
+
+    def answer(data: bytes) -> bytes:
+        nonlocal calls
+        calls += 1
+        return fault(data) if calls == 2 else echo_key(data)
+
+    lying = LyingRedis(answer)
+    async with lying as url:
+        client = RespClient(url, timeout_s=3, max_reply_bytes=100_000)
+        try:
+            assert await client.execute("GET", "first") == b"first"
+            if message == "no command asked for":
+                assert await client.execute("GET", "second") == b"second"  # its own reply; the extra one ends it
+                await asyncio.sleep(0.05)
+                assert client._protocol is not None and client._protocol.broken is not None
+                assert message in client._protocol.broken
+            else:
+                with pytest.raises(RespError, match=message):
+                    await client.execute("GET", "second")
+            # A new connection, and each answer is its own again.
+            for key in ("a", "b", "c"):
+                assert await client.execute("GET", key) == key.encode()
+            assert lying.connections == 2
+        finally:
+            await client.aclose()
+
+
+async def test_the_store_refuses_another_tasks_record_and_drops_the_connection(redis_url: str) -> None:
+    store = RedisTaskStore(redis_url, key_prefix="crossed:", lease_s=2, timeout_s=2)
+    admin = redis.Redis.from_url(redis_url)
+    try:
+        mine, theirs = record(), record()
+        await store.create(mine)
+        await store.create(theirs)
+        # Simulate a shifted reply: the key of `mine` holds the record of `theirs`.
+        await admin.set(f"crossed:task:{mine.task_id}", await admin.get(f"crossed:task:{theirs.task_id}"))
+        from proxy.tasks.store import StoreUnavailable
+
+        with pytest.raises(StoreUnavailable):
+            await store.get(mine.task_id)
+        assert (await store.get(theirs.task_id)) == theirs  # a fresh connection answers correctly
+    finally:
+        await admin.aclose()
+        await store.aclose()

@@ -65,6 +65,13 @@ def test_an_event_over_the_bound_raises_instead_of_growing():
             parser.feed(b"x" * 100)  # one line that never ends
 
 
+def test_comment_lines_are_dropped_as_they_end_and_count_toward_no_bound():
+    parser = SseParser(max_event_bytes=1000)
+    assert parser.feed(b": keep-alive\n" * 10_000 + b"data: x\n\n") == [SseEvent(data="x")]
+    with pytest.raises(SseLimitError):
+        parser.feed(b": a comment that never ends" * 100)  # held while in progress, so bounded
+
+
 def test_each_byte_is_scanned_once_and_copied_at_most_once(monkeypatch):
     # Counted, not timed: 1 MB of short lines, and one long line, fed whole and in 7-byte pieces. The quadratic
     # parser this replaced copied the rest of its buffer at every line.

@@ -37,6 +37,14 @@ async def gated(tag: str, ctx: Context) -> str:
 
 
 @server.tool()
+async def gated_then_progress(tag: str, ctx: Context) -> str:
+    """Wait at the gate, then report progress and answer: progress that arrives while a test holds the store down."""
+    await gates.wait_at(tag)
+    await ctx.report_progress(2, 2, f"past gate {tag}")
+    return f"gate {tag} opened"
+
+
+@server.tool()
 async def release(tag: str) -> str:
     """Open the gate a gated call waits at."""
     gates.release(tag)
