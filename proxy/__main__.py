@@ -18,7 +18,7 @@ from .app import MCP_PATH, create_app, metrics_key, policy_key
 from .check import check_main
 from .config import ENV_PREFIX, ConfigError, ProxyConfig, apply_overrides, load_config
 from .log import configure_logging
-from .policy import PolicyReloader
+from .policy import PolicyReloader, file_stamp
 from .serve import BindError, bind, serve
 
 # Each operator setting is declared once: (flag, config path, environment variable suffix, type).
@@ -72,6 +72,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if argv[:1] == ["check"]:
         raise SystemExit(check_main(argv[1:]))
     args = build_parser().parse_args(argv)
+    config_path = args.config or os.environ.get(f"{ENV_PREFIX}CONFIG")
+    loaded_stamp = file_stamp(config_path) if config_path else None  # before reading: see PolicyReloader
     try:
         config = resolve_config(args, os.environ)
     except ConfigError as exc:
@@ -85,7 +87,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     except (ConfigError, BindError) as exc:
         print(f"mcp-tasks-proxy: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    config_path = args.config or os.environ.get(f"{ENV_PREFIX}CONFIG")
 
     def announce() -> None:
         log.info(
@@ -100,7 +101,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
 
     async def reload_ctx(app: web.Application) -> AsyncIterator[None]:
-        reloader = PolicyReloader(app[policy_key], config_path, lambda: resolve_config(args, os.environ))
+        reloader = PolicyReloader(
+            app[policy_key], config_path, lambda: resolve_config(args, os.environ), loaded_stamp=loaded_stamp
+        )
         reloader.start()
         yield
         await reloader.stop()

@@ -254,6 +254,12 @@ class _Connection(asyncio.Protocol):
         assert decoder is not None
         taken = 0
         while len(self._ready) < _HIGH_WATER:
+            if decoder.eof:
+                # Bytes past the compressed stream's end would pile up in the decoder (it keeps them all, copying
+                # them at every call) and never count toward a read limit: the body is broken.
+                if decoder.unused_data or self._tail or taken < len(self._compressed):
+                    raise ValueError("bytes after the end of the compressed body")
+                break
             if self._tail:
                 data, self._tail = self._tail, b""
             elif taken < len(self._compressed):

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -114,6 +115,8 @@ class StoreConfig(_Strict):
             raise ValueError("the redis backend needs store.url (redis://host:port/db)")
         if self.url and not self.url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("store.url must start with redis://, rediss:// or unix://")
+        if self.url and self.url.startswith("unix://") and not urlsplit(self.url).path:
+            raise ValueError("store.url: a unix:// URL needs the socket's path (unix:///run/redis.sock)")
         return self
 
 

@@ -20,7 +20,7 @@ from .jsonrpc import INVALID_PARAMS, JsonRpcError, dumps
 from .sse import SseLimitError, iter_events, json_message
 from .tasks.model import TaskRecord, is_task_id
 from .tasks.runner import TaskRunner
-from .tasks.store import TaskStore
+from .tasks.store import StoreUnavailable, TaskStore
 
 log = structlog.get_logger(__name__)
 
@@ -129,7 +129,10 @@ async def _serve(
     async def send_if_changed(task_id: str) -> None:
         if task_id not in open_tasks:
             return
-        record = await store.get(task_id)
+        try:
+            record = await store.get(task_id)
+        except StoreUnavailable:
+            return  # logged by the store; the stream stays open and the next tick reads again
         if record is not None and record.principal != principal:
             record = None  # only ever the caller's own task (ids are unique; this is the second lock on the door)
         if record is not None and record.last_updated_at != open_tasks[task_id]:

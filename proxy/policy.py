@@ -35,23 +35,41 @@ class LivePolicy:
         return needs_restart
 
 
+FileStamp = tuple[int, int, int]
+
+
+def file_stamp(path: str) -> FileStamp | None:
+    """What tells one version of a file from the next: mtime, size and inode (a ConfigMap swaps a symlink)."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_mtime_ns, info.st_size, info.st_ino
+
+
 class PolicyReloader:
     """Re-reads the policy file on SIGHUP and when it changes on disk; an invalid file leaves the policy as it is."""
 
-    def __init__(self, policy: LivePolicy, path: str, load: Callable[[], ProxyConfig], *, interval_s: float = 2.0):
+    def __init__(
+        self,
+        policy: LivePolicy,
+        path: str,
+        load: Callable[[], ProxyConfig],
+        *,
+        interval_s: float = 2.0,
+        loaded_stamp: FileStamp | None = None,
+    ):
         self._policy = policy
         self._path = path
         self._load = load
         self._interval_s = interval_s
-        self._seen = self._stamp()
+        # The file as it was when the policy in force was read (taken before reading): a change made while the
+        # proxy was starting is still a change.
+        self._seen = loaded_stamp if loaded_stamp is not None else file_stamp(path)
         self._watcher: asyncio.Task[None] | None = None
 
-    def _stamp(self) -> tuple[int, int, int] | None:
-        try:
-            info = os.stat(self._path)
-        except OSError:
-            return None
-        return info.st_mtime_ns, info.st_size, info.st_ino
+    def _stamp(self) -> FileStamp | None:
+        return file_stamp(self._path)
 
     def reload(self, reason: str = "manual") -> bool:
         try:

@@ -46,7 +46,10 @@ class SseParser:
         self._skip_lf = False
         """The last chunk ended in CR: a LF that starts the next one belongs to that line end."""
         self._started = False
-        self._data: list[str] = []
+        self._data = bytearray()
+        """The event's data lines, joined by LF as they come: bytes, decoded once at dispatch (a list of str per
+        line would cost several times the event's size)."""
+        self._has_data = False
         self._event = ""
         self._id: str | None = None
         self._retry: int | None = None
@@ -88,7 +91,7 @@ class SseParser:
             self._event_bytes += len(line) + 1
             if self._event_bytes > self._max_event_bytes:
                 raise SseLimitError(f"an event of the stream exceeds {self._max_event_bytes} bytes")
-            self._line(line.decode("utf-8", errors="replace"))
+            self._line(line)
         if position and chunk[position - 1 : position] == b"\r" and position == len(chunk):
             self._skip_lf = True
         if position < len(chunk):
@@ -97,26 +100,31 @@ class SseParser:
                 raise SseLimitError(f"an event of the stream exceeds {self._max_event_bytes} bytes")
         return events
 
-    def _line(self, line: str) -> None:
-        field, _, value = line.partition(":")
-        if value.startswith(" "):
+    def _line(self, line: bytes) -> None:
+        field, _, value = line.partition(b":")
+        if value.startswith(b" "):
             value = value[1:]
-        if field == "data":
-            self._data.append(value)
-        elif field == "event":
-            self._event = value
-        elif field == "id":
-            if "\0" not in value:
-                self._id = value
-        elif field == "retry" and value.isascii() and value.isdigit():
+        if field == b"data":
+            if self._has_data:
+                self._data += b"\n"
+            self._data += value
+            self._has_data = True
+        elif field == b"event":
+            self._event = value.decode("utf-8", errors="replace")
+        elif field == b"id":
+            if b"\0" not in value:
+                self._id = value.decode("utf-8", errors="replace")
+        elif field == b"retry" and value.isdigit():  # bytes.isdigit: ASCII digits only
             self._retry = int(value)
 
     def _dispatch(self) -> SseEvent | None:
-        if not self._data and self._retry is None and not self._event:
+        if not self._has_data and self._retry is None and not self._event:
             # An id-only event (a 2025-11-25 priming event) carries no message; its id is kept as the cursor.
             return None
-        event = SseEvent(data="\n".join(self._data), event=self._event or "message", id=self._id, retry_ms=self._retry)
-        self._data = []
+        data = self._data.decode("utf-8", errors="replace")
+        event = SseEvent(data=data, event=self._event or "message", id=self._id, retry_ms=self._retry)
+        self._data.clear()
+        self._has_data = False
         self._event = ""
         self._retry = None
         return event

@@ -349,3 +349,17 @@ async def test_a_long_compressed_stream_is_inflated_as_it_is_read(serve) -> None
         tracemalloc.stop()
     assert total == expected
     assert peak < 12 * 1024 * 1024, peak
+
+
+async def test_bytes_after_the_end_of_a_compressed_body_are_an_error_not_a_buildup(serve) -> None:
+    # zlib keeps whatever follows a stream's end and copies it at each call: unbounded memory and time if accepted.
+    body = gzip.compress(JSON) + b"\0" * 100_000
+    head = b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n"
+    chunks = b"".join(
+        b"%x\r\n%s\r\n" % (len(body[i : i + 1000]), body[i : i + 1000]) for i in range(0, len(body), 1000)
+    )
+    server = await serve(respond(head + chunks + b"0\r\n\r\n"))
+    client = CallClient(server.url, connect_timeout_s=2)
+    with pytest.raises(CallError, match="bytes after the end of the compressed body"):
+        async with await client.post({}, b"x") as response:
+            await response.read(limit=1024 * 1024)

@@ -112,6 +112,7 @@ class RunningProxy:
         """While the body runs: the proxy's peak RSS over its RSS at the start, and /healthz asked every 100 ms
         (each must answer within 5 s: the defects this guards against froze the loop for 2 to 40 s)."""
         seen = {"start": self.rss_bytes(), "peak": 0, "health_answers": 0}
+        answered = asyncio.Event()
 
         async def watch() -> None:
             while True:
@@ -120,12 +121,17 @@ class RunningProxy:
                 async with self.session.get(f"{self.base}/healthz", timeout=timeout) as response:
                     assert response.status == 200
                 seen["health_answers"] += 1
+                answered.set()
                 await asyncio.sleep(0.1)
 
         watcher = asyncio.ensure_future(watch())
         try:
             yield seen
         finally:
+            # At least one full round, however fast the body was (or the watcher's failure, if it failed).
+            first = asyncio.ensure_future(answered.wait())
+            await asyncio.wait([watcher, first], return_when=asyncio.FIRST_COMPLETED)
+            first.cancel()
             if watcher.done():
                 watcher.result()  # a /healthz that did not answer in time fails the test here
             watcher.cancel()

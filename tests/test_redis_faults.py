@@ -278,3 +278,29 @@ async def test_a_task_id_that_is_not_unicode_is_refused_and_every_caller_keeps_i
     await release_all(upstream_client, tags)
     for task_id in task_ids:
         assert (await task_reaches(proxy.client, task_id, "completed")).result["taskId"] == task_id
+
+
+async def test_a_result_in_hand_outlasts_the_calls_timeout_while_redis_is_down(
+    make_proxy, mcp_upstream, upstream_client, redis_server
+):
+    """The result's write is retried outside the rule's timeout_s: a slow store never turns a result into a
+    timeout failure."""
+    server = redis_server("--appendonly", "yes", "--appendfsync", "always")
+    proxy = await make_proxy(
+        mcp_upstream,
+        protocol="modern",
+        store=store_section(server.url, "in-hand:", lease_s=3),
+        tools=[{"match": "gated", "timeout_s": 4}],
+        tasks={"poll_interval_ms": 50},
+        security={"principal_key": PRINCIPAL_KEY},
+    )
+    tag = gate_tag()
+    task_id = (await proxy.client.call_tool("gated", {"tag": tag})).result["taskId"]
+    await eventually(lambda: gate_is(upstream_client, tag, "started"), what="the call starting")
+    server.kill()
+    await release_all(upstream_client, [tag])  # the result arrives while Redis is gone ...
+    await asyncio.sleep(6)  # ... and stays unwritten past the call's timeout_s
+    server.start()
+    done = await task_reaches(proxy.client, task_id, "completed", "failed")
+    assert done.result["status"] == "completed", done.result.get("statusMessage")
+    assert done.result["result"]["content"][0]["text"] == f"gate {tag} opened"

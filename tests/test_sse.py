@@ -139,3 +139,20 @@ def test_the_same_events_as_the_official_python_sdks_decoder(stream_lines, ends,
         if event.data
     ]
     assert [(e.data, e.event, e.id or None, e.retry_ms) for e in ours if e.data] == theirs
+
+
+def test_an_event_of_many_short_data_lines_costs_about_its_size():
+    import tracemalloc
+
+    lines = b"data:a\n" * 1_000_000  # 7 MB, one event
+    parser = SseParser()
+    tracemalloc.start()
+    try:
+        for offset in range(0, len(lines), 65536):
+            assert parser.feed(lines[offset : offset + 65536]) == []
+        _, peak = tracemalloc.get_traced_memory()
+        (event,) = parser.feed(b"\n")
+    finally:
+        tracemalloc.stop()
+    assert event.data == "\n".join(["a"] * 1_000_000)
+    assert peak < 3 * len(lines), peak  # held as bytes, not as a million str objects (~50 MB)

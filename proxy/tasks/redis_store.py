@@ -57,6 +57,10 @@ class _Inconsistent(Exception):
     """A reply that its command cannot give: the connection's replies may be shifted."""
 
 
+class _Corrupt(Exception):
+    """A stored record that is not a task record (hand-edited, or written by an incompatible version)."""
+
+
 def _reason(exc: BaseException, timeout_s: float) -> str:
     """What went wrong, in words an operator can act on (never a credential: Redis errors do not echo them)."""
     if isinstance(exc, TimeoutError):
@@ -117,6 +121,9 @@ class RedisTaskStore:
         """One place where Redis failures become StoreUnavailable, with the cause logged once."""
         try:
             yield
+        except _Corrupt as exc:
+            log.error("store_record_corrupt", operation=what, reason=str(exc))
+            raise StoreUnavailable(str(exc)) from exc
         except (TimeoutError, RedisError, RespError, OSError, _Inconsistent) as exc:
             self._last_failure = time.monotonic()
             if isinstance(exc, _Inconsistent):
@@ -156,6 +163,9 @@ class RedisTaskStore:
         try:
             record = from_json(raw)
         except (ValueError, TypeError, KeyError) as exc:
+            if raw.startswith(b"{"):
+                # A JSON object is no other command's reply: this key's data is bad, the connection is fine.
+                raise _Corrupt(f"the stored record of task {task_id} does not parse") from exc
             raise _Inconsistent("a task record that does not parse") from exc
         if record.task_id != task_id:
             raise _Inconsistent("GET answered another task's record")
@@ -208,10 +218,13 @@ class RedisTaskStore:
         subscription (StoreUnavailable when Redis is not there yet: the loops go on trying)."""
         self._replica_id = replica_id
         subscribed = asyncio.get_running_loop().create_future()
+        resync_wanted = asyncio.Event()
         self._tasks = [
             asyncio.ensure_future(self._keep_lease()),
-            asyncio.ensure_future(self._listen(on_event, on_resync, subscribed)),
+            asyncio.ensure_future(self._listen(on_event, resync_wanted, subscribed)),
         ]
+        if on_resync is not None:
+            self._tasks.append(asyncio.ensure_future(self._resync_when_wanted(on_resync, resync_wanted)))
         # Events published from now on must reach this replica: return only once subscribed.
         async with self._answering("subscribe"):
             await asyncio.wait_for(asyncio.shield(subscribed), timeout=self._timeout_s)
@@ -272,13 +285,13 @@ class RedisTaskStore:
     async def _listen(
         self,
         on_event: EventHandler,
-        on_resync: Callable[[], Awaitable[None]] | None,
+        resync_wanted: asyncio.Event,
         subscribed: asyncio.Future[None],
     ) -> None:
         """Deliver every published event to this replica, reconnecting when Redis comes back.
 
         What was published while the subscription was down is lost to it: after each (re)subscription the runner
-        re-reads what its tasks wait for (`on_resync`).
+        re-reads what its tasks wait for (`on_resync`, run beside this loop so that events keep being read).
         """
         while True:
             # Subscribe confirmations are kept: redis-py reconnects and re-subscribes by itself after a dropped
@@ -292,8 +305,7 @@ class RedisTaskStore:
                         self.events_state = "ok"
                         if not subscribed.done():
                             subscribed.set_result(None)
-                        if on_resync is not None:
-                            await on_resync()
+                        resync_wanted.set()
                         continue
                     if kind != "message":
                         continue
@@ -315,6 +327,17 @@ class RedisTaskStore:
             finally:
                 with contextlib.suppress(RedisError, OSError):
                     await pubsub.aclose()
+
+    @staticmethod
+    async def _resync_when_wanted(on_resync: Callable[[], Awaitable[None]], wanted: asyncio.Event) -> None:
+        """One re-read at a time; a (re)subscription during one asks for one more after it."""
+        while True:
+            await wanted.wait()
+            wanted.clear()
+            try:
+                await on_resync()
+            except Exception as exc:  # the loop must outlive any one re-read
+                log.warning("store_resync_failed", error=type(exc).__name__)
 
     async def aclose(self) -> None:
         for task in self._tasks:

@@ -122,7 +122,7 @@ class RespClient:
         self._port = int(options.get("port", 6379))
         self._ssl = ssl.create_default_context() if options.get("connection_class") is SSLConnection else None
         if options.get("connection_class") is UnixDomainSocketConnection and self._path is None:
-            raise ValueError(f"no socket path in {url!r}")
+            raise ValueError("a unix:// Redis URL without a socket path")  # the URL may hold a password: not quoted
         hello: list[Command] = []
         if options.get("password") is not None:
             user = options.get("username")

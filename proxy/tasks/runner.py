@@ -74,6 +74,13 @@ class _NotTheOwner(Exception):
     """The task belongs to another principal: for its caller, it does not exist."""
 
 
+class _AlreadyMade(Exception):
+    """A retried change finds the record already changed: it is left as it is."""
+
+    def __init__(self, record: TaskRecord) -> None:
+        self.record = record
+
+
 def _owned(record: TaskRecord, principal: str | None) -> TaskRecord:
     if principal is not None and record.principal != principal:
         raise _NotTheOwner
@@ -390,8 +397,12 @@ class TaskRunner:
     async def _reconcile_forever(self) -> None:
         while True:
             await asyncio.sleep(self._reconcile_interval_s)
-            with contextlib.suppress(StoreUnavailable):
+            try:
                 await self.reconcile()
+            except StoreUnavailable:
+                pass  # logged by the store
+            except Exception as exc:  # the timer must outlive any one pass
+                log.warning("task_reconcile_failed", error=type(exc).__name__)
 
     async def reconcile(self) -> int:
         """Act on what the records say, for events this replica may have missed (a dropped subscription, a failed
@@ -576,6 +587,7 @@ class TaskRunner:
         )
         started_s = self._timer()
         outcome = "cancelled"
+        settle: tuple[TaskStatus, dict[str, Any]] | None = None
         try:
             async with asyncio.timeout(job.rule.timeout_s):
                 async for event in events:
@@ -594,23 +606,28 @@ class TaskRunner:
                                 f"the result of {size} bytes exceeds limits.max_result_bytes ({job.max_result_bytes})"
                             )
                             error = error_object(INTERNAL_ERROR, f"Proxy failure: {reason}")
-                            await self._settle(job, TaskStatus.FAILED, error=error, status_message=reason)
+                            settle = (TaskStatus.FAILED, {"error": error, "status_message": reason})
                         else:
-                            await self._settle(job, TaskStatus.COMPLETED, result=event.result)
+                            settle = (TaskStatus.COMPLETED, {"result": event.result})
+                        break
                     else:
                         outcome = "failed"
-                        await self._settle(
-                            job, TaskStatus.FAILED, error=event.error, status_message=event.status_message
-                        )
+                        settle = (TaskStatus.FAILED, {"error": event.error, "status_message": event.status_message})
+                        break
         except TimeoutError:
             outcome = "timeout"
             reason = f"the upstream call exceeded its {job.rule.timeout_s:g} s limit (timeout_s)"
             error = error_object(INTERNAL_ERROR, f"Upstream failure: {reason}", {"upstream": self._upstream.url})
-            await self._settle(job, TaskStatus.FAILED, error=error, status_message=reason)
+            settle = (TaskStatus.FAILED, {"error": error, "status_message": reason})
         finally:
             job.upstream_busy = False
             self._metrics.upstream_seconds.labels(job.call.tool, outcome).observe(self._timer() - started_s)
             await events.aclose()
+        if settle is not None:
+            # Outside the call's timeout: an outcome in hand is written however long the store takes (it is retried
+            # until the TTL), never turned into a timeout failure.
+            status, fields = settle
+            await self._settle(job, status, **fields)
         return None
 
     async def _ask_client(self, job: _Job, requests: dict[str, Any]) -> dict[str, Any] | None:
@@ -632,12 +649,21 @@ class TaskRunner:
         job.answered = answered = asyncio.Event()  # before the record says input_required: no answer is missed
         job.waiting_input = True
         self._metrics.input_rounds.labels(job.call.tool).inc()
+
+        def this_round(record: TaskRecord) -> bool:
+            # Keys are unique per round: a record that asks for them, or holds answers to them, is this round's.
+            return record.input_requests == task_requests or any(
+                key in (record.collected_responses or {}) for key in task_requests
+            )
+
         waiting = await self._until_stored(
             job,
             lambda: self._transition(
                 job.task_id,
                 TaskStatus.INPUT_REQUIRED,
                 job=job,
+                # A retried write whose first attempt did land must not wipe answers given since.
+                unless=this_round,
                 input_requests=task_requests,
                 collected_responses={},
                 status_message="waiting for the client's input",
@@ -647,16 +673,20 @@ class TaskRunner:
             return None
         job.round_open = True
         try:
-            # Nobody can answer after the record expires, so the wait is bounded by the task's TTL.
-            await asyncio.wait_for(answered.wait(), timeout=max(self._remaining_s(job), 0))
+            while True:
+                # Nobody can answer after the record expires, so the wait is bounded by the task's TTL.
+                await asyncio.wait_for(answered.wait(), timeout=max(self._remaining_s(job), 0))
+                record = await self._until_stored(job, lambda: self._store.get(job.task_id))
+                if record is None or record.status is not TaskStatus.INPUT_REQUIRED:
+                    break
+                answered.clear()  # a stale wake-up (an earlier round's event, echoed late): this round still waits
         except TimeoutError:
             self._abandon(job)
             return None
         finally:
             job.round_open = False
         job.waiting_input = False
-        record = await self._until_stored(job, lambda: self._store.get(job.task_id))
-        if record is None or record.status is not TaskStatus.WORKING:
+        if record is None or record.status is not TaskStatus.WORKING or not this_round(record):
             return None
         collected = record.collected_responses or {}
         return {key_map[key]: answer for key, answer in collected.items() if key in key_map}
@@ -827,15 +857,25 @@ class TaskRunner:
             job.runner.cancel()
 
     async def _transition(
-        self, task_id: str, to: TaskStatus, *, job: _Job | None = None, principal: str | None = None, **fields: Any
+        self,
+        task_id: str,
+        to: TaskStatus,
+        *,
+        job: _Job | None = None,
+        principal: str | None = None,
+        unless: Callable[[TaskRecord], bool] | None = None,
+        **fields: Any,
     ) -> TaskRecord | None:
         """Apply one status change; None when the task is gone or already terminal (then it stays as it is).
 
-        With `principal`, another principal's task raises _NotTheOwner and is left unchanged."""
+        With `principal`, another principal's task raises _NotTheOwner and is left unchanged. With `unless`, a record
+        for which it is true is left as it is (the change was already made) and returned."""
         previous: list[TaskStatus] = []
 
         def apply(record: TaskRecord) -> TaskRecord:
             _owned(record, principal)
+            if unless is not None and unless(record):
+                raise _AlreadyMade(record)
             previous.append(record.status)
             return transition(record, to, now=self._now(), **fields)
 
@@ -843,6 +883,8 @@ class TaskRunner:
             record = await self._store.update(task_id, apply)
         except TaskStateError:
             return None
+        except _AlreadyMade as made:
+            return made.record
         if record is None:
             return None
         job = job or self._jobs.get(task_id)
