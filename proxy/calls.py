@@ -122,7 +122,8 @@ class _Connection(asyncio.Protocol):
                 self.close()
             return
         parser = self._parser
-        assert parser is not None
+        if parser is None:
+            parser = self._parser = httptools.HttpResponseParser(self)
         in_head = self._state == "head"
         if in_head:
             self._head_bytes += len(data)
@@ -149,6 +150,7 @@ class _Connection(asyncio.Protocol):
         self._closed = True
         self.reusable = False
         self._ended()
+        self._parser = None  # it refers back to this protocol: no cycle left for the collector
         self._wake()
 
     def _ended(self) -> None:
@@ -206,8 +208,12 @@ class _Connection(asyncio.Protocol):
                 raw.add(name, value)
             name = name.lower()
             headers[name] = f"{headers[name]}, {value}" if name in headers else value
+        # The raw fields are not needed past this point; an open call may wait for hours, so they are not kept.
+        self._names.clear()
+        self._values.clear()
         response.status, response.headers = status, headers
         response.reason = self._reason.decode("latin-1")
+        self._reason = b""
         if raw is not None:
             response.raw_headers = raw
         self.reusable = parser.should_keep_alive()
@@ -316,7 +322,7 @@ class _Connection(asyncio.Protocol):
         self._ready.clear()
         self._compressed.clear()
         self._tail = b""
-        self._parser = httptools.HttpResponseParser(self)
+        self._parser = None  # made when the first byte arrives: a call that waits holds none (about 1 KB each)
         if self._paused:
             self._paused = False
             self.transport.resume_reading()

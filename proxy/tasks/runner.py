@@ -833,6 +833,10 @@ class TaskRunner:
         """A store call the task cannot go on without (its outcome, an input round): retried with backoff while the
         store is unavailable, until the task's TTL ends (then nobody could read it anyway, and None is returned).
         The job stays in this replica's table meanwhile, and its lease is renewed on its own: no sweep fails it."""
+        try:
+            return await write()  # the usual case, without the retry machinery (it costs allocations per call)
+        except StoreUnavailable:
+            pass
         limit_s = max(self._remaining_s(job), 0)
         if not self.accepting:
             limit_s = min(limit_s, _SHUTDOWN_WRITE_S)  # shutting down: a bounded wait, then it is lost with the store
