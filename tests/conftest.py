@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import shutil
 import socket
@@ -51,6 +52,21 @@ def stop(process: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@contextlib.contextmanager
+def quiet_proxy(policy: Path, upstream: str, port: int) -> Iterator[subprocess.Popen[bytes]]:
+    """The proxy command as a real process on `port` with this policy, logging errors only; stopped on exit."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "--config", str(policy), "--upstream", upstream, "--port", str(port),
+         "--log-level", "error"],
+        cwd=ROOT,
+    )  # fmt: skip
+    try:
+        wait_for_port(port, process)
+        yield process
+    finally:
+        stop(process)
 
 
 @pytest.fixture(scope="session")

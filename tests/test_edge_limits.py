@@ -17,7 +17,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.conftest import ROOT, free_port, stop, task_reaches, wait_for_port
+from tests.conftest import ROOT, free_port, quiet_proxy, task_reaches
 from tests.factories import meta
 from tests.test_replicas import gate_tag
 
@@ -30,16 +30,8 @@ def edge_proxy(mcp_upstream, tmp_path) -> Iterator[int]:
     policy.write_text(
         "listen: {header_timeout_s: 1, body_timeout_s: 1, max_connections: 20}\ntools:\n  - match: slow_report\n"
     )
-    process = subprocess.Popen(
-        [sys.executable, "-m", "proxy", "--config", str(policy), "--upstream", mcp_upstream, "--port", str(port),
-         "--log-level", "error"],
-        cwd=ROOT,
-    )  # fmt: skip
-    try:
-        wait_for_port(port, process)
+    with quiet_proxy(policy, mcp_upstream, port):
         yield port
-    finally:
-        stop(process)
 
 
 def connect(port: int) -> socket.socket:

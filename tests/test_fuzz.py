@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import http.client
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import ROOT, free_port, stop, wait_for_port
+from tests.conftest import free_port, quiet_proxy
 from tests.factories import meta
 from tests.schemas import validate, validate_response
 
@@ -91,16 +89,8 @@ def proxy_port(request, mcp_upstream, tmp_path_factory) -> Iterator[int]:
         text += f"store: {{backend: redis, url: '{redis_url}', key_prefix: 'fuzz-{port}:'}}\n"
         text += "security: {principal_key: fuzz-key}\n"
     policy.write_text(text)
-    process = subprocess.Popen(
-        [sys.executable, "-m", "proxy", "--config", str(policy), "--upstream", mcp_upstream, "--port", str(port),
-         "--log-level", "error"],
-        cwd=ROOT,
-    )  # fmt: skip
-    try:
-        wait_for_port(port, process)
+    with quiet_proxy(policy, mcp_upstream, port):
         yield port
-    finally:
-        stop(process)
 
 
 def post(port: int, body: bytes, extra: dict[str, str] | None = None) -> tuple[int, str, bytes]:

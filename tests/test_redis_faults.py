@@ -40,6 +40,14 @@ async def replica(make_proxy, upstream: str, url: str, prefix: str, **store):
     )
 
 
+async def owner_and_other(make_proxy, upstream: str, url: str, prefix: str, *, owner_reconcile_s: float = 600):
+    """Two replicas of one store: the owner of the tasks a test makes, and another that answers or cancels them.
+    The other's slow timer is far away; the owner's is too, unless the test is about it."""
+    owner = await replica(make_proxy, upstream, url, prefix, reconcile_interval_s=owner_reconcile_s)
+    other = await replica(make_proxy, upstream, url, prefix, reconcile_interval_s=600)
+    return owner, other
+
+
 async def ask(client: McpClient) -> str:
     created = await client.call("tools/call", {"name": "one_question", "arguments": {}, "_meta": meta(elicitation={})})
     task_id = created.result["taskId"]
@@ -72,8 +80,7 @@ async def test_an_answer_given_while_the_owners_subscription_is_down_still_resum
     server = redis_server()
     prefix = f"pubsub-{secrets.token_hex(3)}:"
     # The slow timer is far away: only the re-read after the re-subscription can save the answer.
-    owner = await replica(make_proxy, mcp_upstream, server.url, prefix, reconcile_interval_s=600)
-    other = await replica(make_proxy, mcp_upstream, server.url, prefix, reconcile_interval_s=600)
+    owner, other = await owner_and_other(make_proxy, mcp_upstream, server.url, prefix)
     task_id = await ask(owner.client)
     assert await kill_pubsub(server.url) >= 2  # both replicas' subscriptions
     await answer(other.client, task_id, f"after the kill {attempt}")  # published while nobody listens
@@ -87,8 +94,7 @@ async def test_a_cancel_given_while_the_owners_subscription_is_down_still_stops_
 ):
     server = redis_server()
     prefix = f"cancel-{secrets.token_hex(3)}:"
-    owner = await replica(make_proxy, mcp_upstream, server.url, prefix, reconcile_interval_s=600)
-    other = await replica(make_proxy, mcp_upstream, server.url, prefix, reconcile_interval_s=600)
+    owner, other = await owner_and_other(make_proxy, mcp_upstream, server.url, prefix)
     tag = gate_tag()
     task_id = (await owner.client.call_tool("gated", {"tag": tag})).result["taskId"]
     await eventually(lambda: gate_is(upstream_client, tag, "started"), what="the call starting")
@@ -102,8 +108,7 @@ async def test_events_lost_without_a_reconnect_are_caught_by_the_slow_timer(make
     # A publish that failed after its record was written (the ack stays true): the owner's timer finds the answer.
     server = redis_server()
     prefix = f"deaf-{secrets.token_hex(3)}:"
-    owner = await replica(make_proxy, mcp_upstream, server.url, prefix, reconcile_interval_s=0.3)
-    other = await replica(make_proxy, mcp_upstream, server.url, prefix, reconcile_interval_s=600)
+    owner, other = await owner_and_other(make_proxy, mcp_upstream, server.url, prefix, owner_reconcile_s=0.3)
     from proxy.app import store_key
 
     async def lost(event):  # this replica's publishes go nowhere

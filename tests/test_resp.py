@@ -72,47 +72,67 @@ async def test_the_store_reloads_its_script_when_redis_forgot_it(redis_url: str)
         await store.aclose()
 
 
-class ScriptedRedis:
-    """Records what each connection sends; answers +OK to AUTH/SELECT and nothing to anything else."""
+class LyingRedis:
+    """A fake Redis for faults a real one never makes: `answer` maps each read's bytes to what goes back; what
+    each connection sent is recorded."""
 
-    def __init__(self) -> None:
-        self.connections: list[list[bytes]] = []
+    def __init__(self, answer) -> None:
+        self.answer = answer
+        self.sent: list[list[bytes]] = []
         self.server: asyncio.Server | None = None
+        self.writers: list[asyncio.StreamWriter] = []
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         seen: list[bytes] = []
-        self.connections.append(seen)
+        self.sent.append(seen)
+        self.writers.append(writer)
         try:
-            while data := await reader.read(4096):
+            while data := await reader.read(65536):
                 seen.append(data)
-                for word in (b"AUTH", b"SELECT"):
-                    if word in data:
-                        writer.write(b"+OK\r\n")
+                writer.write(self.answer(data))
+        except ConnectionError:
+            pass
         finally:
             writer.close()
 
     @property
-    def port(self) -> int:
+    def connections(self) -> int:
+        return len(self.sent)
+
+    async def __aenter__(self) -> str:
+        self.server = await asyncio.start_server(self.handle, "127.0.0.1", 0)
+        return f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
+
+    async def __aexit__(self, *exc) -> None:
         assert self.server is not None
-        return self.server.sockets[0].getsockname()[1]
+        self.server.close()
+        for writer in self.writers:
+            writer.close()
+        await asyncio.sleep(0.01)  # let the handlers see their end
 
 
 async def test_credentials_and_database_from_the_url_and_a_reconnect_after_a_timeout() -> None:
-    scripted = ScriptedRedis()
-    scripted.server = await asyncio.start_server(scripted.handle, "127.0.0.1", 0)
-    client = RespClient(f"redis://user:secret@127.0.0.1:{scripted.port}/3", timeout_s=0.3)
-    try:
-        with pytest.raises(TimeoutError):
-            await client.execute("GET", "k")
-        with pytest.raises(TimeoutError):
-            await client.execute("GET", "k")
-        assert len(scripted.connections) == 2  # the connection that stopped answering was replaced
-        sent = b"".join(scripted.connections[0])
-        assert sent.startswith(b"*3\r\n$4\r\nAUTH\r\n$4\r\nuser\r\n$6\r\nsecret\r\n*2\r\n$6\r\nSELECT\r\n$1\r\n3\r\n")
-        assert sent.endswith(b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n")
-    finally:
-        await client.aclose()
-        scripted.server.close()
+    def only_hello(data: bytes) -> bytes:  # +OK to AUTH and SELECT, nothing to anything else
+        return b"".join(b"+OK\r\n" for word in (b"AUTH", b"SELECT") if word in data)
+
+    scripted = LyingRedis(only_hello)
+    async with scripted:
+        assert scripted.server is not None
+        port = scripted.server.sockets[0].getsockname()[1]
+        client = RespClient(f"redis://user:secret@127.0.0.1:{port}/3", timeout_s=0.3)
+        try:
+            with pytest.raises(TimeoutError):
+                await client.execute("GET", "k")
+            with pytest.raises(TimeoutError):
+                await client.execute("GET", "k")
+            assert scripted.connections == 2  # the connection that stopped answering was replaced
+            sent = b"".join(scripted.sent[0])
+            assert sent.startswith(
+                b"*3\r\n$4\r\nAUTH\r\n$4\r\nuser\r\n$6\r\nsecret\r\n*2\r\n$6\r\nSELECT\r\n$1\r\n3\r\n"
+            )
+            assert sent.endswith(b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n")
+        finally:
+            await client.aclose()
 
 
 async def test_an_unreachable_redis_is_a_resp_error() -> None:
@@ -152,38 +172,6 @@ async def test_a_unix_socket_url_with_a_database_reaches_that_database(tmp_path)
         await database_2.aclose()
         await database_0.aclose()
         stop(process)
-
-
-class LyingRedis:
-    """A fake Redis for faults a real one never makes: `answer` maps each command's bytes to what goes back."""
-
-    def __init__(self, answer) -> None:
-        self.answer = answer
-        self.connections = 0
-        self.server: asyncio.Server | None = None
-        self.writers: list[asyncio.StreamWriter] = []
-
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        self.writers.append(writer)
-        try:
-            while data := await reader.read(65536):
-                writer.write(self.answer(data))
-        except ConnectionError:
-            pass
-        finally:
-            writer.close()
-
-    async def __aenter__(self) -> str:
-        self.server = await asyncio.start_server(self.handle, "127.0.0.1", 0)
-        return f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
-
-    async def __aexit__(self, *exc) -> None:
-        assert self.server is not None
-        self.server.close()
-        for writer in self.writers:
-            writer.close()
-        await asyncio.sleep(0.01)  # let the handlers see their end
 
 
 def echo_key(data: bytes) -> bytes:
