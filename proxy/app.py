@@ -20,8 +20,9 @@ from .bridge import SyncBridge
 from .config import ConfigError, ProxyConfig, TaskMode
 from .envelope import (
     META_CLIENT_CAPABILITIES,
-    check_name_header,
-    check_protocol_version,
+    TASK_METHODS,
+    check_modern_request,
+    check_routing_headers,
     declares_tasks,
     is_modern,
     meta_of,
@@ -49,7 +50,7 @@ from .jsonrpc import (
 )
 from .legacy import LegacyUpstream
 from .metrics import Metrics, method_label
-from .passthrough import forward, forward_rewritten, open_upstream
+from .passthrough import client_gone_key, forward, forward_rewritten, open_upstream
 from .policy import LivePolicy
 from .security import HostGuard, Identity, PollGuard
 from .tasks.model import TaskRecord, is_task_id, utc_now
@@ -91,7 +92,6 @@ VERBOSE_LEVELS = frozenset({"debug", "info"})
 # Request ids: unique per process and cheap (no random bytes per request); the prefix tells processes apart.
 _REQUEST_ID_PREFIX = f"{secrets.token_hex(4)}-"
 _request_numbers = itertools.count(1)
-OWNED_TASK_METHODS = frozenset({"tasks/get", "tasks/update", "tasks/cancel"})
 
 
 def create_app(
@@ -192,8 +192,14 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
     status = 500
     try:
         response = await handler(request)
-        status = response.status
+        status = 499 if request.get(client_gone_key) else response.status
         return response
+    except asyncio.CancelledError:
+        # aiohttp cancels the handler when the client closes its connection (handler_cancellation): the client left,
+        # nothing failed. 499 as nginx counts it.
+        status = 499
+        request[client_gone_key] = True
+        raise
     finally:
         if request.path not in LOCAL_PATHS:
             elapsed_s = time.perf_counter() - started
@@ -209,6 +215,7 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
                     task_id=info.task_id,
                     mode=info.mode,
                     status=status,
+                    client_closed=bool(request.get(client_gone_key)),
                     duration_ms=round(elapsed_s * 1000, 2),
                 )
 
@@ -242,6 +249,13 @@ async def error_boundary(request: web.Request, handler: Handler) -> web.StreamRe
         return _json_error(request, error_object(INTERNAL_ERROR, f"Cannot create a task: {exc}"), 503)
     except web.HTTPException:
         raise
+    except ConnectionResetError:
+        if request.transport is not None and not request.transport.is_closing():
+            log.exception("unhandled_error")  # not the client's connection: a fault of the proxy's own
+            return _json_error(request, error_object(INTERNAL_ERROR, "Internal error in the proxy"), 200)
+        # A write to a client that has gone away (a relayed event stream): nobody is left to answer.
+        request[client_gone_key] = True
+        return web.Response(status=499)
     except Exception:
         log.exception("unhandled_error")
         return _json_error(request, error_object(INTERNAL_ERROR, "Internal error in the proxy"), 200)
@@ -337,15 +351,21 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
     async def relay() -> web.StreamResponse:
         """Carry the request synchronously, the way the upstream's era needs."""
         if modern and await _era(request) == "legacy":
+            # The proxy reads this body to translate it; a legacy upstream cannot check the 2026 headers itself.
+            check_modern_request(message, request.headers)
             info.mode = "legacy"
             return await request.app[bridge_key].relay(request, message)
+        if not modern and request.app[gateway_key].known_era != "modern":
+            # Routing headers a legacy server ignores must still not say something the body does not (SEP-2243):
+            # a gateway in front may have routed on them.
+            check_routing_headers(message, request.headers, required=False)
         return await forward(upstream, request, body, is_mcp=True, request_id=message["id"])
 
     if method == "subscriptions/listen" and modern:
         return await _listen(request, message)
     if method == "tools/call":
         # The era is not needed up front: a task learns it in the background, a pass-through call in relay().
-        return await _tools_call(request, message, relay)
+        return await _tools_call(request, message, relay, modern=modern)
     if method == "server/discover":
         if modern and await _era(request) == "legacy":
             return await _discover_from_legacy(request, message)
@@ -366,7 +386,7 @@ async def _listen(request: web.Request, message: dict[str, Any]) -> web.StreamRe
             f"notifications.taskIds needs the {TASKS_EXTENSION} extension declared in this request's "
             '_meta["io.modelcontextprotocol/clientCapabilities"].extensions'
         )
-    check_protocol_version(message, request.headers)
+    check_modern_request(message, request.headers)
     request[info_key].mode = "listen"
     upstream_response = None
     if listen.wants_upstream(rest) and await _era(request) == "modern":
@@ -407,7 +427,7 @@ async def _probe_era(gateway: Gateway) -> None:
 async def _discover_from_legacy(request: web.Request, message: dict[str, Any]) -> web.Response:
     """server/discover for a legacy upstream, which has none: answered from its initialize result (NOTES §8)."""
     request[info_key].mode = "legacy"
-    check_protocol_version(message, request.headers)
+    check_modern_request(message, request.headers)
     legacy = request.app[gateway_key].legacy
     try:
         await legacy.session_for(request.headers)
@@ -458,7 +478,11 @@ def _missing_tasks_capability(message: str) -> JsonRpcError:
 
 
 async def _tools_call(
-    request: web.Request, message: dict[str, Any], relay: Callable[[], Awaitable[web.StreamResponse]]
+    request: web.Request,
+    message: dict[str, Any],
+    relay: Callable[[], Awaitable[web.StreamResponse]],
+    *,
+    modern: bool,
 ) -> web.StreamResponse:
     """A tools/call: a task when its rule and the request say so, else `relay` carries it synchronously."""
     config = request.app[policy_key].config
@@ -469,6 +493,10 @@ async def _tools_call(
     info.tool = name if isinstance(name, str) else None
     if rule is None or rule.task is TaskMode.NEVER:
         return await relay()
+    if modern or declares_tasks(message):
+        # Before the capability check, as the reference ladder orders them: headers that disagree with the body
+        # say nothing reliable about what the client wants.
+        check_modern_request(message, request.headers)
     if not declares_tasks(message):
         if rule.task is TaskMode.REQUIRED:
             raise _missing_tasks_capability(
@@ -477,8 +505,6 @@ async def _tools_call(
             )
         return await relay()
 
-    check_protocol_version(message, request.headers)
-    check_name_header(request.headers, name)
     arguments = params.get("arguments")
     if arguments is not None and not isinstance(arguments, dict):
         raise JsonRpcError(INVALID_PARAMS, "Invalid params: arguments must be an object")
@@ -515,8 +541,8 @@ def _direct_answer(request_id: Any, outcome: DirectOutcome) -> web.Response:
 async def _tasks_method(request: web.Request, message: dict[str, Any]) -> dict[str, Any]:
     """tasks/get, tasks/update, tasks/cancel (SEP-2663); the removed tasks/result and tasks/list are unknown."""
     method = message["method"]
-    check_protocol_version(message, request.headers)
-    if method not in OWNED_TASK_METHODS:
+    check_modern_request(message, request.headers)
+    if method not in TASK_METHODS:
         raise JsonRpcError(METHOD_NOT_FOUND, f"Method not found: {method}")
     if not declares_tasks(message):
         raise _missing_tasks_capability(
@@ -527,7 +553,6 @@ async def _tasks_method(request: web.Request, message: dict[str, Any]) -> dict[s
     task_id = params.get("taskId")
     if not isinstance(task_id, str):
         raise JsonRpcError(INVALID_PARAMS, "Invalid params: taskId must be a string")
-    check_name_header(request.headers, task_id)
     responses = params.get("inputResponses")
     if method == "tasks/update" and (
         not isinstance(responses, dict) or not all(isinstance(answer, dict) for answer in responses.values())

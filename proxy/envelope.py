@@ -15,6 +15,14 @@ from .jsonrpc import HEADER_MISMATCH, INVALID_PARAMS, UNSUPPORTED_PROTOCOL_VERSI
 META_PROTOCOL_VERSION = "io.modelcontextprotocol/protocolVersion"
 META_CLIENT_CAPABILITIES = "io.modelcontextprotocol/clientCapabilities"
 SUPPORTED_VERSIONS = (PROTOCOL_VERSION,)
+TASK_METHODS = frozenset({"tasks/get", "tasks/update", "tasks/cancel"})
+NAME_PARAMS = {
+    "tools/call": "name",
+    "prompts/get": "name",
+    "resources/read": "uri",
+    **dict.fromkeys(TASK_METHODS, "taskId"),
+}
+"""The body field each method's `Mcp-Name` header mirrors (SEP-2243; SEP-2663 for tasks/*)."""
 
 
 def params_of(message: dict[str, Any]) -> dict[str, Any]:
@@ -44,24 +52,52 @@ def declares_tasks(message: dict[str, Any]) -> bool:
     return isinstance(extensions, dict) and TASKS_EXTENSION in extensions
 
 
-def check_protocol_version(message: dict[str, Any], headers: MultiMapping[str]) -> None:
-    """For requests the proxy answers itself: the header and _meta agree, and the version is one it speaks."""
+def check_modern_request(message: dict[str, Any], headers: MultiMapping[str]) -> None:
+    """The validation a 2026-07-28 request gets before the proxy acts on its body, in the reference SDK's order:
+    the envelope's version key, then the SEP-2243 headers against the body, then the version itself."""
     meta = meta_of(message)
     if META_PROTOCOL_VERSION not in meta:
         raise JsonRpcError(INVALID_PARAMS, f"Missing required _meta key {META_PROTOCOL_VERSION}")
     requested = meta[META_PROTOCOL_VERSION]
-    header = headers.get("MCP-Protocol-Version")
-    if header is not None and header.strip() != requested:
-        raise JsonRpcError(
-            HEADER_MISMATCH,
-            f"Header mismatch: MCP-Protocol-Version header value {header.strip()!r} "
-            f"does not match body value {requested!r}",
-        )
+    _check_header(headers, "MCP-Protocol-Version", requested, required=True)
+    check_routing_headers(message, headers, required=True)
     if requested not in SUPPORTED_VERSIONS:
         raise JsonRpcError(
             UNSUPPORTED_PROTOCOL_VERSION,
             "Unsupported protocol version",
             {"supported": list(SUPPORTED_VERSIONS), "requested": str(requested)},
+        )
+
+
+def check_routing_headers(message: dict[str, Any], headers: MultiMapping[str], *, required: bool) -> None:
+    """SEP-2243: `Mcp-Method` equals the body's method and `Mcp-Name` the tool or prompt name, resource URI or task
+    id. `required` makes a missing header an error too, except `Mcp-Name` on tasks/*, which one real tasks client
+    (fastmcp-tasks) omits; without it only headers that are present are compared (a legacy request)."""
+    method = message["method"]
+    _check_header(headers, "Mcp-Method", method, required=required)
+    name_key = NAME_PARAMS.get(method)
+    if name_key is None:
+        return
+    value = params_of(message).get(name_key)
+    if isinstance(value, str):
+        _check_header(headers, "Mcp-Name", value, required=required and method not in TASK_METHODS, encoded=True)
+
+
+def _check_header(
+    headers: MultiMapping[str], name: str, body_value: Any, *, required: bool, encoded: bool = False
+) -> None:
+    raw = headers.get(name)
+    if raw is None:
+        if required:
+            raise JsonRpcError(
+                HEADER_MISMATCH, f"Header mismatch: the {name} header is missing; the body's value is {body_value!r}"
+            )
+        return
+    value = decode_header_value(raw) if encoded else raw.strip()
+    if value != body_value:
+        raise JsonRpcError(
+            HEADER_MISMATCH,
+            f"Header mismatch: {name} header value {raw.strip()!r} does not match body value {body_value!r}",
         )
 
 
@@ -74,19 +110,6 @@ def decode_header_value(value: str) -> str | None:
         except (binascii.Error, UnicodeDecodeError):
             return None
     return value
-
-
-def check_name_header(headers: MultiMapping[str], body_value: str) -> None:
-    """A present Mcp-Name must equal the body's value (SEP-2663 routing headers); a missing one is accepted."""
-    raw = headers.get("Mcp-Name")
-    if raw is None:
-        return
-    decoded = decode_header_value(raw)
-    if decoded != body_value:
-        raise JsonRpcError(
-            HEADER_MISMATCH,
-            f"Header mismatch: Mcp-Name header value {raw.strip()!r} does not match body value {body_value!r}",
-        )
 
 
 def without_tasks_declaration(message: dict[str, Any]) -> dict[str, Any]:

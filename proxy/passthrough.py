@@ -24,6 +24,8 @@ from .upstream import Upstream, read_bounded, request_headers, response_headers
 log = structlog.get_logger(__name__)
 
 _STREAM_TYPES = ("text/event-stream",)
+client_gone_key = web.RequestKey("client_gone_key", bool)
+"""Set on a request whose client went away before its answer was written: logged and counted as 499, not 500."""
 _READ_WHOLE_BYTES = 256 * 1024
 """Bodies up to this size (by Content-Length) are read whole and sent in one write; larger ones are streamed."""
 
@@ -143,7 +145,7 @@ async def _relay_stream(
                     {"upstream": upstream.url},
                 )
                 await _write_to_client(
-                    relayed, b"event: message\ndata: " + dumps(error_response(request_id, error)) + b"\n\n"
+                    request, relayed, b"event: message\ndata: " + dumps(error_response(request_id, error)) + b"\n\n"
                 )
                 break
             if request.transport is not None:
@@ -151,13 +153,15 @@ async def _relay_stream(
             return relayed
         if watcher is not None:
             watcher.feed(chunk)
-        if not await _write_to_client(relayed, chunk):
+        if not await _write_to_client(request, relayed, chunk):
             return relayed
-    await _write_to_client(relayed, b"", eof=True)
+    await _write_to_client(request, relayed, b"", eof=True)
     return relayed
 
 
-async def _write_to_client(relayed: web.StreamResponse, data: bytes, *, eof: bool = False) -> bool:
+async def _write_to_client(
+    request: web.Request, relayed: web.StreamResponse, data: bytes, *, eof: bool = False
+) -> bool:
     """False when the client has gone away; the caller then stops reading the upstream."""
     try:
         if eof:
@@ -165,7 +169,7 @@ async def _write_to_client(relayed: web.StreamResponse, data: bytes, *, eof: boo
         else:
             await relayed.write(data)
     except ConnectionResetError:
-        log.info("client_disconnected")
+        request[client_gone_key] = True
         return False
     return True
 

@@ -40,6 +40,8 @@ def headers_for(message: dict[str, Any]) -> dict[str, str]:
     params = message.get("params") or {}
     if message["method"] in ("tools/call", "prompts/get") and isinstance(params.get("name"), str):
         headers["Mcp-Name"] = params["name"]
+    elif message["method"] == "resources/read" and isinstance(params.get("uri"), str):
+        headers["Mcp-Name"] = params["uri"]
     elif message["method"].startswith("tasks/") and isinstance(params.get("taskId"), str):
         headers["Mcp-Name"] = params["taskId"]
     return headers

@@ -146,6 +146,11 @@ def greeting() -> str:
     return "hello from a legacy resource"
 
 
+@server.prompt(name="greeting")
+def greeting_prompt(name: str) -> str:
+    return f"Say hello to {name}."
+
+
 if __name__ == "__main__":
     server.settings.host = "127.0.0.1"
     server.settings.port = int(sys.argv[1])

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import free_port, quiet_proxy
-from tests.factories import meta
+from tests.factories import headers_for, meta
 from tests.schemas import validate, validate_response
 
 METHODS = ["tools/call", "tools/list", "tasks/get", "tasks/update", "tasks/cancel", "tasks/list", "tasks/result",
@@ -119,7 +119,7 @@ def a_task(proxy_port) -> str:
     """A task created before the fuzzing; it must come out of it intact."""
     message = {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
                "params": {"name": "one_question", "arguments": {}, "_meta": meta(elicitation={})}}  # fmt: skip
-    status, _, body = post(proxy_port, json.dumps(message).encode(), {"MCP-Protocol-Version": "2026-07-28"})
+    status, _, body = post(proxy_port, json.dumps(message).encode(), headers_for(message))
     assert status == 200, body
     return json.loads(body)["result"]["taskId"]
 
@@ -159,8 +159,9 @@ def test_random_task_ids_and_foreign_keys(proxy_port, a_task, task_id, responses
                 "method": method,
                 "params": {"taskId": target, **params, "_meta": meta()},
             }
-            status, content_type, body = post(proxy_port, json.dumps(message).encode(),
-                                              {"MCP-Protocol-Version": "2026-07-28"})  # fmt: skip
+            # No Mcp-Name: it is optional on tasks/*, and a hostile id may be no header value at all.
+            headers = {"MCP-Protocol-Version": "2026-07-28", "Mcp-Method": method}
+            status, content_type, body = post(proxy_port, json.dumps(message).encode(), headers)
             assert_sane(status, content_type, body)
             if target != a_task:
                 # Unknown, expired and malformed ids all read as "not found"; a store error here would be a fault.
@@ -239,7 +240,7 @@ def test_pathological_documents(proxy_port, body):
 
 def test_the_task_made_before_fuzzing_is_intact_and_the_proxy_serves(proxy_port, a_task):
     message = {"jsonrpc": "2.0", "id": 9, "method": "tasks/get", "params": {"taskId": a_task, "_meta": meta()}}
-    status, _, body = post(proxy_port, json.dumps(message).encode(), {"MCP-Protocol-Version": "2026-07-28"})
+    status, _, body = post(proxy_port, json.dumps(message).encode(), headers_for(message))
     assert status == 200
     task = json.loads(body)["result"]
     # Fuzzed tasks/update and tasks/cancel calls carried the right id (and, like its creator, no credential), so

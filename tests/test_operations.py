@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import signal
 import subprocess
@@ -9,13 +10,14 @@ import sys
 import time
 
 import structlog
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.app import policy_key
 from proxy.config import load_config
 from proxy.policy import PolicyReloader
 from tests.conftest import ROOT, eventually, free_port, stop, task_reaches, wait_for_port
-from tests.factories import meta
+from tests.factories import headers_for, meta
 
 
 async def scrape(proxy) -> dict[tuple[str, tuple], float]:
@@ -189,3 +191,39 @@ async def test_passthrough_requests_are_counted_by_method(make_proxy, mcp_upstre
     assert (await proxy.client.call("tools/list")).status == 200
     samples = await scrape(proxy)
     assert value(samples, "mcp_tasks_proxy_requests_total", method="tools/list", mode="passthrough", status="200") == 1
+
+
+async def test_a_stream_the_client_closes_is_counted_and_logged_as_client_closed(make_proxy, fake_upstream):
+    """Inspector closes its streams on every run: that is the client leaving (499), not a proxy failure (500)."""
+    release = asyncio.Event()
+
+    async def endless_stream(request: web.Request) -> web.StreamResponse:
+        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await stream.prepare(request)
+        await stream.write(b'event: message\ndata: {"jsonrpc":"2.0","method":"notifications/message","params":{}}\n\n')
+        await release.wait()
+        return stream
+
+    upstream = await fake_upstream(endless_stream)
+    proxy = await make_proxy(upstream.url, protocol="modern", logging={"level": "info"})
+    message = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {"_meta": meta(tasks=False)}}
+    with structlog.testing.capture_logs() as logs:
+        for method, body in (("POST", message), ("GET", None)):
+            headers = {**headers_for(message), "Accept": "application/json, text/event-stream"}
+            async with proxy.client.session.request(method, proxy.url, json=body, headers=headers) as response:
+                assert response.status == 200
+                await response.content.readline()  # the first event arrived: the client leaves mid-stream
+
+        async def both_counted():
+            samples = await scrape(proxy)
+            counted = [value(samples, "mcp_tasks_proxy_requests_total", method=m, mode="passthrough", status="499")
+                       for m in ("tools/list", "none")]  # fmt: skip
+            return counted == [1, 1]
+
+        await eventually(both_counted, what="two requests counted with status 499")
+    release.set()
+    samples = await scrape(proxy)
+    assert not [key for key in samples if key[0] == "mcp_tasks_proxy_requests_total" and ("status", "500") in key[1]]
+    handled = [line for line in logs if line["event"] == "request_handled"]
+    assert [(line["status"], line["client_closed"]) for line in handled] == [(499, True), (499, True)]
+    assert not [line for line in logs if line["log_level"] in ("error", "critical") or "exception" in line]
