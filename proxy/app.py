@@ -154,6 +154,7 @@ def create_app(
             reap_interval_s=config.store.reap_interval_s,
             reconcile_interval_s=config.store.reconcile_interval_s,
             lease_s=config.store.lease_s,
+            input_wait_s=config.upstream.input_wait_s,
             metrics=app[metrics_key],
         )
         app[runner_key] = runner
@@ -516,6 +517,7 @@ async def _tools_call(
         headers=request.headers.copy(),
         capabilities=capabilities if isinstance(capabilities, dict) else {},
         principal=request.app[identity_key].principal(request.headers),
+        credential=request.app[identity_key].credential(request.headers),
     )
     info.mode = "task"
     try:

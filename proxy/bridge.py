@@ -2,28 +2,25 @@
 
 Progress is relayed on the response's event stream as it comes. When the legacy server asks for input on the
 call's stream, the client gets an MRTR `input_required` result whose `requestState` is a handle to the upstream
-call, which stays open in the proxy: the client's retry posts the answers back upstream and goes on reading the
-same call. Handles are HMAC-protected, bound to the caller and the request, single-use, and expire.
+call, which stays open in the proxy (proxy/parking.py): the client's retry posts the answers back upstream and goes
+on reading the same call.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import dataclasses
-import hashlib
-import hmac
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import structlog
 from aiohttp import web
-from cachetools import TTLCache
 
 from .envelope import META_CLIENT_CAPABILITIES, meta_of, params_of
 from .jsonrpc import ERROR_HTTP_STATUS, INVALID_PARAMS, JsonRpcError, dumps, error_response, result_response
 from .legacy import LegacyUpstream
+from .parking import ParkedCalls
 from .security import Identity
 from .upstream import Event, Failed, Finished, InputNeeded, Progress
 
@@ -45,21 +42,6 @@ class _Call:
     """Outstanding input requests by key, as the client was shown them."""
 
 
-class _ParkedCalls(TTLCache):
-    """Calls waiting for the client's MRTR retry; one that expires or is evicted is cancelled upstream."""
-
-    def expire(self, time: float | None = None) -> list[tuple[str, _Call]]:
-        expired = super().expire(time)
-        for _, call in expired:
-            _abandon(call, "expired")
-        return expired
-
-    def popitem(self) -> tuple[str, _Call]:
-        key, call = super().popitem()
-        _abandon(call, "evicted")
-        return key, call
-
-
 def _abandon(call: _Call, why: str) -> None:
     log.info("legacy_call_abandoned", reason=why)
     call.pump.cancel()  # closing the call's events posts notifications/cancelled upstream
@@ -79,23 +61,18 @@ class SyncBridge:
         self._max_bytes = max_bytes
         """limits.max_result_bytes as the policy says now: the bound of each upstream answer read for a client."""
         self._identity = identity
-        self._secret = secrets.token_bytes(32)
-        self._parked = _ParkedCalls(maxsize=max_parked, ttl=input_wait_s)
-        self._sweeper: asyncio.Task[None] | None = None
-        self._input_wait_s = input_wait_s
+        self._parked: ParkedCalls[_Call] = ParkedCalls(
+            prefix=_TOKEN_PREFIX, ttl_s=input_wait_s, on_drop=_abandon, max_parked=max_parked
+        )
 
     async def aclose(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-        calls = list(self._parked.values())
-        self._parked.clear()
+        calls = self._parked.drain()
         for call in calls:
             call.pump.cancel()
         await asyncio.gather(*(call.pump for call in calls), return_exceptions=True)
 
     async def relay(self, request: web.Request, message: dict[str, Any]) -> web.StreamResponse:
         """Carry one modern request (tools/call, prompts/get, resources/read, lists...) to the legacy upstream."""
-        self._ensure_sweeper()
         params = params_of(message)
         state = params.get("requestState")
         if state is not None:
@@ -118,13 +95,14 @@ class SyncBridge:
                 "method": message["method"],
                 "params": params,
             }
+            queue: asyncio.Queue[Event] = asyncio.Queue()
             events = self._legacy.call(
                 upstream_message,
                 request.headers,
                 capabilities if isinstance(capabilities, dict) else {},
                 max_bytes=self._max_bytes(),
+                on_request=queue.put,  # a request for this call on the standalone stream joins its round
             )
-            queue: asyncio.Queue[Event] = asyncio.Queue()
             call = _Call(queue=queue, pump=asyncio.ensure_future(_pump(events, queue)))
         return await self._follow(request, message, call)
 
@@ -167,41 +145,21 @@ class SyncBridge:
         return web.Response(body=dumps(answer), content_type="application/json")
 
     def _input_required(self, request: web.Request, message: dict[str, Any], call: _Call) -> dict[str, Any]:
-        handle = secrets.token_urlsafe(16)
-        self._parked[handle] = call
-        token = f"{_TOKEN_PREFIX}.{handle}.{self._mac(handle, request, message)}"
+        token = self._parked.park(call, self._binding(request, message))
         result = {"resultType": "input_required", "inputRequests": dict(call.requests), "requestState": token}
         return result_response(message["id"], result)
 
     def _claim(self, token: Any, request: web.Request, message: dict[str, Any]) -> _Call:
         """The parked call a requestState names; single use, and only for the caller and request it was made for."""
-        parts = token.split(".") if isinstance(token, str) else []
-        if len(parts) == 3 and parts[0] == _TOKEN_PREFIX:
-            handle, mac = parts[1], parts[2]
-            if hmac.compare_digest(mac, self._mac(handle, request, message)):
-                call = self._parked.pop(handle, None)
-                if call is not None:
-                    return call
-        raise JsonRpcError(INVALID_PARAMS, "Invalid or expired requestState", {"reason": "invalid_request_state"})
+        call = self._parked.claim(token, self._binding(request, message))
+        if call is None:
+            raise JsonRpcError(INVALID_PARAMS, "Invalid or expired requestState", {"reason": "invalid_request_state"})
+        return call
 
-    def _mac(self, handle: str, request: web.Request, message: dict[str, Any]) -> str:
+    def _binding(self, request: web.Request, message: dict[str, Any]) -> str:
         params = params_of(message)
         subject = params.get("name", params.get("uri", ""))
-        caller = self._identity.credential(request.headers)
-        binding = f"{handle}|{caller}|{message['method']}|{subject}".encode()
-        digest = hmac.new(self._secret, binding, hashlib.sha256).digest()
-        return base64.urlsafe_b64encode(digest).decode().rstrip("=")
-
-    def _ensure_sweeper(self) -> None:
-        if self._sweeper is None or self._sweeper.done():
-            self._sweeper = asyncio.ensure_future(self._sweep())
-
-    async def _sweep(self) -> None:
-        # Expired calls are otherwise only noticed on the next access; an idle proxy must still cancel them.
-        interval = max(0.5, min(self._input_wait_s / 4, 10.0))
-        while True:
-            await asyncio.sleep(interval)
-            self._parked.expire()
+        return f"{self._identity.credential(request.headers)}|{message['method']}|{subject}"
 
 
 async def _pump(events: AsyncIterator[Event], queue: asyncio.Queue[Event]) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
 import aiohttp
@@ -13,7 +13,7 @@ from multidict import CIMultiDict, MultiMapping
 from . import PROTOCOL_VERSION, __version__
 from .jsonrpc import dumps
 from .legacy import LegacyUpstream, single_answer
-from .upstream import Event, Upstream, UpstreamUnavailable, own_request_headers, proxy_failure
+from .upstream import Event, InputNeeded, Upstream, UpstreamUnavailable, own_request_headers, proxy_failure
 
 log = structlog.get_logger(__name__)
 
@@ -81,14 +81,16 @@ class Gateway:
         capabilities: dict[str, Any],
         *,
         max_bytes: int,
+        on_request: Callable[[InputNeeded], Awaitable[None]] | None = None,
     ) -> AsyncIterator[Event]:
+        """The call's events; a legacy server's request for it outside its stream goes to `on_request`."""
         try:
             era = await self.era(client_headers)
         except UpstreamUnavailable as exc:
             yield proxy_failure(str(exc), self.url)
             return
         if era == "legacy":
-            events = self.legacy.call(message, client_headers, capabilities, max_bytes=max_bytes)
+            events = self.legacy.call(message, client_headers, capabilities, max_bytes=max_bytes, on_request=on_request)
         else:
             events = self.upstream.call_tool(message, client_headers, capabilities, max_bytes=max_bytes)
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -21,9 +22,11 @@ from multidict import CIMultiDict, MultiMapping
 
 from . import PROTOCOL_VERSION, TASKS_EXTENSION, __version__
 from .calls import BodyTooLarge, CallResponse
+from .envelope import params_of
 from .jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, dumps, error_object
 from .security import Identity
 from .sse import SseLimitError, SseParser, json_message
+from .standalone import CallRoute, open_stream
 from .upstream import (
     Event,
     Failed,
@@ -37,6 +40,7 @@ from .upstream import (
     read_bounded,
     too_large,
 )
+from .upstream_tasks import TASKED, TaskSupport, run_as_upstream_task, without_task_support
 
 log = structlog.get_logger(__name__)
 
@@ -63,6 +67,10 @@ class LegacySession:
     session_id: str | None
     protocol_version: str
     principal: str
+    calls: dict[Any, CallRoute] = dataclasses.field(default_factory=dict)
+    """The calls in flight, by upstream request id: where a request on the standalone stream may belong."""
+    reader: asyncio.Task[None] | None = None
+    """Reads the session's standalone stream (proxy/standalone.py)."""
 
     def headers(self, client_headers: MultiMapping[str]) -> CIMultiDict[str]:
         # Mcp-Method, Mcp-Name, Mcp-Param-* are not defined before 2026-07-28; version and session are the session's.
@@ -154,6 +162,7 @@ class LegacyUpstream:
         self._opening: dict[str, asyncio.Task[LegacySession]] = {}
         self._background: set[asyncio.Task[None]] = set()
         self.initialize_result: dict[str, Any] | None = None
+        self.task_support = TaskSupport()
 
     @property
     def url(self) -> str:
@@ -207,11 +216,16 @@ class LegacyUpstream:
             dumps({"jsonrpc": "2.0", "method": "notifications/initialized"}),
         )
         notified.release()
+        if session_id is not None:
+            # Before any call: a server may send a call's request there (server-everything's roots/list).
+            await open_stream(self, session, client_headers)
         self._sessions[principal] = session
         log.info("legacy_session_opened", protocol_version=session.protocol_version, has_session_id=bool(session_id))
         return session
 
     def _end_session(self, session: LegacySession) -> None:
+        if session.reader is not None:
+            session.reader.cancel()
         if session.session_id is None:
             return
         headers = CIMultiDict({"Mcp-Session-Id": session.session_id, "MCP-Protocol-Version": session.protocol_version})
@@ -223,14 +237,22 @@ class LegacyUpstream:
             except (ConnectionError, aiohttp.ClientError, OSError):
                 pass
 
-        self._spawn(delete())
+        self.spawn(delete())
 
-    def _spawn(self, coro: Awaitable[None]) -> None:
+    @property
+    def upstream(self) -> Upstream:
+        return self._upstream
+
+    def spawn(self, coro: Awaitable[None]) -> None:
+        """Run `coro` beside the calls; it is cancelled when the proxy stops."""
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
     async def aclose(self) -> None:
+        for session in list(self._sessions.values()):
+            if session.reader is not None:
+                session.reader.cancel()
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
@@ -269,6 +291,16 @@ class LegacyUpstream:
         if response.status >= 400:
             log.warning("legacy_answer_refused", status=response.status)
 
+    async def ask(
+        self, session: LegacySession, client_headers: MultiMapping[str], method: str, params: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """A request of the proxy's own on the session (tools/list, tasks/get, tasks/cancel) and its one answer;
+        None when the upstream gave none. Raises what the connection raises."""
+        message = {"jsonrpc": "2.0", "id": f"mtp-{method}-{secrets.token_hex(6)}", "method": method, "params": params}
+        response = await self._upstream.request("POST", self.url, session.headers(client_headers), dumps(message))
+        async with response:
+            return await single_answer(response, message["id"])
+
     def cancel_later(
         self, session: LegacySession, client_headers: MultiMapping[str], request_id: Any, reason: str
     ) -> None:
@@ -288,7 +320,7 @@ class LegacyUpstream:
             except (ConnectionError, aiohttp.ClientError, OSError) as exc:
                 log.warning("upstream_cancel_not_delivered", reason=str(exc))
 
-        self._spawn(send())
+        self.spawn(send())
 
     # --- reading a call -----------------------------------------------------------------------------------------
 
@@ -362,14 +394,52 @@ class LegacyUpstream:
         capabilities: dict[str, Any],
         *,
         max_bytes: int,
+        on_request: Callable[[InputNeeded], Awaitable[None]] | None = None,
     ) -> AsyncIterator[Event]:
         """POST one request and yield its events; the last is Finished or Failed.
 
         A server request the client may answer is yielded as InputNeeded whose `reply` posts the answer back; the
         stream is read on meanwhile. `ping` is answered here; a request the client did not declare is declined here.
+        A request for this call on the session's standalone stream goes to `on_request` instead (proxy/standalone.py).
         Ending early (cancel, timeout, shutdown) posts notifications/cancelled for the request.
         """
         legacy = to_legacy(message)
+        try:
+            session = await self.session_for(client_headers)
+        except (ConnectionError, aiohttp.ClientError, OSError, UpstreamUnavailable) as exc:
+            yield proxy_failure(f"upstream unreachable ({exc})", self.url)
+            return
+        route = CallRoute(capabilities, on_request)
+        session.calls[legacy["id"]] = route
+        try:
+            name = params_of(legacy).get("name")
+            if legacy["method"] == "tools/call" and isinstance(name, str):
+                support = await self.task_support.of(self, session, client_headers, name)
+            else:
+                support = "forbidden"
+            if support in TASKED:
+                events = run_as_upstream_task(
+                    self, session, legacy, client_headers, capabilities, route, max_bytes=max_bytes
+                )
+            else:
+                events = self.exchange(legacy, client_headers, capabilities, max_bytes=max_bytes)
+            try:
+                async for event in events:
+                    yield event
+            finally:
+                await events.aclose()
+        finally:
+            session.calls.pop(legacy["id"], None)
+
+    async def exchange(
+        self,
+        legacy: dict[str, Any],
+        client_headers: MultiMapping[str],
+        capabilities: dict[str, Any],
+        *,
+        max_bytes: int,
+    ) -> AsyncIterator[Event]:
+        """One request's POST and its response stream, read as events."""
         request_id = legacy["id"]
         try:
             session, response = await self.post(legacy, client_headers)
@@ -388,7 +458,7 @@ class LegacyUpstream:
                 if method == "notifications/progress":
                     yield interpret_progress(upstream_message)
                 elif isinstance(method, str) and "id" in upstream_message:
-                    event = await self._server_request(session, client_headers, upstream_message, capabilities)
+                    event = await self.server_request(session, client_headers, upstream_message, capabilities)
                     if event is not None:
                         yield event
                 elif method is None and upstream_message.get("id") == request_id:
@@ -397,7 +467,11 @@ class LegacyUpstream:
                         error = to_modern_error(upstream_message["error"])
                         yield Failed(error, f"the upstream answered with JSON-RPC error {error.get('code')}")
                     elif isinstance(upstream_message.get("result"), dict):
-                        result = to_modern_result(legacy["method"], upstream_message["result"])
+                        result = upstream_message["result"]
+                        if legacy["method"] == "tools/list":
+                            self.task_support.learn(result)
+                            result = without_task_support(result)
+                        result = to_modern_result(legacy["method"], result)
                         yield Finished(result, len(dumps(result)))
                     else:
                         yield proxy_failure("the upstream's response has no result object", self.url)
@@ -411,7 +485,7 @@ class LegacyUpstream:
             if not finished:
                 self.cancel_later(session, client_headers, request_id, "cancelled by the client")
 
-    async def _server_request(
+    async def server_request(
         self,
         session: LegacySession,
         client_headers: MultiMapping[str],

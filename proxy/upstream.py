@@ -113,6 +113,8 @@ class Failed:
     error: dict[str, Any]
     """A JSON-RPC error object: the upstream's own, or -32603 made by the proxy."""
     status_message: str
+    unread: bool = False
+    """The proxy could not read the upstream's answer (unreachable, stream cut): the work may go on upstream."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -139,7 +141,7 @@ Event = Progress | Finished | Failed | InputNeeded
 
 
 def proxy_failure(reason: str, upstream: str) -> Failed:
-    return Failed(error_object(INTERNAL_ERROR, f"Upstream failure: {reason}", {"upstream": upstream}), reason)
+    return Failed(error_object(INTERNAL_ERROR, f"Upstream failure: {reason}", {"upstream": upstream}), reason, True)
 
 
 def too_large(limit: int) -> Failed:

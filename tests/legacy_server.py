@@ -80,6 +80,15 @@ async def ask_name(ctx: Context) -> str:
 
 
 @server.tool()
+async def ask_then_work(seconds: float, ctx: Context) -> str:
+    """Elicit a name, then work for `seconds`: the composition of an input round and a long call."""
+    answer = await ctx.elicit("Your name?", Name)
+    await asyncio.sleep(seconds)
+    name = answer.data.name if answer.action == "accept" else answer.action
+    return f"hello {name} after {seconds:g} s"
+
+
+@server.tool()
 async def ask_two(ctx: Context) -> str:
     """Two elicitations at once: both are pending together."""
     first, second = await asyncio.gather(ctx.elicit("First?", Name), ctx.elicit("Second?", Name))
@@ -111,10 +120,30 @@ async def ask_roots(ctx: Context) -> str:
 
 
 @server.tool()
+async def ask_roots_standalone(ctx: Context) -> str:
+    """roots/list on the session's standalone GET stream (no related request), as server-everything sends it."""
+    try:
+        result = await ctx.session.send_request(ServerRequest(ListRootsRequest()), ListRootsResult)
+    except McpError as exc:
+        return f"roots refused: {exc.error.code} {exc.error.message}"
+    return ", ".join(str(root.uri) for root in result.roots)
+
+
+@server.tool()
 async def gated(tag: str, ctx: Context) -> str:
     """Report progress, then wait for release(tag); records a cancellation (notifications/cancelled)."""
     await ctx.report_progress(1, 2, f"waiting at gate {tag}")
     await gates.wait_at(tag)
+    return f"gate {tag} opened"
+
+
+@server.tool()
+async def ask_gated(tag: str, ctx: Context) -> str:
+    """Elicit, then wait at gate `tag`: started while the question is open, cancelled if the call is."""
+    asking = asyncio.ensure_future(ctx.elicit("Proceed?", Name))
+    await asyncio.sleep(0)
+    waiting = asyncio.ensure_future(gates.wait_at(tag))
+    await asyncio.gather(asking, waiting)
     return f"gate {tag} opened"
 
 

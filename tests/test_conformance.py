@@ -1,8 +1,13 @@
-"""The official MCP conformance suite's tasks-* server scenarios, run against the proxy in front of a server
-that implements no tasks (tests/conformance/fixture_server.py, `mcp` 2.x) under tests/conformance/policy.yaml.
+"""The official MCP conformance suite's tasks-* server scenarios, run against the proxy in front of a server that
+implements no tasks, under tests/conformance/policy.yaml, once for each era of upstream:
 
-The suite is an npm package pinned in tests/conformance/package.json; the first run installs it (with a Node.js 22
-of its own) into tests/conformance/node_modules.
+- modern: tests/conformance/fixture_server.py, 2026-07-28 (`mcp` 2.x), input through MRTR rounds;
+- legacy: tests/conformance/legacy_fixture_server.py, 2025-11-25 (`mcp` 1.x, in tests/.legacy-venv), the same tools
+  asking for input with elicitation requests on the call's stream.
+
+The proxy probes the upstream's era itself; both get the same command line. The suite is an npm package pinned in
+tests/conformance/package.json; the first run installs it (with a Node.js 22 of its own) into
+tests/conformance/node_modules.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, free_port, stop, wait_for_port
+from tests.conftest import ROOT, free_port, legacy_python, stop, wait_for_port
 
 HERE = ROOT / "tests" / "conformance"
 SUITE = HERE / "node_modules" / "@modelcontextprotocol" / "conformance" / "dist" / "index.js"
@@ -52,11 +57,19 @@ def suite() -> list[str]:
     return [str(NODE), str(SUITE)]
 
 
-@pytest.fixture(scope="module")
-def proxied_fixture() -> Iterator[str]:
-    """The fixture server, and the proxy in front of it; yields the proxy's MCP URL."""
+def _upstream_command(era: str) -> list[str]:
+    """How to start the fixture server of this era (it takes its port as the last argument)."""
+    if era == "legacy":
+        # `mcp` 1.x cannot share an environment with the proxy's 2.x; legacy_python() builds its own once.
+        return [str(legacy_python()), str(HERE / "legacy_fixture_server.py")]
+    return [sys.executable, str(HERE / "fixture_server.py")]
+
+
+@pytest.fixture(scope="module", params=["modern", "legacy"])
+def proxied_fixture(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fixture server of each era, and the proxy in front of it; yields the proxy's MCP URL."""
     server_port, proxy_port = free_port(), free_port()
-    server = subprocess.Popen([sys.executable, str(HERE / "fixture_server.py"), str(server_port)])
+    server = subprocess.Popen([*_upstream_command(request.param), str(server_port)])
     proxy = None
     try:
         wait_for_port(server_port, server)

@@ -249,16 +249,69 @@ async def test_legacy_clients_still_pass_through_untouched(proxy, legacy_upstrea
     assert "Mcp-Session-Id" in client.headers
 
 
-async def test_a_question_inside_the_sync_window_makes_the_call_a_task_at_once(make_proxy, legacy_upstream):
-    # A legacy server's request can only wait for an answer inside a task, so it ends the sync window early.
-    proxy = await make_proxy(legacy_upstream, tools=[{"match": "ask_name", "sync_window_ms": 60_000}])
-    params = {"name": "ask_name", "arguments": {}, "_meta": meta(**ELICIT)}
-    created = await proxy.client.call("tools/call", params)
-    assert created.result["resultType"] == "task"
-    asking = await task_reaches(proxy.client, created.result["taskId"], "input_required")
-    (key,) = asking.result["inputRequests"]
-    await proxy.client.call(
-        "tasks/update", {"taskId": created.result["taskId"], "inputResponses": {key: accept(name="Bo")}}
+async def test_a_question_inside_the_sync_window_is_a_synchronous_mrtr_round(make_proxy, legacy_upstream):
+    """SEP-2663 composition: input asked before the task exists is an MRTR round, as with a modern upstream; the
+    legacy call waits upstream meanwhile, and becomes a task only if it outlasts the window after the answer."""
+    rules = [{"match": "ask_*", "task": "optional", "sync_window_ms": 1500}]
+    proxy = await make_proxy(legacy_upstream, tools=rules)
+    for seconds, expected in ((0, "complete"), (4, "task")):
+        params = {"name": "ask_then_work", "arguments": {"seconds": seconds}, "_meta": meta(**ELICIT)}
+        first = await proxy.client.call("tools/call", params)
+        validate_response(first.message, "InputRequiredResult", "core")
+        (key,) = first.result["inputRequests"]
+        assert first.result["inputRequests"][key]["method"] == "elicitation/create"
+        retry = {**params, "inputResponses": {key: accept(name="Bo")}, "requestState": first.result["requestState"]}
+        second = await proxy.client.call("tools/call", retry)
+        assert second.result["resultType"] == expected, second.message
+        if expected == "task":
+            validate_response(second.message, "CreateTaskResult")
+            second = await task_reaches(proxy.client, second.result["taskId"], "completed")
+            content = second.result["result"]["content"]
+        else:
+            content = second.result["content"]
+        assert content[0]["text"] == f"hello Bo after {seconds} s"
+
+
+async def test_a_parked_round_is_single_use_bound_to_its_caller_and_answers_what_is_left(make_proxy, legacy_upstream):
+    proxy = await make_proxy(legacy_upstream, tools=[{"match": "ask_*", "task": "optional", "sync_window_ms": 10_000}])
+    params = {"name": "ask_two", "arguments": {}, "_meta": meta(**ELICIT)}
+    first = await proxy.client.call("tools/call", params, headers={"Authorization": "Bearer alice"})
+    assert sorted(first.result["inputRequests"]) == ["elicitation-0", "elicitation-1"], first.result
+    state = first.result["requestState"]
+    partial = {**params, "inputResponses": {"elicitation-0": accept(name="A")}, "requestState": state}
+    stolen = await proxy.client.call("tools/call", partial, headers={"Authorization": "Bearer mallory"})
+    assert stolen.status == 400 and stolen.error["data"] == {"reason": "invalid_request_state"}
+    # Half the answers: the other question is asked again, with a new handle; the old one is used up.
+    second = await proxy.client.call("tools/call", partial, headers={"Authorization": "Bearer alice"})
+    assert list(second.result["inputRequests"]) == ["elicitation-1"], second.result
+    reused = await proxy.client.call("tools/call", partial, headers={"Authorization": "Bearer alice"})
+    assert reused.status == 400 and reused.error["code"] == -32602
+    last = {
+        **params,
+        "inputResponses": {"elicitation-1": accept(name="B")},
+        "requestState": second.result["requestState"],
+    }
+    done = await proxy.client.call("tools/call", last, headers={"Authorization": "Bearer alice"})
+    assert done.result["content"][0]["text"] == "A & B"
+    # A legacy server has no MRTR state of its own: any other requestState is refused, not sent on.
+    forged = await proxy.client.call("tools/call", {**params, "requestState": "opaque", "inputResponses": {}})
+    assert forged.status == 400 and forged.error["code"] == -32602
+
+
+async def test_a_parked_round_nobody_answers_is_cancelled_upstream(make_proxy, legacy_upstream, legacy_client):
+    gate = secrets.token_hex(6)
+    proxy = await make_proxy(
+        legacy_upstream,
+        tools=[{"match": "ask_gated", "task": "optional", "sync_window_ms": 10_000}],
+        upstream={"input_wait_s": 0.5},
     )
-    done = await task_reaches(proxy.client, created.result["taskId"], "completed")
-    assert done.result["result"]["content"][0]["text"] == "hello Bo"
+    params = {"name": "ask_gated", "arguments": {"tag": gate}, "_meta": meta(**ELICIT)}
+    first = await proxy.client.call("tools/call", params)
+    assert first.result["resultType"] == "input_required"
+
+    async def cancelled():
+        return await legacy_client.call_tool("gate_state", {"tag": gate}) == "cancelled"
+
+    await eventually(cancelled, what="the unanswered legacy call being cancelled upstream")
+    late = {**params, "inputResponses": {}, "requestState": first.result["requestState"]}
+    assert (await proxy.client.call("tools/call", late)).error["code"] == -32602

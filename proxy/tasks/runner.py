@@ -25,8 +25,17 @@ from tenacity import (
 )
 
 from ..config import LimitsConfig, TaskDefaults, ToolRule
-from ..jsonrpc import INTERNAL_ERROR, MISSING_REQUIRED_CLIENT_CAPABILITY, dumps, error_object
+from ..envelope import params_of
+from ..jsonrpc import (
+    INTERNAL_ERROR,
+    INVALID_PARAMS,
+    MISSING_REQUIRED_CLIENT_CAPABILITY,
+    JsonRpcError,
+    dumps,
+    error_object,
+)
 from ..metrics import Metrics
+from ..parking import ParkedCalls
 from ..upstream import Finished, InputNeeded, Progress
 
 if TYPE_CHECKING:
@@ -40,6 +49,14 @@ _CANCELLED_BY_CLIENT = "cancelled at the client's request"
 _SHUTDOWN = "the proxy shut down before the upstream call finished"
 _SHUTDOWN_WRITE_S = 5.0
 """On shutdown, how long a task's last write may wait for an unavailable store."""
+_STATE_PREFIX = "mtp1w"
+"""requestState of a call parked inside its sync window (proxy/parking.py)."""
+_GATHER_S = 0.05
+"""After a legacy server's first question, how long to wait for the ones sent with it, so they go out in one round."""
+
+
+def _binding(call: ToolCall) -> str:
+    return f"{call.credential}|tools/call|{call.tool}"
 
 
 class TaskWatchers:
@@ -110,6 +127,8 @@ class ToolCall:
     """The client capabilities the task-creating request declared; they bound what input may be asked."""
     principal: str = ""
     """Who asked (a keyed hash): the task's owner."""
+    credential: str = ""
+    """The caller's credential (a keyed hash, whatever security.principal says): an MRTR handle is bound to it."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -161,9 +180,11 @@ class _Job:
     issued_keys: set[str] | None = None
     replies: dict[str, Callable[[dict[str, Any]], Awaitable[None]]] = dataclasses.field(default_factory=dict)
     """Legacy upstreams: how to post the answer to each outstanding task key back on the open call."""
-    promote: asyncio.Future[None] | None = None
-    """Only while a sync window runs: resolved when the call must become a task before the window ends (a legacy
-    server asked for input)."""
+    sync_requests: dict[str, Any] | None = None
+    """A legacy server's questions asked inside the sync window: the client answers them as an MRTR round, by key,
+    while the call waits upstream (parked)."""
+    final: DirectOutcome | None = None
+    """The outcome, when it came while no sync window was waiting for it (the call was parked for an MRTR round)."""
 
     def mark_stored(self) -> None:
         self.stored = True
@@ -203,6 +224,7 @@ class TaskRunner:
         reap_interval_s: float = 5.0,
         reconcile_interval_s: float = 5.0,
         lease_s: float = 0.0,
+        input_wait_s: float = 300.0,
         metrics: Metrics | None = None,
     ) -> None:
         self._metrics = metrics or Metrics()
@@ -225,6 +247,9 @@ class TaskRunner:
         self.replica_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self._metrics.watch_running(self._running_by_status)
         self.watchers = TaskWatchers()
+        self._parked: ParkedCalls[_Job] = ParkedCalls(
+            prefix=_STATE_PREFIX, ttl_s=input_wait_s, on_drop=self._drop_parked
+        )
 
     @property
     def running(self) -> int:
@@ -248,6 +273,9 @@ class TaskRunner:
         """Start the call; return the stored task, or the outcome if it came inside the rule's sync window."""
         if not self.accepting:
             raise ShuttingDown("the proxy is shutting down and takes no new tasks")
+        resumed = await self.resume(call)
+        if resumed is not None:
+            return resumed
         defaults = self._defaults()  # the policy in force now; the job keeps these values through any reload
         limits = self._limits()
         slots = self._admit(call, rule, limits)
@@ -280,13 +308,19 @@ class TaskRunner:
                 raise
             self._spawn(job)
             return record
-        loop = asyncio.get_running_loop()
-        job.outcome, job.promote = loop.create_future(), loop.create_future()
         self._spawn(job)
+        return await self._within_window(job)
+
+    async def _within_window(self, job: _Job) -> TaskRecord | DirectOutcome:
+        """Wait out the rule's sync window: the outcome if it comes inside (an answer, or an MRTR round for the
+        client), else the call becomes a task, stored before anyone hears of it."""
+        if job.final is not None:
+            return job.final
+        job.outcome = asyncio.get_running_loop().create_future()
+        if job.sync_requests:  # asked while the client's retry was on its way: this is the next round
+            job.outcome.set_result(self._offer_round(job))
         try:
-            await asyncio.wait(
-                [job.outcome, job.promote], timeout=rule.sync_window_ms / 1000, return_when=asyncio.FIRST_COMPLETED
-            )
+            await asyncio.wait([job.outcome], timeout=job.rule.sync_window_ms / 1000)
         except asyncio.CancelledError:
             # The client closed its request inside the window: as for any 2026 call, that cancels the upstream work.
             job.cancel_reason = "the client closed its request"
@@ -294,13 +328,70 @@ class TaskRunner:
             raise
         if job.outcome.done():
             return job.outcome.result()
-        job.outcome = job.promote = None
+        job.outcome = None
+        if job.sync_requests:  # asked inside the window, while the questions sent with it were being gathered
+            return self._offer_round(job)
         try:
             return await self._create_record(job)
         except BaseException:
             job.cancel_reason = "the task could not be stored"
             job.runner.cancel()  # type: ignore[union-attr]
             raise
+
+    async def resume(self, call: ToolCall) -> TaskRecord | DirectOutcome | None:
+        """An MRTR retry whose requestState is a call this runner parked: its answers go upstream on the open call,
+        then the sync window runs again. None when the requestState is not the runner's (it is the upstream's)."""
+        state = params_of(call.message).get("requestState")
+        if state is None or (not self._parked.owns(state) and self._upstream.known_era != "legacy"):
+            return None  # a first call, or the MRTR state of a modern upstream: it goes there untouched
+        job = self._parked.claim(state, _binding(call))
+        if job is None:
+            raise JsonRpcError(INVALID_PARAMS, "Invalid or expired requestState", {"reason": "invalid_request_state"})
+        if job.final is not None:
+            return job.final
+        answers = params_of(call.message).get("inputResponses")
+        for key, answer in (answers if isinstance(answers, dict) else {}).items():
+            reply = job.replies.pop(key, None)
+            if reply is not None and isinstance(answer, dict):
+                assert job.sync_requests is not None
+                job.sync_requests.pop(key, None)
+                await reply(answer)
+        if job.sync_requests:  # some are still unanswered: ask for those again (SEP-2322 SHOULD)
+            return self._offer_round(job)
+        return await self._within_window(job)
+
+    def _offer_round(self, job: _Job) -> DirectOutcome:
+        """The MRTR input_required answer for a parked call's outstanding questions."""
+        assert job.sync_requests is not None
+        token = self._parked.park(job, _binding(job.call))
+        result = {"resultType": "input_required", "inputRequests": dict(job.sync_requests), "requestState": token}
+        return DirectOutcome(result=result)
+
+    def _ask_synchronously(self, job: _Job, needed: InputNeeded) -> None:
+        """A legacy server's question inside the sync window: an MRTR round for the client (as a modern server's
+        input_required is), the upstream call held open until the client's retry answers it."""
+        assert needed.reply is not None
+        if job.sync_requests is None:
+            job.sync_requests = {}
+        first = not job.sync_requests
+        for upstream_key, input_request in needed.input_requests.items():
+            key = job.unique_key(upstream_key)
+            job.replies[key] = needed.reply
+            job.sync_requests[key] = input_request
+        if first and job.outcome is not None and not job.outcome.done():
+            # Questions sent together go out in one round: a short wait for the others.
+            asyncio.get_running_loop().call_later(_GATHER_S, self._offer_if_waiting, job)
+
+    def _offer_if_waiting(self, job: _Job) -> None:
+        if job.outcome is not None and not job.outcome.done() and job.sync_requests:
+            job.outcome.set_result(self._offer_round(job))
+
+    def _drop_parked(self, job: _Job, why: str) -> None:
+        """A parked call the client never came back for: it is cancelled upstream."""
+        log.info("parked_call_dropped", task_id=job.task_id, tool=job.call.tool, reason=why)
+        if job.runner is not None and not job.runner.done():
+            job.cancel_reason = f"the client did not answer the input round ({why})"
+            job.runner.cancel()
 
     def _admit(self, call: ToolCall, rule: ToolRule, limits: LimitsConfig) -> asyncio.Semaphore | None:
         """Apply the policy's concurrency limits to a new task; returns the tool's slots when it has a limit."""
@@ -478,6 +569,7 @@ class TaskRunner:
     async def aclose(self, grace_s: float = 0.0) -> None:
         """Let running calls finish for up to grace_s, then stop the rest and fail their tasks."""
         self.accepting = False
+        self._parked.drain()  # their calls are stopped below with every other one
         for loop_task in (self._reaper, self._reconciler):
             if loop_task is not None:
                 loop_task.cancel()
@@ -583,7 +675,11 @@ class TaskRunner:
         job.upstream_id = message["id"]
         job.upstream_busy = True
         events = self._upstream.call_tool(
-            message, job.call.headers, job.call.capabilities, max_bytes=job.max_result_bytes
+            message,
+            job.call.headers,
+            job.call.capabilities,
+            max_bytes=job.max_result_bytes,
+            on_request=lambda needed: self._open_questions(job, needed),
         )
         started_s = self._timer()
         outcome = "cancelled"
@@ -694,10 +790,9 @@ class TaskRunner:
     async def _open_questions(self, job: _Job, needed: InputNeeded) -> None:
         """A legacy server's request joins the task's outstanding inputRequests; the call's stream stays open."""
         if not job.is_task:
-            # Only a task can hold a question open for a later answer: the call becomes one now.
-            if job.promote is not None and not job.promote.done():
-                job.promote.set_result(None)
-            await job.wait_stored()
+            self._ask_synchronously(job, needed)
+            return
+        await job.wait_stored()  # the window may just have closed: the record is being written
         assert needed.reply is not None
         if not job.waiting_input:
             job.waiting_input = True
@@ -816,6 +911,8 @@ class TaskRunner:
             outcome = DirectOutcome(result=fields.get("result"), error=fields.get("error"))
             if job.outcome is not None and not job.outcome.done():
                 job.outcome.set_result(outcome)
+            else:  # parked for an MRTR round: the client's retry gets it
+                job.final = outcome
             return
         await job.wait_stored()
         job.settled = True  # from here the call is over: a late cancel or reconciliation must not stop this write

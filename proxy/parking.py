@@ -1,0 +1,93 @@
+"""Calls held open upstream while a synchronous 2026 client answers an MRTR round.
+
+The client's `requestState` is a handle to the parked call: HMAC-protected, bound to what the caller and the request
+say they are, single-use, and dropped (the call cancelled upstream) when it expires or the table is full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import hmac
+import secrets
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+import structlog
+from cachetools import TTLCache
+
+log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
+
+
+class _Expiring(TTLCache, Generic[T]):
+    """A TTL table that tells its owner about every entry it drops unclaimed."""
+
+    def __init__(self, maxsize: int, ttl: float, on_drop: Callable[[T, str], None]) -> None:
+        super().__init__(maxsize=maxsize, ttl=ttl)
+        self._on_drop = on_drop
+
+    def expire(self, time: float | None = None) -> list[tuple[str, T]]:
+        expired = super().expire(time)
+        for _, item in expired:
+            self._on_drop(item, "expired")
+        return expired
+
+    def popitem(self) -> tuple[str, T]:
+        key, item = super().popitem()
+        self._on_drop(item, "evicted")
+        return key, item
+
+
+class ParkedCalls(Generic[T]):
+    def __init__(
+        self, *, prefix: str, ttl_s: float, on_drop: Callable[[T, str], None], max_parked: int = 10_000
+    ) -> None:
+        self._prefix = prefix
+        self._secret = secrets.token_bytes(32)
+        self._ttl_s = ttl_s
+        self._table: _Expiring[T] = _Expiring(max_parked, ttl_s, on_drop)
+        self._sweeper: asyncio.Task[None] | None = None
+
+    def owns(self, token: object) -> bool:
+        """Whether `token` has the form of one of this table's handles (it may still be invalid or expired)."""
+        return isinstance(token, str) and token.startswith(self._prefix + ".")
+
+    def park(self, item: T, binding: str) -> str:
+        """Hold `item`; the returned token gives it back once, to a claim with the same binding."""
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.ensure_future(self._sweep())
+        handle = secrets.token_urlsafe(16)
+        self._table[handle] = item
+        return f"{self._prefix}.{handle}.{self._mac(handle, binding)}"
+
+    def claim(self, token: object, binding: str) -> T | None:
+        """The parked item `token` names, removed from the table; None for a forged, reused or expired token."""
+        parts = token.split(".") if isinstance(token, str) else []
+        if len(parts) != 3 or parts[0] != self._prefix:
+            return None
+        handle, mac = parts[1], parts[2]
+        if not hmac.compare_digest(mac, self._mac(handle, binding)):
+            return None
+        return self._table.pop(handle, None)
+
+    def drain(self) -> list[T]:
+        """Everything still parked, removed without being dropped (the caller stops them itself)."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        items = list(self._table.values())
+        self._table.clear()
+        return items
+
+    def _mac(self, handle: str, binding: str) -> str:
+        digest = hmac.new(self._secret, f"{handle}|{binding}".encode(), hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(digest).decode().rstrip("=")
+
+    async def _sweep(self) -> None:
+        # Expired calls are otherwise only noticed on the next access; an idle proxy must still cancel them.
+        interval = max(0.5, min(self._ttl_s / 4, 10.0))
+        while True:
+            await asyncio.sleep(interval)
+            self._table.expire()

@@ -1,0 +1,150 @@
+"""A legacy session's standalone stream (the GET of Streamable HTTP), where a 2025 server may send requests that
+belong to no call's own stream: server-everything sends `roots/list` there, and SEP-1686 servers may send a task's
+elicitation there.
+
+Each request is tied to the call it belongs to where that can be known (its `related-task` metadata names a task
+the proxy follows, or the session has exactly one call in flight) and becomes that call's input round. Any other
+request is answered at once with a JSON-RPC error that says why, so no server waits on a client that cannot see it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import structlog
+from multidict import MultiMapping
+
+from .jsonrpc import INTERNAL_ERROR, error_object
+from .sse import SseLimitError, SseParser, json_message
+from .upstream import InputNeeded
+
+if TYPE_CHECKING:
+    from .legacy import LegacySession, LegacyUpstream
+
+log = structlog.get_logger(__name__)
+
+RELATED_TASK = "io.modelcontextprotocol/related-task"
+_MAX_EVENT_BYTES = 4 * 1024 * 1024
+_READY_WAIT_S = 2.0
+"""How long opening a session waits for its standalone stream, so a server request right after is not missed."""
+_MAX_RECONNECTS = 5
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class CallRoute:
+    """A call in flight on a session, as the standalone stream needs to know it."""
+
+    capabilities: dict[str, Any]
+    on_request: Callable[[InputNeeded], Awaitable[None]] | None
+    """Where a request tied to this call goes; None when its caller cannot take input from outside its stream."""
+    upstream_task_id: str | None = None
+    """The SEP-1686 task the upstream made for this call, once known."""
+
+
+def related_task_id(message: dict[str, Any]) -> str | None:
+    params = message.get("params")
+    meta = params.get("_meta") if isinstance(params, dict) else None
+    related = meta.get(RELATED_TASK) if isinstance(meta, dict) else None
+    task_id = related.get("taskId") if isinstance(related, dict) else None
+    return task_id if isinstance(task_id, str) else None
+
+
+def route_for(session: LegacySession, message: dict[str, Any]) -> tuple[CallRoute | None, str]:
+    """The call a standalone request belongs to, or None and the reason it cannot be told."""
+    task_id = related_task_id(message)
+    if task_id is not None:
+        for route in session.calls.values():
+            if route.upstream_task_id == task_id:
+                return route, ""
+        return None, f"it names task {task_id!r}, which no call of this proxy session follows"
+    calls = list(session.calls.values())
+    if len(calls) == 1:
+        return calls[0], ""
+    if not calls:
+        return None, "no call is in flight on this proxy session"
+    return None, f"{len(calls)} calls are in flight on this proxy session and the request names none of them"
+
+
+async def open_stream(legacy: LegacyUpstream, session: LegacySession, client_headers: MultiMapping[str]) -> None:
+    """Start reading the session's standalone stream; returns once it is open (or known to be unavailable)."""
+    ready = asyncio.Event()
+    session.reader = asyncio.ensure_future(_read(legacy, session, client_headers, ready))
+    try:
+        await asyncio.wait_for(ready.wait(), timeout=_READY_WAIT_S)
+    except TimeoutError:
+        log.info("legacy_standalone_stream_slow", wait_s=_READY_WAIT_S)
+
+
+async def _read(
+    legacy: LegacyUpstream, session: LegacySession, client_headers: MultiMapping[str], ready: asyncio.Event
+) -> None:
+    last_event_id: str | None = None
+    retry_ms = 1000
+    failures = 0
+    try:
+        while failures <= _MAX_RECONNECTS:
+            headers = session.headers(client_headers)
+            headers.popall("Content-Type", None)
+            headers["Accept"] = "text/event-stream"
+            if last_event_id is not None:
+                headers["Last-Event-ID"] = last_event_id
+            try:
+                response = await legacy.upstream.request("GET", legacy.url, headers, None)
+            except (ConnectionError, aiohttp.ClientError, OSError):
+                failures += 1
+                await asyncio.sleep(retry_ms / 1000)
+                continue
+            content_type = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
+            if response.status != 200 or content_type != "text/event-stream":
+                # 405: the server offers no standalone stream (allowed); anything else: none to read either.
+                response.release()
+                log.info("legacy_standalone_stream_unavailable", status=response.status)
+                return
+            ready.set()
+            parser = SseParser(_MAX_EVENT_BYTES)
+            try:
+                async for chunk in response.content.iter_any():
+                    for event in parser.feed(chunk):
+                        if event.id is not None:
+                            last_event_id = event.id
+                        if event.retry_ms is not None:
+                            retry_ms = event.retry_ms
+                        message = json_message(event)
+                        if message is not None:
+                            failures = 0
+                            await _on_message(legacy, session, client_headers, message)
+            except (aiohttp.ClientError, OSError, SseLimitError) as exc:
+                log.info("legacy_standalone_stream_broken", reason=str(exc) or type(exc).__name__)
+            finally:
+                response.release()
+            failures += 1
+            await asyncio.sleep(retry_ms / 1000)
+    finally:
+        ready.set()
+
+
+async def _on_message(
+    legacy: LegacyUpstream, session: LegacySession, client_headers: MultiMapping[str], message: dict[str, Any]
+) -> None:
+    method = message.get("method")
+    if not isinstance(method, str) or "id" not in message:
+        return  # notifications and stray responses: nothing of the proxy's own sessions waits on them
+    route, why = route_for(session, message)
+    if method == "ping":
+        await legacy.respond(session, client_headers, message["id"], {"result": {}})
+        return
+    if route is not None and route.on_request is None:
+        route, why = None, "its call cannot take input from outside its own stream"
+    if route is None:
+        log.info("legacy_standalone_request_refused", upstream_method=method, reason=why)
+        error = error_object(INTERNAL_ERROR, f"The proxy cannot relay this {method} request: {why}")
+        await legacy.respond(session, client_headers, message["id"], {"error": error})
+        return
+    needed = await legacy.server_request(session, client_headers, message, route.capabilities)
+    if needed is not None:
+        assert route.on_request is not None
+        legacy.spawn(route.on_request(needed))  # the reader goes on: the answer may take the user minutes

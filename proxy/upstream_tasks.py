@@ -1,0 +1,215 @@
+"""Upstreams with tasks of their own: a 2025-11-25 server's experimental tasks (SEP-1686), driven by the proxy.
+
+A tool the server marks `execution.taskSupport: required` cannot be called plainly, and one marked `optional` is
+better run as the server's own task (nothing long waits on one open stream). When the proxy runs such a tool for a
+client, it makes the upstream task (`params.task`), follows it with `tasks/get`, reads its input requests and its
+final answer on `tasks/result` (the side channel SEP-1686 gives them), and cancels it with `tasks/cancel`. The
+client sees the same events as from any other call: progress, input rounds, then the exact result or error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import structlog
+from multidict import MultiMapping
+
+from .jsonrpc import INTERNAL_ERROR, error_object
+from .standalone import RELATED_TASK, CallRoute
+from .upstream import Event, Failed, Finished, Progress, UpstreamUnavailable, proxy_failure
+
+if TYPE_CHECKING:
+    from .legacy import LegacySession, LegacyUpstream
+
+log = structlog.get_logger(__name__)
+
+TASKED = frozenset({"required", "optional"})
+_MIN_POLL_S, _MAX_POLL_S, _DEFAULT_POLL_S = 0.05, 5.0, 1.0
+_MAX_RESULT_RETRIES = 5
+"""How often a tasks/result whose stream broke is asked again (after a tasks/get) before the call fails."""
+_LIST_AGAIN_S = 30.0
+"""A tool the last tools/list did not show is looked up again at most this often."""
+_MAX_LIST_PAGES = 50
+_ids = itertools.count(1)
+
+
+class TaskSupport:
+    """What the upstream says of each tool's `execution.taskSupport`, learnt from its tools/list."""
+
+    def __init__(self) -> None:
+        self._by_tool: dict[str, str] = {}
+        self._listed_at: float | None = None
+
+    def learn(self, result: dict[str, Any]) -> None:
+        tools = result.get("tools")
+        for tool in tools if isinstance(tools, list) else []:
+            if isinstance(tool, dict) and isinstance(tool.get("name"), str):
+                execution = tool.get("execution")
+                support = execution.get("taskSupport") if isinstance(execution, dict) else None
+                self._by_tool[tool["name"]] = support if isinstance(support, str) else "forbidden"
+
+    async def of(
+        self, legacy: LegacyUpstream, session: LegacySession, client_headers: MultiMapping[str], tool: str
+    ) -> str:
+        """The tool's task support; "forbidden" when the server has no tasks for tools/call at all."""
+        init = legacy.initialize_result or {}
+        capabilities = init.get("capabilities") if isinstance(init.get("capabilities"), dict) else {}
+        tasks = capabilities.get("tasks")
+        requests = tasks.get("requests") if isinstance(tasks, dict) else None
+        tools = requests.get("tools") if isinstance(requests, dict) else None
+        if not (isinstance(tools, dict) and "call" in tools):
+            return "forbidden"  # SEP-1686: without the capability, taskSupport is not to be used
+        if tool not in self._by_tool and (
+            self._listed_at is None or time.monotonic() - self._listed_at > _LIST_AGAIN_S
+        ):
+            self._listed_at = time.monotonic()
+            await self._list(legacy, session, client_headers)
+        return self._by_tool.get(tool, "forbidden")
+
+    async def _list(self, legacy: LegacyUpstream, session: LegacySession, client_headers: MultiMapping[str]) -> None:
+        cursor: Any = None
+        for _ in range(_MAX_LIST_PAGES):
+            params = {"cursor": cursor} if cursor is not None else {}
+            answer = await legacy.ask(session, client_headers, "tools/list", params)
+            result = answer.get("result") if answer else None
+            if not isinstance(result, dict):
+                return
+            self.learn(result)
+            cursor = result.get("nextCursor")
+            if not isinstance(cursor, str):
+                return
+
+
+def without_task_support(result: dict[str, Any]) -> dict[str, Any]:
+    """tools/list for a 2026-07-28 client: its Tool has no `execution.taskSupport` (tasks are the proxy's there)."""
+    tools = result.get("tools")
+    for tool in tools if isinstance(tools, list) else []:
+        execution = tool.get("execution") if isinstance(tool, dict) else None
+        if isinstance(execution, dict) and "taskSupport" in execution:
+            execution = {key: value for key, value in execution.items() if key != "taskSupport"}
+            if execution:
+                tool["execution"] = execution
+            else:
+                del tool["execution"]
+    return result
+
+
+def _poll_s(task: dict[str, Any]) -> float:
+    interval = task.get("pollInterval")
+    if isinstance(interval, int | float) and not isinstance(interval, bool):
+        return min(max(interval / 1000, _MIN_POLL_S), _MAX_POLL_S)
+    return _DEFAULT_POLL_S
+
+
+def _without_related_task(result: dict[str, Any]) -> dict[str, Any]:
+    meta = result.get("_meta")
+    if isinstance(meta, dict) and RELATED_TASK in meta:
+        meta = {key: value for key, value in meta.items() if key != RELATED_TASK}
+        result = {**result, "_meta": meta} if meta else {k: v for k, v in result.items() if k != "_meta"}
+    return result
+
+
+def _request(method: str, params: dict[str, Any]) -> dict[str, Any]:
+    return {"jsonrpc": "2.0", "id": f"mtp-task-{next(_ids)}", "method": method, "params": params}
+
+
+async def run_as_upstream_task(
+    legacy: LegacyUpstream,
+    session: LegacySession,
+    legacy_message: dict[str, Any],
+    client_headers: MultiMapping[str],
+    capabilities: dict[str, Any],
+    route: CallRoute,
+    *,
+    max_bytes: int,
+) -> AsyncIterator[Event]:
+    """The events of a tools/call run as the upstream's own task; the last is Finished or Failed."""
+    params = dict(legacy_message.get("params") or {})
+    params["task"] = {}  # the server's default TTL: the proxy's own task bounds how long anyone waits
+    create = {**legacy_message, "params": params}
+    task_id: str | None = None
+    ended = False
+    try:
+        created: Finished | None = None
+        async for event in legacy.exchange(create, client_headers, capabilities, max_bytes=max_bytes):
+            if isinstance(event, Finished):
+                created = event
+            elif isinstance(event, Failed):
+                ended = True
+                yield event
+                return
+            else:
+                yield event
+        task = created.result.get("task") if created is not None else None
+        if created is None or not isinstance(task, dict) or not isinstance(task.get("taskId"), str):
+            ended = True  # the server answered the call itself, as a receiver without tasks may
+            yield created if created is not None else proxy_failure("no answer to the task request", legacy.url)
+            return
+        task_id = route.upstream_task_id = task["taskId"]
+        log.info("upstream_task_created", upstream_task_id=task_id, upstream_status=task.get("status"))
+        last_message: str | None = None
+        result_failures = 0
+        while True:
+            status = task.get("status")
+            message = task.get("statusMessage")
+            if isinstance(message, str) and message != last_message:
+                last_message = message
+                yield Progress(message)
+            if status in ("input_required", "completed", "failed"):
+                # Blocks until the task ends; its input requests come on this stream (SEP-1686 side channel).
+                outcome: Event | None = None
+                async for event in legacy.exchange(
+                    _request("tasks/result", {"taskId": task_id}), client_headers, capabilities, max_bytes=max_bytes
+                ):
+                    if isinstance(event, Finished | Failed):
+                        outcome = event
+                    else:
+                        yield event
+                if isinstance(outcome, Finished):
+                    ended = True
+                    yield Finished(_without_related_task(outcome.result), outcome.size)
+                    return
+                if isinstance(outcome, Failed) and not outcome.unread:
+                    ended = True
+                    yield outcome  # exactly what the underlying call would have answered
+                    return
+                result_failures += 1
+                if result_failures > _MAX_RESULT_RETRIES:
+                    ended = True
+                    yield outcome or proxy_failure("tasks/result never answered", legacy.url)
+                    return
+            elif status == "cancelled":
+                ended = True
+                reason = "the upstream cancelled its task"
+                yield Failed(error_object(INTERNAL_ERROR, f"Upstream failure: {reason}"), reason)
+                return
+            await asyncio.sleep(_poll_s(task))
+            answer = await legacy.ask(session, client_headers, "tasks/get", {"taskId": task_id})
+            if answer is None or not isinstance(answer.get("result"), dict):
+                ended = True
+                error = answer.get("error") if answer else None
+                if isinstance(error, dict):
+                    yield Failed(error, f"the upstream's tasks/get answered JSON-RPC error {error.get('code')}")
+                else:
+                    yield proxy_failure("the upstream's tasks/get gave no answer", legacy.url)
+                return
+            task = answer["result"]
+    finally:
+        if task_id is not None and not ended:
+            legacy.spawn(_cancel(legacy, session, client_headers, task_id))
+
+
+async def _cancel(
+    legacy: LegacyUpstream, session: LegacySession, client_headers: MultiMapping[str], task_id: str
+) -> None:
+    try:
+        answer = await legacy.ask(session, client_headers, "tasks/cancel", {"taskId": task_id})
+    except (ConnectionError, aiohttp.ClientError, OSError, UpstreamUnavailable) as exc:
+        log.warning("upstream_task_cancel_not_delivered", upstream_task_id=task_id, reason=str(exc))
+        return
+    log.info("upstream_task_cancelled", upstream_task_id=task_id, answered=bool(answer and "result" in answer))

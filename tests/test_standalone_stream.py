@@ -1,0 +1,87 @@
+"""A legacy server's requests on its session's standalone (GET) stream, outside any call's own stream.
+
+tests/legacy_server.py (`mcp` 1.x) sends roots/list there with no related request, as server-everything does. The
+proxy ties such a request to the one call in flight and makes it that call's input round; when it cannot tell the
+call, it answers the server at once with an error that says why, so nothing waits for a client that never sees it.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import pytest
+
+from proxy.app import gateway_key
+from tests.conftest import eventually, task_reaches
+from tests.factories import meta
+from tests.schemas import validate_response
+from tests.test_legacy_e2e import _LegacyClient
+
+ROOTS = {"roots": [{"uri": "file:///srv/project", "name": "project"}]}
+
+
+@pytest.fixture
+async def proxy(make_proxy, legacy_upstream):
+    rules = [{"match": "ask_roots_standalone", "task": "optional"}, {"match": "gated", "task": "optional"}]
+    return await make_proxy(legacy_upstream, tools=rules, tasks={"poll_interval_ms": 50})
+
+
+async def test_a_standalone_request_becomes_the_tasks_input_round(proxy):
+    params = {"name": "ask_roots_standalone", "arguments": {}, "_meta": meta(roots={})}
+    created = await proxy.client.call("tools/call", params)
+    task_id = created.result["taskId"]
+    asking = await task_reaches(proxy.client, task_id, "input_required")
+    validate_response(asking.message, "GetTaskResult")
+    ((key, question),) = asking.result["inputRequests"].items()
+    assert question["method"] == "roots/list"
+    await proxy.client.call("tasks/update", {"taskId": task_id, "inputResponses": {key: ROOTS}})
+    done = await task_reaches(proxy.client, task_id, "completed")
+    validate_response(done.message, "GetTaskResult")
+    assert done.result["result"]["content"][0]["text"] == "file:///srv/project"
+
+
+async def test_a_standalone_request_becomes_a_synchronous_mrtr_round(proxy):
+    params = {"name": "ask_roots_standalone", "arguments": {}, "_meta": meta(tasks=False, roots={})}
+    first = await proxy.client.call("tools/call", params)
+    validate_response(first.message, "InputRequiredResult", "core")
+    ((key, question),) = first.result["inputRequests"].items()
+    assert question["method"] == "roots/list"
+    retry = {**params, "inputResponses": {key: ROOTS}, "requestState": first.result["requestState"]}
+    done = await proxy.client.call("tools/call", retry)
+    assert done.result["content"][0]["text"] == "file:///srv/project"
+
+
+async def test_a_client_without_roots_gets_the_request_declined(proxy):
+    created = await proxy.client.call("tools/call", {"name": "ask_roots_standalone", "arguments": {}, "_meta": meta()})
+    done = await task_reaches(proxy.client, created.result["taskId"], "completed")
+    assert done.result["result"]["content"][0]["text"].startswith("roots refused: -32601")
+
+
+async def test_a_request_no_call_can_be_told_for_is_refused_at_once(proxy, legacy_upstream):
+    """Two calls in flight on the session and no related-task metadata: the server hears why, immediately."""
+    gate = secrets.token_hex(6)
+    waiting = await proxy.client.call_tool("gated", {"tag": gate})
+    legacy = _LegacyClient(proxy.client.session, legacy_upstream)
+
+    async def started():
+        return await legacy.call_tool("gate_state", {"tag": gate}) == "started"
+
+    await eventually(started, what="the first call waiting upstream")
+    params = {"name": "ask_roots_standalone", "arguments": {}, "_meta": meta(roots={})}
+    created = await proxy.client.call("tools/call", params)
+    done = await task_reaches(proxy.client, created.result["taskId"], "completed")
+    text = done.result["result"]["content"][0]["text"]
+    assert text.startswith("roots refused: -32603"), text
+    assert "2 calls are in flight" in text
+    await legacy.call_tool("release", {"tag": gate})
+    assert (await task_reaches(proxy.client, waiting.result["taskId"], "completed")).result["status"] == "completed"
+
+
+async def test_the_proxy_session_keeps_one_standalone_stream_open(proxy, legacy_upstream):
+    """The stream is opened with the session, before any call, and not once per call."""
+    await proxy.client.call("tools/list", tasks=False)
+    for _ in range(3):
+        await proxy.client.call("tools/call", {"name": "add", "arguments": {"a": 1, "b": 1}, "_meta": meta()})
+    sessions = list(proxy.app[gateway_key].legacy._sessions.values())
+    assert len(sessions) == 1
+    assert sessions[0].reader is not None and not sessions[0].reader.done()
