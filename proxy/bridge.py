@@ -18,7 +18,16 @@ import structlog
 from aiohttp import web
 
 from .envelope import META_CLIENT_CAPABILITIES, meta_of, params_of
-from .jsonrpc import ERROR_HTTP_STATUS, INVALID_PARAMS, JsonRpcError, dumps, error_response, result_response
+from .jsonrpc import (
+    ERROR_HTTP_STATUS,
+    INTERNAL_ERROR,
+    INVALID_PARAMS,
+    JsonRpcError,
+    dumps,
+    error_object,
+    error_response,
+    result_response,
+)
 from .legacy import LegacyUpstream
 from .parking import ParkedCalls
 from .security import Identity
@@ -80,11 +89,15 @@ class SyncBridge:
             answers = params.get("inputResponses")
             if not isinstance(answers, dict):
                 answers = {}
-            for key, answer in answers.items():
-                reply = call.replies.pop(key, None)
-                if reply is not None and isinstance(answer, dict):
-                    call.requests.pop(key, None)
-                    await reply(answer)
+            try:
+                for key, answer in answers.items():
+                    reply = call.replies.pop(key, None)
+                    if reply is not None and isinstance(answer, dict):
+                        call.requests.pop(key, None)
+                        await reply(answer)
+            except asyncio.CancelledError:
+                call.pump.cancel()  # the client left with the call claimed: nobody else can resume it
+                raise
             if call.requests:  # some are still unanswered: ask for those again (SEP-2322 SHOULD)
                 return self._ask(request, message, call)
         else:
@@ -159,13 +172,19 @@ class SyncBridge:
     def _binding(self, request: web.Request, message: dict[str, Any]) -> str:
         params = params_of(message)
         subject = params.get("name", params.get("uri", ""))
-        return f"{self._identity.credential(request.headers)}|{message['method']}|{subject}"
+        caller = f"{self._identity.credential(request.headers)}|{self._identity.principal(request.headers)}"
+        return f"{caller}|{message['method']}|{subject}"
 
 
 async def _pump(events: AsyncIterator[Event], queue: asyncio.Queue[Event]) -> None:
     try:
         async for event in events:
             await queue.put(event)
+    except Exception:
+        # A fault of the proxy's own while reading the call: the client waiting on the queue must still hear.
+        log.exception("legacy_call_error")
+        error = error_object(INTERNAL_ERROR, "Proxy failure: internal error while following the upstream call")
+        await queue.put(Failed(error, "internal proxy error"))
     finally:
         await events.aclose()  # type: ignore[attr-defined]
 

@@ -171,7 +171,9 @@ class LegacyUpstream:
     # --- sessions ---------------------------------------------------------------------------------------------
 
     async def session_for(self, client_headers: MultiMapping[str]) -> LegacySession:
-        principal = self._identity.credential(client_headers)  # sessions are per credential
+        # One session per credential and principal: a server request the proxy routes by "the one call in flight
+        # on this session" must never reach another caller's call.
+        principal = f"{self._identity.credential(client_headers)}|{self._identity.principal(client_headers)}"
         session = self._sessions.get(principal)
         if session is not None:
             return session
@@ -239,6 +241,13 @@ class LegacyUpstream:
 
         self.spawn(delete())
 
+    def forget(self, session: LegacySession) -> None:
+        """The upstream ended this session (404): the next request opens a new one."""
+        if session.reader is not None:
+            session.reader.cancel()
+        if self._sessions.get(session.principal) is session:
+            del self._sessions[session.principal]
+
     @property
     def upstream(self) -> Upstream:
         return self._upstream
@@ -269,8 +278,7 @@ class LegacyUpstream:
             response = await self._upstream.post(session.headers(client_headers), dumps(message))
             if response.status == 404 and session.session_id is not None and attempt == 0:
                 response.close()
-                if self._sessions.get(session.principal) is session:
-                    del self._sessions[session.principal]
+                self.forget(session)
                 log.info("legacy_session_expired")
                 continue
             return session, response
@@ -282,8 +290,11 @@ class LegacyUpstream:
         """Answer a server-to-client request: a POST whose body is the JSON-RPC response (the server says 202)."""
         message = {"jsonrpc": "2.0", "id": request_id, **answer}
         try:
-            response = await self._upstream.request("POST", self.url, session.headers(client_headers), dumps(message))
-        except (ConnectionError, aiohttp.ClientError, OSError) as exc:
+            async with asyncio.timeout(ASK_TIMEOUT_S):
+                response = await self._upstream.request(
+                    "POST", self.url, session.headers(client_headers), dumps(message)
+                )
+        except (ConnectionError, aiohttp.ClientError, OSError, TimeoutError) as exc:
             # The call's own stream breaks too, and that ends the call with a clear failure.
             log.warning("legacy_answer_not_delivered", reason=str(exc))
             return
@@ -292,14 +303,33 @@ class LegacyUpstream:
             log.warning("legacy_answer_refused", status=response.status)
 
     async def ask(
-        self, session: LegacySession, client_headers: MultiMapping[str], method: str, params: dict[str, Any]
+        self,
+        client_headers: MultiMapping[str],
+        method: str,
+        params: dict[str, Any],
+        *,
+        session: LegacySession | None = None,
     ) -> dict[str, Any] | None:
-        """A request of the proxy's own on the session (tools/list, tasks/get, tasks/cancel) and its one answer;
-        None when the upstream gave none. Raises what the connection raises."""
+        """A request of the proxy's own (tools/list, tasks/get, tasks/cancel) and its one answer, within
+        ASK_TIMEOUT_S; None when the upstream gave none. On the caller's session, or on `session` when the request
+        only means something there (an upstream task belongs to its session). Raises UpstreamUnavailable."""
         message = {"jsonrpc": "2.0", "id": f"mtp-{method}-{secrets.token_hex(6)}", "method": method, "params": params}
-        response = await self._upstream.request("POST", self.url, session.headers(client_headers), dumps(message))
-        async with response:
-            return await single_answer(response, message["id"])
+        for attempt in range(2):
+            current = session or await self.session_for(client_headers)
+            try:
+                async with asyncio.timeout(ASK_TIMEOUT_S):
+                    response = await self._upstream.request(
+                        "POST", self.url, current.headers(client_headers), dumps(message)
+                    )
+                    async with response:
+                        if response.status == 404 and current.session_id is not None and attempt == 0:
+                            self.forget(current)
+                            if session is None:
+                                continue
+                        return await single_answer(response, message["id"])
+            except (ConnectionError, aiohttp.ClientError, OSError, TimeoutError) as exc:
+                raise UpstreamUnavailable(f"{method}: {exc or type(exc).__name__}") from exc
+        return None
 
     def cancel_later(
         self, session: LegacySession, client_headers: MultiMapping[str], request_id: Any, reason: str
@@ -410,11 +440,11 @@ class LegacyUpstream:
             yield proxy_failure(f"upstream unreachable ({exc})", self.url)
             return
         route = CallRoute(capabilities, on_request)
-        session.calls[legacy["id"]] = route
+        session.calls[legacy["id"]] = route  # for the whole call: an upstream task's follow-up requests included
         try:
             name = params_of(legacy).get("name")
             if legacy["method"] == "tools/call" and isinstance(name, str):
-                support = await self.task_support.of(self, session, client_headers, name)
+                support = await self.task_support.of(self, client_headers, name)
             else:
                 support = "forbidden"
             if support in TASKED:
@@ -422,7 +452,7 @@ class LegacyUpstream:
                     self, session, legacy, client_headers, capabilities, route, max_bytes=max_bytes
                 )
             else:
-                events = self.exchange(legacy, client_headers, capabilities, max_bytes=max_bytes)
+                events = self.exchange(legacy, client_headers, capabilities, max_bytes=max_bytes, route=route)
             try:
                 async for event in events:
                     yield event
@@ -438,14 +468,18 @@ class LegacyUpstream:
         capabilities: dict[str, Any],
         *,
         max_bytes: int,
+        route: CallRoute | None = None,
     ) -> AsyncIterator[Event]:
-        """One request's POST and its response stream, read as events."""
+        """One request's POST and its response stream, read as events. `route` is the call it belongs to, known to
+        the session the POST went over (a new one when the old one had expired)."""
         request_id = legacy["id"]
         try:
             session, response = await self.post(legacy, client_headers)
         except (ConnectionError, aiohttp.ClientError, OSError, UpstreamUnavailable) as exc:
             yield proxy_failure(f"upstream unreachable ({exc})", self.url)
             return
+        if route is not None:
+            session.calls[request_id] = route
         finished = False
         try:
             if response.status >= 400 and "json" not in response.content_type:
@@ -481,6 +515,8 @@ class LegacyUpstream:
         except (BodyTooLarge, SseLimitError):
             yield too_large(max_bytes)  # not finished upstream: the finally below cancels the call there
         finally:
+            if route is not None:
+                session.calls.pop(request_id, None)
             response.close()  # pooled if read to its end, else closed
             if not finished:
                 self.cancel_later(session, client_headers, request_id, "cancelled by the client")
@@ -545,28 +581,39 @@ class _SessionCache(LRUCache):
 
 
 HANDSHAKE_MAX_BYTES = 4 * 1024 * 1024
-"""The largest initialize or discover answer the proxy reads for itself."""
+"""The largest answer to a request of the proxy's own (initialize, discover, tools/list, tasks/get) it reads."""
+ASK_TIMEOUT_S = 30.0
+"""How long a request of the proxy's own, or its answer to a server request, may take upstream."""
 
 
 async def single_answer(response: aiohttp.ClientResponse, request_id: Any) -> dict[str, Any] | None:
-    """The response to `request_id` in a body that is either JSON or an event stream that ends; None when it has
-    none (or it is over HANDSHAKE_MAX_BYTES)."""
+    """The response to `request_id` in a body that is JSON or an event stream, read only until that answer (a server
+    may keep the stream open after it); None when it has none, or past HANDSHAKE_MAX_BYTES."""
     content_type = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
     try:
-        body = await read_bounded(response, HANDSHAKE_MAX_BYTES)
-        events = SseParser(HANDSHAKE_MAX_BYTES).feed(body + b"\n\n") if content_type == "text/event-stream" else []
+        if content_type != "text/event-stream":
+            return _answer_in(await read_bounded(response, HANDSHAKE_MAX_BYTES), request_id)
+        parser, seen = SseParser(HANDSHAKE_MAX_BYTES), 0
+        async for chunk in response.content.iter_any():
+            seen += len(chunk)
+            if seen > HANDSHAKE_MAX_BYTES:
+                raise BodyTooLarge(HANDSHAKE_MAX_BYTES)
+            for event in parser.feed(chunk):
+                message = _answer_in(event.data, request_id) if event.data else None
+                if message is not None:
+                    return message
+        for event in parser.feed(b"\n\n"):  # a last event without its blank line
+            message = _answer_in(event.data, request_id) if event.data else None
+            if message is not None:
+                return message
     except (BodyTooLarge, SseLimitError):
         log.warning("upstream_answer_too_large", limit=HANDSHAKE_MAX_BYTES)
-        return None
-    if content_type == "text/event-stream":
-        candidates = [event.data for event in events if event.data]
-    else:
-        candidates = [body.decode("utf-8", errors="replace")]
-    for data in candidates:
-        try:
-            message = json.loads(data)
-        except ValueError:
-            continue
-        if isinstance(message, dict) and message.get("id") == request_id:
-            return message
     return None
+
+
+def _answer_in(data: str | bytes, request_id: Any) -> dict[str, Any] | None:
+    try:
+        message = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    return message if isinstance(message, dict) and message.get("id") == request_id else None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,8 @@ _MAX_EVENT_BYTES = 4 * 1024 * 1024
 _READY_WAIT_S = 2.0
 """How long opening a session waits for its standalone stream, so a server request right after is not missed."""
 _MAX_RECONNECTS = 5
+"""Failed or short-lived connections in a row after which the stream is given up."""
+_HEALTHY_STREAM_S = 5.0
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -55,13 +58,15 @@ def related_task_id(message: dict[str, Any]) -> str | None:
 
 def route_for(session: LegacySession, message: dict[str, Any]) -> tuple[CallRoute | None, str]:
     """The call a standalone request belongs to, or None and the reason it cannot be told."""
+    calls = list({id(route): route for route in session.calls.values()}.values())  # a call may have several POSTs
     task_id = related_task_id(message)
     if task_id is not None:
-        for route in session.calls.values():
+        for route in calls:
             if route.upstream_task_id == task_id:
                 return route, ""
+        if len(calls) == 1 and calls[0].upstream_task_id is None:
+            return calls[0], ""  # the one call whose task is being made: the request came before the task's id
         return None, f"it names task {task_id!r}, which no call of this proxy session follows"
-    calls = list(session.calls.values())
     if len(calls) == 1:
         return calls[0], ""
     if not calls:
@@ -95,16 +100,24 @@ async def _read(
             try:
                 response = await legacy.upstream.request("GET", legacy.url, headers, None)
             except (ConnectionError, aiohttp.ClientError, OSError):
+                ready.set()  # no stream to wait for: the session goes on without one for now
                 failures += 1
-                await asyncio.sleep(retry_ms / 1000)
+                await asyncio.sleep(_backoff_s(retry_ms, failures))
                 continue
             content_type = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
+            if response.status >= 500 or response.status == 429:
+                ready.set()
+                response.release()  # a passing fault (a gateway's 502, a restart): ask again later
+                failures += 1
+                await asyncio.sleep(_backoff_s(retry_ms, failures))
+                continue
             if response.status != 200 or content_type != "text/event-stream":
-                # 405: the server offers no standalone stream (allowed); anything else: none to read either.
+                # 405: the server offers no standalone stream (allowed); 404: the session is gone, and with it this.
                 response.release()
                 log.info("legacy_standalone_stream_unavailable", status=response.status)
                 return
             ready.set()
+            opened_s = time.monotonic()
             parser = SseParser(_MAX_EVENT_BYTES)
             try:
                 async for chunk in response.content.iter_any():
@@ -115,16 +128,21 @@ async def _read(
                             retry_ms = event.retry_ms
                         message = json_message(event)
                         if message is not None:
-                            failures = 0
                             await _on_message(legacy, session, client_headers, message)
             except (aiohttp.ClientError, OSError, SseLimitError) as exc:
                 log.info("legacy_standalone_stream_broken", reason=str(exc) or type(exc).__name__)
             finally:
                 response.release()
-            failures += 1
-            await asyncio.sleep(retry_ms / 1000)
+            # A stream that lived a while was closed on purpose (an idle timeout of a load balancer): open it again.
+            failures = 0 if time.monotonic() - opened_s >= _HEALTHY_STREAM_S else failures + 1
+            await asyncio.sleep(_backoff_s(retry_ms, failures))
     finally:
         ready.set()
+
+
+def _backoff_s(retry_ms: int, failures: int) -> float:
+    """The server's retry delay (at least 100 ms), doubled for each failure in a row, at most 30 s."""
+    return min(max(retry_ms, 100) / 1000 * 2 ** max(failures - 1, 0), 30.0)
 
 
 async def _on_message(

@@ -15,7 +15,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import structlog
 from multidict import MultiMapping
 
@@ -35,6 +34,7 @@ _MAX_RESULT_RETRIES = 5
 _LIST_AGAIN_S = 30.0
 """A tool the last tools/list did not show is looked up again at most this often."""
 _MAX_LIST_PAGES = 50
+_MAX_TOOLS = 10_000
 _ids = itertools.count(1)
 
 
@@ -44,18 +44,19 @@ class TaskSupport:
     def __init__(self) -> None:
         self._by_tool: dict[str, str] = {}
         self._listed_at: float | None = None
+        self._listing: asyncio.Future[None] | None = None
 
     def learn(self, result: dict[str, Any]) -> None:
         tools = result.get("tools")
         for tool in tools if isinstance(tools, list) else []:
+            if len(self._by_tool) >= _MAX_TOOLS:
+                return  # an upstream listing without end: what it says past this is not kept
             if isinstance(tool, dict) and isinstance(tool.get("name"), str):
                 execution = tool.get("execution")
                 support = execution.get("taskSupport") if isinstance(execution, dict) else None
                 self._by_tool[tool["name"]] = support if isinstance(support, str) else "forbidden"
 
-    async def of(
-        self, legacy: LegacyUpstream, session: LegacySession, client_headers: MultiMapping[str], tool: str
-    ) -> str:
+    async def of(self, legacy: LegacyUpstream, client_headers: MultiMapping[str], tool: str) -> str:
         """The tool's task support; "forbidden" when the server has no tasks for tools/call at all."""
         init = legacy.initialize_result or {}
         capabilities = init.get("capabilities") if isinstance(init.get("capabilities"), dict) else {}
@@ -67,15 +68,25 @@ class TaskSupport:
         if tool not in self._by_tool and (
             self._listed_at is None or time.monotonic() - self._listed_at > _LIST_AGAIN_S
         ):
-            self._listed_at = time.monotonic()
-            await self._list(legacy, session, client_headers)
+            if self._listing is None or self._listing.done():  # one listing at a time, which every caller waits on
+                self._listing = asyncio.ensure_future(self._list(legacy, client_headers))
+            await asyncio.shield(self._listing)
         return self._by_tool.get(tool, "forbidden")
 
-    async def _list(self, legacy: LegacyUpstream, session: LegacySession, client_headers: MultiMapping[str]) -> None:
+    async def _list(self, legacy: LegacyUpstream, client_headers: MultiMapping[str]) -> None:
+        try:
+            await self._pages(legacy, client_headers)
+        except UpstreamUnavailable as exc:
+            # Unknown, not forbidden for good: the next call asks again. The call itself then reports the fault.
+            log.warning("upstream_tools_unlisted", reason=str(exc))
+            return
+        self._listed_at = time.monotonic()
+
+    async def _pages(self, legacy: LegacyUpstream, client_headers: MultiMapping[str]) -> None:
         cursor: Any = None
         for _ in range(_MAX_LIST_PAGES):
             params = {"cursor": cursor} if cursor is not None else {}
-            answer = await legacy.ask(session, client_headers, "tools/list", params)
+            answer = await legacy.ask(client_headers, "tools/list", params)
             result = answer.get("result") if answer else None
             if not isinstance(result, dict):
                 return
@@ -136,7 +147,7 @@ async def run_as_upstream_task(
     ended = False
     try:
         created: Finished | None = None
-        async for event in legacy.exchange(create, client_headers, capabilities, max_bytes=max_bytes):
+        async for event in legacy.exchange(create, client_headers, capabilities, max_bytes=max_bytes, route=route):
             if isinstance(event, Finished):
                 created = event
             elif isinstance(event, Failed):
@@ -163,8 +174,9 @@ async def run_as_upstream_task(
             if status in ("input_required", "completed", "failed"):
                 # Blocks until the task ends; its input requests come on this stream (SEP-1686 side channel).
                 outcome: Event | None = None
+                result_request = _request("tasks/result", {"taskId": task_id})
                 async for event in legacy.exchange(
-                    _request("tasks/result", {"taskId": task_id}), client_headers, capabilities, max_bytes=max_bytes
+                    result_request, client_headers, capabilities, max_bytes=max_bytes, route=route
                 ):
                     if isinstance(event, Finished | Failed):
                         outcome = event
@@ -179,8 +191,7 @@ async def run_as_upstream_task(
                     yield outcome  # exactly what the underlying call would have answered
                     return
                 result_failures += 1
-                if result_failures > _MAX_RESULT_RETRIES:
-                    ended = True
+                if result_failures > _MAX_RESULT_RETRIES:  # the task may still run upstream: it is cancelled there
                     yield outcome or proxy_failure("tasks/result never answered", legacy.url)
                     return
             elif status == "cancelled":
@@ -189,11 +200,15 @@ async def run_as_upstream_task(
                 yield Failed(error_object(INTERNAL_ERROR, f"Upstream failure: {reason}"), reason)
                 return
             await asyncio.sleep(_poll_s(task))
-            answer = await legacy.ask(session, client_headers, "tasks/get", {"taskId": task_id})
+            try:
+                answer = await legacy.ask(client_headers, "tasks/get", {"taskId": task_id}, session=session)
+            except UpstreamUnavailable as exc:
+                yield proxy_failure(f"the upstream's tasks/get failed ({exc})", legacy.url)
+                return
             if answer is None or not isinstance(answer.get("result"), dict):
-                ended = True
                 error = answer.get("error") if answer else None
                 if isinstance(error, dict):
+                    ended = True  # the upstream knows no such task any more: nothing to cancel
                     yield Failed(error, f"the upstream's tasks/get answered JSON-RPC error {error.get('code')}")
                 else:
                     yield proxy_failure("the upstream's tasks/get gave no answer", legacy.url)
@@ -208,8 +223,8 @@ async def _cancel(
     legacy: LegacyUpstream, session: LegacySession, client_headers: MultiMapping[str], task_id: str
 ) -> None:
     try:
-        answer = await legacy.ask(session, client_headers, "tasks/cancel", {"taskId": task_id})
-    except (ConnectionError, aiohttp.ClientError, OSError, UpstreamUnavailable) as exc:
+        answer = await legacy.ask(client_headers, "tasks/cancel", {"taskId": task_id}, session=session)
+    except UpstreamUnavailable as exc:
         log.warning("upstream_task_cancel_not_delivered", upstream_task_id=task_id, reason=str(exc))
         return
     log.info("upstream_task_cancelled", upstream_task_id=task_id, answered=bool(answer and "result" in answer))

@@ -28,3 +28,7 @@ def release(tag: str) -> None:
 
 def state(tag: str) -> str:
     return _states.get(tag, "unknown")
+
+
+def mark(tag: str, state: str) -> None:
+    _states[tag] = state

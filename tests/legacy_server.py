@@ -89,6 +89,20 @@ async def ask_then_work(seconds: float, ctx: Context) -> str:
 
 
 @server.tool()
+async def ask_again_and_again(times: int, ctx: Context) -> str:
+    """Elicit `times` times in a row (a server that keeps asking); records a cancellation at gate `times`."""
+    names = []
+    try:
+        for _ in range(times):
+            answer = await ctx.elicit("Your name?", Name)
+            names.append(answer.data.name if answer.action == "accept" else answer.action)
+    except asyncio.CancelledError:
+        gates.mark(f"asked-{times}", "cancelled")
+        raise
+    return " ".join(names)
+
+
+@server.tool()
 async def ask_two(ctx: Context) -> str:
     """Two elicitations at once: both are pending together."""
     first, second = await asyncio.gather(ctx.elicit("First?", Name), ctx.elicit("Second?", Name))

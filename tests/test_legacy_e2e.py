@@ -315,3 +315,43 @@ async def test_a_parked_round_nobody_answers_is_cancelled_upstream(make_proxy, l
     await eventually(cancelled, what="the unanswered legacy call being cancelled upstream")
     late = {**params, "inputResponses": {}, "requestState": first.result["requestState"]}
     assert (await proxy.client.call("tools/call", late)).error["code"] == -32602
+
+
+@pytest.mark.parametrize(("tasks", "times"), [(True, 5), (False, 6)], ids=["task", "sync-window"])
+async def test_a_server_that_keeps_asking_is_stopped_at_max_input_rounds(
+    make_proxy, legacy_upstream, legacy_client, tasks, times
+):
+    """Each question of a legacy server counts against max_input_rounds, as a modern server's rounds do."""
+    rule = {"match": "ask_again_and_again", "task": "optional", "max_input_rounds": 2,
+            "sync_window_ms": 0 if tasks else 60_000}  # fmt: skip
+    proxy = await make_proxy(legacy_upstream, tools=[rule], tasks={"poll_interval_ms": 50})
+    params = {"name": "ask_again_and_again", "arguments": {"times": times}, "_meta": meta(**ELICIT)}
+    reply = await proxy.client.call("tools/call", params)
+    answered: set[str] = set()
+    for _ in range(2):
+        if tasks:
+            task_id = reply.result["taskId"]
+
+            async def new_question(task_id=task_id):
+                got = await proxy.client.get_task(task_id)
+                keys = set(got.result.get("inputRequests") or {}) - answered
+                return keys if got.result["status"] == "input_required" and keys else None
+
+            (key,) = await eventually(new_question, what="the next question")
+            await proxy.client.call("tasks/update", {"taskId": task_id, "inputResponses": {key: accept(name="x")}})
+        else:
+            (key,) = reply.result["inputRequests"]
+            retry = {**params, "inputResponses": {key: accept(name="x")}, "requestState": reply.result["requestState"]}
+            reply = await proxy.client.call("tools/call", retry)
+        answered.add(key)
+    if tasks:
+        failed = await task_reaches(proxy.client, reply.result["taskId"], "failed")
+        error = failed.result["error"]
+    else:
+        error = reply.error
+    assert "more than 2 times (max_input_rounds)" in error["message"], error
+
+    async def cancelled():
+        return await legacy_client.call_tool("gate_state", {"tag": f"asked-{times}"}) == "cancelled"
+
+    await eventually(cancelled, what="the call being cancelled upstream")

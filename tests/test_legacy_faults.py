@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import json
 
+import pytest
 from aiohttp import web
 
 from tests.conftest import eventually, task_reaches
@@ -21,19 +22,23 @@ class ScriptedLegacyServer:
         self.answers: dict[object, asyncio.Future] = {}
         self.deleted: list[str] = []
         self.received: list[tuple[str | None, dict]] = []
+        self.extra_capabilities: dict = {}
+        self.tools_list_body: bytes | None = None
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         session = request.headers.get("Mcp-Session-Id")
         if request.method == "DELETE":
             self.deleted.append(session)
             return web.Response(status=200)
+        if request.method == "GET":
+            return web.Response(status=405)  # no standalone stream
         message = json.loads(await request.read())
         self.received.append((session, message))
         method = message.get("method")
         if method == "initialize":
             result = {
                 "protocolVersion": "2025-06-18",
-                "capabilities": {"tools": {}},
+                "capabilities": {"tools": {}, **self.extra_capabilities},
                 "serverInfo": {"name": "s", "version": "1"},
             }
             headers = {"Mcp-Session-Id": f"s{next(self.sessions)}"}
@@ -48,6 +53,12 @@ class ScriptedLegacyServer:
             )
         if method.startswith("notifications/"):
             return web.Response(status=202)
+        if method == "tools/list" and self.tools_list_body is not None:
+            if not self.tools_list_body:
+                assert request.transport is not None
+                request.transport.close()  # the connection reset mid-request
+                return web.Response(status=500)
+            return web.Response(body=self.tools_list_body, content_type="application/json")
         if method == "resources/read":
             return web.json_response(
                 {"jsonrpc": "2.0", "id": message["id"], "error": {"code": -32002, "message": "not found"}}
@@ -144,3 +155,17 @@ async def test_repeated_mcp_headers_are_all_dropped_towards_a_legacy_server(make
     call = next(h for h in fake.received if b'"tools/call"' in h["body"])
     assert "Mcp-Param-Region" not in call["headers"] and "Mcp-Method" not in call["headers"]
     assert call["headers"]["MCP-Protocol-Version"] == "2025-06-18"
+
+
+@pytest.mark.parametrize("tools_list", [b"", b"[" * 200_000], ids=["connection-reset", "deeply-nested"])
+async def test_a_broken_tools_list_does_not_stop_calls_to_a_server_with_tasks(make_proxy, fake_upstream, tools_list):
+    """The proxy lists tools to learn their taskSupport; when that listing fails, calls go on as plain calls."""
+    server, fake = await scripted(fake_upstream)
+    server.extra_capabilities = {"tasks": {"requests": {"tools": {"call": {}}}}}
+    server.tools_list_body = tools_list
+    proxy = await make_proxy(fake.url, tools=[{"match": "job", "task": "optional"}], tasks={"poll_interval_ms": 50})
+    sync = await asyncio.wait_for(proxy.client.call_tool("anything", tasks=False), timeout=30)
+    assert sync.result["content"][0]["text"] == "ok on s1"
+    created = await proxy.client.call_tool("job")
+    done = await task_reaches(proxy.client, created.result["taskId"], "completed")
+    assert done.result["result"]["content"][0]["text"] == "ok on s1"

@@ -85,3 +85,33 @@ async def test_the_proxy_session_keeps_one_standalone_stream_open(proxy, legacy_
     sessions = list(proxy.app[gateway_key].legacy._sessions.values())
     assert len(sessions) == 1
     assert sessions[0].reader is not None and not sessions[0].reader.done()
+
+
+async def test_callers_who_share_a_credential_but_not_a_principal_never_share_a_session(make_proxy, legacy_upstream):
+    """With principal: header, users behind one gateway credential are separate: a standalone request is tied to
+    the one call in flight on its own caller's session, never to another caller's call."""
+    rules = [{"match": "ask_roots_standalone", "task": "optional"}, {"match": "gated", "task": "optional"}]
+    proxy = await make_proxy(
+        legacy_upstream,
+        tools=rules,
+        tasks={"poll_interval_ms": 50},
+        security={"principal": "header", "principal_header": "X-User"},
+    )
+    gate = secrets.token_hex(6)
+    await proxy.client.call_tool("gated", {"tag": gate}, headers={"X-User": "alice"})
+    legacy = _LegacyClient(proxy.client.session, legacy_upstream)
+
+    async def started():
+        return await legacy.call_tool("gate_state", {"tag": gate}) == "started"
+
+    await eventually(started, what="alice's call waiting upstream")
+    params = {"name": "ask_roots_standalone", "arguments": {}, "_meta": meta(roots={})}
+    created = await proxy.client.call("tools/call", params, headers={"X-User": "bob"})
+    asking = await task_reaches(proxy.client, created.result["taskId"], "input_required", headers={"X-User": "bob"})
+    ((key, question),) = asking.result["inputRequests"].items()
+    assert question["method"] == "roots/list"
+    update = {"taskId": created.result["taskId"], "inputResponses": {key: ROOTS}}
+    await proxy.client.call("tasks/update", update, headers={"X-User": "bob"})
+    done = await task_reaches(proxy.client, created.result["taskId"], "completed", headers={"X-User": "bob"})
+    assert done.result["result"]["content"][0]["text"] == "file:///srv/project"
+    await legacy.call_tool("release", {"tag": gate})

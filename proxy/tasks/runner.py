@@ -56,7 +56,7 @@ _GATHER_S = 0.05
 
 
 def _binding(call: ToolCall) -> str:
-    return f"{call.credential}|tools/call|{call.tool}"
+    return f"{call.credential}|{call.principal}|tools/call|{call.tool}"
 
 
 class TaskWatchers:
@@ -89,6 +89,10 @@ class TaskWatchers:
 
 class _NotTheOwner(Exception):
     """The task belongs to another principal: for its caller, it does not exist."""
+
+
+class _RoundLimit(Exception):
+    """Raised inside a call's own task when a legacy server asked too often: the outcome is written, the call ends."""
 
 
 class _AlreadyMade(Exception):
@@ -185,6 +189,9 @@ class _Job:
     while the call waits upstream (parked)."""
     final: DirectOutcome | None = None
     """The outcome, when it came while no sync window was waiting for it (the call was parked for an MRTR round)."""
+    questions_asked: int = 0
+    """A legacy server's questions so far: bounded by max_input_rounds, as a modern server's rounds are."""
+    question_lock: asyncio.Lock | None = None
 
     def mark_stored(self) -> None:
         self.stored = True
@@ -324,6 +331,7 @@ class TaskRunner:
         except asyncio.CancelledError:
             # The client closed its request inside the window: as for any 2026 call, that cancels the upstream work.
             job.cancel_reason = "the client closed its request"
+            job.outcome = None  # a question being gathered now finds no window to answer
             job.runner.cancel()  # type: ignore[union-attr]
             raise
         if job.outcome.done():
@@ -350,12 +358,19 @@ class TaskRunner:
         if job.final is not None:
             return job.final
         answers = params_of(call.message).get("inputResponses")
-        for key, answer in (answers if isinstance(answers, dict) else {}).items():
-            reply = job.replies.pop(key, None)
-            if reply is not None and isinstance(answer, dict):
-                assert job.sync_requests is not None
-                job.sync_requests.pop(key, None)
-                await reply(answer)
+        try:
+            for key, answer in (answers if isinstance(answers, dict) else {}).items():
+                reply = job.replies.pop(key, None)
+                if reply is not None and isinstance(answer, dict):
+                    assert job.sync_requests is not None
+                    job.sync_requests.pop(key, None)
+                    await reply(answer)
+        except asyncio.CancelledError:
+            # The client left with the call claimed: nobody else can resume it, so it stops here.
+            job.cancel_reason = "the client closed its request"
+            if job.runner is not None:
+                job.runner.cancel()
+            raise
         if job.sync_requests:  # some are still unanswered: ask for those again (SEP-2322 SHOULD)
             return self._offer_round(job)
         return await self._within_window(job)
@@ -371,6 +386,17 @@ class TaskRunner:
         """A legacy server's question inside the sync window: an MRTR round for the client (as a modern server's
         input_required is), the upstream call held open until the client's retry answers it."""
         assert needed.reply is not None
+        refusal = self._past_round_limit(job)
+        if refusal is not None:
+            outcome = DirectOutcome(error=refusal)
+            if job.outcome is not None and not job.outcome.done():
+                job.outcome.set_result(outcome)
+            else:
+                job.final = outcome
+            if job.runner is asyncio.current_task():
+                raise _RoundLimit
+            self._stop(job, "too many input rounds")
+            return
         if job.sync_requests is None:
             job.sync_requests = {}
         first = not job.sync_requests
@@ -385,6 +411,19 @@ class TaskRunner:
     def _offer_if_waiting(self, job: _Job) -> None:
         if job.outcome is not None and not job.outcome.done() and job.sync_requests:
             job.outcome.set_result(self._offer_round(job))
+
+    def _past_round_limit(self, job: _Job) -> dict[str, Any] | None:
+        """The error for a legacy server's question past the rule's max_input_rounds (each question counts)."""
+        job.questions_asked += 1
+        if job.questions_asked <= job.max_input_rounds:
+            return None
+        reason = f"the upstream asked for input more than {job.max_input_rounds} times (max_input_rounds)"
+        return error_object(INTERNAL_ERROR, f"Upstream failure: {reason}", {"upstream": self._upstream.url})
+
+    def _stop(self, job: _Job, reason: str) -> None:
+        if job.runner is not None and not job.runner.done() and job.runner is not asyncio.current_task():
+            job.cancel_reason = reason
+            job.runner.cancel()
 
     def _drop_parked(self, job: _Job, why: str) -> None:
         """A parked call the client never came back for: it is cancelled upstream."""
@@ -710,6 +749,8 @@ class TaskRunner:
                         outcome = "failed"
                         settle = (TaskStatus.FAILED, {"error": event.error, "status_message": event.status_message})
                         break
+        except _RoundLimit:
+            outcome = "failed"  # already written; closing the events cancels the call upstream
         except TimeoutError:
             outcome = "timeout"
             reason = f"the upstream call exceeded its {job.rule.timeout_s:g} s limit (timeout_s)"
@@ -792,7 +833,21 @@ class TaskRunner:
         if not job.is_task:
             self._ask_synchronously(job, needed)
             return
+        if job.question_lock is None:
+            job.question_lock = asyncio.Lock()
+        async with job.question_lock:  # questions from the standalone stream come concurrently: one at a time
+            await self._add_questions(job, needed)
+
+    async def _add_questions(self, job: _Job, needed: InputNeeded) -> None:
         await job.wait_stored()  # the window may just have closed: the record is being written
+        refusal = self._past_round_limit(job)
+        if refusal is not None:
+            reason = refusal["message"].removeprefix("Upstream failure: ")
+            await self._settle(job, TaskStatus.FAILED, error=refusal, status_message=reason)
+            if job.runner is asyncio.current_task():
+                raise _RoundLimit
+            self._stop(job, "too many input rounds")
+            return
         assert needed.reply is not None
         if not job.waiting_input:
             job.waiting_input = True
