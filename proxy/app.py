@@ -53,9 +53,10 @@ from .metrics import Metrics, method_label
 from .passthrough import client_gone_key, forward, forward_rewritten, open_upstream
 from .policy import LivePolicy
 from .security import HostGuard, Identity, PollGuard
+from .tasks.job import DirectOutcome, ToolCall
 from .tasks.model import TaskRecord, is_task_id, utc_now
 from .tasks.redis_store import RedisTaskStore
-from .tasks.runner import DirectOutcome, LimitReached, ShuttingDown, TaskRunner, ToolCall
+from .tasks.runner import LimitReached, ShuttingDown, TaskRunner
 from .tasks.store import MemoryTaskStore, StoreFullError, StoreUnavailable, TaskStore
 from .upstream import Upstream, UpstreamUnavailable
 

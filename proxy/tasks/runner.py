@@ -14,7 +14,6 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import structlog
-from multidict import CIMultiDict
 from tenacity import (
     AsyncRetrying,
     RetryError,
@@ -25,23 +24,21 @@ from tenacity import (
 )
 
 from ..config import LimitsConfig, TaskDefaults, ToolRule
-from ..envelope import params_of
 from ..jsonrpc import (
     INTERNAL_ERROR,
-    INVALID_PARAMS,
     MISSING_REQUIRED_CLIENT_CAPABILITY,
-    JsonRpcError,
     dumps,
     error_object,
 )
 from ..metrics import Metrics
-from ..parking import ParkedCalls
 from ..upstream import Finished, InputNeeded, Progress
 
 if TYPE_CHECKING:
     from ..gateway import Gateway
+from .job import DirectOutcome, Job, RoundLimit, ToolCall
 from .model import TaskRecord, TaskStateError, TaskStatus, new_task_id, transition, utc_now
 from .store import StoreUnavailable, TaskStore
+from .sync_rounds import SyncRounds
 
 log = structlog.get_logger(__name__)
 
@@ -49,14 +46,6 @@ _CANCELLED_BY_CLIENT = "cancelled at the client's request"
 _SHUTDOWN = "the proxy shut down before the upstream call finished"
 _SHUTDOWN_WRITE_S = 5.0
 """On shutdown, how long a task's last write may wait for an unavailable store."""
-_STATE_PREFIX = "mtp1w"
-"""requestState of a call parked inside its sync window (proxy/parking.py)."""
-_GATHER_S = 0.05
-"""After a legacy server's first question, how long to wait for the ones sent with it, so they go out in one round."""
-
-
-def _binding(call: ToolCall) -> str:
-    return f"{call.credential}|{call.principal}|tools/call|{call.tool}"
 
 
 class TaskWatchers:
@@ -91,10 +80,6 @@ class _NotTheOwner(Exception):
     """The task belongs to another principal: for its caller, it does not exist."""
 
 
-class _RoundLimit(Exception):
-    """Raised inside a call's own task when a legacy server asked too often: the outcome is written, the call ends."""
-
-
 class _AlreadyMade(Exception):
     """A retried change finds the record already changed: it is left as it is."""
 
@@ -118,102 +103,6 @@ class LimitReached(Exception):
     def __init__(self, message: str, **data: Any) -> None:
         super().__init__(message)
         self.data = data or None
-
-
-@dataclasses.dataclass(slots=True)
-class ToolCall:
-    """What the upstream is asked: the tools/call message (with the proxy's own id) and the client's headers."""
-
-    tool: str
-    message: dict[str, Any]
-    headers: CIMultiDict[str]
-    capabilities: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """The client capabilities the task-creating request declared; they bound what input may be asked."""
-    principal: str = ""
-    """Who asked (a keyed hash): the task's owner."""
-    credential: str = ""
-    """The caller's credential (a keyed hash, whatever security.principal says): an MRTR handle is bound to it."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class DirectOutcome:
-    """The upstream answered inside the rule's sync window: exactly one of result and error is set."""
-
-    result: dict[str, Any] | None = None
-    error: dict[str, Any] | None = None
-
-
-@dataclasses.dataclass(eq=False, slots=True)
-class _Job:
-    task_id: str
-    call: ToolCall
-    rule: ToolRule
-    ttl_ms: int
-    poll_interval_ms: int
-    started_s: float
-    is_task: bool = False
-    """False while the sync window runs; from then on the outcome goes to the store."""
-    # Events and futures are made only when something waits on them: ten thousand working tasks should cost as
-    # little as possible, and most jobs never have a sync window, an input round or a question to wait for.
-    stored: bool = False
-    """The task's record exists (creation finished)."""
-    stored_event: asyncio.Event | None = None
-    outcome: asyncio.Future[DirectOutcome] | None = None
-    """Only while a sync window runs: the outcome, when it comes inside the window."""
-    max_input_rounds: int = 10
-    max_result_bytes: int = 16 * 1024 * 1024
-    slots: asyncio.Semaphore | None = None
-    """The tool's max_concurrency slots, when its rule sets one."""
-    holds_slot: bool = False
-    """A slot was taken at admission (on_limit: refuse); it is given back when the job ends."""
-    settled: bool = False
-    """This replica wrote the task's terminal state: nothing from outside may cancel the call any more."""
-    round_open: bool = False
-    """A modern input round is recorded (input_required); a record found working again means it was answered."""
-    unwritten: tuple[TaskStatus, dict[str, Any]] | None = None
-    """The outcome while its write is under way (retried while the store is unavailable)."""
-    last_message: str | None = None
-    cancel_reason: str | None = None
-    runner: asyncio.Task[None] | None = None
-    upstream_id: str = ""
-    """The JSON-RPC id of the upstream attempt in flight (each MRTR round has its own)."""
-    upstream_busy: bool = False
-    waiting_input: bool = False
-    answered: asyncio.Event | None = None
-    """Made for each modern input round; set when tasks/update has answered every outstanding input request."""
-    issued_keys: set[str] | None = None
-    replies: dict[str, Callable[[dict[str, Any]], Awaitable[None]]] = dataclasses.field(default_factory=dict)
-    """Legacy upstreams: how to post the answer to each outstanding task key back on the open call."""
-    sync_requests: dict[str, Any] | None = None
-    """A legacy server's questions asked inside the sync window: the client answers them as an MRTR round, by key,
-    while the call waits upstream (parked)."""
-    final: DirectOutcome | None = None
-    """The outcome, when it came while no sync window was waiting for it (the call was parked for an MRTR round)."""
-    questions_asked: int = 0
-    """A legacy server's questions so far: bounded by max_input_rounds, as a modern server's rounds are."""
-    question_lock: asyncio.Lock | None = None
-
-    def mark_stored(self) -> None:
-        self.stored = True
-        if self.stored_event is not None:
-            self.stored_event.set()
-
-    async def wait_stored(self) -> None:
-        if not self.stored:
-            if self.stored_event is None:
-                self.stored_event = asyncio.Event()
-            await self.stored_event.wait()
-
-    def unique_key(self, upstream_key: str) -> str:
-        """A key never used before in this task (SEP-2663), even when the upstream reuses one across rounds."""
-        if self.issued_keys is None:
-            self.issued_keys = set()
-        candidate, n = upstream_key, 1
-        while candidate in self.issued_keys:
-            n += 1
-            candidate = f"{upstream_key}-{n}"
-        self.issued_keys.add(candidate)
-        return candidate
 
 
 class TaskRunner:
@@ -242,7 +131,7 @@ class TaskRunner:
         self._slots: dict[tuple[str, int], asyncio.Semaphore] = {}
         self._now = now
         self._timer = timer
-        self._jobs: dict[str, _Job] = {}
+        self._jobs: dict[str, Job] = {}
         self._reap_interval_s = reap_interval_s
         self._reconcile_interval_s = reconcile_interval_s
         self._lease_s = lease_s
@@ -254,9 +143,7 @@ class TaskRunner:
         self.replica_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self._metrics.watch_running(self._running_by_status)
         self.watchers = TaskWatchers()
-        self._parked: ParkedCalls[_Job] = ParkedCalls(
-            prefix=_STATE_PREFIX, ttl_s=input_wait_s, on_drop=self._drop_parked
-        )
+        self._rounds = SyncRounds(input_wait_s=input_wait_s, upstream_url=upstream.url)
 
     @property
     def running(self) -> int:
@@ -292,7 +179,7 @@ class TaskRunner:
             # burst cannot be admitted past the limit before the first of its calls starts.
             await slots.acquire()
             holds_slot = True
-        job = _Job(
+        job = Job(
             task_id=new_task_id(),
             call=call,
             rule=rule,
@@ -318,14 +205,14 @@ class TaskRunner:
         self._spawn(job)
         return await self._within_window(job)
 
-    async def _within_window(self, job: _Job) -> TaskRecord | DirectOutcome:
+    async def _within_window(self, job: Job) -> TaskRecord | DirectOutcome:
         """Wait out the rule's sync window: the outcome if it comes inside (an answer, or an MRTR round for the
         client), else the call becomes a task, stored before anyone hears of it."""
         if job.final is not None:
             return job.final
         job.outcome = asyncio.get_running_loop().create_future()
         if job.sync_requests:  # asked while the client's retry was on its way: this is the next round
-            job.outcome.set_result(self._offer_round(job))
+            job.outcome.set_result(self._rounds.offer(job))
         try:
             await asyncio.wait([job.outcome], timeout=job.rule.sync_window_ms / 1000)
         except asyncio.CancelledError:
@@ -338,7 +225,7 @@ class TaskRunner:
             return job.outcome.result()
         job.outcome = None
         if job.sync_requests:  # asked inside the window, while the questions sent with it were being gathered
-            return self._offer_round(job)
+            return self._rounds.offer(job)
         try:
             return await self._create_record(job)
         except BaseException:
@@ -347,90 +234,17 @@ class TaskRunner:
             raise
 
     async def resume(self, call: ToolCall) -> TaskRecord | DirectOutcome | None:
-        """An MRTR retry whose requestState is a call this runner parked: its answers go upstream on the open call,
-        then the sync window runs again. None when the requestState is not the runner's (it is the upstream's)."""
-        state = params_of(call.message).get("requestState")
-        if state is None or (not self._parked.owns(state) and self._upstream.known_era != "legacy"):
-            return None  # a first call, or the MRTR state of a modern upstream: it goes there untouched
-        job = self._parked.claim(state, _binding(call))
+        """An MRTR retry that names a call parked inside its sync window: the answers go upstream on the open
+        call, then the window runs again. None when it names none (the call is a new one)."""
+        job = self._rounds.claim(call, legacy_upstream=self._upstream.known_era == "legacy")
         if job is None:
-            raise JsonRpcError(INVALID_PARAMS, "Invalid or expired requestState", {"reason": "invalid_request_state"})
+            return None
         if job.final is not None:
             return job.final
-        answers = params_of(call.message).get("inputResponses")
-        try:
-            for key, answer in (answers if isinstance(answers, dict) else {}).items():
-                reply = job.replies.pop(key, None)
-                if reply is not None and isinstance(answer, dict):
-                    assert job.sync_requests is not None
-                    job.sync_requests.pop(key, None)
-                    await reply(answer)
-        except asyncio.CancelledError:
-            # The client left with the call claimed: nobody else can resume it, so it stops here.
-            job.cancel_reason = "the client closed its request"
-            if job.runner is not None:
-                job.runner.cancel()
-            raise
+        await self._rounds.answer(job, call)
         if job.sync_requests:  # some are still unanswered: ask for those again (SEP-2322 SHOULD)
-            return self._offer_round(job)
+            return self._rounds.offer(job)
         return await self._within_window(job)
-
-    def _offer_round(self, job: _Job) -> DirectOutcome:
-        """The MRTR input_required answer for a parked call's outstanding questions."""
-        assert job.sync_requests is not None
-        token = self._parked.park(job, _binding(job.call))
-        result = {"resultType": "input_required", "inputRequests": dict(job.sync_requests), "requestState": token}
-        return DirectOutcome(result=result)
-
-    def _ask_synchronously(self, job: _Job, needed: InputNeeded) -> None:
-        """A legacy server's question inside the sync window: an MRTR round for the client (as a modern server's
-        input_required is), the upstream call held open until the client's retry answers it."""
-        assert needed.reply is not None
-        refusal = self._past_round_limit(job)
-        if refusal is not None:
-            outcome = DirectOutcome(error=refusal)
-            if job.outcome is not None and not job.outcome.done():
-                job.outcome.set_result(outcome)
-            else:
-                job.final = outcome
-            if job.runner is asyncio.current_task():
-                raise _RoundLimit
-            self._stop(job, "too many input rounds")
-            return
-        if job.sync_requests is None:
-            job.sync_requests = {}
-        first = not job.sync_requests
-        for upstream_key, input_request in needed.input_requests.items():
-            key = job.unique_key(upstream_key)
-            job.replies[key] = needed.reply
-            job.sync_requests[key] = input_request
-        if first and job.outcome is not None and not job.outcome.done():
-            # Questions sent together go out in one round: a short wait for the others.
-            asyncio.get_running_loop().call_later(_GATHER_S, self._offer_if_waiting, job)
-
-    def _offer_if_waiting(self, job: _Job) -> None:
-        if job.outcome is not None and not job.outcome.done() and job.sync_requests:
-            job.outcome.set_result(self._offer_round(job))
-
-    def _past_round_limit(self, job: _Job) -> dict[str, Any] | None:
-        """The error for a legacy server's question past the rule's max_input_rounds (each question counts)."""
-        job.questions_asked += 1
-        if job.questions_asked <= job.max_input_rounds:
-            return None
-        reason = f"the upstream asked for input more than {job.max_input_rounds} times (max_input_rounds)"
-        return error_object(INTERNAL_ERROR, f"Upstream failure: {reason}", {"upstream": self._upstream.url})
-
-    def _stop(self, job: _Job, reason: str) -> None:
-        if job.runner is not None and not job.runner.done() and job.runner is not asyncio.current_task():
-            job.cancel_reason = reason
-            job.runner.cancel()
-
-    def _drop_parked(self, job: _Job, why: str) -> None:
-        """A parked call the client never came back for: it is cancelled upstream."""
-        log.info("parked_call_dropped", task_id=job.task_id, tool=job.call.tool, reason=why)
-        if job.runner is not None and not job.runner.done():
-            job.cancel_reason = f"the client did not answer the input round ({why})"
-            job.runner.cancel()
 
     def _admit(self, call: ToolCall, rule: ToolRule, limits: LimitsConfig) -> asyncio.Semaphore | None:
         """Apply the policy's concurrency limits to a new task; returns the tool's slots when it has a limit."""
@@ -510,7 +324,7 @@ class TaskRunner:
                 if job.answered is not None:
                     job.answered.set()
 
-    def _stop_cancelled(self, job: _Job, reason: str = _CANCELLED_BY_CLIENT) -> None:
+    def _stop_cancelled(self, job: Job, reason: str = _CANCELLED_BY_CLIENT) -> None:
         """The task was cancelled (or failed) elsewhere: stop its upstream call, unless it already settled here."""
         if job.runner is not None and not job.runner.done() and not job.settled:
             job.cancel_reason = reason
@@ -608,7 +422,7 @@ class TaskRunner:
     async def aclose(self, grace_s: float = 0.0) -> None:
         """Let running calls finish for up to grace_s, then stop the rest and fail their tasks."""
         self.accepting = False
-        self._parked.drain()  # their calls are stopped below with every other one
+        self._rounds.drain()  # their calls are stopped below with every other one
         for loop_task in (self._reaper, self._reconciler):
             if loop_task is not None:
                 loop_task.cancel()
@@ -621,7 +435,7 @@ class TaskRunner:
                 job.runner.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
 
-    async def _create_record(self, job: _Job) -> TaskRecord:
+    async def _create_record(self, job: Job) -> TaskRecord:
         now = self._now()
         record = TaskRecord(
             task_id=job.task_id,
@@ -642,17 +456,17 @@ class TaskRunner:
         log.info("task_transition", task_id=job.task_id, tool=job.call.tool, to=record.status.value, duration_ms=0)
         return record
 
-    def _spawn(self, job: _Job) -> None:
+    def _spawn(self, job: Job) -> None:
         job.runner = asyncio.create_task(self._run(job), name=f"mcp-task:{job.task_id}")
         job.runner.add_done_callback(lambda _: self._forget(job))
 
-    def _forget(self, job: _Job) -> None:
+    def _forget(self, job: Job) -> None:
         self._jobs.pop(job.task_id, None)
         if job.holds_slot and job.slots is not None:
             job.holds_slot = False
             job.slots.release()
 
-    async def _run(self, job: _Job) -> None:
+    async def _run(self, job: Job) -> None:
         structlog.contextvars.bind_contextvars(task_id=job.task_id, tool=job.call.tool)
         try:
             if job.slots is None or job.holds_slot:
@@ -681,7 +495,7 @@ class TaskRunner:
             error = error_object(INTERNAL_ERROR, "Proxy failure: internal error while following the upstream call")
             await self._settle(job, TaskStatus.FAILED, error=error, status_message="internal proxy error")
 
-    async def _drive(self, job: _Job) -> None:
+    async def _drive(self, job: Job) -> None:
         """Run upstream attempts until one ends the call; MRTR input_required answers start the next round."""
         message = job.call.message
         input_rounds = 0
@@ -709,7 +523,7 @@ class TaskRunner:
                 await asyncio.sleep(min(0.05 * 2 ** (input_rounds - 1), 0.25))
             message = _retry_message(job.call.message, responses, needed.request_state)
 
-    async def _attempt(self, job: _Job, message: dict[str, Any]) -> InputNeeded | None:
+    async def _attempt(self, job: Job, message: dict[str, Any]) -> InputNeeded | None:
         """One upstream call; None once the outcome is settled, the InputNeeded when the upstream wants input."""
         job.upstream_id = message["id"]
         job.upstream_busy = True
@@ -749,7 +563,7 @@ class TaskRunner:
                         outcome = "failed"
                         settle = (TaskStatus.FAILED, {"error": event.error, "status_message": event.status_message})
                         break
-        except _RoundLimit:
+        except RoundLimit:
             outcome = "failed"  # already written; closing the events cancels the call upstream
         except TimeoutError:
             outcome = "timeout"
@@ -767,7 +581,7 @@ class TaskRunner:
             await self._settle(job, status, **fields)
         return None
 
-    async def _ask_client(self, job: _Job, requests: dict[str, Any]) -> dict[str, Any] | None:
+    async def _ask_client(self, job: Job, requests: dict[str, Any]) -> dict[str, Any] | None:
         """Put the upstream's input requests in the task and wait for tasks/update to answer them all.
 
         Returns the answers under the upstream's own keys; None when the task ended meanwhile.
@@ -828,25 +642,25 @@ class TaskRunner:
         collected = record.collected_responses or {}
         return {key_map[key]: answer for key, answer in collected.items() if key in key_map}
 
-    async def _open_questions(self, job: _Job, needed: InputNeeded) -> None:
+    async def _open_questions(self, job: Job, needed: InputNeeded) -> None:
         """A legacy server's request joins the task's outstanding inputRequests; the call's stream stays open."""
         if not job.is_task:
-            self._ask_synchronously(job, needed)
+            self._rounds.ask(job, needed)
             return
         if job.question_lock is None:
             job.question_lock = asyncio.Lock()
         async with job.question_lock:  # questions from the standalone stream come concurrently: one at a time
             await self._add_questions(job, needed)
 
-    async def _add_questions(self, job: _Job, needed: InputNeeded) -> None:
+    async def _add_questions(self, job: Job, needed: InputNeeded) -> None:
         await job.wait_stored()  # the window may just have closed: the record is being written
-        refusal = self._past_round_limit(job)
+        refusal = self._rounds.past_round_limit(job)
         if refusal is not None:
             reason = refusal["message"].removeprefix("Upstream failure: ")
             await self._settle(job, TaskStatus.FAILED, error=refusal, status_message=reason)
             if job.runner is asyncio.current_task():
-                raise _RoundLimit
-            self._stop(job, "too many input rounds")
+                raise RoundLimit
+            job.stop("too many input rounds")
             return
         assert needed.reply is not None
         if not job.waiting_input:
@@ -935,7 +749,7 @@ class TaskRunner:
             await self._tell_owner(event)
         return record
 
-    async def _progress(self, job: _Job, event: Progress) -> None:
+    async def _progress(self, job: Job, event: Progress) -> None:
         message = event.describe()
         if message is None:
             return
@@ -951,7 +765,7 @@ class TaskRunner:
             with contextlib.suppress(StoreUnavailable):
                 await self._update_live(job, apply)
 
-    async def _update_live(self, job: _Job, apply: Callable[[TaskRecord], TaskRecord]) -> TaskRecord | None:
+    async def _update_live(self, job: Job, apply: Callable[[TaskRecord], TaskRecord]) -> TaskRecord | None:
         """Update a running job's record; None when it ended meanwhile (the job is stopped if the record is gone)."""
         try:
             record = await self._store.update(job.task_id, apply)
@@ -961,7 +775,7 @@ class TaskRunner:
             self._abandon(job)
         return record
 
-    async def _settle(self, job: _Job, status: TaskStatus, **fields: Any) -> None:
+    async def _settle(self, job: Job, status: TaskStatus, **fields: Any) -> None:
         if not job.is_task:
             outcome = DirectOutcome(result=fields.get("result"), error=fields.get("error"))
             if job.outcome is not None and not job.outcome.done():
@@ -977,11 +791,11 @@ class TaskRunner:
         if written is None:
             log.info("task_outcome_dropped", task_id=job.task_id, outcome=status.value)
 
-    def _remaining_s(self, job: _Job) -> float:
+    def _remaining_s(self, job: Job) -> float:
         """Time left before the task's record expires (its TTL runs from creation)."""
         return job.started_s + job.ttl_ms / 1000 - self._timer()
 
-    async def _until_stored(self, job: _Job, write: Callable[[], Awaitable[Any]]) -> Any:
+    async def _until_stored(self, job: Job, write: Callable[[], Awaitable[Any]]) -> Any:
         """A store call the task cannot go on without (its outcome, an input round): retried with backoff while the
         store is unavailable, until the task's TTL ends (then nobody could read it anyway, and None is returned).
         The job stays in this replica's table meanwhile, and its lease is renewed on its own: no sweep fails it."""
@@ -1005,7 +819,7 @@ class TaskRunner:
             log.warning("task_store_write_abandoned", task_id=job.task_id, reason="the task's TTL ended")
         return None
 
-    def _abandon(self, job: _Job) -> None:
+    def _abandon(self, job: Job) -> None:
         # The record expired or was evicted while the call ran: nobody can read the outcome any more.
         log.warning("task_record_gone", task_id=job.task_id)
         job.cancel_reason = "the task record is gone"
@@ -1017,7 +831,7 @@ class TaskRunner:
         task_id: str,
         to: TaskStatus,
         *,
-        job: _Job | None = None,
+        job: Job | None = None,
         principal: str | None = None,
         unless: Callable[[TaskRecord], bool] | None = None,
         **fields: Any,

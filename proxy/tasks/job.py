@@ -1,0 +1,119 @@
+"""One background call as the runner holds it: what was asked, under which rule, and where it stands."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from multidict import CIMultiDict
+
+from ..config import ToolRule
+from .model import TaskStatus
+
+
+@dataclasses.dataclass(slots=True)
+class ToolCall:
+    """What the upstream is asked: the tools/call message (with the proxy's own id) and the client's headers."""
+
+    tool: str
+    message: dict[str, Any]
+    headers: CIMultiDict[str]
+    capabilities: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The client capabilities the task-creating request declared; they bound what input may be asked."""
+    principal: str = ""
+    """Who asked (a keyed hash): the task's owner."""
+    credential: str = ""
+    """The caller's credential (a keyed hash, whatever security.principal says): an MRTR handle is bound to it."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DirectOutcome:
+    """The upstream answered inside the rule's sync window: exactly one of result and error is set."""
+
+    result: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Job:
+    task_id: str
+    call: ToolCall
+    rule: ToolRule
+    ttl_ms: int
+    poll_interval_ms: int
+    started_s: float
+    is_task: bool = False
+    """False while the sync window runs; from then on the outcome goes to the store."""
+    # Events and futures are made only when something waits on them: ten thousand working tasks should cost as
+    # little as possible, and most jobs never have a sync window, an input round or a question to wait for.
+    stored: bool = False
+    """The task's record exists (creation finished)."""
+    stored_event: asyncio.Event | None = None
+    outcome: asyncio.Future[DirectOutcome] | None = None
+    """Only while a sync window runs: the outcome, when it comes inside the window."""
+    max_input_rounds: int = 10
+    max_result_bytes: int = 16 * 1024 * 1024
+    slots: asyncio.Semaphore | None = None
+    """The tool's max_concurrency slots, when its rule sets one."""
+    holds_slot: bool = False
+    """A slot was taken at admission (on_limit: refuse); it is given back when the job ends."""
+    settled: bool = False
+    """This replica wrote the task's terminal state: nothing from outside may cancel the call any more."""
+    round_open: bool = False
+    """A modern input round is recorded (input_required); a record found working again means it was answered."""
+    unwritten: tuple[TaskStatus, dict[str, Any]] | None = None
+    """The outcome while its write is under way (retried while the store is unavailable)."""
+    last_message: str | None = None
+    cancel_reason: str | None = None
+    runner: asyncio.Task[None] | None = None
+    upstream_id: str = ""
+    """The JSON-RPC id of the upstream attempt in flight (each MRTR round has its own)."""
+    upstream_busy: bool = False
+    waiting_input: bool = False
+    answered: asyncio.Event | None = None
+    """Made for each modern input round; set when tasks/update has answered every outstanding input request."""
+    issued_keys: set[str] | None = None
+    replies: dict[str, Callable[[dict[str, Any]], Awaitable[None]]] = dataclasses.field(default_factory=dict)
+    """Legacy upstreams: how to post the answer to each outstanding task key back on the open call."""
+    sync_requests: dict[str, Any] | None = None
+    """A legacy server's questions asked inside the sync window: the client answers them as an MRTR round, by key,
+    while the call waits upstream (parked)."""
+    final: DirectOutcome | None = None
+    """The outcome, when it came while no sync window was waiting for it (the call was parked for an MRTR round)."""
+    questions_asked: int = 0
+    """A legacy server's questions so far: bounded by max_input_rounds, as a modern server's rounds are."""
+    question_lock: asyncio.Lock | None = None
+
+    def mark_stored(self) -> None:
+        self.stored = True
+        if self.stored_event is not None:
+            self.stored_event.set()
+
+    async def wait_stored(self) -> None:
+        if not self.stored:
+            if self.stored_event is None:
+                self.stored_event = asyncio.Event()
+            await self.stored_event.wait()
+
+    def unique_key(self, upstream_key: str) -> str:
+        """A key never used before in this task (SEP-2663), even when the upstream reuses one across rounds."""
+        if self.issued_keys is None:
+            self.issued_keys = set()
+        candidate, n = upstream_key, 1
+        while candidate in self.issued_keys:
+            n += 1
+            candidate = f"{upstream_key}-{n}"
+        self.issued_keys.add(candidate)
+        return candidate
+
+    def stop(self, reason: str) -> None:
+        """Cancel the call's own asyncio task, unless it is the one asking (it then ends by itself)."""
+        if self.runner is not None and not self.runner.done() and self.runner is not asyncio.current_task():
+            self.cancel_reason = reason
+            self.runner.cancel()
+
+
+class RoundLimit(Exception):
+    """Raised inside a call's own task when a legacy server asked too often: the outcome is written, the call ends."""
