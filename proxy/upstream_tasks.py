@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -113,7 +114,12 @@ def without_task_support(result: dict[str, Any]) -> dict[str, Any]:
 def _poll_s(task: dict[str, Any]) -> float:
     interval = task.get("pollInterval")
     if isinstance(interval, int | float) and not isinstance(interval, bool):
-        return min(max(interval / 1000, _MIN_POLL_S), _MAX_POLL_S)
+        try:
+            seconds = float(interval) / 1000
+        except OverflowError:  # an integer too large for a float: as long as allowed
+            return _MAX_POLL_S
+        if math.isfinite(seconds):  # NaN and infinities are no interval
+            return min(max(seconds, _MIN_POLL_S), _MAX_POLL_S)
     return _DEFAULT_POLL_S
 
 
