@@ -25,7 +25,7 @@ from .calls import BodyTooLarge, CallResponse
 from .envelope import params_of
 from .jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, dumps, error_object
 from .security import Identity
-from .sse import SseLimitError, SseParser, json_message
+from .sse import SseLimitError, SseParser, StreamPosition
 from .standalone import CallRoute, open_stream
 from .upstream import (
     Event,
@@ -78,6 +78,15 @@ class LegacySession:
         headers["MCP-Protocol-Version"] = self.protocol_version
         if self.session_id is not None:
             headers["Mcp-Session-Id"] = self.session_id
+        return headers
+
+    def stream_headers(self, client_headers: MultiMapping[str], last_event_id: str | None) -> CIMultiDict[str]:
+        """A GET for the session's event stream: the standalone one, or a call's resumed after `last_event_id`."""
+        headers = self.headers(client_headers)
+        headers.popall("Content-Type", None)
+        headers["Accept"] = "text/event-stream"
+        if last_event_id is not None:
+            headers["Last-Event-ID"] = last_event_id
         return headers
 
 
@@ -377,8 +386,7 @@ class LegacyUpstream:
             if isinstance(message, dict):
                 yield message
             return
-        last_event_id: str | None = None
-        retry_ms = 1000
+        position = StreamPosition()
         resumes = 0
         current: CallResponse | aiohttp.ClientResponse = response
         while True:
@@ -386,28 +394,19 @@ class LegacyUpstream:
             chunks = current.iter_chunks() if isinstance(current, CallResponse) else current.content.iter_any()
             try:
                 async for chunk in chunks:
-                    for event in parser.feed(chunk):
-                        if event.id is not None:
-                            last_event_id = event.id
-                        if event.retry_ms is not None:
-                            retry_ms = event.retry_ms
-                        message = json_message(event)
-                        if message is not None:
-                            resumes = 0
-                            yield message
+                    for message in position.messages(parser, chunk):
+                        resumes = 0
+                        yield message
             except (aiohttp.ClientError, OSError):  # CallError included
                 pass
             finally:
                 if isinstance(current, aiohttp.ClientResponse):
                     current.release()
-            if last_event_id is None or resumes >= _MAX_RESUMES:
+            if position.last_event_id is None or resumes >= _MAX_RESUMES:
                 return
             resumes += 1
-            await asyncio.sleep(retry_ms / 1000)
-            headers = session.headers(client_headers)
-            headers.popall("Content-Type", None)
-            headers["Accept"] = "text/event-stream"
-            headers["Last-Event-ID"] = last_event_id
+            await asyncio.sleep(position.retry_ms / 1000)
+            headers = session.stream_headers(client_headers, position.last_event_id)
             try:
                 current = await self._upstream.request("GET", self.url, headers, None)
             except (ConnectionError, aiohttp.ClientError, OSError):
@@ -415,7 +414,7 @@ class LegacyUpstream:
             if current.status != 200:
                 current.release()
                 return
-            log.info("legacy_stream_resumed", last_event_id=last_event_id)
+            log.info("legacy_stream_resumed", last_event_id=position.last_event_id)
 
     async def call(
         self,

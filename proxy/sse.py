@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Iterator
 from typing import Any
 
 DEFAULT_MAX_EVENT_BYTES = 16 * 1024 * 1024
@@ -148,3 +148,23 @@ def json_message(event: SseEvent) -> dict[str, Any] | None:
     except (ValueError, RecursionError):
         return None
     return message if isinstance(message, dict) else None
+
+
+@dataclasses.dataclass(slots=True)
+class StreamPosition:
+    """Where a resumable event stream stands (2025-11-25 resumability): the last event id seen, and the server's
+    retry delay, for the GET + Last-Event-ID that picks it up again."""
+
+    last_event_id: str | None = None
+    retry_ms: int = 1000
+
+    def messages(self, parser: SseParser, chunk: bytes) -> Iterator[dict[str, Any]]:
+        """The JSON-RPC messages of one chunk, the position kept up to date as its events go by."""
+        for event in parser.feed(chunk):
+            if event.id is not None:
+                self.last_event_id = event.id
+            if event.retry_ms is not None:
+                self.retry_ms = event.retry_ms
+            message = json_message(event)
+            if message is not None:
+                yield message

@@ -20,7 +20,7 @@ import structlog
 from multidict import MultiMapping
 
 from .jsonrpc import INTERNAL_ERROR, error_object
-from .sse import SseLimitError, SseParser, json_message
+from .sse import SseLimitError, SseParser, StreamPosition
 from .upstream import InputNeeded
 
 if TYPE_CHECKING:
@@ -87,29 +87,24 @@ async def open_stream(legacy: LegacyUpstream, session: LegacySession, client_hea
 async def _read(
     legacy: LegacyUpstream, session: LegacySession, client_headers: MultiMapping[str], ready: asyncio.Event
 ) -> None:
-    last_event_id: str | None = None
-    retry_ms = 1000
+    position = StreamPosition()
     failures = 0
     try:
         while failures <= _MAX_RECONNECTS:
-            headers = session.headers(client_headers)
-            headers.popall("Content-Type", None)
-            headers["Accept"] = "text/event-stream"
-            if last_event_id is not None:
-                headers["Last-Event-ID"] = last_event_id
+            headers = session.stream_headers(client_headers, position.last_event_id)
             try:
                 response = await legacy.upstream.request("GET", legacy.url, headers, None)
             except (ConnectionError, aiohttp.ClientError, OSError):
                 ready.set()  # no stream to wait for: the session goes on without one for now
                 failures += 1
-                await asyncio.sleep(_backoff_s(retry_ms, failures))
+                await asyncio.sleep(_backoff_s(position.retry_ms, failures))
                 continue
             content_type = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
             if response.status >= 500 or response.status == 429:
                 ready.set()
                 response.release()  # a passing fault (a gateway's 502, a restart): ask again later
                 failures += 1
-                await asyncio.sleep(_backoff_s(retry_ms, failures))
+                await asyncio.sleep(_backoff_s(position.retry_ms, failures))
                 continue
             if response.status != 200 or content_type != "text/event-stream":
                 # 405: the server offers no standalone stream (allowed); 404: the session is gone, and with it this.
@@ -121,21 +116,15 @@ async def _read(
             parser = SseParser(_MAX_EVENT_BYTES)
             try:
                 async for chunk in response.content.iter_any():
-                    for event in parser.feed(chunk):
-                        if event.id is not None:
-                            last_event_id = event.id
-                        if event.retry_ms is not None:
-                            retry_ms = event.retry_ms
-                        message = json_message(event)
-                        if message is not None:
-                            await _on_message(legacy, session, client_headers, message)
+                    for message in position.messages(parser, chunk):
+                        await _on_message(legacy, session, client_headers, message)
             except (aiohttp.ClientError, OSError, SseLimitError) as exc:
                 log.info("legacy_standalone_stream_broken", reason=str(exc) or type(exc).__name__)
             finally:
                 response.release()
             # A stream that lived a while was closed on purpose (an idle timeout of a load balancer): open it again.
             failures = 0 if time.monotonic() - opened_s >= _HEALTHY_STREAM_S else failures + 1
-            await asyncio.sleep(_backoff_s(retry_ms, failures))
+            await asyncio.sleep(_backoff_s(position.retry_ms, failures))
     finally:
         ready.set()
 

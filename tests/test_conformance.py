@@ -13,7 +13,6 @@ tests/conformance/node_modules.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, free_port, legacy_python, stop, wait_for_port
+from tests.conftest import ROOT, free_port, legacy_python, npm_install, stop, wait_for_port
 
 HERE = ROOT / "tests" / "conformance"
 SUITE = HERE / "node_modules" / "@modelcontextprotocol" / "conformance" / "dist" / "index.js"
@@ -47,13 +46,7 @@ SKIPPED_BY_THE_SUITE = {"tasks-status-notifications"}
 def suite() -> list[str]:
     """The command that runs the conformance CLI, installed on first use."""
     if not (SUITE.exists() and NODE.exists()):
-        npm = shutil.which("npm")
-        assert npm is not None, "npm is needed to install the conformance suite (tests/conformance/package.json)"
-        subprocess.run(
-            [npm, "install", "--no-audit", "--no-fund", "--no-package-lock", "--prefix", str(HERE)],
-            check=True,
-            timeout=600,
-        )
+        npm_install(HERE, "the conformance suite")
     return [str(NODE), str(SUITE)]
 
 

@@ -12,8 +12,7 @@ import structlog
 from tests.conftest import eventually, task_reaches
 from tests.factories import meta
 from tests.schemas import validate, validate_response
-
-ROOTS = {"roots": [{"uri": "file:///srv/project", "name": "project"}]}
+from tests.test_standalone_stream import ROOTS, roots_round
 
 
 async def everything_proxy(make_proxy, url):
@@ -33,14 +32,7 @@ async def test_tools_list_has_the_2026_tool_shape(make_proxy, everything_upstrea
 
 async def test_roots_asked_on_the_standalone_stream_reach_a_synchronous_client(make_proxy, everything_upstream):
     proxy = await everything_proxy(make_proxy, everything_upstream)
-    params = {"name": "get-roots-list", "arguments": {}, "_meta": meta(tasks=False, roots={})}
-    first = await proxy.client.call("tools/call", params)
-    validate_response(first.message, "InputRequiredResult", "core")
-    ((key, question),) = first.result["inputRequests"].items()
-    assert question["method"] == "roots/list"
-    retry = {**params, "inputResponses": {key: ROOTS}, "requestState": first.result["requestState"]}
-    done = await proxy.client.call("tools/call", retry)
-    text = done.result["content"][0]["text"]
+    text = await roots_round(proxy.client, "get-roots-list")
     assert "file:///srv/project" in text, text
 
 

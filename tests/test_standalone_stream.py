@@ -40,15 +40,20 @@ async def test_a_standalone_request_becomes_the_tasks_input_round(proxy):
     assert done.result["result"]["content"][0]["text"] == "file:///srv/project"
 
 
-async def test_a_standalone_request_becomes_a_synchronous_mrtr_round(proxy):
-    params = {"name": "ask_roots_standalone", "arguments": {}, "_meta": meta(tasks=False, roots={})}
-    first = await proxy.client.call("tools/call", params)
+async def roots_round(client, tool: str) -> str:
+    """A synchronous call of `tool` whose one MRTR round must be roots/list: answered with ROOTS, the tool's text."""
+    params = {"name": tool, "arguments": {}, "_meta": meta(tasks=False, roots={})}
+    first = await client.call("tools/call", params)
     validate_response(first.message, "InputRequiredResult", "core")
     ((key, question),) = first.result["inputRequests"].items()
     assert question["method"] == "roots/list"
     retry = {**params, "inputResponses": {key: ROOTS}, "requestState": first.result["requestState"]}
-    done = await proxy.client.call("tools/call", retry)
-    assert done.result["content"][0]["text"] == "file:///srv/project"
+    done = await client.call("tools/call", retry)
+    return done.result["content"][0]["text"]
+
+
+async def test_a_standalone_request_becomes_a_synchronous_mrtr_round(proxy):
+    assert await roots_round(proxy.client, "ask_roots_standalone") == "file:///srv/project"
 
 
 async def test_a_client_without_roots_gets_the_request_declined(proxy):
