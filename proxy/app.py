@@ -133,6 +133,7 @@ def create_app(
                 identity,
                 input_wait_s=config.upstream.input_wait_s,
                 max_bytes=lambda: policy.config.limits.max_result_bytes,
+                max_questions=lambda: policy.config.tasks.max_input_rounds,
             )
             probe = asyncio.ensure_future(_probe_era(app[gateway_key]))
             yield

@@ -40,11 +40,47 @@ _GATHER_S = 0.05
 """After a first server request, how long to wait for the ones sent with it, so they go out in one round."""
 
 
+_MAX_QUEUED_PROGRESS = 64
+"""Progress a call keeps while no client reads it (parked for an answer); later progress is dropped until then."""
+
+
+class _Feed:
+    """The queue of one call's events, bounded: progress while nobody reads is dropped past a few, and a legacy
+    server's questions count against max_input_rounds (as on the task path); past it the call fails."""
+
+    def __init__(self, max_questions: int, upstream_url: str) -> None:
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.closed = False
+        """A terminal event is queued: the call is over, whatever the server still sends."""
+        self.over_limit = False
+        """The call failed here, past max_input_rounds, while the server still runs it."""
+        self._questions = 0
+        self._max_questions = max_questions
+        self._upstream_url = upstream_url
+
+    async def put(self, event: Event) -> None:
+        if self.closed:
+            return
+        if isinstance(event, Progress):
+            if self.queue.qsize() < _MAX_QUEUED_PROGRESS:
+                self.queue.put_nowait(event)
+            return
+        if isinstance(event, InputNeeded):
+            self._questions += 1
+            if self._questions > self._max_questions:
+                reason = f"the upstream asked for input more than {self._max_questions} times (max_input_rounds)"
+                error = error_object(INTERNAL_ERROR, f"Upstream failure: {reason}", {"upstream": self._upstream_url})
+                event = Failed(error, reason)
+                self.over_limit = True
+        self.closed = isinstance(event, (Finished, Failed))
+        self.queue.put_nowait(event)
+
+
 @dataclasses.dataclass(eq=False)
 class _Call:
-    """One legacy call in flight: its events arrive in `queue`, fed by `pump`, while any client waits or not."""
+    """One legacy call in flight: its events arrive in `feed`, fed by `pump`, while any client waits or not."""
 
-    queue: asyncio.Queue[Event]
+    feed: _Feed
     pump: asyncio.Task[None]
     replies: dict[str, Callable[[dict[str, Any]], Awaitable[None]]] = dataclasses.field(default_factory=dict)
     requests: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -64,11 +100,14 @@ class SyncBridge:
         *,
         input_wait_s: float,
         max_bytes: Callable[[], int],
+        max_questions: Callable[[], int],
         max_parked: int = 10_000,
     ) -> None:
         self._legacy = legacy
         self._max_bytes = max_bytes
         """limits.max_result_bytes as the policy says now: the bound of each upstream answer read for a client."""
+        self._max_questions = max_questions
+        """tasks.max_input_rounds as the policy says now: a legacy server's questions one call may ask."""
         self._identity = identity
         self._parked: ParkedCalls[_Call] = ParkedCalls(
             prefix=_TOKEN_PREFIX, ttl_s=input_wait_s, on_drop=_abandon, max_parked=max_parked
@@ -108,44 +147,58 @@ class SyncBridge:
                 "method": message["method"],
                 "params": params,
             }
-            queue: asyncio.Queue[Event] = asyncio.Queue()
+            feed = _Feed(self._max_questions(), self._legacy.url)
             events = self._legacy.call(
                 upstream_message,
                 request.headers,
                 capabilities if isinstance(capabilities, dict) else {},
                 max_bytes=self._max_bytes(),
-                on_request=queue.put,  # a request for this call on the standalone stream joins its round
+                on_request=feed.put,  # a request for this call on the standalone stream joins its round
             )
-            call = _Call(queue=queue, pump=asyncio.ensure_future(_pump(events, queue)))
+            call = _Call(feed=feed, pump=asyncio.ensure_future(_pump(events, feed)))
         return await self._follow(request, message, call)
 
     async def _follow(self, request: web.Request, message: dict[str, Any], call: _Call) -> web.StreamResponse:
         stream: web.StreamResponse | None = None
         try:
             while True:
-                event = await call.queue.get()
+                event = await call.feed.queue.get()
                 if isinstance(event, Progress):
                     if event.raw is not None:
                         stream = await _send_event(request, stream, event.raw)
                 elif isinstance(event, InputNeeded):
                     self._add_question(call, event)
                     await asyncio.sleep(_GATHER_S)
-                    while not call.queue.empty():
-                        more = call.queue.get_nowait()
+                    while not call.feed.queue.empty():
+                        more = call.feed.queue.get_nowait()
                         if isinstance(more, InputNeeded):
                             self._add_question(call, more)
                         elif isinstance(more, Progress) and more.raw is not None:
                             stream = await _send_event(request, stream, more.raw)
+                        elif isinstance(more, Failed):  # past max_input_rounds, or the call broke meanwhile
+                            return await self._failed(request, stream, message, call, more)
                     return await _finish(request, stream, self._input_required(request, message, call))
                 elif isinstance(event, Finished):
                     return await _finish(request, stream, result_response(message["id"], event.result))
                 elif isinstance(event, Failed):
-                    status = ERROR_HTTP_STATUS.get(event.error.get("code"), 200)
-                    return await _finish(request, stream, error_response(message["id"], event.error), status)
+                    return await self._failed(request, stream, message, call, event)
         except asyncio.CancelledError:
             # The client closed its request: for a 2026 client that is the cancellation.
             call.pump.cancel()
             raise
+
+    async def _failed(
+        self,
+        request: web.Request,
+        stream: web.StreamResponse | None,
+        message: dict[str, Any],
+        call: _Call,
+        failed: Failed,
+    ) -> web.StreamResponse:
+        if call.feed.over_limit:
+            call.pump.cancel()  # the server still runs the call: closing its events posts notifications/cancelled
+        status = ERROR_HTTP_STATUS.get(failed.error.get("code"), 200)
+        return await _finish(request, stream, error_response(message["id"], failed.error), status)
 
     def _add_question(self, call: _Call, needed: InputNeeded) -> None:
         assert needed.reply is not None
@@ -176,15 +229,17 @@ class SyncBridge:
         return f"{caller}|{message['method']}|{subject}"
 
 
-async def _pump(events: AsyncIterator[Event], queue: asyncio.Queue[Event]) -> None:
+async def _pump(events: AsyncIterator[Event], feed: _Feed) -> None:
     try:
         async for event in events:
-            await queue.put(event)
+            await feed.put(event)
+            if feed.closed:
+                return  # the call failed here (too many questions): closing its events cancels it upstream
     except Exception:
         # A fault of the proxy's own while reading the call: the client waiting on the queue must still hear.
         log.exception("legacy_call_error")
         error = error_object(INTERNAL_ERROR, "Proxy failure: internal error while following the upstream call")
-        await queue.put(Failed(error, "internal proxy error"))
+        await feed.put(Failed(error, "internal proxy error"))
     finally:
         await events.aclose()  # type: ignore[attr-defined]
 

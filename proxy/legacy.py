@@ -71,6 +71,8 @@ class LegacySession:
     """The calls in flight, by upstream request id: where a request on the standalone stream may belong."""
     reader: asyncio.Task[None] | None = None
     """Reads the session's standalone stream (proxy/standalone.py)."""
+    refused: int = 0
+    """Requests on the standalone stream the proxy could not relay (their log lines are thinned past a few)."""
 
     def headers(self, client_headers: MultiMapping[str]) -> CIMultiDict[str]:
         # Mcp-Method, Mcp-Name, Mcp-Param-* are not defined before 2026-07-28; version and session are the session's.
@@ -284,7 +286,14 @@ class LegacyUpstream:
         """
         for attempt in range(2):
             session = await self.session_for(client_headers)
-            response = await self._upstream.post(session.headers(client_headers), dumps(message))
+            try:
+                response = await self._upstream.post(session.headers(client_headers), dumps(message))
+            except asyncio.CancelledError:
+                # Dropped before the response's headers (timeout, tasks/cancel, a client that left): the server
+                # may hold the request already, and only notifications/cancelled tells it to stop.
+                if "id" in message:
+                    self.cancel_later(session, client_headers, message["id"], "cancelled by the client")
+                raise
             if response.status == 404 and session.session_id is not None and attempt == 0:
                 response.close()
                 self.forget(session)
@@ -405,7 +414,7 @@ class LegacyUpstream:
             if position.last_event_id is None or resumes >= _MAX_RESUMES:
                 return
             resumes += 1
-            await asyncio.sleep(position.retry_ms / 1000)
+            await asyncio.sleep(position.retry_ms / 1000)  # at most sse.MAX_RETRY_MS
             headers = session.stream_headers(client_headers, position.last_event_id)
             try:
                 current = await self._upstream.request("GET", self.url, headers, None)

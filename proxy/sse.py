@@ -17,6 +17,8 @@ from collections.abc import AsyncIterable, AsyncIterator, Iterator
 from typing import Any
 
 DEFAULT_MAX_EVENT_BYTES = 16 * 1024 * 1024
+MAX_RETRY_MS = 30_000
+"""The longest reconnection delay a peer's `retry:` field may ask for; longer ones are cut to this."""
 
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 _BOM = b"\xef\xbb\xbf"
@@ -115,7 +117,8 @@ class SseParser:
             if b"\0" not in value:
                 self._id = value.decode("utf-8", errors="replace")
         elif field == b"retry" and value.isdigit():  # bytes.isdigit: ASCII digits only
-            self._retry = int(value)
+            # Clamped before int(): a peer's 10,000-digit delay must cost neither a parse nor an overflow.
+            self._retry = MAX_RETRY_MS if len(value) > 9 else min(int(value), MAX_RETRY_MS)
 
     def _dispatch(self) -> SseEvent | None:
         if not self._has_data and self._retry is None and not self._event:

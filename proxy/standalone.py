@@ -35,6 +35,10 @@ _READY_WAIT_S = 2.0
 _MAX_RECONNECTS = 5
 """Failed or short-lived connections in a row after which the stream is given up."""
 _HEALTHY_STREAM_S = 5.0
+_HEADERS_WAIT_S = 30.0
+"""How long the server may take to answer the stream's GET with its headers."""
+_LOGGED_REFUSALS = 10
+"""Refused requests logged one by one per session; past that, one line per thousand (a flood must not flood logs)."""
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -93,8 +97,9 @@ async def _read(
         while failures <= _MAX_RECONNECTS:
             headers = session.stream_headers(client_headers, position.last_event_id)
             try:
-                response = await legacy.upstream.request("GET", legacy.url, headers, None)
-            except (ConnectionError, aiohttp.ClientError, OSError):
+                async with asyncio.timeout(_HEADERS_WAIT_S):  # a server that never answers the GET is a failure
+                    response = await legacy.upstream.request("GET", legacy.url, headers, None)
+            except (ConnectionError, aiohttp.ClientError, OSError, TimeoutError):
                 ready.set()  # no stream to wait for: the session goes on without one for now
                 failures += 1
                 await asyncio.sleep(_backoff_s(position.retry_ms, failures))
@@ -120,11 +125,16 @@ async def _read(
                         await _on_message(legacy, session, client_headers, message)
             except (aiohttp.ClientError, OSError, SseLimitError) as exc:
                 log.info("legacy_standalone_stream_broken", reason=str(exc) or type(exc).__name__)
+            except Exception:
+                # A fault of the proxy's own on a hostile stream must not end the reader silently.
+                log.exception("legacy_standalone_stream_error")
+                failures += 1
             finally:
                 response.release()
             # A stream that lived a while was closed on purpose (an idle timeout of a load balancer): open it again.
             failures = 0 if time.monotonic() - opened_s >= _HEALTHY_STREAM_S else failures + 1
             await asyncio.sleep(_backoff_s(position.retry_ms, failures))
+        log.warning("legacy_standalone_stream_given_up", failures=failures)
     finally:
         ready.set()
 
@@ -147,7 +157,9 @@ async def _on_message(
     if route is not None and route.on_request is None:
         route, why = None, "its call cannot take input from outside its own stream"
     if route is None:
-        log.info("legacy_standalone_request_refused", upstream_method=method, reason=why)
+        session.refused += 1
+        if session.refused <= _LOGGED_REFUSALS or session.refused % 1000 == 0:
+            log.info("legacy_standalone_request_refused", upstream_method=method, reason=why, count=session.refused)
         error = error_object(INTERNAL_ERROR, f"The proxy cannot relay this {method} request: {why}")
         await legacy.respond(session, client_headers, message["id"], {"error": error})
         return

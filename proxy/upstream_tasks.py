@@ -36,6 +36,8 @@ _LIST_AGAIN_S = 30.0
 """A tool the last tools/list did not show is looked up again at most this often."""
 _MAX_LIST_PAGES = 50
 _MAX_TOOLS = 10_000
+_MAX_TASK_ID_CHARS = 1024
+"""Longer upstream task ids are refused: they are logged and sent back on every tasks/get."""
 _ids = itertools.count(1)
 
 
@@ -163,9 +165,13 @@ async def run_as_upstream_task(
             else:
                 yield event
         task = created.result.get("task") if created is not None else None
-        if created is None or not isinstance(task, dict) or not isinstance(task.get("taskId"), str):
+        if created is None or not isinstance(task, dict):
             ended = True  # the server answered the call itself, as a receiver without tasks may
             yield created if created is not None else proxy_failure("no answer to the task request", legacy.url)
+            return
+        if not isinstance(task.get("taskId"), str) or not 0 < len(task["taskId"]) <= _MAX_TASK_ID_CHARS:
+            ended = True  # a task nobody can name cannot be followed, nor cancelled
+            yield proxy_failure("the upstream's CreateTaskResult has no usable taskId", legacy.url)
             return
         task_id = route.upstream_task_id = task["taskId"]
         log.info("upstream_task_created", upstream_task_id=task_id, upstream_status=task.get("status"))

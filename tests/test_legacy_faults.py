@@ -24,6 +24,9 @@ class ScriptedLegacyServer:
         self.received: list[tuple[str | None, dict]] = []
         self.extra_capabilities: dict = {}
         self.tools_list_body: bytes | None = None
+        self.flood_count = 0
+        self.tools: list[dict] | None = None
+        self.release = asyncio.Event()
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         session = request.headers.get("Mcp-Session-Id")
@@ -53,6 +56,12 @@ class ScriptedLegacyServer:
             )
         if method.startswith("notifications/"):
             return web.Response(status=202)
+        if method == "tools/list" and self.tools is not None:
+            return web.json_response({"jsonrpc": "2.0", "id": message["id"], "result": {"tools": self.tools}})
+        if method == "tools/call" and message["params"]["name"] == "nameless-task":
+            # A CreateTaskResult whose taskId is no string: nothing the proxy could follow or cancel.
+            task = {"taskId": 42, "status": "working", "createdAt": "2026-01-01T00:00:00Z", "ttl": None}
+            return web.json_response({"jsonrpc": "2.0", "id": message["id"], "result": {"task": task}})
         if method == "tools/list" and self.tools_list_body is not None:
             if not self.tools_list_body:
                 assert request.transport is not None
@@ -74,8 +83,31 @@ class ScriptedLegacyServer:
             await response.write(f"id: 3\ndata: {json.dumps(done)}\n\n".encode())
             await response.write_eof()
             return response
+        if method == "tools/call" and message["params"]["name"] == "flood":
+            # A server that asks and asks: elicitations without end, never waiting for an answer.
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            for n in range(self.flood_count):
+                ask = {
+                    "jsonrpc": "2.0",
+                    "id": f"ask-{n}",
+                    "method": "elicitation/create",
+                    "params": {"message": "x" * 1000, "requestedSchema": {"type": "object", "properties": {}}},
+                }
+                await response.write(f"data: {json.dumps(ask)}\n\n".encode())
+            await self.release.wait()
+            return response
+        if method == "tools/call" and message["params"]["name"] == "stall":
+            await self.release.wait()  # no response headers until the test ends
         result = {"content": [{"type": "text", "text": f"ok on {session}"}], "isError": False}
         return web.json_response({"jsonrpc": "2.0", "id": message["id"], "result": result})
+
+    def cancelled(self) -> list[object]:
+        """The request ids the proxy said it cancelled."""
+        return [m["params"]["requestId"] for _, m in self.received if m.get("method") == "notifications/cancelled"]
+
+    def call_ids(self, tool: str) -> list[object]:
+        return [m["id"] for _, m in self.received if m.get("method") == "tools/call" and m["params"]["name"] == tool]
 
 
 async def scripted(fake_upstream):
@@ -169,3 +201,56 @@ async def test_a_broken_tools_list_does_not_stop_calls_to_a_server_with_tasks(ma
     created = await proxy.client.call_tool("job")
     done = await task_reaches(proxy.client, created.result["taskId"], "completed")
     assert done.result["result"]["content"][0]["text"] == "ok on s1"
+
+
+async def test_a_server_asking_without_end_fails_a_synchronous_call_at_max_input_rounds(make_proxy, fake_upstream):
+    """The synchronous bridge counts a legacy server's questions as the task path does: past the limit the client
+    gets a clear error at once (not a round of thousands) and the server is told to stop."""
+    server, fake = await scripted(fake_upstream)
+    server.flood_count = 2_000
+    proxy = await make_proxy(fake.url, tasks={"max_input_rounds": 3})
+    try:
+        params = {"name": "flood", "arguments": {}, "_meta": meta(tasks=False, elicitation={})}
+        reply = await asyncio.wait_for(proxy.client.send(request("tools/call", params)), timeout=30)
+        assert reply.error is not None, reply.body[:300]
+        assert reply.error["code"] == -32603
+        assert "more than 3 times (max_input_rounds)" in reply.error["message"]
+        assert len(reply.body) < 10_000  # the answer names the fault; it does not carry the questions
+
+        async def told():
+            return server.call_ids("flood") and server.call_ids("flood")[0] in server.cancelled()
+
+        await eventually(told, what="notifications/cancelled for the flooding call")
+    finally:
+        server.release.set()
+
+
+async def test_a_call_dropped_before_the_response_headers_is_cancelled_upstream(make_proxy, fake_upstream):
+    """A JSON-answering server that has not sent its headers yet still hears notifications/cancelled when the
+    proxy gives up on the call (here the task's timeout_s)."""
+    server, fake = await scripted(fake_upstream)
+    proxy = await make_proxy(fake.url, tools=[{"match": "stall", "timeout_s": 0.5}])
+    try:
+        created = await proxy.client.call_tool("stall")
+        failed = await task_reaches(proxy.client, created.result["taskId"], "failed")
+        assert "timeout_s" in json.dumps(failed.result)
+
+        async def told():
+            return server.call_ids("stall") and server.call_ids("stall")[0] in server.cancelled()
+
+        await eventually(told, what="notifications/cancelled for the stalled call")
+    finally:
+        server.release.set()
+
+
+async def test_a_create_task_result_without_a_usable_task_id_fails_the_call(make_proxy, fake_upstream):
+    """It is not passed on as if it were the tool's result."""
+    server, fake = await scripted(fake_upstream)
+    server.extra_capabilities = {"tasks": {"requests": {"tools": {"call": {}}}}}
+    server.tools = [
+        {"name": "nameless-task", "inputSchema": {"type": "object"}, "execution": {"taskSupport": "required"}}
+    ]
+    proxy = await make_proxy(fake.url)
+    reply = await asyncio.wait_for(proxy.client.call_tool("nameless-task", tasks=False), timeout=30)
+    assert reply.error is not None and reply.error["code"] == -32603
+    assert "no usable taskId" in reply.error["message"]

@@ -133,8 +133,8 @@ def test_the_same_events_as_the_official_python_sdks_decoder(stream_lines, ends,
     ours.extend(parser.feed(raw[position:]))
 
     reference = _SSEParser()  # httpx2's, which mcp 2.x's client reads every event stream with
-    theirs = [
-        (event.data, event.event, event.id or None, event.retry)
+    theirs = [  # the one deliberate difference: a retry delay is bounded (sse.MAX_RETRY_MS)
+        (event.data, event.event, event.id or None, None if event.retry is None else min(event.retry, sse.MAX_RETRY_MS))
         for event in [*reference.decode(text), *reference.flush()]
         if event.data
     ]
@@ -156,3 +156,16 @@ def test_an_event_of_many_short_data_lines_costs_about_its_size():
         tracemalloc.stop()
     assert event.data == "\n".join(["a"] * 1_000_000)
     assert peak < 3 * len(lines), peak  # held as bytes, not as a million str objects (~50 MB)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(b"500", 500), (b"30000", 30_000), (b"1000000000000", sse.MAX_RETRY_MS), (b"9" * 400, sse.MAX_RETRY_MS),
+     (b"9" * 100_000, sse.MAX_RETRY_MS)],
+)  # fmt: skip
+def test_a_peers_retry_delay_is_bounded_whatever_its_length(value, expected):
+    """A retry of 10^12 ms would park a reconnect for decades; 5,000 digits would make int() raise."""
+    parser = sse.SseParser(1 << 20)
+    position = sse.StreamPosition()
+    assert list(position.messages(parser, b"retry: " + value + b'\ndata: {"a":1}\n\n')) == [{"a": 1}]
+    assert position.retry_ms == expected
