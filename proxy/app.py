@@ -18,6 +18,7 @@ from aiohttp import web
 from . import TASKS_EXTENSION, listen
 from .bridge import SyncBridge
 from .config import ConfigError, ProxyConfig, TaskMode
+from .durable import DurableCalls, wants_event_stream
 from .envelope import (
     META_CLIENT_CAPABILITIES,
     TASK_METHODS,
@@ -72,6 +73,7 @@ metrics_key = web.AppKey("metrics_key", Metrics)
 identity_key = web.AppKey("identity_key", Identity)
 guard_key = web.AppKey("guard_key", HostGuard)
 poll_guard_key = web.AppKey("poll_guard_key", PollGuard)
+durable_key = web.AppKey("durable_key", DurableCalls)
 
 
 @dataclasses.dataclass(slots=True)
@@ -160,6 +162,7 @@ def create_app(
             metrics=app[metrics_key],
         )
         app[runner_key] = runner
+        app[durable_key] = DurableCalls(runner, app[store_key], app[identity_key])
         try:
             await runner.start()
         except StoreUnavailable as exc:
@@ -315,7 +318,14 @@ def build_store(config: ProxyConfig, *, timer: Callable[[], float] = time.monoto
 
 
 async def handle_other(request: web.Request) -> web.StreamResponse:
-    """GET, DELETE and any other path go to the upstream untouched (legacy GET streams, session DELETE, OAuth)."""
+    """GET, DELETE and any other path go to the upstream untouched (legacy GET streams, session DELETE, OAuth);
+    a GET that resumes a durable call's stream (Last-Event-ID) is the proxy's."""
+    if request.method == "GET" and request.path == MCP_PATH and "Last-Event-ID" in request.headers:
+        config = request.app[policy_key].config
+        resumed = await request.app[durable_key].resume(request, config.rule_for)
+        if resumed is not None:
+            request[info_key].mode = "durable"
+            return resumed
     body = await _read_body(request) if request.can_read_body else None
     return await forward(request.app[upstream_key], request, body, is_mcp=request.path == MCP_PATH)
 
@@ -336,6 +346,15 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
             "object params and a string or integer id",
         )
     upstream = request.app[upstream_key]
+    if kind == "response":
+        # A client's answer to a request a durable call's stream relayed is the proxy's; any other is the server's.
+        answered = await request.app[durable_key].answer(request, message)
+        if answered is not None:
+            request[info_key].mode = "durable"
+            return answered
+    elif _is_legacy_cancel(kind, message, request) and await request.app[durable_key].cancelled(request, message):
+        request[info_key].mode = "durable"
+        return web.Response(status=202)
     if kind != "request":
         # Notifications, responses to a legacy server's requests, and legacy batches are not the proxy's.
         return await forward(upstream, request, body, is_mcp=True)
@@ -375,6 +394,14 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
         limit = request.app[policy_key].config.limits.max_result_bytes
         return await forward_rewritten(upstream, request, body, message["id"], _advertise_tasks, limit=limit)
     return await relay()
+
+
+def _is_legacy_cancel(kind: str, message: Any, request: web.Request) -> bool:
+    return (
+        kind == "notification"
+        and message["method"] == "notifications/cancelled"
+        and not is_modern(message, request.headers)
+    )
 
 
 async def _listen(request: web.Request, message: dict[str, Any]) -> web.StreamResponse:
@@ -496,17 +523,32 @@ async def _tools_call(
     info.tool = name if isinstance(name, str) else None
     if rule is None or rule.task is TaskMode.NEVER:
         return await relay()
+    if (
+        not modern
+        and not declares_tasks(message)
+        and rule.durable
+        and "task" not in params  # a SEP-1686 task request: the upstream's, as before
+        and wants_event_stream(request.headers)
+    ):
+        # A 2025-era client, which has no tasks of its own to wait with: a durable call. The proxy reads the body
+        # here, so headers a gateway may have routed on must not say something else (SEP-2243).
+        check_routing_headers(message, request.headers, required=False)
+        info.mode = "durable"
+        return await request.app[durable_key].start(request, message, rule)
     if modern or declares_tasks(message):
         # Before the capability check, as the reference ladder orders them: headers that disagree with the body
         # say nothing reliable about what the client wants.
         check_modern_request(message, request.headers)
+    kept_alive = False
     if not declares_tasks(message):
         if rule.task is TaskMode.REQUIRED:
             raise _missing_tasks_capability(
                 f"Tool {name!r} runs only as a task: declare the {TASKS_EXTENSION} extension in "
                 '_meta["io.modelcontextprotocol/clientCapabilities"].extensions'
             )
-        return await relay()
+        if not (modern and rule.durable and wants_event_stream(request.headers)):
+            return await relay()
+        kept_alive = True  # a 2026 client without tasks: the call as in a sync window, with a stream kept alive
 
     arguments = params.get("arguments")
     if arguments is not None and not isinstance(arguments, dict):
@@ -521,8 +563,10 @@ async def _tools_call(
         principal=request.app[identity_key].principal(request.headers),
         credential=request.app[identity_key].credential(request.headers),
     )
-    info.mode = "task"
+    info.mode = "durable" if kept_alive else "task"
     try:
+        if kept_alive:
+            return await request.app[durable_key].kept_alive(request, message["id"], call, rule)
         outcome = await request.app[runner_key].submit(call, rule)
     except (StoreFullError, LimitReached) as exc:
         raise JsonRpcError(INTERNAL_ERROR, f"Cannot create a task: {exc}", getattr(exc, "data", None)) from exc

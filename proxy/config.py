@@ -87,6 +87,17 @@ class ToolRule(_Strict):
     """Overrides tasks.ttl_ms for this rule's tasks."""
     poll_interval_ms: PositiveInt | None = None
     """Overrides tasks.poll_interval_ms for this rule's tasks."""
+    durable: bool = True
+    """Clients without tasks (2025-era clients, 2026 clients without the extension) get a durable call: the call
+    runs as a task would, and their response stream is kept alive (and resumable for 2025-11-25 clients) until the
+    result. False: such clients' calls pass through untouched."""
+    keepalive_s: Annotated[float, Field(gt=0, le=300)] = 15.0
+    """A durable call's stream sends something at least this often: notifications/progress when the client sent a
+    progressToken, else an SSE comment. Below the idle timeouts of clients, gateways and load balancers."""
+    max_stream_s: Annotated[float, Field(gt=0)] = 300.0
+    """2025-11-25 clients: a durable call's stream is closed after this long (its events carry ids and a retry
+    delay), and the client resumes it with GET and Last-Event-ID, on any replica. Below any limit on how long a
+    connection may stay open."""
 
     def matches(self, tool_name: str) -> bool:
         return fnmatch.fnmatchcase(tool_name, self.match)

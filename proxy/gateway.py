@@ -12,7 +12,7 @@ from multidict import CIMultiDict, MultiMapping
 
 from . import PROTOCOL_VERSION, __version__
 from .jsonrpc import dumps
-from .legacy import LegacyUpstream, single_answer
+from .legacy import LegacySession, LegacyUpstream, single_answer
 from .upstream import Event, InputNeeded, Upstream, UpstreamUnavailable, own_request_headers, proxy_failure
 
 log = structlog.get_logger(__name__)
@@ -82,8 +82,19 @@ class Gateway:
         *,
         max_bytes: int,
         on_request: Callable[[InputNeeded], Awaitable[None]] | None = None,
+        session: LegacySession | None = None,
     ) -> AsyncIterator[Event]:
-        """The call's events; a legacy server's request for it outside its stream goes to `on_request`."""
+        """The call's events; a legacy server's request for it outside its stream goes to `on_request`.
+
+        With `session` (a 2025-era client's own), the 2025 request goes there as it is, whatever the era."""
+        if session is not None:
+            events = self.legacy.exchange(message, client_headers, capabilities, max_bytes=max_bytes, session=session)
+            try:
+                async for event in events:
+                    yield event
+            finally:
+                await events.aclose()
+            return
         try:
             era = await self.era(client_headers)
         except UpstreamUnavailable as exc:

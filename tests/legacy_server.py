@@ -2,7 +2,7 @@
 
 It runs in its own virtual environment (the tests build it: tests/.legacy-venv), since `mcp` 1.x and 2.x cannot
 share one. An event store makes its streams resumable (priming events, retry, GET + Last-Event-ID), as 2025-11-25
-servers may be. Run: tests/.legacy-venv/bin/python tests/legacy_server.py PORT
+servers may be. Run: tests/.legacy-venv/bin/python tests/legacy_server.py PORT [--plain]
 """
 
 from __future__ import annotations
@@ -47,7 +47,14 @@ class MemoryEventStore(EventStore):
         return stream_id
 
 
-server = FastMCP("legacy-example", log_level="WARNING", event_store=MemoryEventStore(), retry_interval=100)
+# --plain: no event store, as most servers run (the SDK's default): a broken stream cannot be resumed.
+_PLAIN = "--plain" in sys.argv
+server = FastMCP(
+    "legacy-example",
+    log_level="WARNING",
+    event_store=None if _PLAIN else MemoryEventStore(),
+    retry_interval=None if _PLAIN else 100,
+)
 
 
 class Name(BaseModel):
@@ -67,6 +74,13 @@ async def slow(seconds: float, ctx: Context) -> str:
         await ctx.report_progress(step, 3, f"legacy step {step + 1} of 3")
         await asyncio.sleep(seconds / 3)
     return f"slept {seconds:g} s"
+
+
+@server.tool()
+async def quiet(seconds: float) -> str:
+    """Work for `seconds` without a word: nothing crosses the connection until the result."""
+    await asyncio.sleep(seconds)
+    return f"quiet for {seconds:g} s"
 
 
 @server.tool()

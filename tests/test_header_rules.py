@@ -9,9 +9,9 @@ import secrets
 
 import pytest
 
+from tests.conftest import LegacyClient
 from tests.factories import headers_for, meta, request
 from tests.schemas import validate_error
-from tests.test_legacy_e2e import _LegacyClient
 
 
 @pytest.fixture
@@ -36,7 +36,7 @@ def assert_mismatch(reply, *values):
 
 async def gate_state(proxy, legacy_upstream, tag):
     """What the legacy server saw of a gated(tag) call, asked of the server directly."""
-    return await _LegacyClient(proxy.client.session, legacy_upstream).call_tool("gate_state", {"tag": tag})
+    return await LegacyClient(proxy.client.session, legacy_upstream).call_tool("gate_state", {"tag": tag})
 
 
 @pytest.mark.parametrize("tasks", [True, False], ids=["task", "synchronous"])
@@ -101,7 +101,7 @@ async def test_a_2026_list_request_without_its_method_header_is_refused(proxy):
 
 async def test_a_legacy_clients_routing_headers_must_not_contradict_its_body(proxy, legacy_upstream):
     """A legacy client's request is forwarded untouched, but headers a gateway may route on must not lie."""
-    client = _LegacyClient(proxy.client.session, proxy.url)
+    client = LegacyClient(proxy.client.session, proxy.url)
     assert await client.call_tool("add", {"a": 1, "b": 2}) == "3"  # opens its session through the proxy
     tag = secrets.token_hex(6)
     message = {

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 
 import aiohttp
 import pytest
 
-from tests.conftest import eventually, task_reaches
+from tests.conftest import LegacyClient, eventually, task_reaches
 from tests.factories import TASKS, headers_for, meta, request
 from tests.schemas import validate, validate_response
 
@@ -20,39 +19,6 @@ ELICIT = {"elicitation": {}}
 async def proxy(make_proxy, legacy_upstream):
     rules = [{"match": t, "task": "optional"} for t in ("ask_*", "gated", "slow", "interrupted")]
     return await make_proxy(legacy_upstream, tools=rules, tasks={"poll_interval_ms": 50})
-
-
-@pytest.fixture
-async def legacy_client(legacy_upstream):
-    """A legacy client of the legacy server, straight, to look at the server's own state."""
-    async with aiohttp.ClientSession() as session:
-        yield _LegacyClient(session, legacy_upstream)
-
-
-class _LegacyClient:
-    def __init__(self, session, url):
-        self.session, self.url, self.headers = session, url, None
-
-    async def call_tool(self, name, arguments):
-        base = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
-        if self.headers is None:
-            params = {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}
-            init = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": params}
-            async with self.session.post(self.url, json=init, headers=base) as response:
-                self.headers = {
-                    **base,
-                    "Mcp-Session-Id": response.headers["Mcp-Session-Id"],
-                    "MCP-Protocol-Version": "2025-11-25",
-                }
-                await response.read()
-            notification = {"jsonrpc": "2.0", "method": "notifications/initialized"}
-            async with self.session.post(self.url, json=notification, headers=self.headers) as response:
-                await response.read()
-        message = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": name, "arguments": arguments}}
-        async with self.session.post(self.url, json=message, headers=self.headers) as response:
-            body = await response.text()
-        data = [line[5:].strip() for line in body.splitlines() if line.startswith("data:") and line[5:].strip()]
-        return json.loads(data[-1] if data else body)["result"]["content"][0]["text"]
 
 
 def accept(**content):
@@ -244,7 +210,7 @@ async def test_a_stream_closed_mid_call_is_resumed_with_last_event_id(proxy):
 
 
 async def test_legacy_clients_still_pass_through_untouched(proxy, legacy_upstream):
-    client = _LegacyClient(proxy.client.session, proxy.url)
+    client = LegacyClient(proxy.client.session, proxy.url)
     assert await client.call_tool("add", {"a": 1, "b": 1}) == "2"
     assert "Mcp-Session-Id" in client.headers
 

@@ -17,6 +17,7 @@ import yaml
 
 from tests.conftest import ROOT, eventually, free_port, start_redis, stop, task_reaches, wait_for_port
 from tests.factories import McpClient, meta
+from tests.test_durable import Client2025, events_of
 
 
 @dataclasses.dataclass
@@ -199,3 +200,39 @@ async def test_a_transition_on_one_replica_reaches_a_listener_on_another(
         await upstream_client.call_tool("release", {"tag": tag}, tasks=False)
         body += await response.read()  # the stream ends once the granted task is terminal
     assert b'"status":"completed"' in body and b'"id":"listen-b","result"' in body
+
+
+async def test_a_durable_call_resumes_is_answered_and_cancelled_on_another_replica(
+    replicas, session, legacy_upstream, legacy_client
+):
+    """A 2025-era client's durable call, started on A: its stream resumes on B (Last-Event-ID), the server's question
+    is answered through B, and another call of it is cancelled through B (notifications/cancelled)."""
+    a, b = replicas(legacy_upstream).url, replicas(legacy_upstream).url
+    on_a = Client2025(session, a)
+    await on_a.initialize({"elicitation": {}})
+    on_b = Client2025(session, b)
+    on_b.headers = dict(on_a.headers)  # the same client, its connection now landing on B
+    async with on_a.call("ask_name", {}) as response:
+        async for event, _ in events_of(response):
+            last_event_id = event.id  # the priming event; then A's connection is gone
+            break
+    final = None
+    async with on_b.resume(last_event_id) as resumed:
+        assert resumed.status == 200
+        async for _, message in events_of(resumed):
+            if message and message.get("method") == "elicitation/create":
+                assert await on_b.answer(message["id"], {"action": "accept", "content": {"name": "via B"}}) == 202
+            final = message
+    assert final["result"]["content"][0]["text"] == "hello via B"
+
+    tag = gate_tag()
+    async with on_a.call("gated", {"tag": tag}, request_id="stop-me") as response:
+        async for _, _message in events_of(response):
+            break
+
+        async def state(expected):
+            return await legacy_client.call_tool("gate_state", {"tag": tag}) == expected
+
+        await eventually(lambda: state("started"), what="the call reaching the server")
+        assert await on_b.notify("notifications/cancelled", {"requestId": "stop-me"}) == 202
+        await eventually(lambda: state("cancelled"), what="A stopping the call B was told to cancel")

@@ -12,10 +12,9 @@ import secrets
 import pytest
 
 from proxy.app import gateway_key
-from tests.conftest import eventually, task_reaches
+from tests.conftest import LegacyClient, eventually, task_reaches
 from tests.factories import meta
 from tests.schemas import validate_response
-from tests.test_legacy_e2e import _LegacyClient
 
 ROOTS = {"roots": [{"uri": "file:///srv/project", "name": "project"}]}
 
@@ -66,7 +65,7 @@ async def test_a_request_no_call_can_be_told_for_is_refused_at_once(proxy, legac
     """Two calls in flight on the session and no related-task metadata: the server hears why, immediately."""
     gate = secrets.token_hex(6)
     waiting = await proxy.client.call_tool("gated", {"tag": gate})
-    legacy = _LegacyClient(proxy.client.session, legacy_upstream)
+    legacy = LegacyClient(proxy.client.session, legacy_upstream)
 
     async def started():
         return await legacy.call_tool("gate_state", {"tag": gate}) == "started"
@@ -104,7 +103,7 @@ async def test_callers_who_share_a_credential_but_not_a_principal_never_share_a_
     )
     gate = secrets.token_hex(6)
     await proxy.client.call_tool("gated", {"tag": gate}, headers={"X-User": "alice"})
-    legacy = _LegacyClient(proxy.client.session, legacy_upstream)
+    legacy = LegacyClient(proxy.client.session, legacy_upstream)
 
     async def started():
         return await legacy.call_tool("gate_state", {"tag": gate}) == "started"

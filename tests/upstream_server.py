@@ -5,6 +5,7 @@ Built with the official SDK (`mcp` 2.x, 2026-07-28); it implements no tasks. Run
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from pathlib import Path
 
@@ -42,6 +43,13 @@ async def gated_then_progress(tag: str, ctx: Context) -> str:
     await gates.wait_at(tag)
     await ctx.report_progress(2, 2, f"past gate {tag}")
     return f"gate {tag} opened"
+
+
+@server.tool()
+async def quiet(seconds: float) -> str:
+    """Work for `seconds` without a word: nothing crosses the connection until the result."""
+    await asyncio.sleep(seconds)
+    return f"quiet for {seconds:g} s"
 
 
 @server.tool()

@@ -26,6 +26,14 @@ class ToolCall:
     """Who asked (a keyed hash): the task's owner."""
     credential: str = ""
     """The caller's credential (a keyed hash, whatever security.principal says): an MRTR handle is bound to it."""
+    task_id: str | None = None
+    """The task's id when the caller fixes it (a durable call's, derived from its request); else a random one."""
+    stream: dict[str, Any] | None = None
+    """A durable call's client, kept in its record (TaskRecord.stream)."""
+    client_session: Any = None
+    """A 2025-era client's own upstream session (a LegacySession): its call goes there, verbatim."""
+    on_progress: Callable[[Any], None] | None = None
+    """Told of every progress event of the call (a kept-alive call relays them to its client)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

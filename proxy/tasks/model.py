@@ -77,6 +77,8 @@ class TaskRecord:
     """The replica that holds the live upstream call; never on the wire."""
     principal: str = ""
     """Who created the task (a keyed hash, "" for none); only they may see it. Never on the wire."""
+    stream: dict[str, Any] | None = None
+    """A durable call's client (proxy/durable.py): its request id, session and progress token. Never on the wire."""
 
     @property
     def is_terminal(self) -> bool:

@@ -180,7 +180,7 @@ class TaskRunner:
             await slots.acquire()
             holds_slot = True
         job = Job(
-            task_id=new_task_id(),
+            task_id=call.task_id or new_task_id(),
             call=call,
             rule=rule,
             ttl_ms=rule.ttl_ms or defaults.ttl_ms,
@@ -448,6 +448,7 @@ class TaskRunner:
             status_message=job.last_message,
             owner=self.replica_id,
             principal=job.call.principal,
+            stream=job.call.stream,
         )
         job.is_task = True
         await self._store.create(record)
@@ -488,7 +489,8 @@ class TaskRunner:
                     await self._settle(job, TaskStatus.FAILED, error=error, status_message=_SHUTDOWN)
             elif job.cancel_reason is None:
                 raise
-            elif job.upstream_busy:
+            elif job.upstream_busy and job.call.client_session is None:
+                # (A call on a client's own session posts its cancellation itself as its stream closes.)
                 await self._upstream.notify_cancelled(job.upstream_id, job.call.headers, job.cancel_reason)
         except Exception:
             log.exception("task_runner_error")
@@ -533,6 +535,7 @@ class TaskRunner:
             job.call.capabilities,
             max_bytes=job.max_result_bytes,
             on_request=lambda needed: self._open_questions(job, needed),
+            session=job.call.client_session,
         )
         started_s = self._timer()
         outcome = "cancelled"
@@ -750,6 +753,8 @@ class TaskRunner:
         return record
 
     async def _progress(self, job: Job, event: Progress) -> None:
+        if job.call.on_progress is not None:
+            job.call.on_progress(event)
         message = event.describe()
         if message is None:
             return

@@ -1,0 +1,42 @@
+"""One tool call with the official Python SDK 1.x client (a 2025-11-25 client), as a user's program makes it; prints
+the outcome as JSON. It resumes a broken stream with GET + Last-Event-ID by itself, as that SDK does.
+
+Runs in tests/.legacy-venv. Usage: python sdk1_client.py URL TOOL ARGUMENTS_JSON TIMEOUT_S [--progress]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from datetime import timedelta
+
+from mcp import ClientSession
+from mcp.client.streamable_http import streamablehttp_client
+
+
+async def main(url: str, tool: str, arguments: dict, timeout_s: float, progress: bool) -> dict:
+    kwargs = {}
+    if progress:
+
+        async def on_progress(value, total, message):  # a progressToken goes out with the call
+            pass
+
+        kwargs["progress_callback"] = on_progress
+    async with (
+        streamablehttp_client(url, timeout=10, sse_read_timeout=timeout_s) as (read, write, _),
+        ClientSession(read, write, read_timeout_seconds=timedelta(seconds=timeout_s)) as session,
+    ):
+        await session.initialize()
+        result = await session.call_tool(tool, arguments, **kwargs)
+        return {"text": result.content[0].text, "isError": result.isError}
+
+
+if __name__ == "__main__":
+    url, tool, arguments, timeout_s = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), float(sys.argv[4])
+    try:
+        call = main(url, tool, arguments, timeout_s, "--progress" in sys.argv)
+        outcome = asyncio.run(asyncio.wait_for(call, timeout_s + 5))
+    except BaseException as exc:  # the point of some tests: the call dies, and how
+        outcome = {"failed": f"{type(exc).__name__}: {exc}"[:500]}
+    print(json.dumps(outcome), flush=True)
