@@ -171,6 +171,8 @@ class DurableStream:
             news = revision(record) > position.revision or record.status is TaskStatus.INPUT_REQUIRED
             if news and await self._send_state(response, record, stream, position):
                 return
+            if record.is_terminal:
+                return  # resumed after the final event itself: the client has everything
             wait_s = self._keepalive_s
             if deadline is not None:
                 wait_s = min(wait_s, deadline - time.monotonic())

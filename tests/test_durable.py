@@ -140,8 +140,13 @@ async def test_a_dropped_stream_resumes_with_last_event_id_and_gets_the_result(p
     assert messages[-1]["result"]["content"][0]["text"] == "slept 1 s"
     # Resumed again after the end: the result once more, for a client that lost it on the way.
     async with client.resume(last_event_id) as again:
-        messages = [m async for _, m in events_of(again) if m]
-    assert messages[-1]["result"]["content"][0]["text"] == "slept 1 s"
+        events = [(e, m) async for e, m in events_of(again)]
+    final_event, final = events[-1]
+    assert final["result"]["content"][0]["text"] == "slept 1 s"
+    # Resumed from the final event itself: nothing more to say, and the stream ends at once.
+    async with client.resume(final_event.id) as after_end:
+        rest = [m async for _, m in events_of(after_end, until_response=False) if m]
+    assert rest == []
 
 
 async def test_another_callers_last_event_id_gets_nothing(proxy, http):
