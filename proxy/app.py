@@ -15,7 +15,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from . import TASKS_EXTENSION, listen
+from . import TASKS_EXTENSION, listen, tasks2025
 from .bridge import SyncBridge
 from .config import ConfigError, ProxyConfig, TaskMode
 from .durable import DurableCalls, wants_event_stream
@@ -59,6 +59,7 @@ from .tasks.model import TaskRecord, is_task_id, utc_now
 from .tasks.redis_store import RedisTaskStore
 from .tasks.runner import LimitReached, ShuttingDown, TaskRunner
 from .tasks.store import MemoryTaskStore, StoreFullError, StoreUnavailable, TaskStore
+from .tasks2025 import Tasks2025
 from .upstream import Upstream, UpstreamUnavailable
 
 log = structlog.get_logger(__name__)
@@ -74,6 +75,7 @@ identity_key = web.AppKey("identity_key", Identity)
 guard_key = web.AppKey("guard_key", HostGuard)
 poll_guard_key = web.AppKey("poll_guard_key", PollGuard)
 durable_key = web.AppKey("durable_key", DurableCalls)
+tasks2025_key = web.AppKey("tasks2025_key", Tasks2025)
 
 
 @dataclasses.dataclass(slots=True)
@@ -163,6 +165,7 @@ def create_app(
         )
         app[runner_key] = runner
         app[durable_key] = DurableCalls(runner, app[store_key], app[identity_key])
+        app[tasks2025_key] = Tasks2025(runner, app[store_key], app[identity_key])
         try:
             await runner.start()
         except StoreUnavailable as exc:
@@ -383,6 +386,21 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
             check_routing_headers(message, request.headers, required=False)
         return await forward(upstream, request, body, is_mcp=True, request_id=message["id"])
 
+    if not modern and method in _SEP1686_ANNOUNCED and await _serves_2025_tasks(request, method):
+        # SEP-1686 for 2025-era clients, for the tools the policy names: the proxy's tasks, and what announces them.
+        config = request.app[policy_key].config
+        limit = config.limits.max_result_bytes
+        if method == "initialize":
+            return await forward_rewritten(upstream, request, body, message["id"], tasks2025.advertise, limit=limit)
+        if method == "tools/list":
+
+            def mark(result: dict[str, Any]) -> None:
+                tasks2025.mark_tools(result, config.rule_for)
+
+            return await forward_rewritten(upstream, request, body, message["id"], mark, limit=limit)
+        if method in tasks2025.METHODS:
+            info.mode = "sep1686"
+            return await request.app[tasks2025_key].handle(request, message, config.rule_for)
     if method == "subscriptions/listen" and modern:
         return await _listen(request, message)
     if method == "tools/call":
@@ -437,6 +455,31 @@ async def _listen(request: web.Request, message: dict[str, Any]) -> web.StreamRe
         upstream_response=upstream_response,
         max_bytes=request.app[policy_key].config.limits.max_result_bytes,
     )
+
+
+_SEP1686_METHODS = tasks2025.METHODS | {"initialize", "tools/list", "tools/call"}
+_SEP1686_ANNOUNCED = tasks2025.METHODS | {"initialize", "tools/list"}
+
+
+async def _serves_2025_tasks(request: web.Request, method: str) -> bool:
+    """Whether the proxy serves SEP-1686 tasks to this 2025-era request: the policy runs some tool as a task, and
+    the server has no SEP-1686 tasks of its own (then its tasks pass through, untouched)."""
+    if method not in _SEP1686_METHODS:
+        return False
+    if not any(rule.task is not TaskMode.NEVER for rule in request.app[policy_key].config.tools):
+        return False
+    if method == "initialize":
+        return True  # the answer itself says whether the server has tasks of its own (tasks2025.advertise looks)
+    gateway = request.app[gateway_key]
+    if await _era(request) == "legacy":
+        legacy = gateway.legacy
+        if legacy.initialize_result is None:
+            try:
+                await legacy.session_for(request.headers)
+            except (UpstreamUnavailable, ConnectionError, OSError) as exc:
+                raise UpstreamError(f"cannot open a session upstream ({exc})", upstream=legacy.url) from exc
+        return not tasks2025.has_tool_tasks(legacy.initialize_result or {})
+    return True  # a 2026-07-28 server has no SEP-1686 tasks of its own
 
 
 async def _era(request: web.Request) -> str:
@@ -523,11 +566,16 @@ async def _tools_call(
     info.tool = name if isinstance(name, str) else None
     if rule is None or rule.task is TaskMode.NEVER:
         return await relay()
+    if not modern and "task" in params and await _serves_2025_tasks(request, "tools/call"):
+        # A SEP-1686 task request, and the server has no tasks of its own: the task is the proxy's.
+        check_routing_headers(message, request.headers, required=False)
+        info.mode = "sep1686"
+        return await request.app[tasks2025_key].create(request, message, rule)
     if (
         not modern
         and not declares_tasks(message)
         and rule.durable
-        and "task" not in params  # a SEP-1686 task request: the upstream's, as before
+        and "task" not in params  # a SEP-1686 task request to a server with tasks of its own: the server's
         and wants_event_stream(request.headers)
     ):
         # A 2025-era client, which has no tasks of its own to wait with: a durable call. The proxy reads the body

@@ -56,7 +56,7 @@ RETRY_MS = 1000
 ANSWER_PREFIX = "mtp-in."
 """Ids of the server requests a durable stream relays: `mtp-in.<task id>.<input key>`."""
 _EVENT_ID = re.compile(r"([A-Za-z0-9_-]{16,64})\.([0-9]{1,20})\.([0-9]{1,6})")
-_ALL_INPUT_KINDS = {"elicitation": {"form": {}, "url": {}}, "sampling": {}, "roots": {}}
+ALL_INPUT_KINDS = {"elicitation": {"form": {}, "url": {}}, "sampling": {}, "roots": {}}
 """What a 2025-era client may be asked: its own session's server knows what it declared, and asks only that."""
 _MAX_GENERATIONS = 8
 """Calls one request id may name on one session, one after another (see Identity.durable_task_id)."""
@@ -65,6 +65,13 @@ _MAX_QUEUED_PROGRESS = 64
 _ENDLESS_WINDOW_MS = 30 * 24 * 3600 * 1000
 """A kept-alive call's sync window: longer than any call may take (timeout_s bounds each attempt)."""
 _STREAM_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+RELATED_TASK = "io.modelcontextprotocol/related-task"
+
+
+def related_task_meta(task_id: str) -> dict[str, Any]:
+    return {RELATED_TASK: {"taskId": task_id}}
 
 
 def wants_event_stream(headers: Any) -> bool:
@@ -125,9 +132,13 @@ class DurableStream:
         self._max_stream_s = max_stream_s
 
     async def serve(
-        self, request: web.Request, record: TaskRecord, after: tuple[int, int] | None
+        self, request: web.Request, record: TaskRecord, after: tuple[int, int] | None, *, reply_to: Any = None
     ) -> web.StreamResponse:
-        stream = record.stream or {}
+        """The stream from its start (`after` None) or after an event. With `reply_to`, it answers a SEP-1686
+        `tasks/result` of that id instead of the call itself, and every message carries related-task metadata."""
+        stream = dict(record.stream or {})
+        if reply_to is not None:
+            stream.update(id=reply_to, related=True, resumable=False)
         resumable = bool(stream.get("resumable"))
         response = web.StreamResponse(headers=_STREAM_HEADERS)
         queue = self._runner.watchers.watch([record.task_id])  # before reading again: no change slips between
@@ -146,7 +157,7 @@ class DurableStream:
                 primer = f"id: {record.task_id}.{position.revision}.{position.n}\nretry: {RETRY_MS}\ndata:\n\n"
                 await response.write(primer.encode())
             deadline = time.monotonic() + self._max_stream_s if resumable else None
-            await self._follow(response, record, position, queue, deadline)
+            await self._follow(response, record, position, queue, deadline, stream)
             await response.write_eof()
         finally:
             self._runner.watchers.unwatch([record.task_id], queue)
@@ -159,10 +170,10 @@ class DurableStream:
         position: _Position,
         queue: asyncio.Queue[str],
         deadline: float | None,
+        stream: dict[str, Any],
     ) -> None:
         task_id = record.task_id if record is not None else ""
         principal = record.principal if record is not None else ""
-        stream = (record.stream if record is not None else None) or {}
         while True:
             if record is None or record.principal != principal:
                 error = error_object(INTERNAL_ERROR, "The call's result has expired (its task's TTL ended)")
@@ -203,6 +214,9 @@ class DurableStream:
                     continue
                 position.asked.add(key)
                 message = {"jsonrpc": "2.0", "id": f"{ANSWER_PREFIX}{record.task_id}.{key}", **_question(question)}
+                if stream.get("related"):  # SEP-1686: a task's requests say which task they are for
+                    params = message.setdefault("params", {})
+                    params["_meta"] = {**(params.get("_meta") or {}), **related_task_meta(record.task_id)}
                 await response.write(_event(self._id(stream, record, n), message))
         elif record.is_terminal:
             await response.write(_event(self._id(stream, record, 1), _final(record, stream)))
@@ -261,6 +275,9 @@ def _question(question: Any) -> dict[str, Any]:
 
 
 def _final(record: TaskRecord, stream: dict[str, Any]) -> dict[str, Any]:
+    if record.status is TaskStatus.COMPLETED and stream.get("related") and isinstance(record.result, dict):
+        meta = {**(record.result.get("_meta") or {}), **related_task_meta(record.task_id)}
+        return {"jsonrpc": "2.0", "id": stream.get("id"), "result": {**record.result, "_meta": meta}}
     if record.status is TaskStatus.COMPLETED:
         return {"jsonrpc": "2.0", "id": stream.get("id"), "result": record.result}
     if record.status is TaskStatus.FAILED and isinstance(record.error, dict):
@@ -310,7 +327,7 @@ class DurableCalls:
             tool=params_of(message)["name"],
             message=message,
             headers=headers.copy(),
-            capabilities=_ALL_INPUT_KINDS,
+            capabilities=ALL_INPUT_KINDS,
             principal=principal,
             credential=self._identity.credential(headers),
             task_id=task_id,

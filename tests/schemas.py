@@ -1,4 +1,5 @@
-"""Validation of emitted messages against the official JSON Schemas (core 2026-07-28 and the tasks extension)."""
+"""Validation of emitted messages against the official JSON Schemas: core 2026-07-28, the tasks extension, and
+2025-11-25 for the SEP-1686 tasks the proxy serves to 2025-era clients."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 from jsonschema import Draft202012Validator
 
 SCHEMA_DIR = Path(__file__).parent / "schema"
-FILES = {"core": "mcp-2026-07-28.schema.json", "tasks": "ext-tasks.schema.json"}
+FILES = {"core": "mcp-2026-07-28.schema.json", "tasks": "ext-tasks.schema.json", "2025": "mcp-2025-11-25.schema.json"}
 
 
 @functools.cache

@@ -52,11 +52,10 @@ async def run_client(*argv: str, timeout_s: float) -> dict:
     return json.loads(lines[-1])
 
 
-async def sdk1_call(url: str, tool: str, arguments: dict, *, timeout_s: float = 20.0) -> dict:
+async def sdk1_call(url: str, tool: str, arguments: dict, *flags: str, timeout_s: float = 20.0) -> dict:
     python = str(legacy_python())
-    return await run_client(
-        python, str(SDK1_CLIENT), url, tool, json.dumps(arguments), str(timeout_s), timeout_s=timeout_s
-    )
+    argv = [python, str(SDK1_CLIENT), url, tool, json.dumps(arguments), str(timeout_s), *flags]
+    return await run_client(*argv, timeout_s=timeout_s)
 
 
 @pytest.fixture
@@ -134,3 +133,18 @@ async def test_typescript_sdk_1x_client_survives_a_middlebox_through_the_proxy(
     died = await ts_call(straight, "quiet", {"seconds": CALL_S}, timeout_s=CALL_S + 4)
     assert "failed" in died, died
     assert straight_box.cuts >= 1
+
+
+@pytest.mark.parametrize("limits", [{"idle_s": 1.5}, {"max_open_s": 2.0}], ids=["idle-cut", "open-too-long-cut"])
+async def test_a_sep_1686_client_gets_the_proxys_tasks_and_survives_a_middlebox(
+    proxy, plain_legacy_upstream, middlebox, limits
+):
+    """The Python SDK 1.x client's experimental task API: call_tool_as_task, poll_task, get_task_result. Straight to
+    the server it finds no tasks at all (the server has none); through the proxy every request is short."""
+    url, _ = await middlebox(proxy.url, **limits)
+    outcome = await sdk1_call(url, "quiet", {"seconds": CALL_S}, "--as-task")
+    assert outcome == {"text": f"quiet for {CALL_S:g} s", "isError": False, "statuses": ["completed"]}
+
+    straight, _ = await middlebox(plain_legacy_upstream, **limits)
+    refused = await sdk1_call(straight, "quiet", {"seconds": CALL_S}, "--as-task")
+    assert refused == {"failed": "the server declares no tasks capability"}

@@ -236,3 +236,29 @@ async def test_a_durable_call_resumes_is_answered_and_cancelled_on_another_repli
         await eventually(lambda: state("started"), what="the call reaching the server")
         assert await on_b.notify("notifications/cancelled", {"requestId": "stop-me"}) == 202
         await eventually(lambda: state("cancelled"), what="A stopping the call B was told to cancel")
+
+
+async def test_sep_1686_tasks_are_listed_and_finished_through_another_replica(replicas, session, legacy_upstream):
+    a, b = replicas(legacy_upstream).url, replicas(legacy_upstream).url
+    on_a = Client2025(session, a)
+    await on_a.initialize({"elicitation": {}})
+    on_b = Client2025(session, b)
+    on_b.headers = dict(on_a.headers)
+    made = []
+    for n in range(2):
+        message = {"jsonrpc": "2.0", "id": n + 1, "method": "tools/call",
+                   "params": {"name": "ask_name", "arguments": {}, "task": {}}}  # fmt: skip
+        async with session.post(a, json=message, headers=on_a.headers) as response:
+            made.append((await response.json())["result"]["task"]["taskId"])
+    listing = {"jsonrpc": "2.0", "id": 9, "method": "tasks/list", "params": {}}
+    async with session.post(b, json=listing, headers=on_b.headers) as response:
+        listed = (await response.json())["result"]["tasks"]
+    assert [task["taskId"] for task in listed] == made
+    result = {"jsonrpc": "2.0", "id": 10, "method": "tasks/result", "params": {"taskId": made[0]}}
+    final = None
+    async with session.post(b, json=result, headers=on_b.headers) as response:
+        async for _, message in events_of(response):
+            if message and message.get("method") == "elicitation/create":
+                await on_b.answer(message["id"], {"action": "accept", "content": {"name": "via B"}})
+            final = message
+    assert final["id"] == 10 and final["result"]["content"][0]["text"] == "hello via B"

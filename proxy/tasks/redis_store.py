@@ -53,6 +53,10 @@ _LEASE_RETRY_S = 0.5
 """After a failed lease renewal, how soon to try again (the next regular one may be too late)."""
 
 
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 class _Inconsistent(Exception):
     """A reply that its command cannot give: the connection's replies may be shifted."""
 
@@ -150,6 +154,30 @@ class RedisTaskStore:
             created = executed[0]
         if created is None:
             raise StoreUnavailable(f"task id collision for {record.task_id}")  # 128 random bits: never in practice
+
+    async def index_add(self, index: str, task_id: str, score: int, ttl_ms: int) -> None:
+        key = f"{self._prefix}index:{index}"
+        async with self._answering("index_add"):
+            # The list lives as long as its newest task may; members that outlive their task are dropped on read.
+            await self._fast.pipeline([("ZADD", key, score, task_id), ("PEXPIRE", key, ttl_ms)])
+
+    async def index_page(self, index: str, after: int | None, limit: int) -> list[tuple[str, int]]:
+        key = f"{self._prefix}index:{index}"
+        low = "-inf" if after is None else f"({after}"
+        async with self._answering("index_page"):
+            reply = await self._fast.execute("ZRANGE", key, low, "+inf", "BYSCORE", "LIMIT", 0, limit, "WITHSCORES")
+            if isinstance(reply, list) and all(isinstance(pair, list) and len(pair) == 2 for pair in reply):
+                flat = [item for pair in reply for item in pair]  # RESP3 answers pairs
+            elif isinstance(reply, list) and not len(reply) % 2:
+                flat = reply
+            else:
+                raise _Inconsistent("ZRANGE did not answer member, score pairs")
+            return [(_text(flat[n]), int(float(_text(flat[n + 1])))) for n in range(0, len(flat), 2)]
+
+    async def index_remove(self, index: str, task_ids: list[str]) -> None:
+        if task_ids:
+            async with self._answering("index_remove"):
+                await self._fast.execute("ZREM", f"{self._prefix}index:{index}", *task_ids)
 
     async def get(self, task_id: str) -> TaskRecord | None:
         async with self._answering("get"):

@@ -163,6 +163,9 @@ class TaskRunner:
             self._reconciler = asyncio.ensure_future(self._reconcile_forever())
         await self._store.start(self.replica_id, self._on_event, self._resync)
 
+    def default_ttl_ms(self) -> int:
+        return self._defaults().ttl_ms
+
     async def submit(self, call: ToolCall, rule: ToolRule) -> TaskRecord | DirectOutcome:
         """Start the call; return the stored task, or the outcome if it came inside the rule's sync window."""
         if not self.accepting:

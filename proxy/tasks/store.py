@@ -56,6 +56,15 @@ class TaskStore(Protocol):
     async def publish(self, event: dict[str, Any]) -> None:
         """Send an event (a cancel, answers for an input round) to every replica, this one included."""
 
+    async def index_add(self, index: str, task_id: str, score: int, ttl_ms: int) -> None:
+        """Add a task to a named list (one caller's 2025 tasks, for tasks/list), ordered by `score`."""
+
+    async def index_page(self, index: str, after: int | None, limit: int) -> list[tuple[str, int]]:
+        """Up to `limit` (task id, score) of the list with a score above `after`, in score order. It may name tasks
+        that are gone (expired, evicted): the reader drops those with index_remove."""
+
+    async def index_remove(self, index: str, task_ids: list[str]) -> None: ...
+
     async def running_task_ids(self) -> list[str]:
         """Ids of tasks not yet terminal, for finding those whose replica is gone."""
 
@@ -89,6 +98,8 @@ class MemoryTaskStore:
         self._deadlines: dict[str, float] = {}
         self._expiry_heap: list[tuple[float, str]] = []
         self._finished: OrderedDict[str, None] = OrderedDict()  # terminal task ids, oldest finish first
+        self._indexes: dict[str, dict[str, int]] = {}
+        self._index_of: dict[str, str] = {}  # so that a dropped task leaves its list too: bounded by the records
 
     def __len__(self) -> int:
         self._expire()
@@ -134,6 +145,21 @@ class MemoryTaskStore:
         if self._on_event is not None:
             await self._on_event(event)
 
+    async def index_add(self, index: str, task_id: str, score: int, ttl_ms: int) -> None:
+        if task_id in self._records:
+            self._indexes.setdefault(index, {})[task_id] = score
+            self._index_of[task_id] = index
+
+    async def index_page(self, index: str, after: int | None, limit: int) -> list[tuple[str, int]]:
+        self._expire()
+        entries = sorted((score, task_id) for task_id, score in self._indexes.get(index, {}).items())
+        return [(task_id, score) for score, task_id in entries if after is None or score > after][:limit]
+
+    async def index_remove(self, index: str, task_ids: list[str]) -> None:
+        members = self._indexes.get(index, {})
+        for task_id in task_ids:
+            members.pop(task_id, None)
+
     async def running_task_ids(self) -> list[str]:
         return [task_id for task_id, record in self._records.items() if not record.is_terminal]
 
@@ -149,6 +175,8 @@ class MemoryTaskStore:
 
     async def aclose(self) -> None:
         self._records.clear()
+        self._indexes.clear()
+        self._index_of.clear()
         self._deadlines.clear()
         self._expiry_heap.clear()
         self._finished.clear()
@@ -163,6 +191,12 @@ class MemoryTaskStore:
         return self._records[task_id]
 
     def _drop(self, task_id: str) -> None:
+        index = self._index_of.pop(task_id, None)
+        if index is not None:
+            members = self._indexes.get(index, {})
+            members.pop(task_id, None)
+            if not members:
+                self._indexes.pop(index, None)
         self._records.pop(task_id, None)
         self._deadlines.pop(task_id, None)
         self._finished.pop(task_id, None)

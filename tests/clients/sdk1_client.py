@@ -1,7 +1,10 @@
 """One tool call with the official Python SDK 1.x client (a 2025-11-25 client), as a user's program makes it; prints
 the outcome as JSON. It resumes a broken stream with GET + Last-Event-ID by itself, as that SDK does.
 
-Runs in tests/.legacy-venv. Usage: python sdk1_client.py URL TOOL ARGUMENTS_JSON TIMEOUT_S [--progress]
+With --as-task it is a SEP-1686 client: the SDK's experimental task API (call_tool_as_task, poll_task,
+get_task_result), as a 2025-11-25 client with tasks uses it.
+
+Runs in tests/.legacy-venv. Usage: python sdk1_client.py URL TOOL ARGUMENTS_JSON TIMEOUT_S [--progress] [--as-task]
 """
 
 from __future__ import annotations
@@ -9,13 +12,17 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import warnings
 from datetime import timedelta
 
 from mcp import ClientSession
 from mcp.client.streamable_http import streamablehttp_client
+from mcp.types import CallToolResult
+
+warnings.simplefilter("ignore", DeprecationWarning)  # the SDK marks its experimental task API deprecated
 
 
-async def main(url: str, tool: str, arguments: dict, timeout_s: float, progress: bool) -> dict:
+async def main(url: str, tool: str, arguments: dict, timeout_s: float, progress: bool, as_task: bool) -> dict:
     kwargs = {}
     if progress:
 
@@ -27,7 +34,14 @@ async def main(url: str, tool: str, arguments: dict, timeout_s: float, progress:
         streamablehttp_client(url, timeout=10, sse_read_timeout=timeout_s) as (read, write, _),
         ClientSession(read, write, read_timeout_seconds=timedelta(seconds=timeout_s)) as session,
     ):
-        await session.initialize()
+        initialized = await session.initialize()
+        if as_task:
+            if initialized.capabilities.tasks is None:
+                return {"failed": "the server declares no tasks capability"}
+            created = await session.experimental.call_tool_as_task(tool, arguments, ttl=600_000)
+            statuses = [status.status async for status in session.experimental.poll_task(created.task.taskId)]
+            result = await session.experimental.get_task_result(created.task.taskId, CallToolResult)
+            return {"text": result.content[0].text, "isError": result.isError, "statuses": statuses[-1:]}
         result = await session.call_tool(tool, arguments, **kwargs)
         return {"text": result.content[0].text, "isError": result.isError}
 
@@ -35,7 +49,7 @@ async def main(url: str, tool: str, arguments: dict, timeout_s: float, progress:
 if __name__ == "__main__":
     url, tool, arguments, timeout_s = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), float(sys.argv[4])
     try:
-        call = main(url, tool, arguments, timeout_s, "--progress" in sys.argv)
+        call = main(url, tool, arguments, timeout_s, "--progress" in sys.argv, "--as-task" in sys.argv)
         outcome = asyncio.run(asyncio.wait_for(call, timeout_s + 5))
     except BaseException as exc:  # the point of some tests: the call dies, and how
         outcome = {"failed": f"{type(exc).__name__}: {exc}"[:500]}

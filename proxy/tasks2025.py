@@ -1,0 +1,240 @@
+"""The 2025-11-25 tasks utility (SEP-1686), served by the proxy to 2025-era clients for the tools its policy names.
+
+The tasks are the proxy's own, from the same runner, store, limits and ownership as SEP-2663 tasks: `initialize`
+gains the server's `tasks` capability, `tools/list` shows each rule's `execution.taskSupport`, and a `tools/call`
+with `params.task` returns the 2025 `CreateTaskResult` at once while the call runs on the client's own session.
+`tasks/get`, `tasks/list` (the caller's tasks on that session only), `tasks/cancel` and `tasks/result` follow.
+`tasks/result` blocks until the task ends; meanwhile it is the side channel on which the server's questions reach
+the client (with `related-task` metadata), answered back as a durable call's are (proxy/durable.py).
+
+An upstream with SEP-1686 tasks of its own keeps them: then nothing here runs, and its tasks pass through.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from .config import TaskMode, ToolRule
+from .durable import ALL_INPUT_KINDS, DurableStream, client_session, related_task_meta
+from .envelope import params_of
+from .jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, JsonRpcError, dumps, error_response, result_response
+from .security import Identity
+from .tasks.job import ToolCall
+from .tasks.model import TaskRecord, TaskStatus, format_time, is_task_id
+from .tasks.runner import TaskRunner
+from .tasks.store import TaskStore
+
+log = structlog.get_logger(__name__)
+
+KIND = "sep1686"
+VERSION = "2025-11-25"
+METHODS = frozenset({"tasks/get", "tasks/result", "tasks/list", "tasks/cancel"})
+CAPABILITY = {"list": {}, "cancel": {}, "requests": {"tools": {"call": {}}}}
+PAGE_SIZE = 50
+_CURSOR_PREFIX = "mtp1c:"
+
+
+def has_tool_tasks(result: dict[str, Any]) -> bool:
+    """Whether an initialize result declares SEP-1686 tasks for tools/call (the server's own)."""
+    capabilities = result.get("capabilities")
+    tasks = capabilities.get("tasks") if isinstance(capabilities, dict) else None
+    requests = tasks.get("requests") if isinstance(tasks, dict) else None
+    tools = requests.get("tools") if isinstance(requests, dict) else None
+    return isinstance(tools, dict) and "call" in tools
+
+
+def advertise(result: dict[str, Any]) -> None:
+    """initialize: a 2025-11-25 session gains the proxy's `tasks` capability, unless the server has its own."""
+    if result.get("protocolVersion") != VERSION or has_tool_tasks(result):
+        return
+    capabilities = result.get("capabilities")
+    if not isinstance(capabilities, dict):
+        capabilities = result["capabilities"] = {}
+    capabilities["tasks"] = CAPABILITY
+
+
+def mark_tools(result: dict[str, Any], rule_for: Callable[[str], ToolRule | None]) -> None:
+    """tools/list: each tool a rule runs as a task says so (`execution.taskSupport`), unless it says already."""
+    tools = result.get("tools")
+    for tool in tools if isinstance(tools, list) else []:
+        name = tool.get("name") if isinstance(tool, dict) else None
+        rule = rule_for(name) if isinstance(name, str) else None
+        if rule is None or rule.task is TaskMode.NEVER:
+            continue
+        execution = tool.get("execution")
+        if not isinstance(execution, dict):
+            execution = tool["execution"] = {}
+        execution.setdefault("taskSupport", rule.task.value)
+
+
+def task_view(record: TaskRecord) -> dict[str, Any]:
+    """The 2025-11-25 Task of a record."""
+    task: dict[str, Any] = {
+        "taskId": record.task_id,
+        "status": record.status.value,
+        "createdAt": format_time(record.created_at),
+        "lastUpdatedAt": format_time(record.last_updated_at),
+        "ttl": record.ttl_ms,
+        "pollInterval": record.poll_interval_ms,
+    }
+    if record.status_message is not None:
+        task["statusMessage"] = record.status_message
+    return task
+
+
+def _score(record: TaskRecord) -> int:
+    return int(record.created_at.timestamp() * 1_000_000)
+
+
+def _cursor(score: int) -> str:
+    return base64.urlsafe_b64encode(f"{_CURSOR_PREFIX}{score}".encode()).decode()
+
+
+def _after(cursor: Any) -> int | None:
+    if cursor is None:
+        return None
+    try:
+        text = base64.urlsafe_b64decode(cursor.encode() if isinstance(cursor, str) else b"").decode()
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        text = ""
+    if not text.startswith(_CURSOR_PREFIX) or not text[len(_CURSOR_PREFIX) :].isdigit():
+        raise JsonRpcError(INVALID_PARAMS, "Invalid params: unknown cursor")
+    return int(text[len(_CURSOR_PREFIX) :][:20])
+
+
+def _not_found() -> JsonRpcError:
+    return JsonRpcError(INVALID_PARAMS, "Failed to retrieve task: Task not found")
+
+
+class Tasks2025:
+    def __init__(self, runner: TaskRunner, store: TaskStore, identity: Identity) -> None:
+        self._runner = runner
+        self._store = store
+        self._identity = identity
+
+    async def create(self, request: web.Request, message: dict[str, Any], rule: ToolRule) -> web.Response:
+        """tools/call with `params.task`: the 2025 CreateTaskResult, the call running on the client's session."""
+        params = dict(params_of(message))
+        options = params.pop("task")
+        if not isinstance(options, dict):
+            raise JsonRpcError(INVALID_PARAMS, "Invalid params: task must be an object")
+        ttl_ms = rule.ttl_ms or self._runner.default_ttl_ms()
+        requested = options.get("ttl")
+        if isinstance(requested, int) and not isinstance(requested, bool) and requested > 0:
+            ttl_ms = min(ttl_ms, requested)  # a receiver may shorten what is asked, never outlive its own limit
+        headers = request.headers
+        principal = self._identity.principal(headers)
+        session_tag = self._identity.session_tag(headers)
+        call = ToolCall(
+            tool=params["name"],
+            message={**message, "params": params},  # the server never sees params.task: the task is the proxy's
+            headers=headers.copy(),
+            capabilities=ALL_INPUT_KINDS,
+            principal=principal,
+            credential=self._identity.credential(headers),
+            stream={"kind": KIND, "id": message["id"], "session": session_tag},
+            client_session=client_session(headers, principal),
+        )
+        record = await self._runner.submit(call, rule.model_copy(update={"sync_window_ms": 0, "ttl_ms": ttl_ms}))
+        assert isinstance(record, TaskRecord)
+        await self._store.index_add(self._index(principal, session_tag), record.task_id, _score(record), ttl_ms)
+        log.info("sep1686_task_created", task_id=record.task_id, tool=record.tool)
+        return _json(result_response(message["id"], {"task": task_view(record)}))
+
+    async def handle(
+        self, request: web.Request, message: dict[str, Any], rule_for: Callable[[str], ToolRule | None]
+    ) -> web.StreamResponse:
+        method = message["method"]
+        params = params_of(message)
+        if method == "tasks/list":
+            return _json(result_response(message["id"], await self._list(request, params.get("cursor"))))
+        record = await self._owned(request, params.get("taskId"))
+        if method == "tasks/get":
+            return _json(result_response(message["id"], task_view(record)))
+        if method == "tasks/cancel":
+            if record.is_terminal:
+                raise JsonRpcError(INVALID_PARAMS, f"Cannot cancel a task in a terminal status ({record.status})")
+            cancelled = await self._runner.cancel(record.task_id, record.principal)
+            if cancelled is None:
+                raise _not_found()
+            if not cancelled.is_terminal:  # the cancel lost a race with another write: read what it is now
+                cancelled = await self._store.get(record.task_id) or cancelled
+            return _json(result_response(message["id"], task_view(cancelled)))
+        return await self._result(request, message, record, rule_for(record.tool))
+
+    async def _result(
+        self, request: web.Request, message: dict[str, Any], record: TaskRecord, rule: ToolRule | None
+    ) -> web.StreamResponse:
+        """tasks/result: exactly what the call answered, once it has; until then an open stream, on which the
+        server's questions reach the client."""
+        if record.is_terminal:
+            return _json(final_answer(message["id"], record))
+        keepalive_s = rule.keepalive_s if rule is not None else 15.0
+        stream = DurableStream(self._runner, self._store, keepalive_s=keepalive_s, max_stream_s=float("inf"))
+        return await stream.serve(request, record, None, reply_to=message["id"])
+
+    async def _list(self, request: web.Request, cursor: Any) -> dict[str, Any]:
+        principal = self._identity.principal(request.headers)
+        index = self._index(principal, self._identity.session_tag(request.headers))
+        after = _after(cursor)
+        tasks: list[dict[str, Any]] = []
+        last = after
+        while len(tasks) < PAGE_SIZE:
+            page = await self._store.index_page(index, last, PAGE_SIZE - len(tasks))
+            if not page:
+                break
+            gone = []
+            for task_id, score in page:
+                last = score
+                record = await self._store.get(task_id)
+                if record is None or record.principal != principal:
+                    gone.append(task_id)
+                else:
+                    tasks.append(task_view(record))
+            await self._store.index_remove(index, gone)
+        result: dict[str, Any] = {"tasks": tasks}
+        if len(tasks) == PAGE_SIZE and last is not None and await self._store.index_page(index, last, 1):
+            result["nextCursor"] = _cursor(last)
+        return result
+
+    async def _owned(self, request: web.Request, task_id: Any) -> TaskRecord:
+        """The caller's own 2025 task on this session; any other id answers as an unknown one."""
+        if not isinstance(task_id, str):
+            raise JsonRpcError(INVALID_PARAMS, "Invalid params: taskId must be a string")
+        if not is_task_id(task_id):
+            raise _not_found()
+        record = await self._store.get(task_id)
+        if (
+            record is None
+            or record.stream is None
+            or record.stream.get("kind") != KIND
+            or record.principal != self._identity.principal(request.headers)
+            or record.stream.get("session") != self._identity.session_tag(request.headers)
+        ):
+            raise _not_found()
+        return record
+
+    @staticmethod
+    def _index(principal: str, session_tag: str) -> str:
+        return f"{KIND}:{principal}:{session_tag}"
+
+
+def final_answer(request_id: Any, record: TaskRecord) -> dict[str, Any]:
+    """tasks/result of a terminal task: the call's own result or error, with related-task metadata on a result."""
+    if record.status is TaskStatus.COMPLETED and isinstance(record.result, dict):
+        meta = {**(record.result.get("_meta") or {}), **related_task_meta(record.task_id)}
+        return result_response(request_id, {**record.result, "_meta": meta})
+    if record.status is TaskStatus.FAILED and isinstance(record.error, dict):
+        return error_response(request_id, record.error)
+    reason = record.status_message or "the task was cancelled"
+    return error_response(request_id, {"code": INTERNAL_ERROR, "message": f"Task cancelled: {reason}"})
+
+
+def _json(message: dict[str, Any]) -> web.Response:
+    return web.Response(body=dumps(message), content_type="application/json")
