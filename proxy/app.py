@@ -469,7 +469,9 @@ async def _serves_2025_tasks(request: web.Request, method: str) -> bool:
     if not any(rule.task is not TaskMode.NEVER for rule in request.app[policy_key].config.tools):
         return False
     if method == "initialize":
-        return True  # the answer itself says whether the server has tasks of its own (tasks2025.advertise looks)
+        return True  # the answer says the version and whether the server has tasks of its own (advertise looks)
+    if request.headers.get("MCP-Protocol-Version") != tasks2025.VERSION:
+        return False  # tasks came with 2025-11-25: an older session is left exactly as it was
     gateway = request.app[gateway_key]
     if await _era(request) == "legacy":
         legacy = gateway.legacy

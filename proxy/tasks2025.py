@@ -75,9 +75,12 @@ def mark_tools(result: dict[str, Any], rule_for: Callable[[str], ToolRule | None
 
 def task_view(record: TaskRecord) -> dict[str, Any]:
     """The 2025-11-25 Task of a record."""
+    status = record.status.value
+    if record.status is TaskStatus.COMPLETED and isinstance(record.result, dict) and record.result.get("isError"):
+        status = "failed"  # SEP-1686: a tool result with isError true is a failed task (its result is still read)
     task: dict[str, Any] = {
         "taskId": record.task_id,
-        "status": record.status.value,
+        "status": status,
         "createdAt": format_time(record.created_at),
         "lastUpdatedAt": format_time(record.last_updated_at),
         "ttl": record.ttl_ms,
@@ -163,8 +166,8 @@ class Tasks2025:
             cancelled = await self._runner.cancel(record.task_id, record.principal)
             if cancelled is None:
                 raise _not_found()
-            if not cancelled.is_terminal:  # the cancel lost a race with another write: read what it is now
-                cancelled = await self._store.get(record.task_id) or cancelled
+            if cancelled.status is not TaskStatus.CANCELLED:  # it ended first, in a race with this request
+                raise JsonRpcError(INVALID_PARAMS, f"Cannot cancel a task in a terminal status ({cancelled.status})")
             return _json(result_response(message["id"], task_view(cancelled)))
         return await self._result(request, message, record, rule_for(record.tool))
 

@@ -84,6 +84,12 @@ async def quiet(seconds: float) -> str:
 
 
 @server.tool()
+async def broken() -> str:
+    """Fail as a tool does: the SDK answers a result with isError true."""
+    raise ValueError("the tool broke")
+
+
+@server.tool()
 async def ask_name(ctx: Context) -> str:
     """Elicit a name on the call's stream, then greet after a little work."""
     answer = await ctx.elicit("Your name?", Name)

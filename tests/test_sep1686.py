@@ -14,7 +14,13 @@ from tests.conftest import eventually
 from tests.schemas import validate
 from tests.test_durable import Client2025, events_of
 
-RULES = [{"match": "slow"}, {"match": "gated"}, {"match": "ask_*"}, {"match": "add", "task": "never"}]
+RULES = [
+    {"match": "slow"},
+    {"match": "gated"},
+    {"match": "ask_*"},
+    {"match": "broken"},
+    {"match": "add", "task": "never"},
+]
 
 
 @pytest.fixture
@@ -165,3 +171,21 @@ async def test_a_server_with_tasks_of_its_own_keeps_them(make_proxy, everything_
     assert result["capabilities"]["tasks"] == straight["capabilities"]["tasks"]
     listed = (await rpc(client, "tasks/list"))["result"]
     assert "tasks" in listed  # the server's own answer
+
+
+async def test_a_tool_result_with_is_error_is_a_failed_task_whose_result_is_still_read(proxy, http):
+    """SEP-1686: for tool calls, failed includes a result with isError true; tasks/result gives that result."""
+    client, _ = await initialized(http, proxy.url)
+    created = await rpc(client, "tools/call", {"name": "broken", "arguments": {}, "task": {}})
+    task_id = created["result"]["task"]["taskId"]
+    failed = await until_status(client, task_id, "failed", "completed")
+    assert failed["status"] == "failed"
+    final = await rpc(client, "tasks/result", {"taskId": task_id})
+    assert final["result"]["isError"] is True and "the tool broke" in final["result"]["content"][0]["text"]
+
+
+async def test_an_older_session_is_left_as_it_was(proxy, http):
+    client = Client2025(http, proxy.url, version="2025-06-18")
+    await client.initialize()
+    listed = (await rpc(client, "tools/list"))["result"]
+    assert all("execution" not in tool for tool in listed["tools"])
