@@ -21,7 +21,8 @@ import structlog
 from aiohttp import web
 
 from .config import TaskMode, ToolRule
-from .durable import ALL_INPUT_KINDS, DurableStream, client_session, related_task_meta
+from .durable import ALL_INPUT_KINDS, client_session
+from .durable_stream import DurableStream, related_task_meta
 from .envelope import params_of
 from .jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, JsonRpcError, dumps, error_response, result_response
 from .security import Identity

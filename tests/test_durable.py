@@ -10,7 +10,7 @@ import secrets
 import aiohttp
 import pytest
 
-from proxy.durable import parse_event_id
+from proxy.durable_stream import parse_event_id
 from proxy.sse import SseParser
 from tests.conftest import eventually
 
