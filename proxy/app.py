@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import datetime
 from typing import Any
 
@@ -572,7 +573,8 @@ async def _tools_call(
         # A SEP-1686 task request, and the server has no tasks of its own: the task is the proxy's.
         check_routing_headers(message, request.headers, required=False)
         info.mode = "sep1686"
-        return await request.app[tasks2025_key].create(request, message, rule)
+        with _refusals():
+            return await request.app[tasks2025_key].create(request, message, rule)
     if (
         not modern
         and not declares_tasks(message)
@@ -584,7 +586,8 @@ async def _tools_call(
         # here, so headers a gateway may have routed on must not say something else (SEP-2243).
         check_routing_headers(message, request.headers, required=False)
         info.mode = "durable"
-        return await request.app[durable_key].start(request, message, rule)
+        with _refusals():
+            return await request.app[durable_key].start(request, message, rule)
     if modern or declares_tasks(message):
         # Before the capability check, as the reference ladder orders them: headers that disagree with the body
         # say nothing reliable about what the client wants.
@@ -614,17 +617,24 @@ async def _tools_call(
         credential=request.app[identity_key].credential(request.headers),
     )
     info.mode = "durable" if kept_alive else "task"
-    try:
+    with _refusals():
         if kept_alive:
             return await request.app[durable_key].kept_alive(request, message["id"], call, rule)
         outcome = await request.app[runner_key].submit(call, rule)
-    except (StoreFullError, LimitReached) as exc:
-        raise JsonRpcError(INTERNAL_ERROR, f"Cannot create a task: {exc}", getattr(exc, "data", None)) from exc
     if isinstance(outcome, TaskRecord):
         info.task_id = outcome.task_id
         return _json(result_response(message["id"], {**outcome.to_wire(), "resultType": "task"}))
     info.mode = "sync_window"
     return _direct_answer(message["id"], outcome)
+
+
+@contextlib.contextmanager
+def _refusals() -> Iterator[None]:
+    """The runner's refusals of a new call (a full store, a limit) as the JSON-RPC error every caller gets."""
+    try:
+        yield
+    except (StoreFullError, LimitReached) as exc:
+        raise JsonRpcError(INTERNAL_ERROR, f"Cannot create a task: {exc}", getattr(exc, "data", None)) from exc
 
 
 def _direct_answer(request_id: Any, outcome: DirectOutcome) -> web.Response:

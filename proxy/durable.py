@@ -19,6 +19,7 @@ The stream itself is proxy/durable_stream.py.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -38,27 +39,32 @@ from .jsonrpc import (
     ERROR_HTTP_STATUS,
     INTERNAL_ERROR,
     INVALID_PARAMS,
+    INVALID_REQUEST,
     dumps,
     error_object,
     error_response,
     result_response,
 )
-from .legacy import LegacySession
+from .legacy import ERROR_ANSWER, LegacySession
 from .security import Identity
 from .tasks.job import DirectOutcome, ToolCall
 from .tasks.model import TaskRecord, is_task_id, new_task_id
 from .tasks.runner import TaskRunner
-from .tasks.store import StoreUnavailable, TaskStore
+from .tasks.store import StoreUnavailable, TaskIdTaken, TaskStore
 from .upstream import Progress
 
 log = structlog.get_logger(__name__)
 
 ALL_INPUT_KINDS = {"elicitation": {"form": {}, "url": {}}, "sampling": {}, "roots": {}}
 """What a 2025-era client may be asked: its own session's server knows what it declared, and asks only that."""
-_MAX_GENERATIONS = 8
+_MAX_GENERATIONS = 64
 """Calls one request id may name on one session, one after another (see Identity.durable_task_id)."""
 _MAX_QUEUED_PROGRESS = 64
 """Progress of a kept-alive call not yet written to its client; more is dropped (the next one says as much)."""
+_ACCEPT_WAIT_S = 2.0
+"""How long a durable call's answer waits for the server to take the request (or say 404) before streaming."""
+SEP1686_KIND = "sep1686"
+"""TaskRecord.stream["kind"] of a SEP-1686 task (proxy/tasks2025.py): answered like a durable call, not resumed."""
 _ENDLESS_WINDOW_MS = 30 * 24 * 3600 * 1000
 """A kept-alive call's sync window: longer than any call may take (timeout_s bounds each attempt)."""
 
@@ -67,13 +73,24 @@ def wants_event_stream(headers: Any) -> bool:
     return "text/event-stream" in headers.get("Accept", "")
 
 
-def client_session(headers: Any, principal: str) -> LegacySession:
+def client_session(headers: Any, principal: str, *, on_status: Callable[[int], None] | None = None) -> LegacySession:
     """The 2025-era client's own upstream session, as its headers name it."""
     return LegacySession(
         session_id=headers.get("Mcp-Session-Id"),
         protocol_version=headers.get("MCP-Protocol-Version", "2025-03-26"),
         principal=principal,
+        on_status=on_status,
     )
+
+
+def _first(future: asyncio.Future[int]) -> Callable[[int], None]:
+    """A callback that settles `future` with the first HTTP status the server answers the call with."""
+
+    def settle(status: int) -> None:
+        if not future.done():
+            future.set_result(status)
+
+    return settle
 
 
 def stream_of(message: dict[str, Any], headers: Any, session_tag: str) -> dict[str, Any]:
@@ -117,13 +134,17 @@ class DurableCalls:
         headers = request.headers
         principal = self._identity.principal(headers)
         session_tag = self._identity.session_tag(headers)
-        task_id, existing = await self._latest(principal, session_tag, message["id"])
-        if existing is not None and not existing.is_terminal:
-            # The same request again on the same session while it runs (a client that lost its POST and sent it
-            # anew): the same call, from its start.
-            return await self._stream(rule).serve(request, existing, None)
-        if existing is not None:  # that call is over: this is a new one under a request id used before
-            task_id = await self._next_free(principal, session_tag, message["id"])
+        task_id: str | None = None
+        if session_tag:
+            # On a session, a request id names one call while it runs: the id is derived from it, so that any
+            # replica finds the call from the client's notifications/cancelled, and a POST sent again joins it.
+            # Without a session, clients of one caller number their requests alike: every call is a new task.
+            task_id, existing = await self._latest(principal, session_tag, message["id"])
+            if existing is not None and not existing.is_terminal:
+                return await self._stream(rule).serve(request, existing, None)
+            if existing is not None:  # that call is over: this is a new one under a request id used before
+                task_id = await self._next_free(principal, session_tag, message["id"])
+        accepted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         call = ToolCall(
             tool=params_of(message)["name"],
             message=message,
@@ -133,11 +154,27 @@ class DurableCalls:
             credential=self._identity.credential(headers),
             task_id=task_id,
             stream=stream_of(message, headers, session_tag),
-            client_session=client_session(headers, principal),
+            client_session=client_session(headers, principal, on_status=_first(accepted)),
         )
-        outcome = await self._runner.submit(call, rule.model_copy(update={"sync_window_ms": 0}))
+        try:
+            outcome = await self._runner.submit(call, rule.model_copy(update={"sync_window_ms": 0}))
+        except TaskIdTaken:  # the same request, sent twice at once: both follow the one call
+            existing = await self._store.get(call.task_id or "")
+            if existing is None:
+                raise
+            return await self._stream(rule).serve(request, existing, None)
         assert isinstance(outcome, TaskRecord)  # no sync window: the record, stored before the stream starts
-        log.info("durable_call_started", task_id=task_id, tool=call.tool, resumable=call.stream["resumable"])
+        log.info("durable_call_started", task_id=outcome.task_id, tool=call.tool, resumable=call.stream["resumable"])
+        # A session the server has ended (404) must reach the client as the server said it, or it would never
+        # initialize again: the stream starts once the server took the request, or after a short wait.
+        await asyncio.wait([accepted], timeout=min(rule.keepalive_s, _ACCEPT_WAIT_S))
+        if accepted.done() and accepted.result() == 404:
+            error = error_object(INVALID_REQUEST, "Session not found: the server ended this session")
+            return web.Response(
+                body=dumps({"jsonrpc": "2.0", "id": message["id"], "error": error}),
+                status=404,
+                content_type="application/json",
+            )
         return await self._stream(rule).serve(request, outcome, None)
 
     async def resume(self, request: web.Request, rules: Any) -> web.StreamResponse | None:
@@ -147,12 +184,7 @@ class DurableCalls:
             return None
         task_id, after_revision, after_n = position
         record = await self._store.get(task_id)
-        if (
-            record is None
-            or record.stream is None
-            or record.principal != self._identity.principal(request.headers)
-            or record.stream.get("session") != self._identity.session_tag(request.headers)
-        ):
+        if record is None or not self._is_callers(request, record) or record.stream.get("kind") == SEP1686_KIND:
             # Another caller's event id gets exactly what an unknown one gets.
             log.info("durable_resume_refused", reason="unknown, expired or not the caller's")
             error = error_object(INVALID_PARAMS, "Unknown or expired event stream (Last-Event-ID)")
@@ -168,37 +200,45 @@ class DurableCalls:
         if target is None:
             return None
         task_id, key = target
-        principal = self._identity.principal(request.headers)
-        if not is_task_id(task_id):
-            return web.Response(status=202)  # nothing of the proxy's; nothing to tell the client either
+        record = await self._store.get(task_id) if is_task_id(task_id) else None
+        if record is None or not self._is_callers(request, record):
+            return web.Response(status=202)  # nothing of this caller's; nothing to tell the client either
         result = message.get("result")
-        if isinstance(result, dict):
-            record = await self._runner.deliver_input(task_id, {key: result}, principal)
-        else:
-            # The client refused (a JSON-RPC error): the call cannot go on without its answer.
-            record = await self._runner.cancel(task_id, principal)
-        log.info("durable_call_answered", task_id=task_id, accepted=record is not None, refused=result is None)
+        error = message.get("error")
+        # A refusal (a JSON-RPC error) goes back to the server as such: the tool decides what it means.
+        answer = result if isinstance(result, dict) else {ERROR_ANSWER: error if isinstance(error, dict) else {}}
+        delivered = await self._runner.deliver_input(task_id, {key: answer}, record.principal)
+        log.info("durable_call_answered", task_id=task_id, accepted=delivered is not None, refused=result is None)
         return web.Response(status=202)
 
     async def cancelled(self, request: web.Request, message: dict[str, Any]) -> bool:
-        """notifications/cancelled from a 2025-era client: True when it named a durable call (now cancelled)."""
+        """notifications/cancelled from a 2025-era client: True when it stopped a running durable call; else the
+        notification is the server's, as before."""
         params = message.get("params") if isinstance(message.get("params"), dict) else {}
         request_id = params.get("requestId")
-        if not isinstance(request_id, str | int) or isinstance(request_id, bool):
+        session_tag = self._identity.session_tag(request.headers)
+        if not session_tag or not isinstance(request_id, str | int) or isinstance(request_id, bool):
             return False
         principal = self._identity.principal(request.headers)
-        session_tag = self._identity.session_tag(request.headers)
         try:
             task_id, existing = await self._latest(principal, session_tag, request_id)
         except StoreUnavailable:
             return False  # whatever it names, the server hears of it as before
         if existing is None or existing.is_terminal:
-            return existing is not None  # over already: nothing to cancel, and nothing for the server either
+            return False
         record = await self._runner.cancel(task_id, principal)
         if record is None:
             return False
         log.info("durable_call_cancelled", task_id=task_id, tool=record.tool)
         return True
+
+    def _is_callers(self, request: web.Request, record: TaskRecord) -> bool:
+        """The record is a durable call's (or a SEP-1686 task's) of this caller, on this session."""
+        return (
+            record.stream is not None
+            and record.principal == self._identity.principal(request.headers)
+            and record.stream.get("session") == self._identity.session_tag(request.headers)
+        )
 
     async def kept_alive(
         self, request: web.Request, request_id: Any, call: ToolCall, rule: ToolRule
@@ -235,7 +275,7 @@ class DurableCalls:
                 # The server's progress as it came, under the client's token; each keep-alive a hair above the last,
                 # since every notification must carry a larger value than the one before.
                 value = event.progress if event is not None and event.progress is not None else 0.0
-                sent = max(value, sent + 0.001)
+                sent = round(max(value, sent + 0.001), 6)
                 params: dict[str, Any] = {"progressToken": token, "progress": sent}
                 if event is not None and event.total is not None:
                     params["total"] = event.total

@@ -1,6 +1,6 @@
 """A durable call's event stream, derived from its task's record (proxy/durable.py says what durable calls are).
 
-Event ids are `<task id>.<record revision>.<n>`: the revision is the record's lastUpdatedAt in microseconds, and n
+Event ids are `mtp.<task id>.<record revision>.<n>`: the revision is the record's lastUpdatedAt in microseconds, and n
 counts the events sent for that revision, so a resumed stream sends only what came after, on any replica. The
 stream's messages: the server's questions (ids `mtp-in.<task id>.<input key>`), progress or comments as keep-alive,
 and the final answer.
@@ -28,7 +28,8 @@ RETRY_MS = 1000
 """The reconnection delay a resumable stream asks for."""
 ANSWER_PREFIX = "mtp-in."
 """Ids of the server requests a durable stream relays: `mtp-in.<task id>.<input key>`."""
-_EVENT_ID = re.compile(r"([A-Za-z0-9_-]{16,64})\.([0-9]{1,20})\.([0-9]{1,6})")
+_EVENT_ID = re.compile(r"mtp\.([A-Za-z0-9_-]{16,64})\.([0-9]{1,20})\.([0-9]{1,6})")
+"""The proxy's event ids, `mtp.<task id>.<revision>.<n>`: any other Last-Event-ID is the server's, and goes there."""
 STREAM_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -38,6 +39,10 @@ def related_task_meta(task_id: str) -> dict[str, Any]:
 
 def revision(record: TaskRecord) -> int:
     return int(record.last_updated_at.timestamp() * 1_000_000)
+
+
+def event_id(task_id: str, revision: int, n: int) -> str:
+    return f"mtp.{task_id}.{revision}.{n}"
 
 
 def parse_event_id(value: str | None) -> tuple[str, int, int] | None:
@@ -85,13 +90,13 @@ class DurableStream:
                 position = _Position(revision(record), 0)
                 if resumable:  # the priming event: an id to resume from before anything else is said
                     await response.write(
-                        f"id: {record.task_id}.{position.revision}.0\nretry: {RETRY_MS}\ndata:\n\n".encode()
+                        f"id: {event_id(record.task_id, position.revision, 0)}\nretry: {RETRY_MS}\ndata:\n\n".encode()
                     )
                 position.revision -= 1  # the record's state itself is still to be sent
             else:
                 position = _Position(*after)
                 # A priming event again, on the id resumed from: clients resume only streams that began with one.
-                primer = f"id: {record.task_id}.{position.revision}.{position.n}\nretry: {RETRY_MS}\ndata:\n\n"
+                primer = f"id: {event_id(record.task_id, position.revision, position.n)}\nretry: {RETRY_MS}\ndata:\n\n"
                 await response.write(primer.encode())
             deadline = time.monotonic() + self._max_stream_s if resumable else None
             await self._follow(response, record, position, queue, deadline, stream)
@@ -164,7 +169,7 @@ class DurableStream:
         return False
 
     def _id(self, stream: dict[str, Any], record: TaskRecord, n: int) -> str | None:
-        return f"{record.task_id}.{revision(record)}.{n}" if stream.get("resumable") else None
+        return event_id(record.task_id, revision(record), n) if stream.get("resumable") else None
 
     async def _keepalive(
         self, response: web.StreamResponse, record: TaskRecord, stream: dict[str, Any], position: _Position
@@ -179,7 +184,7 @@ class DurableStream:
     ) -> None:
         # Seconds since the call began: larger at every notification, on any replica, across resumed streams.
         elapsed = time.time() - record.created_at.timestamp()
-        position.progress = max(round(elapsed, 3), position.progress + 0.001)
+        position.progress = round(max(elapsed, position.progress + 0.001), 3)
         params: dict[str, Any] = {"progressToken": stream["token"], "progress": position.progress}
         if record.status_message:
             params["message"] = record.status_message

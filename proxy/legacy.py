@@ -57,6 +57,8 @@ _MODERN_META_KEYS = frozenset(
 # Results that 2026-07-28 makes cacheable: they must carry ttlMs and cacheScope.
 _CACHEABLE = frozenset({"tools/list", "prompts/list", "resources/list", "resources/templates/list", "resources/read"})
 _MAX_RESUMES = 5
+ERROR_ANSWER = "io.github.mcp-tasks-proxy/error"
+"""An answer to a server request that is a JSON-RPC error (a durable call's client refused): {ERROR_ANSWER: error}."""
 # Everything the proxy can relay, declared once per session (NOTES §8): what a modern client did not declare for
 # its own request is declined per request.
 _PROXY_CAPABILITIES = {"elicitation": {"form": {}, "url": {}}, "sampling": {}, "roots": {"listChanged": False}}
@@ -73,6 +75,8 @@ class LegacySession:
     """Reads the session's standalone stream (proxy/standalone.py)."""
     refused: int = 0
     """Requests on the standalone stream the proxy could not relay (their log lines are thinned past a few)."""
+    on_status: Callable[[int], None] | None = None
+    """A client's own session (a durable call's): told the HTTP status the server answers each POST with."""
 
     def headers(self, client_headers: MultiMapping[str]) -> CIMultiDict[str]:
         # Mcp-Method, Mcp-Name, Mcp-Param-* are not defined before 2026-07-28; version and session are the session's.
@@ -493,6 +497,8 @@ class LegacyUpstream:
         except (ConnectionError, aiohttp.ClientError, OSError, UpstreamUnavailable) as exc:
             yield proxy_failure(f"upstream unreachable ({exc})", self.url)
             return
+        if session.on_status is not None:
+            session.on_status(response.status)
         if route is not None:
             session.calls[request_id] = route
         finished = False
@@ -561,7 +567,11 @@ class LegacyUpstream:
             return None
 
         async def reply(answer: dict[str, Any]) -> None:
-            await self.respond(session, client_headers, upstream_id, {"result": answer})
+            error = answer.get(ERROR_ANSWER) if len(answer) == 1 else None
+            if isinstance(error, dict):  # a 2025-era client's refusal, relayed as the error it is
+                await self.respond(session, client_headers, upstream_id, {"error": error})
+            else:
+                await self.respond(session, client_headers, upstream_id, {"result": answer})
 
         key = f"{method.split('/')[0]}-{upstream_id}"
         if verbatim:  # for a 2025-era client, who is asked exactly what the server asked

@@ -21,7 +21,7 @@ import structlog
 from aiohttp import web
 
 from .config import TaskMode, ToolRule
-from .durable import ALL_INPUT_KINDS, client_session
+from .durable import ALL_INPUT_KINDS, SEP1686_KIND, client_session
 from .durable_stream import DurableStream, related_task_meta
 from .envelope import params_of
 from .jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, JsonRpcError, dumps, error_response, result_response
@@ -33,7 +33,7 @@ from .tasks.store import TaskStore
 
 log = structlog.get_logger(__name__)
 
-KIND = "sep1686"
+KIND = SEP1686_KIND
 VERSION = "2025-11-25"
 METHODS = frozenset({"tasks/get", "tasks/result", "tasks/list", "tasks/cancel"})
 CAPABILITY = {"list": {}, "cancel": {}, "requests": {"tools": {"call": {}}}}

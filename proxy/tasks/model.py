@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import secrets
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
@@ -130,4 +130,13 @@ def transition(record: TaskRecord, to: TaskStatus, *, now: datetime, **fields: A
     """Return the record moved to `to`, stamped with `now`; refuses to leave a terminal state."""
     if record.is_terminal:
         raise TaskStateError(record.task_id, record.status, to)
-    return dataclasses.replace(record, status=to, last_updated_at=now, **fields)
+    return dataclasses.replace(record, status=to, last_updated_at=stamp_after(record, now), **fields)
+
+
+def stamp_after(record: TaskRecord, now: datetime) -> datetime:
+    """`now`, or just after the record's last update when a replica's clock is behind: every update moves
+    lastUpdatedAt forward, which durable streams read as the record's revision (proxy/durable_stream.py)."""
+    return max(now, record.last_updated_at + _TICK)
+
+
+_TICK = timedelta(microseconds=1)

@@ -31,7 +31,7 @@ from redis.exceptions import RedisError
 
 from .model import TaskRecord, from_json, to_json
 from .resp import DEFAULT_MAX_REPLY_BYTES, RespClient, RespError
-from .store import EventHandler, StoreUnavailable, Updater
+from .store import EventHandler, StoreUnavailable, TaskIdTaken, Updater
 
 log = structlog.get_logger(__name__)
 
@@ -153,7 +153,7 @@ class RedisTaskStore:
                     raise reply  # e.g. OOM: nothing was written
             created = executed[0]
         if created is None:
-            raise StoreUnavailable(f"task id collision for {record.task_id}")  # 128 random bits: never in practice
+            raise TaskIdTaken(record.task_id)  # random ids never collide; a durable call's derived one may
 
     async def index_add(self, index: str, task_id: str, score: int, ttl_ms: int) -> None:
         key = f"{self._prefix}index:{index}"

@@ -36,8 +36,8 @@ from ..upstream import Finished, InputNeeded, Progress
 if TYPE_CHECKING:
     from ..gateway import Gateway
 from .job import DirectOutcome, Job, RoundLimit, ToolCall
-from .model import TaskRecord, TaskStateError, TaskStatus, new_task_id, transition, utc_now
-from .store import StoreUnavailable, TaskStore
+from .model import TaskRecord, TaskStateError, TaskStatus, new_task_id, stamp_after, transition, utc_now
+from .store import StoreUnavailable, TaskIdTaken, TaskStore
 from .sync_rounds import SyncRounds
 
 log = structlog.get_logger(__name__)
@@ -194,6 +194,10 @@ class TaskRunner:
             slots=slots,
             holds_slot=holds_slot,
         )
+        if job.task_id in self._jobs:  # a caller-fixed id (a durable call's) whose call runs here already
+            if job.holds_slot and job.slots is not None:
+                job.slots.release()
+            raise TaskIdTaken(job.task_id)
         call.message = _retry_message(call.message, None, None, keep_client_round=True)
         # Known before its record exists, so that no lost-replica sweep takes a task being created for a stray.
         self._jobs[job.task_id] = job
@@ -465,7 +469,8 @@ class TaskRunner:
         job.runner.add_done_callback(lambda _: self._forget(job))
 
     def _forget(self, job: Job) -> None:
-        self._jobs.pop(job.task_id, None)
+        if self._jobs.get(job.task_id) is job:  # never another job under the same id
+            del self._jobs[job.task_id]
         if job.holds_slot and job.slots is not None:
             job.holds_slot = False
             job.slots.release()
@@ -729,7 +734,10 @@ class TaskRunner:
                 return record
             if outstanding:
                 return dataclasses.replace(
-                    record, input_requests=outstanding, collected_responses=collected, last_updated_at=self._now()
+                    record,
+                    input_requests=outstanding,
+                    collected_responses=collected,
+                    last_updated_at=stamp_after(record, self._now()),
                 )
             resumed.append(record.status)
             return transition(

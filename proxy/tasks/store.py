@@ -22,6 +22,10 @@ class StoreFullError(Exception):
     """No room for a new task: the cap is reached and every stored task is still running."""
 
 
+class TaskIdTaken(Exception):
+    """A task with this id exists already (a durable call's id, derived from its request, sent twice at once)."""
+
+
 class StoreUnavailable(Exception):
     """The store did not answer (Redis down or too slow); the request that needed it fails with -32603."""
 
@@ -107,6 +111,8 @@ class MemoryTaskStore:
 
     async def create(self, record: TaskRecord) -> None:
         self._expire()
+        if self._live(record.task_id) is not None:
+            raise TaskIdTaken(record.task_id)
         if len(self._records) >= self._max_tasks:
             if not self._finished:
                 raise StoreFullError(f"task capacity reached: {self._max_tasks} tasks are running")
