@@ -166,7 +166,7 @@ def create_app(
         )
         app[runner_key] = runner
         app[durable_key] = DurableCalls(runner, app[store_key], app[identity_key])
-        app[tasks2025_key] = Tasks2025(runner, app[store_key], app[identity_key])
+        app[tasks2025_key] = Tasks2025(runner, app[store_key], app[identity_key], app[poll_guard_key])
         try:
             await runner.start()
         except StoreUnavailable as exc:
@@ -392,7 +392,18 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
         config = request.app[policy_key].config
         limit = config.limits.max_result_bytes
         if method == "initialize":
-            return await forward_rewritten(upstream, request, body, message["id"], tasks2025.advertise, limit=limit)
+            # Without credentials and without a session, callers cannot be told apart: no tasks/list for them.
+            anonymous = [not request.app[identity_key].principal(request.headers)]
+
+            def sessions(headers: Any) -> None:
+                anonymous[0] = anonymous[0] and "Mcp-Session-Id" not in headers
+
+            def advertise(result: dict[str, Any]) -> None:
+                tasks2025.advertise(result, anonymous=anonymous[0])
+
+            return await forward_rewritten(
+                upstream, request, body, message["id"], advertise, limit=limit, on_headers=sessions
+            )
         if method == "tools/list":
 
             def mark(result: dict[str, Any]) -> None:
@@ -401,7 +412,8 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
             return await forward_rewritten(upstream, request, body, message["id"], mark, limit=limit)
         if method in tasks2025.METHODS:
             info.mode = "sep1686"
-            return await request.app[tasks2025_key].handle(request, message, config.rule_for)
+            with _as_2025_answer():
+                return await request.app[tasks2025_key].handle(request, message, config.rule_for)
     if method == "subscriptions/listen" and modern:
         return await _listen(request, message)
     if method == "tools/call":
@@ -569,11 +581,13 @@ async def _tools_call(
     info.tool = name if isinstance(name, str) else None
     if rule is None or rule.task is TaskMode.NEVER:
         return await relay()
-    if not modern and "task" in params and await _serves_2025_tasks(request, "tools/call"):
+    if not modern and "task" in params:
+        if not await _serves_2025_tasks(request, "tools/call"):
+            return await relay()  # the server's own SEP-1686 task, untouched
         # A SEP-1686 task request, and the server has no tasks of its own: the task is the proxy's.
         check_routing_headers(message, request.headers, required=False)
         info.mode = "sep1686"
-        with _refusals():
+        with _as_2025_answer(), _refusals():
             return await request.app[tasks2025_key].create(request, message, rule)
     if (
         not modern
@@ -586,7 +600,7 @@ async def _tools_call(
         # here, so headers a gateway may have routed on must not say something else (SEP-2243).
         check_routing_headers(message, request.headers, required=False)
         info.mode = "durable"
-        with _refusals():
+        with _as_2025_answer(), _refusals():
             return await request.app[durable_key].start(request, message, rule)
     if modern or declares_tasks(message):
         # Before the capability check, as the reference ladder orders them: headers that disagree with the body
@@ -594,6 +608,11 @@ async def _tools_call(
         check_modern_request(message, request.headers)
     kept_alive = False
     if not declares_tasks(message):
+        if rule.task is TaskMode.REQUIRED and not modern:
+            # SEP-1686: a tool whose taskSupport is required, called without a task (and no durable call possible).
+            raise JsonRpcError(
+                METHOD_NOT_FOUND, f"Tool {name!r} runs only as a task: call it with params.task", http_status=200
+            )
         if rule.task is TaskMode.REQUIRED:
             raise _missing_tasks_capability(
                 f"Tool {name!r} runs only as a task: declare the {TASKS_EXTENSION} extension in "
@@ -626,6 +645,16 @@ async def _tools_call(
         return _json(result_response(message["id"], {**outcome.to_wire(), "resultType": "task"}))
     info.mode = "sync_window"
     return _direct_answer(message["id"], outcome)
+
+
+@contextlib.contextmanager
+def _as_2025_answer() -> Iterator[None]:
+    """A 2025-era client reads a JSON-RPC error on HTTP 200 (its SDKs end the session on a 4xx)."""
+    try:
+        yield
+    except JsonRpcError as exc:
+        exc.http_status = 200
+        raise
 
 
 @contextlib.contextmanager

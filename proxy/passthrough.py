@@ -216,10 +216,13 @@ async def forward_rewritten(
     rewrite: Callable[[dict[str, Any]], None],
     *,
     limit: int,
+    on_headers: Callable[[Any], None] | None = None,
 ) -> web.Response:
     """Forward a request whose answer the proxy amends (server/discover): the whole answer is read (up to `limit`
-    bytes), then rewritten."""
+    bytes), then rewritten; `on_headers` sees the answer's headers first."""
     response = await open_upstream(upstream, request, body, is_mcp=True, identity=True)
+    if on_headers is not None:
+        on_headers(response.headers)
     async with response:
         try:
             payload = await read_bounded(response, limit)

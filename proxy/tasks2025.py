@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -24,8 +25,16 @@ from .config import TaskMode, ToolRule
 from .durable import ALL_INPUT_KINDS, SEP1686_KIND, client_session
 from .durable_stream import DurableStream, related_task_meta
 from .envelope import params_of
-from .jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, JsonRpcError, dumps, error_response, result_response
-from .security import Identity
+from .jsonrpc import (
+    INTERNAL_ERROR,
+    INVALID_PARAMS,
+    METHOD_NOT_FOUND,
+    JsonRpcError,
+    dumps,
+    error_response,
+    result_response,
+)
+from .security import Identity, PollGuard
 from .tasks.job import ToolCall
 from .tasks.model import TaskRecord, TaskStatus, format_time, is_task_id
 from .tasks.runner import TaskRunner
@@ -39,6 +48,7 @@ METHODS = frozenset({"tasks/get", "tasks/result", "tasks/list", "tasks/cancel"})
 CAPABILITY = {"list": {}, "cancel": {}, "requests": {"tools": {"call": {}}}}
 PAGE_SIZE = 50
 _CURSOR_PREFIX = "mtp1c:"
+_CURSOR = re.compile(r"mtp1c:([0-9]{1,20}):([A-Za-z0-9_-]{16,64})")
 
 
 def has_tool_tasks(result: dict[str, Any]) -> bool:
@@ -50,18 +60,20 @@ def has_tool_tasks(result: dict[str, Any]) -> bool:
     return isinstance(tools, dict) and "call" in tools
 
 
-def advertise(result: dict[str, Any]) -> None:
-    """initialize: a 2025-11-25 session gains the proxy's `tasks` capability, unless the server has its own."""
+def advertise(result: dict[str, Any], *, anonymous: bool) -> None:
+    """initialize: a 2025-11-25 session gains the proxy's `tasks` capability, unless the server has its own. An
+    `anonymous` caller (no credentials, and a server without sessions) is offered no tasks/list: nothing would tell
+    its tasks from others'."""
     if result.get("protocolVersion") != VERSION or has_tool_tasks(result):
         return
     capabilities = result.get("capabilities")
     if not isinstance(capabilities, dict):
         capabilities = result["capabilities"] = {}
-    capabilities["tasks"] = CAPABILITY
+    capabilities["tasks"] = {key: value for key, value in CAPABILITY.items() if not (anonymous and key == "list")}
 
 
 def mark_tools(result: dict[str, Any], rule_for: Callable[[str], ToolRule | None]) -> None:
-    """tools/list: each tool a rule runs as a task says so (`execution.taskSupport`), unless it says already."""
+    """tools/list: each tool a rule runs as a task says so (`execution.taskSupport`)."""
     tools = result.get("tools")
     for tool in tools if isinstance(tools, list) else []:
         name = tool.get("name") if isinstance(tool, dict) else None
@@ -71,7 +83,19 @@ def mark_tools(result: dict[str, Any], rule_for: Callable[[str], ToolRule | None
         execution = tool.get("execution")
         if not isinstance(execution, dict):
             execution = tool["execution"] = {}
-        execution.setdefault("taskSupport", rule.task.value)
+        # The server has no tasks (else this does not run): whatever it says of its tools' taskSupport (SDKs
+        # write "forbidden" by default), the tasks are the proxy's.
+        execution["taskSupport"] = rule.task.value
+
+
+def _stream_of(message: dict[str, Any], session_tag: str) -> dict[str, Any]:
+    """What a SEP-1686 task's record keeps of its client; its progressToken stays valid for the task's life."""
+    stream: dict[str, Any] = {"kind": KIND, "id": message["id"], "session": session_tag}
+    meta = params_of(message).get("_meta")
+    token = meta.get("progressToken") if isinstance(meta, dict) else None
+    if isinstance(token, str | int) and not isinstance(token, bool):
+        stream["token"] = token
+    return stream
 
 
 def task_view(record: TaskRecord) -> dict[str, Any]:
@@ -93,41 +117,50 @@ def task_view(record: TaskRecord) -> dict[str, Any]:
 
 
 def _score(record: TaskRecord) -> int:
-    return int(record.created_at.timestamp() * 1_000_000)
+    """A task's place in its caller's list: when it expires (for tasks of one TTL, the order they were made in),
+    so that expired entries are dropped by score."""
+    return int(record.created_at.timestamp() * 1_000_000) + record.ttl_ms * 1000
 
 
-def _cursor(score: int) -> str:
-    return base64.urlsafe_b64encode(f"{_CURSOR_PREFIX}{score}".encode()).decode()
+def _cursor(score: int, task_id: str) -> str:
+    return base64.urlsafe_b64encode(f"{_CURSOR_PREFIX}{score}:{task_id}".encode()).decode()
 
 
-def _after(cursor: Any) -> int | None:
+def _after(cursor: Any) -> tuple[int, str] | None:
     if cursor is None:
         return None
     try:
         text = base64.urlsafe_b64decode(cursor.encode() if isinstance(cursor, str) else b"").decode()
     except (binascii.Error, UnicodeDecodeError, ValueError):
         text = ""
-    if not text.startswith(_CURSOR_PREFIX) or not text[len(_CURSOR_PREFIX) :].isdigit():
-        raise JsonRpcError(INVALID_PARAMS, "Invalid params: unknown cursor")
-    return int(text[len(_CURSOR_PREFIX) :][:20])
+    match = _CURSOR.fullmatch(text)
+    if match is None:
+        raise JsonRpcError(INVALID_PARAMS, "Invalid params: unknown cursor", http_status=200)
+    return int(match.group(1)), match.group(2)
+
+
+def _terminal(record: TaskRecord) -> JsonRpcError:
+    status = task_view(record)["status"]
+    return JsonRpcError(INVALID_PARAMS, f"Cannot cancel a task in a terminal status ({status})", http_status=200)
 
 
 def _not_found() -> JsonRpcError:
-    return JsonRpcError(INVALID_PARAMS, "Failed to retrieve task: Task not found")
+    return JsonRpcError(INVALID_PARAMS, "Failed to retrieve task: Task not found", http_status=200)
 
 
 class Tasks2025:
-    def __init__(self, runner: TaskRunner, store: TaskStore, identity: Identity) -> None:
+    def __init__(self, runner: TaskRunner, store: TaskStore, identity: Identity, poll_guard: PollGuard) -> None:
         self._runner = runner
         self._store = store
         self._identity = identity
+        self._poll_guard = poll_guard
 
     async def create(self, request: web.Request, message: dict[str, Any], rule: ToolRule) -> web.Response:
         """tools/call with `params.task`: the 2025 CreateTaskResult, the call running on the client's session."""
         params = dict(params_of(message))
         options = params.pop("task")
         if not isinstance(options, dict):
-            raise JsonRpcError(INVALID_PARAMS, "Invalid params: task must be an object")
+            raise JsonRpcError(INVALID_PARAMS, "Invalid params: task must be an object", http_status=200)
         ttl_ms = rule.ttl_ms or self._runner.default_ttl_ms()
         requested = options.get("ttl")
         if isinstance(requested, int) and not isinstance(requested, bool) and requested > 0:
@@ -142,12 +175,13 @@ class Tasks2025:
             capabilities=ALL_INPUT_KINDS,
             principal=principal,
             credential=self._identity.credential(headers),
-            stream={"kind": KIND, "id": message["id"], "session": session_tag},
+            stream=_stream_of(message, session_tag),
             client_session=client_session(headers, principal),
         )
         record = await self._runner.submit(call, rule.model_copy(update={"sync_window_ms": 0, "ttl_ms": ttl_ms}))
         assert isinstance(record, TaskRecord)
-        await self._store.index_add(self._index(principal, session_tag), record.task_id, _score(record), ttl_ms)
+        if principal or session_tag:  # an anonymous caller without a session has no list of its own
+            await self._store.index_add(self._index(principal, session_tag), record.task_id, _score(record), ttl_ms)
         log.info("sep1686_task_created", task_id=record.task_id, tool=record.tool)
         return _json(result_response(message["id"], {"task": task_view(record)}))
 
@@ -160,15 +194,16 @@ class Tasks2025:
             return _json(result_response(message["id"], await self._list(request, params.get("cursor"))))
         record = await self._owned(request, params.get("taskId"))
         if method == "tasks/get":
+            self._poll_guard.check(record.task_id, record.poll_interval_ms)
             return _json(result_response(message["id"], task_view(record)))
         if method == "tasks/cancel":
             if record.is_terminal:
-                raise JsonRpcError(INVALID_PARAMS, f"Cannot cancel a task in a terminal status ({record.status})")
+                raise _terminal(record)
             cancelled = await self._runner.cancel(record.task_id, record.principal)
             if cancelled is None:
                 raise _not_found()
             if cancelled.status is not TaskStatus.CANCELLED:  # it ended first, in a race with this request
-                raise JsonRpcError(INVALID_PARAMS, f"Cannot cancel a task in a terminal status ({cancelled.status})")
+                raise _terminal(cancelled)
             return _json(result_response(message["id"], task_view(cancelled)))
         return await self._result(request, message, record, rule_for(record.tool))
 
@@ -185,17 +220,23 @@ class Tasks2025:
 
     async def _list(self, request: web.Request, cursor: Any) -> dict[str, Any]:
         principal = self._identity.principal(request.headers)
-        index = self._index(principal, self._identity.session_tag(request.headers))
-        after = _after(cursor)
+        session_tag = self._identity.session_tag(request.headers)
+        if not (principal or session_tag):
+            raise JsonRpcError(
+                METHOD_NOT_FOUND,
+                "tasks/list is not offered to a caller without credentials on a server without sessions",
+                http_status=200,
+            )
+        index = self._index(principal, session_tag)
+        last = _after(cursor)
         tasks: list[dict[str, Any]] = []
-        last = after
         while len(tasks) < PAGE_SIZE:
             page = await self._store.index_page(index, last, PAGE_SIZE - len(tasks))
             if not page:
                 break
             gone = []
             for task_id, score in page:
-                last = score
+                last = (score, task_id)
                 record = await self._store.get(task_id)
                 if record is None or record.principal != principal:
                     gone.append(task_id)
@@ -204,13 +245,13 @@ class Tasks2025:
             await self._store.index_remove(index, gone)
         result: dict[str, Any] = {"tasks": tasks}
         if len(tasks) == PAGE_SIZE and last is not None and await self._store.index_page(index, last, 1):
-            result["nextCursor"] = _cursor(last)
+            result["nextCursor"] = _cursor(*last)
         return result
 
     async def _owned(self, request: web.Request, task_id: Any) -> TaskRecord:
         """The caller's own 2025 task on this session; any other id answers as an unknown one."""
         if not isinstance(task_id, str):
-            raise JsonRpcError(INVALID_PARAMS, "Invalid params: taskId must be a string")
+            raise JsonRpcError(INVALID_PARAMS, "Invalid params: taskId must be a string", http_status=200)
         if not is_task_id(task_id):
             raise _not_found()
         record = await self._store.get(task_id)

@@ -107,7 +107,8 @@ async def test_a_2026_client_with_tasks_survives_both_cuts_by_polling(make_proxy
     """The tasks extension needs nothing kept open: every request is short, whatever cuts the connections."""
     proxy = await make_proxy(mcp_upstream, tools=[{"match": "quiet"}], tasks={"poll_interval_ms": 200})
     url, _ = await middlebox(proxy.url, idle_s=1.5, max_open_s=2.0)
-    async with aiohttp.ClientSession() as session:
+    # A connection per request: one kept alive across polls would itself outlive max_open_s and be cut mid-request.
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
         client = McpClient(session, url)
         created = await client.call_tool("quiet", {"seconds": CALL_S})
         assert created.result["resultType"] == "task"

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from proxy import tasks2025
 from tests.conftest import eventually
@@ -189,3 +191,141 @@ async def test_an_older_session_is_left_as_it_was(proxy, http):
     await client.initialize()
     listed = (await rpc(client, "tools/list"))["result"]
     assert all("execution" not in tool for tool in listed["tools"])
+
+
+# --- what a review found -------------------------------------------------------------------------------------------
+
+
+async def test_errors_come_on_http_200_so_the_sdk_1x_session_survives(proxy, http):
+    """A 2025 client reads JSON-RPC errors on HTTP 200; the SDK 1.x client ends its whole session on a 4xx."""
+    client, _ = await initialized(http, proxy.url)
+    created = await rpc(client, "tools/call", {"name": "slow", "arguments": {"seconds": 0}, "task": {}})
+    task_id = created["result"]["task"]["taskId"]
+    await until_status(client, task_id, "completed")
+    for method, params in [
+        ("tasks/cancel", {"taskId": task_id}),
+        ("tasks/get", {"taskId": "x" * 22}),
+        ("tasks/list", {"cursor": "bm9wZQ=="}),
+        ("tools/call", {"name": "slow", "arguments": {}, "task": 5}),
+    ]:
+        message = {"jsonrpc": "2.0", "id": 1, "method": method, "params": params}
+        async with http.post(client.url, json=message, headers=client.headers) as response:
+            assert response.status == 200, method
+            assert (await response.json())["error"]["code"] == -32602, method
+
+
+async def test_a_cursor_that_is_not_the_proxys_is_invalid_params(proxy, http):
+    import base64
+
+    client, _ = await initialized(http, proxy.url)
+    for text in ("mtp1c:\u00b2:" + "a" * 22, "mtp1c:1", "x" * 5000):
+        cursor = base64.urlsafe_b64encode(text.encode()).decode()
+        refused = await rpc(client, "tasks/list", {"cursor": cursor})
+        assert refused["error"]["code"] == -32602
+
+
+async def test_an_anonymous_caller_without_a_session_is_offered_no_list(make_proxy, fake_upstream, http):
+    from tests.test_durable_faults import StatelessServer
+
+    fake = await fake_upstream(StatelessServer().handle)
+    proxy = await make_proxy(fake.url, tools=[{"match": "work"}])
+    params = {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}
+    init = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": params}
+    headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+    async with http.post(proxy.url, json=init, headers=headers) as response:
+        tasks = (await response.json())["result"]["capabilities"]["tasks"]
+    assert "list" not in tasks and tasks["requests"] == {"tools": {"call": {}}}
+    client = Client2025(http, proxy.url)
+    client.headers["MCP-Protocol-Version"] = "2025-11-25"
+    created = await rpc(client, "tools/call", {"name": "work", "arguments": {"who": "victim"}, "task": {}})
+    assert created["result"]["task"]["status"] == "working"
+    refused = await rpc(client, "tasks/list")
+    assert refused["error"]["code"] == -32601
+
+
+async def test_a_servers_forbidden_task_support_is_the_proxys_to_say(make_proxy, fake_upstream, http):
+    """SDKs write taskSupport "forbidden" by default, even without tasks; the proxy's rule says what it is."""
+    from tests.test_durable_faults import StatelessServer
+
+    class Listing(StatelessServer):
+        async def handle(self, request):
+            message = json.loads(await request.read()) if request.method == "POST" else {}
+            if message.get("method") == "tools/list":
+                tools = [{"name": "work", "inputSchema": {"type": "object"}, "execution": {"taskSupport": "forbidden"}}]
+                return web.json_response({"jsonrpc": "2.0", "id": message["id"], "result": {"tools": tools}})
+            return await super().handle(request)
+
+    fake = await fake_upstream(Listing().handle)
+    proxy = await make_proxy(fake.url, tools=[{"match": "work", "task": "required"}])
+    client = Client2025(http, proxy.url)
+    client.headers["MCP-Protocol-Version"] = "2025-11-25"
+    listed = (await rpc(client, "tools/list"))["result"]["tools"]
+    assert listed[0]["execution"] == {"taskSupport": "required"}
+
+
+async def test_a_required_tool_called_without_a_task_is_method_not_found(make_proxy, legacy_upstream, http):
+    proxy = await make_proxy(legacy_upstream, tools=[{"match": "slow", "task": "required"}])
+    client, _ = await initialized(http, proxy.url)
+    client.headers["Accept"] = "application/json"  # no event stream: no durable call either
+    refused = await rpc(client, "tools/call", {"name": "slow", "arguments": {"seconds": 0}})
+    assert refused["error"]["code"] == -32601
+
+
+async def test_a_required_rule_leaves_the_servers_own_tasks_alone(make_proxy, everything_upstream, http):
+    proxy = await make_proxy(everything_upstream, tools=[{"match": "*", "task": "required"}])
+    client, _ = await initialized(http, proxy.url)
+    params = {"name": "simulate-research-query", "arguments": {"topic": "tides", "ambiguous": False}, "task": {}}
+    created = await rpc(client, "tools/call", params)
+    assert "task" in created["result"], created  # the server's own CreateTaskResult
+    got = await rpc(client, "tasks/get", {"taskId": created["result"]["task"]["taskId"]})
+    assert got["result"]["taskId"] == created["result"]["task"]["taskId"]
+
+
+async def test_polling_faster_than_min_poll_interval_is_refused(make_proxy, legacy_upstream, http):
+    proxy = await make_proxy(legacy_upstream, tools=RULES, limits={"min_poll_interval_ms": 5000})
+    client, _ = await initialized(http, proxy.url)
+    created = await rpc(client, "tools/call", {"name": "slow", "arguments": {"seconds": 0}, "task": {}})
+    task_id = created["result"]["task"]["taskId"]
+    assert "result" in await rpc(client, "tasks/get", {"taskId": task_id})
+    too_fast = await rpc(client, "tasks/get", {"taskId": task_id})
+    assert too_fast["error"]["code"] == -32603 and "Polling too fast" in too_fast["error"]["message"]
+
+
+async def test_tasks_sharing_a_score_are_all_listed(monkeypatch):
+    from proxy.tasks.model import TaskRecord, TaskStatus, utc_now
+    from proxy.tasks.store import MemoryTaskStore
+
+    store = MemoryTaskStore(max_tasks=100)
+    now = utc_now()
+    ids = [f"{n:02d}" + "a" * 20 for n in range(5)]
+    for task_id in ids:
+        await store.create(TaskRecord(task_id, "t", TaskStatus.WORKING, now, now, 60_000, 100))
+        await store.index_add("i", task_id, 7, 60_000)
+    seen, after = [], None
+    while page := await store.index_page("i", after, 2):
+        seen += [task_id for task_id, _ in page]
+        after = (page[-1][1], page[-1][0])
+    assert seen == ids
+
+
+async def test_the_redis_list_keeps_long_lived_tasks_and_drops_expired_ones(
+    make_proxy, legacy_upstream, http, redis_url
+):
+    store = {"backend": "redis", "url": redis_url, "key_prefix": f"sep1686-{secrets.token_hex(4)}:"}
+    proxy = await make_proxy(legacy_upstream, tools=RULES, store=store, security={"principal_key": "k"})
+    client, _ = await initialized(http, proxy.url)
+    long = await rpc(client, "tools/call", {"name": "slow", "arguments": {"seconds": 0}, "task": {}})
+    for _ in range(3):  # shorter-lived tasks after it: the list must outlive them, and forget them once expired
+        await rpc(client, "tools/call", {"name": "slow", "arguments": {"seconds": 0}, "task": {"ttl": 300}})
+    await asyncio.sleep(0.6)
+    listed = (await rpc(client, "tasks/list"))["result"]["tasks"]
+    assert [task["taskId"] for task in listed] == [long["result"]["task"]["taskId"]]
+    import redis.asyncio as aioredis
+
+    r = aioredis.Redis.from_url(redis_url)
+    try:
+        (key,) = [k async for k in r.scan_iter(match=f"{store['key_prefix']}index:*")]
+        await rpc(client, "tools/call", {"name": "slow", "arguments": {"seconds": 0}, "task": {}})  # prunes on add
+        assert await r.zcard(key) == 2 and await r.pttl(key) > 60_000
+    finally:
+        await r.aclose()

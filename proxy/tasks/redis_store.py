@@ -53,6 +53,10 @@ _LEASE_RETRY_S = 0.5
 """After a failed lease renewal, how soon to try again (the next regular one may be too late)."""
 
 
+_INDEX_TIES = 64
+"""Entries read past a page's end, for those that share the cursor's score (told apart by task id)."""
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -156,23 +160,32 @@ class RedisTaskStore:
             raise TaskIdTaken(record.task_id)  # random ids never collide; a durable call's derived one may
 
     async def index_add(self, index: str, task_id: str, score: int, ttl_ms: int) -> None:
+        """Scores are expiry times in microseconds: members whose task has expired are dropped here, and the list
+        lives as long as its longest-lived task."""
         key = f"{self._prefix}index:{index}"
+        now_us = int(time.time() * 1_000_000)
         async with self._answering("index_add"):
-            # The list lives as long as its newest task may; members that outlive their task are dropped on read.
-            await self._fast.pipeline([("ZADD", key, score, task_id), ("PEXPIRE", key, ttl_ms)])
+            replies = await self._fast.pipeline(
+                [("ZADD", key, score, task_id), ("ZREMRANGEBYSCORE", key, "-inf", now_us), ("PTTL", key)]
+            )
+            if isinstance(replies[-1], int) and replies[-1] < ttl_ms:  # never shorten it for a longer-lived task
+                await self._fast.execute("PEXPIRE", key, ttl_ms)
 
-    async def index_page(self, index: str, after: int | None, limit: int) -> list[tuple[str, int]]:
+    async def index_page(self, index: str, after: tuple[int, str] | None, limit: int) -> list[tuple[str, int]]:
         key = f"{self._prefix}index:{index}"
-        low = "-inf" if after is None else f"({after}"
+        low = "-inf" if after is None else str(after[0])  # inclusive: ties on the score are told apart by id
         async with self._answering("index_page"):
-            reply = await self._fast.execute("ZRANGE", key, low, "+inf", "BYSCORE", "LIMIT", 0, limit, "WITHSCORES")
+            reply = await self._fast.execute(
+                "ZRANGE", key, low, "+inf", "BYSCORE", "LIMIT", 0, limit + _INDEX_TIES, "WITHSCORES"
+            )
             if isinstance(reply, list) and all(isinstance(pair, list) and len(pair) == 2 for pair in reply):
                 flat = [item for pair in reply for item in pair]  # RESP3 answers pairs
             elif isinstance(reply, list) and not len(reply) % 2:
                 flat = reply
             else:
                 raise _Inconsistent("ZRANGE did not answer member, score pairs")
-            return [(_text(flat[n]), int(float(_text(flat[n + 1])))) for n in range(0, len(flat), 2)]
+        pairs = [(_text(flat[n]), int(float(_text(flat[n + 1])))) for n in range(0, len(flat), 2)]
+        return [(task_id, score) for task_id, score in pairs if after is None or (score, task_id) > after][:limit]
 
     async def index_remove(self, index: str, task_ids: list[str]) -> None:
         if task_ids:

@@ -63,9 +63,9 @@ class TaskStore(Protocol):
     async def index_add(self, index: str, task_id: str, score: int, ttl_ms: int) -> None:
         """Add a task to a named list (one caller's 2025 tasks, for tasks/list), ordered by `score`."""
 
-    async def index_page(self, index: str, after: int | None, limit: int) -> list[tuple[str, int]]:
-        """Up to `limit` (task id, score) of the list with a score above `after`, in score order. It may name tasks
-        that are gone (expired, evicted): the reader drops those with index_remove."""
+    async def index_page(self, index: str, after: tuple[int, str] | None, limit: int) -> list[tuple[str, int]]:
+        """Up to `limit` (task id, score) of the list past `after` (a score and task id), in (score, id) order. It
+        may name tasks that are gone (expired, evicted): the reader drops those with index_remove."""
 
     async def index_remove(self, index: str, task_ids: list[str]) -> None: ...
 
@@ -156,10 +156,10 @@ class MemoryTaskStore:
             self._indexes.setdefault(index, {})[task_id] = score
             self._index_of[task_id] = index
 
-    async def index_page(self, index: str, after: int | None, limit: int) -> list[tuple[str, int]]:
+    async def index_page(self, index: str, after: tuple[int, str] | None, limit: int) -> list[tuple[str, int]]:
         self._expire()
         entries = sorted((score, task_id) for task_id, score in self._indexes.get(index, {}).items())
-        return [(task_id, score) for score, task_id in entries if after is None or score > after][:limit]
+        return [(task_id, score) for score, task_id in entries if after is None or (score, task_id) > after][:limit]
 
     async def index_remove(self, index: str, task_ids: list[str]) -> None:
         members = self._indexes.get(index, {})
