@@ -142,7 +142,7 @@ def main(url: str) -> int:
     final = follow(url, task)
     assert final["status"] == "completed", final
 
-    print("\n# The same slow tool without declaring the extension: an ordinary, blocking call.")
+    print("\n# The same slow tool without declaring the extension: an ordinary call, kept alive while it runs.")
     rpc(
         url,
         "tools/call",
@@ -175,7 +175,7 @@ def main(url: str) -> int:
     rpc(url, "tools/call", {"name": "add", "arguments": {"a": 2, "b": 3}, "_meta": envelope()}, name="add")
     print(
         "\nDone: three tasks completed (one after asking for input, one followed by notifications), one cancelled, "
-        "two calls passed through."
+        "one call without tasks kept alive, one call passed through."
     )
     return 0
 

@@ -589,13 +589,7 @@ async def _tools_call(
         info.mode = "sep1686"
         with _as_2025_answer(), _refusals():
             return await request.app[tasks2025_key].create(request, message, rule)
-    if (
-        not modern
-        and not declares_tasks(message)
-        and rule.durable
-        and "task" not in params  # a SEP-1686 task request to a server with tasks of its own: the server's
-        and wants_event_stream(request.headers)
-    ):
+    if not modern and not declares_tasks(message) and rule.durable and wants_event_stream(request.headers):
         # A 2025-era client, which has no tasks of its own to wait with: a durable call. The proxy reads the body
         # here, so headers a gateway may have routed on must not say something else (SEP-2243).
         check_routing_headers(message, request.headers, required=False)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -49,6 +50,7 @@ async def run_client(*argv: str, timeout_s: float) -> dict:
         raise
     lines = out.decode().strip().splitlines()
     assert lines, err.decode()[-2000:]
+    print(f"\n{Path(argv[1]).name} {argv[2]} -> {lines[-1]}")  # shown with pytest -s: what each client got
     return json.loads(lines[-1])
 
 
