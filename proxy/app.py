@@ -22,7 +22,6 @@ from .config import ConfigError, ProxyConfig, TaskMode
 from .durable import DurableCalls, wants_event_stream
 from .envelope import (
     META_CLIENT_CAPABILITIES,
-    TASK_METHODS,
     check_modern_request,
     check_routing_headers,
     declares_tasks,
@@ -38,7 +37,6 @@ from .jsonrpc import (
     INVALID_PARAMS,
     INVALID_REQUEST,
     METHOD_NOT_FOUND,
-    MISSING_REQUIRED_CLIENT_CAPABILITY,
     PARSE_ERROR,
     JsonRpcError,
     UpstreamError,
@@ -56,11 +54,12 @@ from .passthrough import client_gone_key, forward, forward_rewritten, open_upstr
 from .policy import LivePolicy
 from .security import HostGuard, Identity, PollGuard
 from .tasks.job import DirectOutcome, ToolCall
-from .tasks.model import TaskRecord, is_task_id, utc_now
+from .tasks.model import TaskRecord, utc_now
 from .tasks.redis_store import RedisTaskStore
 from .tasks.runner import LimitReached, ShuttingDown, TaskRunner
 from .tasks.store import MemoryTaskStore, StoreFullError, StoreUnavailable, TaskStore
 from .tasks2025 import Tasks2025
+from .tasks2026 import Tasks2026, missing_tasks_capability
 from .upstream import Upstream, UpstreamUnavailable
 
 log = structlog.get_logger(__name__)
@@ -77,6 +76,7 @@ guard_key = web.AppKey("guard_key", HostGuard)
 poll_guard_key = web.AppKey("poll_guard_key", PollGuard)
 durable_key = web.AppKey("durable_key", DurableCalls)
 tasks2025_key = web.AppKey("tasks2025_key", Tasks2025)
+tasks2026_key = web.AppKey("tasks2026_key", Tasks2026)
 
 
 @dataclasses.dataclass(slots=True)
@@ -167,6 +167,7 @@ def create_app(
         app[runner_key] = runner
         app[durable_key] = DurableCalls(runner, app[store_key], app[identity_key])
         app[tasks2025_key] = Tasks2025(runner, app[store_key], app[identity_key], app[poll_guard_key])
+        app[tasks2026_key] = Tasks2026(runner, app[store_key], app[identity_key], app[poll_guard_key])
         try:
             await runner.start()
         except StoreUnavailable as exc:
@@ -369,7 +370,8 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
     modern = is_modern(message, request.headers)
     if method.startswith("tasks/") and modern:
         info.mode = "local"
-        return _json(result_response(message["id"], await _tasks_method(request, message)))
+        answer = await request.app[tasks2026_key].handle(request, message, info)
+        return _json(result_response(message["id"], answer))
     if modern and (declares_tasks(message) or "task" in params_of(message)):
         # Tasks are the proxy's: the upstream never sees the declaration nor a legacy params.task opt-in.
         body = dumps(without_tasks_declaration(message))
@@ -443,7 +445,7 @@ async def _listen(request: web.Request, message: dict[str, Any]) -> web.StreamRe
     if task_ids is None:
         return await forward(upstream, request, dumps(message), is_mcp=True, request_id=message["id"])
     if not declares_tasks(message):
-        raise _missing_tasks_capability(
+        raise missing_tasks_capability(
             f"notifications.taskIds needs the {TASKS_EXTENSION} extension declared in this request's "
             '_meta["io.modelcontextprotocol/clientCapabilities"].extensions'
         )
@@ -557,14 +559,6 @@ def _advertise_tasks(result: dict[str, Any]) -> None:
     extensions[TASKS_EXTENSION] = {}
 
 
-def _missing_tasks_capability(message: str) -> JsonRpcError:
-    return JsonRpcError(
-        MISSING_REQUIRED_CLIENT_CAPABILITY,
-        message,
-        {"requiredCapabilities": {"extensions": {TASKS_EXTENSION: {}}}},
-    )
-
-
 async def _tools_call(
     request: web.Request,
     message: dict[str, Any],
@@ -608,7 +602,7 @@ async def _tools_call(
                 METHOD_NOT_FOUND, f"Tool {name!r} runs only as a task: call it with params.task", http_status=200
             )
         if rule.task is TaskMode.REQUIRED:
-            raise _missing_tasks_capability(
+            raise missing_tasks_capability(
                 f"Tool {name!r} runs only as a task: declare the {TASKS_EXTENSION} extension in "
                 '_meta["io.modelcontextprotocol/clientCapabilities"].extensions'
             )
@@ -667,54 +661,3 @@ def _direct_answer(request_id: Any, outcome: DirectOutcome) -> web.Response:
     return _json(
         error_response(request_id, outcome.error), status=ERROR_HTTP_STATUS.get(outcome.error.get("code"), 200)
     )
-
-
-async def _tasks_method(request: web.Request, message: dict[str, Any]) -> dict[str, Any]:
-    """tasks/get, tasks/update, tasks/cancel (SEP-2663); the removed tasks/result and tasks/list are unknown."""
-    method = message["method"]
-    check_modern_request(message, request.headers)
-    if method not in TASK_METHODS:
-        raise JsonRpcError(METHOD_NOT_FOUND, f"Method not found: {method}")
-    if not declares_tasks(message):
-        raise _missing_tasks_capability(
-            f"{method} needs the {TASKS_EXTENSION} extension declared in this request's "
-            '_meta["io.modelcontextprotocol/clientCapabilities"].extensions'
-        )
-    params = params_of(message)
-    task_id = params.get("taskId")
-    if not isinstance(task_id, str):
-        raise JsonRpcError(INVALID_PARAMS, "Invalid params: taskId must be a string")
-    responses = params.get("inputResponses")
-    if method == "tasks/update" and (
-        not isinstance(responses, dict) or not all(isinstance(answer, dict) for answer in responses.values())
-    ):
-        raise JsonRpcError(INVALID_PARAMS, "Invalid params: inputResponses must be an object of result objects")
-    if not is_task_id(task_id):
-        raise _task_not_found()
-    request[info_key].task_id = task_id
-    runner = request.app[runner_key]
-    # Another principal's task answers exactly as an unknown one: nothing reveals that it exists. For update and
-    # cancel the owner is checked inside the store's atomic update, which spares a read.
-    principal = request.app[identity_key].principal(request.headers)
-    if method == "tasks/get":
-        record = await request.app[store_key].get(task_id)
-        if record is None or record.principal != principal:
-            raise _task_not_found()
-        request[info_key].tool = record.tool
-        request.app[poll_guard_key].check(task_id, record.poll_interval_ms)
-        return {**record.to_wire(), "resultType": "complete"}
-    if method == "tasks/update":
-        assert isinstance(responses, dict)
-        # Answers to keys that are not outstanding are ignored (SEP-2663); the ack is eventually consistent.
-        record = await runner.deliver_input(task_id, responses, principal)
-    else:
-        record = await runner.cancel(task_id, principal)
-    if record is None:
-        raise _task_not_found()
-    request[info_key].tool = record.tool
-    return {"resultType": "complete"}
-
-
-def _task_not_found() -> JsonRpcError:
-    # SEP-2663: an unknown or expired task id is -32602.
-    return JsonRpcError(INVALID_PARAMS, "Task not found: the task id is unknown or has expired")
