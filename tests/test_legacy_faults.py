@@ -109,6 +109,14 @@ class ScriptedLegacyServer:
     def call_ids(self, tool: str) -> list[object]:
         return [m["id"] for _, m in self.received if m.get("method") == "tools/call" and m["params"]["name"] == tool]
 
+    async def told_of_cancel(self, tool: str) -> None:
+        """Wait until the proxy has posted notifications/cancelled for the first call of `tool`."""
+
+        async def told():
+            return self.call_ids(tool) and self.call_ids(tool)[0] in self.cancelled()
+
+        await eventually(told, what=f"notifications/cancelled for the call of {tool}")
+
 
 async def scripted(fake_upstream):
     server = ScriptedLegacyServer()
@@ -217,10 +225,7 @@ async def test_a_server_asking_without_end_fails_a_synchronous_call_at_max_input
         assert "more than 3 times (max_input_rounds)" in reply.error["message"]
         assert len(reply.body) < 10_000  # the answer names the fault; it does not carry the questions
 
-        async def told():
-            return server.call_ids("flood") and server.call_ids("flood")[0] in server.cancelled()
-
-        await eventually(told, what="notifications/cancelled for the flooding call")
+        await server.told_of_cancel("flood")
     finally:
         server.release.set()
 
@@ -235,10 +240,7 @@ async def test_a_call_dropped_before_the_response_headers_is_cancelled_upstream(
         failed = await task_reaches(proxy.client, created.result["taskId"], "failed")
         assert "timeout_s" in json.dumps(failed.result)
 
-        async def told():
-            return server.call_ids("stall") and server.call_ids("stall")[0] in server.cancelled()
-
-        await eventually(told, what="notifications/cancelled for the stalled call")
+        await server.told_of_cancel("stall")
     finally:
         server.release.set()
 

@@ -5,6 +5,7 @@ through the same middlebox, it dies (that is the point)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import sys
 from pathlib import Path
@@ -60,6 +61,17 @@ async def sdk1_call(url: str, tool: str, arguments: dict, *flags: str, timeout_s
     return await run_client(*argv, timeout_s=timeout_s)
 
 
+async def saved_by_the_proxy(call, proxy_url: str, upstream_url: str, middlebox, **limits: float) -> None:
+    """`call(url, timeout_s=...)` completes through the proxy, and dies straight to the server through the same
+    middlebox (which cut at least one of its connections)."""
+    url, _ = await middlebox(proxy_url, **limits)
+    assert await call(url) == {"text": f"quiet for {CALL_S:g} s", "isError": False}
+    straight, straight_box = await middlebox(upstream_url, **limits)
+    died = await call(straight, timeout_s=CALL_S + 4)
+    assert "failed" in died, died
+    assert straight_box.cuts >= 1
+
+
 @pytest.fixture
 async def proxy(make_proxy, plain_legacy_upstream):
     rules = [{"match": "quiet", "keepalive_s": 0.5, "max_stream_s": 1.5}]
@@ -70,14 +82,8 @@ async def proxy(make_proxy, plain_legacy_upstream):
 async def test_python_sdk_1x_client_survives_a_middlebox_through_the_proxy(
     proxy, plain_legacy_upstream, middlebox, limits
 ):
-    url, box = await middlebox(proxy.url, **limits)
-    outcome = await sdk1_call(url, "quiet", {"seconds": CALL_S})
-    assert outcome == {"text": f"quiet for {CALL_S:g} s", "isError": False}
-
-    straight, straight_box = await middlebox(plain_legacy_upstream, **limits)
-    died = await sdk1_call(straight, "quiet", {"seconds": CALL_S}, timeout_s=CALL_S + 4)
-    assert "failed" in died, died
-    assert straight_box.cuts >= 1
+    call = functools.partial(sdk1_call, tool="quiet", arguments={"seconds": CALL_S})
+    await saved_by_the_proxy(call, proxy.url, plain_legacy_upstream, middlebox, **limits)
 
 
 SDK2_CLIENT = ROOT / "tests" / "clients" / "sdk2_client.py"
@@ -95,14 +101,8 @@ async def test_python_sdk_2x_client_without_tasks_survives_an_idle_cut_through_t
 ):
     upstream = mcp_upstream if era == "modern" else plain_legacy_upstream
     proxy = await make_proxy(upstream, tools=[{"match": "quiet", "keepalive_s": 0.5}])
-    url, _ = await middlebox(proxy.url, idle_s=1.5)
-    outcome = await sdk2_call(url, "quiet", {"seconds": CALL_S})
-    assert outcome == {"text": f"quiet for {CALL_S:g} s", "isError": False}
-
-    straight, straight_box = await middlebox(upstream, idle_s=1.5)
-    died = await sdk2_call(straight, "quiet", {"seconds": CALL_S}, timeout_s=CALL_S + 4)
-    assert "failed" in died, died
-    assert straight_box.cuts >= 1
+    call = functools.partial(sdk2_call, tool="quiet", arguments={"seconds": CALL_S})
+    await saved_by_the_proxy(call, proxy.url, upstream, middlebox, idle_s=1.5)
 
 
 async def test_a_2026_client_with_tasks_survives_both_cuts_by_polling(make_proxy, mcp_upstream, middlebox):
@@ -128,14 +128,8 @@ async def ts_call(url: str, tool: str, arguments: dict, *, timeout_s: float = 20
 async def test_typescript_sdk_1x_client_survives_a_middlebox_through_the_proxy(
     proxy, plain_legacy_upstream, middlebox, limits
 ):
-    url, _ = await middlebox(proxy.url, **limits)
-    outcome = await ts_call(url, "quiet", {"seconds": CALL_S})
-    assert outcome == {"text": f"quiet for {CALL_S:g} s", "isError": False}
-
-    straight, straight_box = await middlebox(plain_legacy_upstream, **limits)
-    died = await ts_call(straight, "quiet", {"seconds": CALL_S}, timeout_s=CALL_S + 4)
-    assert "failed" in died, died
-    assert straight_box.cuts >= 1
+    call = functools.partial(ts_call, tool="quiet", arguments={"seconds": CALL_S})
+    await saved_by_the_proxy(call, proxy.url, plain_legacy_upstream, middlebox, **limits)
 
 
 @pytest.mark.parametrize("limits", [{"idle_s": 1.5}, {"max_open_s": 2.0}], ids=["idle-cut", "open-too-long-cut"])
