@@ -88,6 +88,8 @@ class RequestInfo:
     tool: str | None = None
     task_id: str | None = None
     mode: str = "passthrough"
+    answers_2025: bool = False
+    """The proxy answers a 2025-era client itself: every error goes on HTTP 200, as that era's clients expect."""
 
 
 info_key = web.RequestKey("info_key", RequestInfo)
@@ -275,6 +277,8 @@ async def error_boundary(request: web.Request, handler: Handler) -> web.StreamRe
 def _json_error(request: web.Request, error: dict[str, Any], status: int) -> web.Response:
     request.app[metrics_key].errors.labels(str(error.get("code"))).inc()
     info = request[info_key]
+    if info.answers_2025:
+        status = 200  # the SDKs of 2025 end the whole session on a 4xx or 5xx to a request of theirs
     if info.mode == "passthrough":
         info.mode = "local"
     return _json(error_response(info.jsonrpc_id, error), status=status)
@@ -353,7 +357,9 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
     upstream = request.app[upstream_key]
     if kind == "response":
         # A client's answer to a request a durable call's stream relayed is the proxy's; any other is the server's.
+        request[info_key].answers_2025 = not is_modern(message, request.headers)
         answered = await request.app[durable_key].answer(request, message)
+        request[info_key].answers_2025 = False  # answered, or not the proxy's to answer: it goes to the server
         if answered is not None:
             request[info_key].mode = "durable"
             return answered
@@ -414,8 +420,8 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
             return await forward_rewritten(upstream, request, body, message["id"], mark, limit=limit)
         if method in tasks2025.METHODS:
             info.mode = "sep1686"
-            with _as_2025_answer():
-                return await request.app[tasks2025_key].handle(request, message, config.rule_for)
+            info.answers_2025 = True
+            return await request.app[tasks2025_key].handle(request, message, config.rule_for)
     if method == "subscriptions/listen" and modern:
         return await _listen(request, message)
     if method == "tools/call":
@@ -581,14 +587,16 @@ async def _tools_call(
         # A SEP-1686 task request, and the server has no tasks of its own: the task is the proxy's.
         check_routing_headers(message, request.headers, required=False)
         info.mode = "sep1686"
-        with _as_2025_answer(), _refusals():
+        info.answers_2025 = True
+        with _refusals():
             return await request.app[tasks2025_key].create(request, message, rule)
     if not modern and not declares_tasks(message) and rule.durable and wants_event_stream(request.headers):
         # A 2025-era client, which has no tasks of its own to wait with: a durable call. The proxy reads the body
         # here, so headers a gateway may have routed on must not say something else (SEP-2243).
         check_routing_headers(message, request.headers, required=False)
         info.mode = "durable"
-        with _as_2025_answer(), _refusals():
+        info.answers_2025 = True
+        with _refusals():
             return await request.app[durable_key].start(request, message, rule)
     if modern or declares_tasks(message):
         # Before the capability check, as the reference ladder orders them: headers that disagree with the body
@@ -633,16 +641,6 @@ async def _tools_call(
         return _json(result_response(message["id"], {**outcome.to_wire(), "resultType": "task"}))
     info.mode = "sync_window"
     return _direct_answer(message["id"], outcome)
-
-
-@contextlib.contextmanager
-def _as_2025_answer() -> Iterator[None]:
-    """A 2025-era client reads a JSON-RPC error on HTTP 200 (its SDKs end the session on a 4xx)."""
-    try:
-        yield
-    except JsonRpcError as exc:
-        exc.http_status = 200
-        raise
 
 
 @contextlib.contextmanager

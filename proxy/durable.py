@@ -105,6 +105,20 @@ def stream_of(message: dict[str, Any], headers: Any, session_tag: str) -> dict[s
     return stream
 
 
+def _refusal(error: Any) -> dict[str, Any]:
+    """A client's JSON-RPC error as a well-formed error object (an integer code and a string message), so that the
+    server takes it as the refusal it is instead of answering 400 and waiting on."""
+    error = error if isinstance(error, dict) else {}
+    code, message = error.get("code"), error.get("message")
+    refusal = {
+        "code": code if isinstance(code, int) and not isinstance(code, bool) else INTERNAL_ERROR,
+        "message": message if isinstance(message, str) else "The client refused the request",
+    }
+    if "data" in error:
+        refusal["data"] = error["data"]
+    return refusal
+
+
 def _progress_token(message: dict[str, Any]) -> str | int | None:
     meta = params_of(message).get("_meta")
     token = meta.get("progressToken") if isinstance(meta, dict) else None
@@ -204,9 +218,8 @@ class DurableCalls:
         if record is None or not self._is_callers(request, record):
             return web.Response(status=202)  # nothing of this caller's; nothing to tell the client either
         result = message.get("result")
-        error = message.get("error")
         # A refusal (a JSON-RPC error) goes back to the server as such: the tool decides what it means.
-        answer = result if isinstance(result, dict) else {ERROR_ANSWER: error if isinstance(error, dict) else {}}
+        answer = result if isinstance(result, dict) else {ERROR_ANSWER: _refusal(message.get("error"))}
         delivered = await self._runner.deliver_input(task_id, {key: answer}, record.principal)
         log.info("durable_call_answered", task_id=task_id, accepted=delivered is not None, refused=result is None)
         return web.Response(status=202)

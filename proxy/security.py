@@ -109,10 +109,11 @@ class PollGuard:
         now = self._timer()
         last = self._last.get(task_id)
         if last is not None and now - last < self._min_interval_s:
+            interval_ms = max(poll_interval_ms, round(self._min_interval_s * 1000))  # what is enforced, not less
             raise JsonRpcError(
                 INTERNAL_ERROR,
-                f"Polling too fast: poll this task at most every {poll_interval_ms} ms",
-                {"pollIntervalMs": poll_interval_ms},
+                f"Polling too fast: poll this task at most every {interval_ms} ms",
+                {"pollIntervalMs": interval_ms},
                 http_status=429,
             )
         self._last[task_id] = now

@@ -208,3 +208,36 @@ def test_every_update_moves_the_revision_forward_whatever_the_clock_says():
     ahead = transition(behind, TaskStatus.COMPLETED, now=now + timedelta(seconds=5), result={})
     assert ahead.last_updated_at == now + timedelta(seconds=5)
     assert dataclasses.replace(ahead).last_updated_at == ahead.last_updated_at
+
+
+async def test_a_malformed_refusal_still_reaches_the_server_as_an_error(make_proxy, legacy_upstream, http):
+    proxy = await make_proxy(legacy_upstream, tools=[{"match": "ask_model", "keepalive_s": 0.2}])
+    client = Client2025(http, proxy.url)
+    await client.initialize({"sampling": {}})
+    async with client.call("ask_model", {}) as response:
+        async for _, message in events_of(response):
+            if message and message.get("method") == "sampling/createMessage":
+                body = {"jsonrpc": "2.0", "id": message["id"], "error": "nope"}
+                async with http.post(client.url, json=body, headers=client.headers) as answered:
+                    assert answered.status == 202
+            final = message
+    assert final["result"]["content"][0]["text"] == "sampling refused: -32603"
+
+
+async def test_a_store_fault_reaches_a_2025_client_on_http_200(make_proxy, legacy_upstream, http, monkeypatch):
+    """The SDK 1.x client ends its whole session on a 5xx to one of its requests: the fault comes as JSON-RPC."""
+    from proxy.app import store_key
+    from proxy.tasks.store import StoreUnavailable
+
+    proxy = await make_proxy(legacy_upstream, tools=[{"match": "slow"}])
+    client = Client2025(http, proxy.url)
+    await client.initialize()
+
+    async def unavailable(task_id):
+        raise StoreUnavailable("redis did not answer")
+
+    monkeypatch.setattr(proxy.app[store_key], "get", unavailable)
+    message = {"jsonrpc": "2.0", "id": 3, "method": "tasks/get", "params": {"taskId": "a" * 22}}
+    async with http.post(proxy.url, json=message, headers=client.headers) as response:
+        assert response.status == 200
+        assert "Task store unavailable" in (await response.json())["error"]["message"]

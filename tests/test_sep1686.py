@@ -329,3 +329,13 @@ async def test_the_redis_list_keeps_long_lived_tasks_and_drops_expired_ones(
         assert await r.zcard(key) == 2 and await r.pttl(key) > 60_000
     finally:
         await r.aclose()
+
+
+async def test_the_polling_refusal_names_the_interval_it_enforces(make_proxy, legacy_upstream, http):
+    proxy = await make_proxy(legacy_upstream, tools=RULES, limits={"min_poll_interval_ms": 5000})
+    client, _ = await initialized(http, proxy.url)
+    created = await rpc(client, "tools/call", {"name": "slow", "arguments": {"seconds": 0}, "task": {}})
+    task_id = created["result"]["task"]["taskId"]
+    await rpc(client, "tasks/get", {"taskId": task_id})
+    too_fast = await rpc(client, "tasks/get", {"taskId": task_id})
+    assert too_fast["error"]["data"] == {"pollIntervalMs": 5000}
