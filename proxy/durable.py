@@ -95,12 +95,10 @@ def _first(future: asyncio.Future[int]) -> Callable[[int], None]:
 
 def stream_of(message: dict[str, Any], headers: Any, session_tag: str) -> dict[str, Any]:
     """What a durable call's record keeps of its client (TaskRecord.stream)."""
-    params = message.get("params") if isinstance(message.get("params"), dict) else {}
-    meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
     version = headers.get("MCP-Protocol-Version", "")
     stream: dict[str, Any] = {"id": message["id"], "session": session_tag, "resumable": version in RESUMABLE_VERSIONS}
-    token = meta.get("progressToken")
-    if isinstance(token, str | int) and not isinstance(token, bool):
+    token = progress_token(message)
+    if token is not None:
         stream["token"] = token
     return stream
 
@@ -119,7 +117,8 @@ def _refusal(error: Any) -> dict[str, Any]:
     return refusal
 
 
-def _progress_token(message: dict[str, Any]) -> str | int | None:
+def progress_token(message: dict[str, Any]) -> str | int | None:
+    """The request's `_meta.progressToken`, when it is one (a string or an integer)."""
     meta = params_of(message).get("_meta")
     token = meta.get("progressToken") if isinstance(meta, dict) else None
     return token if isinstance(token, str | int) and not isinstance(token, bool) else None
@@ -261,7 +260,7 @@ class DurableCalls:
         meanwhile. 2026 streams are not resumable, so keep-alive is all the proxy can give; closing the request
         cancels the call, as for any 2026 call."""
         window = rule.model_copy(update={"sync_window_ms": _ENDLESS_WINDOW_MS})
-        token = _progress_token(call.message)
+        token = progress_token(call.message)
         progressed: asyncio.Queue[Progress] = asyncio.Queue(maxsize=_MAX_QUEUED_PROGRESS)
         if token is not None:
             call.on_progress = lambda event: None if progressed.full() else progressed.put_nowait(event)

@@ -22,7 +22,7 @@ import structlog
 from aiohttp import web
 
 from .config import TaskMode, ToolRule
-from .durable import ALL_INPUT_KINDS, SEP1686_KIND, client_session
+from .durable import ALL_INPUT_KINDS, SEP1686_KIND, client_session, progress_token
 from .durable_stream import DurableStream, related_task_meta
 from .envelope import params_of
 from .jsonrpc import (
@@ -91,9 +91,8 @@ def mark_tools(result: dict[str, Any], rule_for: Callable[[str], ToolRule | None
 def _stream_of(message: dict[str, Any], session_tag: str) -> dict[str, Any]:
     """What a SEP-1686 task's record keeps of its client; its progressToken stays valid for the task's life."""
     stream: dict[str, Any] = {"kind": KIND, "id": message["id"], "session": session_tag}
-    meta = params_of(message).get("_meta")
-    token = meta.get("progressToken") if isinstance(meta, dict) else None
-    if isinstance(token, str | int) and not isinstance(token, bool):
+    token = progress_token(message)
+    if token is not None:
         stream["token"] = token
     return stream
 
