@@ -17,7 +17,6 @@ import structlog
 from aiohttp import web
 
 from . import TASKS_EXTENSION, listen, tasks2025
-from .bridge import SyncBridge
 from .config import ConfigError, ProxyConfig, TaskMode
 from .durable import DurableCalls, wants_event_stream
 from .envelope import (
@@ -30,7 +29,6 @@ from .envelope import (
     params_of,
     without_tasks_declaration,
 )
-from .gateway import Gateway
 from .jsonrpc import (
     ERROR_HTTP_STATUS,
     INTERNAL_ERROR,
@@ -48,9 +46,7 @@ from .jsonrpc import (
     loads,
     result_response,
 )
-from .legacy import LegacyUpstream
 from .metrics import Metrics, method_label
-from .passthrough import client_gone_key, forward, forward_rewritten, open_upstream
 from .policy import LivePolicy
 from .security import HostGuard, Identity, PollGuard
 from .tasks.job import DirectOutcome, ToolCall
@@ -60,7 +56,12 @@ from .tasks.runner import LimitReached, ShuttingDown, TaskRunner
 from .tasks.store import MemoryTaskStore, StoreFullError, StoreUnavailable, TaskStore
 from .tasks2025 import Tasks2025
 from .tasks2026 import Tasks2026, missing_tasks_capability
-from .upstream import Upstream, UpstreamUnavailable
+from .upstream.bridge import SyncBridge
+from .upstream.events import UpstreamUnavailable
+from .upstream.gateway import Gateway
+from .upstream.http_modern import Upstream
+from .upstream.http_relay import client_gone_key, forward, forward_rewritten, open_upstream
+from .upstream.legacy import LegacyUpstream
 
 log = structlog.get_logger(__name__)
 

@@ -13,11 +13,12 @@ from multidict import CIMultiDict
 
 from . import PROTOCOL_VERSION
 from .config import ConfigError, ProxyConfig, apply_overrides, load_config
-from .gateway import Gateway
-from .legacy import LegacyUpstream
 from .log import configure_logging
 from .security import Identity
-from .upstream import Failed, Finished, Upstream, UpstreamUnavailable
+from .upstream.events import Failed, Finished, UpstreamUnavailable
+from .upstream.gateway import Gateway
+from .upstream.http_modern import Upstream
+from .upstream.legacy import LegacyUpstream
 
 
 def check_main(argv: Sequence[str]) -> int:

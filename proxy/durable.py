@@ -45,13 +45,13 @@ from .jsonrpc import (
     error_response,
     result_response,
 )
-from .legacy import ERROR_ANSWER, LegacySession
 from .security import Identity
 from .tasks.job import DirectOutcome, ToolCall
 from .tasks.model import TaskRecord, is_task_id, new_task_id
 from .tasks.runner import TaskRunner
 from .tasks.store import StoreUnavailable, TaskIdTaken, TaskStore
-from .upstream import Progress
+from .upstream.events import Progress
+from .upstream.legacy import ERROR_ANSWER, LegacySession
 
 log = structlog.get_logger(__name__)
 

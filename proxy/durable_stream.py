@@ -17,10 +17,10 @@ from typing import Any
 from aiohttp import web
 
 from .jsonrpc import INTERNAL_ERROR, dumps, error_object
-from .standalone import RELATED_TASK
 from .tasks.model import TaskRecord, TaskStatus
 from .tasks.runner import TaskRunner
 from .tasks.store import StoreUnavailable, TaskStore
+from .upstream.routing import RELATED_TASK
 
 RESUMABLE_VERSIONS = frozenset({"2025-11-25"})
 """Client protocol versions whose streams may be closed and resumed (priming events came with 2025-11-25)."""

@@ -17,10 +17,10 @@ import structlog
 from aiohttp import web
 
 from .jsonrpc import INVALID_PARAMS, JsonRpcError, dumps
-from .sse import SseLimitError, iter_events, json_message
 from .tasks.model import TaskRecord, is_task_id
 from .tasks.runner import TaskRunner
 from .tasks.store import StoreUnavailable, TaskStore
+from .upstream.http_sse import SseLimitError, iter_events, json_message
 
 log = structlog.get_logger(__name__)
 

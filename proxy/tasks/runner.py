@@ -31,7 +31,7 @@ from ..jsonrpc import (
     error_object,
 )
 from ..metrics import Metrics
-from ..upstream import Finished, InputNeeded, Progress
+from ..upstream.events import Finished, InputNeeded, Progress
 
 if TYPE_CHECKING:
     from ..gateway import Gateway

@@ -16,7 +16,7 @@ import structlog
 from ..envelope import params_of
 from ..jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, JsonRpcError, error_object
 from ..parking import ParkedCalls
-from ..upstream import InputNeeded
+from ..upstream.events import InputNeeded
 from .job import DirectOutcome, Job, RoundLimit, ToolCall
 
 log = structlog.get_logger(__name__)

@@ -17,8 +17,8 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from .envelope import META_CLIENT_CAPABILITIES, meta_of, params_of
-from .jsonrpc import (
+from ..envelope import META_CLIENT_CAPABILITIES, meta_of, params_of
+from ..jsonrpc import (
     ERROR_HTTP_STATUS,
     INTERNAL_ERROR,
     INVALID_PARAMS,
@@ -28,10 +28,10 @@ from .jsonrpc import (
     error_response,
     result_response,
 )
+from ..parking import ParkedCalls
+from ..security import Identity
+from .events import Event, Failed, Finished, InputNeeded, Progress
 from .legacy import LegacyUpstream
-from .parking import ParkedCalls
-from .security import Identity
-from .upstream import Event, Failed, Finished, InputNeeded, Progress
 
 log = structlog.get_logger(__name__)
 

@@ -7,148 +7,21 @@ as an async stream of events: Progress, then Finished or Failed. The task runner
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 import structlog
-from multidict import CIMultiDict, MultiMapping
+from multidict import MultiMapping
 
-from .calls import BodyTooLarge, CallClient, CallError, CallResponse
-from .jsonrpc import INTERNAL_ERROR, dumps, error_object, loads
-from .sse import SseLimitError, iter_events
+from ..jsonrpc import dumps, loads
+from .events import Event, Failed, Finished, InputNeeded, Progress, interpret_progress, proxy_failure, too_large
+from .http_client import BodyTooLarge, CallClient, CallError, CallResponse
+from .http_headers import own_request_headers
+from .http_sse import SseLimitError, iter_events
 
 log = structlog.get_logger(__name__)
-
-# RFC 9110 §7.6.1 hop-by-hop fields, plus those the proxy recomputes for the body it sends.
-HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-    }
-)
-_REQUEST_SKIP = HOP_BY_HOP | {"host", "content-length"}
-_RESPONSE_SKIP = HOP_BY_HOP | {"content-length"}
-TASK_CALL_SKIP = _REQUEST_SKIP | {"accept-encoding", "accept", "content-type", "last-event-id"}
-
-
-def _connection_listed(headers: MultiMapping[str]) -> set[str]:
-    listed: set[str] = set()
-    for value in headers.getall("Connection", ()):
-        listed.update(token.strip().lower() for token in value.split(",") if token.strip())
-    return listed
-
-
-def end_to_end_headers(headers: MultiMapping[str], skip: frozenset[str] | set[str]) -> CIMultiDict[str]:
-    """Copy the headers an intermediary must pass on: all but hop-by-hop ones and those named in Connection."""
-    drop = skip | _connection_listed(headers)
-    out: CIMultiDict[str] = CIMultiDict()
-    for name, value in headers.items():
-        if name.lower() not in drop:
-            out.add(name, value)
-    return out
-
-
-def request_headers(headers: MultiMapping[str]) -> CIMultiDict[str]:
-    return end_to_end_headers(headers, _REQUEST_SKIP)
-
-
-def response_headers(headers: MultiMapping[str]) -> CIMultiDict[str]:
-    return end_to_end_headers(headers, _RESPONSE_SKIP)
-
-
-def own_request_headers(client_headers: MultiMapping[str], *, drop_mcp_headers: bool = False) -> CIMultiDict[str]:
-    """Headers for a JSON-RPC POST the proxy makes for a client: the client's end-to-end headers (credentials
-    included), JSON in, JSON or an event stream out. `drop_mcp_headers` removes every Mcp-* header (MCP-Protocol-
-    Version included), for requests whose routing headers the proxy sets itself."""
-    headers = end_to_end_headers(client_headers, TASK_CALL_SKIP)
-    if drop_mcp_headers:
-        for name in {name for name in headers if name.lower().startswith("mcp-")}:
-            headers.popall(name, None)
-    headers["Content-Type"] = "application/json"
-    headers["Accept"] = "application/json, text/event-stream"
-    return headers
-
-
-class UpstreamUnavailable(Exception):
-    """The upstream could not be reached or refused the proxy's own handshake."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Progress:
-    message: str | None
-    progress: float | None = None
-    total: float | None = None
-    raw: dict[str, Any] | None = dataclasses.field(default=None, compare=False)
-    """The notification as the upstream sent it, for relaying to a synchronous caller."""
-
-    def describe(self) -> str | None:
-        if self.message:
-            return self.message
-        if self.progress is None:
-            return None
-        if self.total:
-            return f"{self.progress:g} of {self.total:g}"
-        return f"{self.progress:g}"
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Finished:
-    result: dict[str, Any]
-    size: int = 0
-    """Bytes of the message that carried it, as received (what limits.max_result_bytes bounds)."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Failed:
-    error: dict[str, Any]
-    """A JSON-RPC error object: the upstream's own, or -32603 made by the proxy."""
-    status_message: str
-    unread: bool = False
-    """The proxy could not read the upstream's answer (unreachable, stream cut): the work may go on upstream."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class InputNeeded:
-    """A 2026-07-28 upstream answered `input_required` (MRTR): answer `input_requests`, echo `request_state`."""
-
-    result: dict[str, Any]
-    """The upstream's InputRequiredResult as it came (a legacy server's request is put in the same shape)."""
-    reply: Callable[[dict[str, Any]], Awaitable[None]] | None = dataclasses.field(default=None, compare=False)
-    """Legacy upstreams only: posts the answer back on the open call, which then goes on; modern ones get a retry."""
-
-    @property
-    def input_requests(self) -> dict[str, Any]:
-        requests = self.result.get("inputRequests")
-        return requests if isinstance(requests, dict) else {}
-
-    @property
-    def request_state(self) -> str | None:
-        state = self.result.get("requestState")
-        return state if isinstance(state, str) else None
-
-
-Event = Progress | Finished | Failed | InputNeeded
-
-
-def proxy_failure(reason: str, upstream: str) -> Failed:
-    return Failed(error_object(INTERNAL_ERROR, f"Upstream failure: {reason}", {"upstream": upstream}), reason, True)
-
-
-def too_large(limit: int) -> Failed:
-    """The upstream's answer (a body, or one event of its stream) is over limits.max_result_bytes: the read stopped
-    there, and the call with it."""
-    reason = f"the upstream's answer exceeds limits.max_result_bytes ({limit})"
-    return Failed(error_object(INTERNAL_ERROR, f"Proxy failure: {reason}"), reason)
 
 
 class Upstream:
@@ -210,7 +83,7 @@ class Upstream:
     def post(
         self, headers: Mapping[str, str], body: bytes, *, query: str = "", relay: bool = False
     ) -> Awaitable[CallResponse]:
-        """A POST to the MCP endpoint through the lean client; `relay` keeps the response as sent (see calls.py).
+        """A POST to the MCP endpoint through the lean client; `relay` keeps the response as sent (see http_client.py).
 
         Not a coroutine of its own on purpose: a frame here would hold `body` for as long as the call waits for its
         answer (the whole run of a working task), where CallClient.post lets go of it once sent.
@@ -331,23 +204,8 @@ async def read_bounded(response: aiohttp.ClientResponse, limit: int) -> bytes:
     return bytes(body)
 
 
-def interpret_progress(message: dict[str, Any]) -> Progress:
-    params = message.get("params") if isinstance(message.get("params"), dict) else {}
-    text = params.get("message")
-    return Progress(
-        message=text if isinstance(text, str) else None,
-        progress=_number(params.get("progress")),
-        total=_number(params.get("total")),
-        raw=message,
-    )
-
-
 def _loads(data: str | bytes) -> Any:
     try:
         return loads(data)
     except (ValueError, RecursionError):
         return None
-
-
-def _number(value: Any) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None

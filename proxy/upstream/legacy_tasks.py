@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from multidict import MultiMapping
 
-from .jsonrpc import INTERNAL_ERROR, error_object
-from .standalone import RELATED_TASK, CallRoute
-from .upstream import Event, Failed, Finished, Progress, UpstreamUnavailable, proxy_failure
+from ..jsonrpc import INTERNAL_ERROR, error_object
+from .events import Event, Failed, Finished, Progress, UpstreamUnavailable, proxy_failure
+from .routing import RELATED_TASK, CallRoute
 
 if TYPE_CHECKING:
     from .legacy import LegacySession, LegacyUpstream

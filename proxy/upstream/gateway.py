@@ -10,10 +10,12 @@ import aiohttp
 import structlog
 from multidict import CIMultiDict, MultiMapping
 
-from . import PROTOCOL_VERSION, __version__
-from .jsonrpc import dumps
+from .. import PROTOCOL_VERSION, __version__
+from ..jsonrpc import dumps
+from .events import Event, InputNeeded, UpstreamUnavailable, proxy_failure
+from .http_headers import own_request_headers
+from .http_modern import Upstream
 from .legacy import LegacySession, LegacyUpstream, single_answer
-from .upstream import Event, InputNeeded, Upstream, UpstreamUnavailable, own_request_headers, proxy_failure
 
 log = structlog.get_logger(__name__)
 

@@ -16,10 +16,11 @@ import aiohttp
 import structlog
 from aiohttp import web
 
-from .calls import BodyTooLarge, CallError
-from .jsonrpc import INTERNAL_ERROR, RequestId, UpstreamError, dumps, error_object, error_response
-from .sse import DEFAULT_MAX_EVENT_BYTES, SseEvent, SseLimitError, SseParser
-from .upstream import Upstream, read_bounded, request_headers, response_headers
+from ..jsonrpc import INTERNAL_ERROR, RequestId, UpstreamError, dumps, error_object, error_response
+from .http_client import BodyTooLarge, CallError
+from .http_headers import request_headers, response_headers
+from .http_modern import Upstream, read_bounded
+from .http_sse import DEFAULT_MAX_EVENT_BYTES, SseEvent, SseLimitError, SseParser
 
 log = structlog.get_logger(__name__)
 

@@ -10,25 +10,22 @@ request is answered at once with a JSON-RPC error that says why, so no server wa
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import structlog
 from multidict import MultiMapping
 
-from .jsonrpc import INTERNAL_ERROR, error_object
-from .sse import SseLimitError, SseParser, StreamPosition
-from .upstream import InputNeeded
+from ..jsonrpc import INTERNAL_ERROR, error_object
+from .http_sse import SseLimitError, SseParser, StreamPosition
+from .routing import route_for
 
 if TYPE_CHECKING:
     from .legacy import LegacySession, LegacyUpstream
 
 log = structlog.get_logger(__name__)
 
-RELATED_TASK = "io.modelcontextprotocol/related-task"
 _MAX_EVENT_BYTES = 4 * 1024 * 1024
 _READY_WAIT_S = 2.0
 """How long opening a session waits for its standalone stream, so a server request right after is not missed."""
@@ -39,43 +36,6 @@ _HEADERS_WAIT_S = 30.0
 """How long the server may take to answer the stream's GET with its headers."""
 _LOGGED_REFUSALS = 10
 """Refused requests logged one by one per session; past that, one line per thousand (a flood must not flood logs)."""
-
-
-@dataclasses.dataclass(eq=False, slots=True)
-class CallRoute:
-    """A call in flight on a session, as the standalone stream needs to know it."""
-
-    capabilities: dict[str, Any]
-    on_request: Callable[[InputNeeded], Awaitable[None]] | None
-    """Where a request tied to this call goes; None when its caller cannot take input from outside its stream."""
-    upstream_task_id: str | None = None
-    """The SEP-1686 task the upstream made for this call, once known."""
-
-
-def related_task_id(message: dict[str, Any]) -> str | None:
-    params = message.get("params")
-    meta = params.get("_meta") if isinstance(params, dict) else None
-    related = meta.get(RELATED_TASK) if isinstance(meta, dict) else None
-    task_id = related.get("taskId") if isinstance(related, dict) else None
-    return task_id if isinstance(task_id, str) else None
-
-
-def route_for(session: LegacySession, message: dict[str, Any]) -> tuple[CallRoute | None, str]:
-    """The call a standalone request belongs to, or None and the reason it cannot be told."""
-    calls = list({id(route): route for route in session.calls.values()}.values())  # a call may have several POSTs
-    task_id = related_task_id(message)
-    if task_id is not None:
-        for route in calls:
-            if route.upstream_task_id == task_id:
-                return route, ""
-        if len(calls) == 1 and calls[0].upstream_task_id is None:
-            return calls[0], ""  # the one call whose task is being made: the request came before the task's id
-        return None, f"it names task {task_id!r}, which no call of this proxy session follows"
-    if len(calls) == 1:
-        return calls[0], ""
-    if not calls:
-        return None, "no call is in flight on this proxy session"
-    return None, f"{len(calls)} calls are in flight on this proxy session and the request names none of them"
 
 
 async def open_stream(legacy: LegacyUpstream, session: LegacySession, client_headers: MultiMapping[str]) -> None:

@@ -20,27 +20,27 @@ import structlog
 from cachetools import LRUCache
 from multidict import CIMultiDict, MultiMapping
 
-from . import PROTOCOL_VERSION, TASKS_EXTENSION, __version__
-from .calls import BodyTooLarge, CallResponse
-from .envelope import params_of
-from .jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, dumps, error_object
-from .security import Identity
-from .sse import SseLimitError, SseParser, StreamPosition
-from .standalone import CallRoute, open_stream
-from .upstream import (
+from .. import PROTOCOL_VERSION, TASKS_EXTENSION, __version__
+from ..envelope import params_of
+from ..jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, dumps, error_object
+from ..security import Identity
+from .events import (
     Event,
     Failed,
     Finished,
     InputNeeded,
-    Upstream,
     UpstreamUnavailable,
     interpret_progress,
-    own_request_headers,
     proxy_failure,
-    read_bounded,
     too_large,
 )
-from .upstream_tasks import TASKED, TaskSupport, run_as_upstream_task, without_task_support
+from .http_client import BodyTooLarge, CallResponse
+from .http_headers import own_request_headers
+from .http_modern import Upstream, read_bounded
+from .http_sse import SseLimitError, SseParser, StreamPosition
+from .http_standalone import open_stream
+from .legacy_tasks import TASKED, TaskSupport, run_as_upstream_task, without_task_support
+from .routing import CallRoute
 
 log = structlog.get_logger(__name__)
 
@@ -72,7 +72,7 @@ class LegacySession:
     calls: dict[Any, CallRoute] = dataclasses.field(default_factory=dict)
     """The calls in flight, by upstream request id: where a request on the standalone stream may belong."""
     reader: asyncio.Task[None] | None = None
-    """Reads the session's standalone stream (proxy/standalone.py)."""
+    """Reads the session's standalone stream (upstream/http_standalone.py)."""
     refused: int = 0
     """Requests on the standalone stream the proxy could not relay (their log lines are thinned past a few)."""
     on_status: Callable[[int], None] | None = None
@@ -444,7 +444,7 @@ class LegacyUpstream:
 
         A server request the client may answer is yielded as InputNeeded whose `reply` posts the answer back; the
         stream is read on meanwhile. `ping` is answered here; a request the client did not declare is declined here.
-        A request for this call on the session's standalone stream goes to `on_request` instead (proxy/standalone.py).
+        A request for this call on the session's standalone stream goes to `on_request` instead (http_standalone.py).
         Ending early (cancel, timeout, shutdown) posts notifications/cancelled for the request.
         """
         legacy = to_legacy(message)

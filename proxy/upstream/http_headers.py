@@ -1,0 +1,61 @@
+"""Which request and response headers an intermediary passes on (RFC 9110), and those of the proxy's own POSTs."""
+
+from __future__ import annotations
+
+from multidict import CIMultiDict, MultiMapping
+
+# RFC 9110 §7.6.1 hop-by-hop fields, plus those the proxy recomputes for the body it sends.
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+_REQUEST_SKIP = HOP_BY_HOP | {"host", "content-length"}
+_RESPONSE_SKIP = HOP_BY_HOP | {"content-length"}
+TASK_CALL_SKIP = _REQUEST_SKIP | {"accept-encoding", "accept", "content-type", "last-event-id"}
+
+
+def _connection_listed(headers: MultiMapping[str]) -> set[str]:
+    listed: set[str] = set()
+    for value in headers.getall("Connection", ()):
+        listed.update(token.strip().lower() for token in value.split(",") if token.strip())
+    return listed
+
+
+def end_to_end_headers(headers: MultiMapping[str], skip: frozenset[str] | set[str]) -> CIMultiDict[str]:
+    """Copy the headers an intermediary must pass on: all but hop-by-hop ones and those named in Connection."""
+    drop = skip | _connection_listed(headers)
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in headers.items():
+        if name.lower() not in drop:
+            out.add(name, value)
+    return out
+
+
+def request_headers(headers: MultiMapping[str]) -> CIMultiDict[str]:
+    return end_to_end_headers(headers, _REQUEST_SKIP)
+
+
+def response_headers(headers: MultiMapping[str]) -> CIMultiDict[str]:
+    return end_to_end_headers(headers, _RESPONSE_SKIP)
+
+
+def own_request_headers(client_headers: MultiMapping[str], *, drop_mcp_headers: bool = False) -> CIMultiDict[str]:
+    """Headers for a JSON-RPC POST the proxy makes for a client: the client's end-to-end headers (credentials
+    included), JSON in, JSON or an event stream out. `drop_mcp_headers` removes every Mcp-* header (MCP-Protocol-
+    Version included), for requests whose routing headers the proxy sets itself."""
+    headers = end_to_end_headers(client_headers, TASK_CALL_SKIP)
+    if drop_mcp_headers:
+        for name in {name for name in headers if name.lower().startswith("mcp-")}:
+            headers.popall(name, None)
+    headers["Content-Type"] = "application/json"
+    headers["Accept"] = "application/json, text/event-stream"
+    return headers
