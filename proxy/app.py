@@ -56,17 +56,15 @@ from .tasks.runner import LimitReached, ShuttingDown, TaskRunner
 from .tasks.store import MemoryTaskStore, StoreFullError, StoreUnavailable, TaskStore
 from .tasks2025 import Tasks2025
 from .tasks2026 import Tasks2026, missing_tasks_capability
+from .upstream import build_gateway
 from .upstream.bridge import SyncBridge
 from .upstream.events import UpstreamUnavailable
 from .upstream.gateway import Gateway
-from .upstream.http_modern import Upstream
-from .upstream.http_relay import client_gone_key, forward, forward_rewritten, open_upstream
-from .upstream.legacy import LegacyUpstream
+from .upstream.http_relay import client_gone_key
 
 log = structlog.get_logger(__name__)
 
 policy_key = web.AppKey("policy_key", LivePolicy)
-upstream_key = web.AppKey("upstream_key", Upstream)
 store_key = web.AppKey("store_key", TaskStore)
 runner_key = web.AppKey("runner_key", TaskRunner)
 gateway_key = web.AppKey("gateway_key", Gateway)
@@ -132,10 +130,9 @@ def create_app(
     app[store_key] = store if store is not None else build_store(config, timer=timer)
 
     async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
-        async with Upstream(config.upstream_url, connect_timeout_s=config.upstream.connect_timeout_s) as upstream:
-            app[upstream_key] = upstream
-            legacy = LegacyUpstream(upstream, max_sessions=config.upstream.max_sessions, identity=identity)
-            app[gateway_key] = Gateway(upstream, legacy, config.upstream.protocol)
+        async with build_gateway(config, identity) as gateway:
+            app[gateway_key] = gateway
+            legacy = gateway.legacy
             app[bridge_key] = SyncBridge(
                 legacy,
                 identity,
@@ -147,7 +144,6 @@ def create_app(
             yield
             probe.cancel()
             await app[bridge_key].aclose()
-            await legacy.aclose()
 
     async def store_ctx(app: web.Application) -> AsyncIterator[None]:
         yield
@@ -310,7 +306,7 @@ async def readyz(request: web.Request) -> web.Response:
         checks["store"] = "ok"
     except StoreUnavailable as exc:
         checks["store"] = str(exc)
-    checks["upstream"] = await request.app[upstream_key].reachable()
+    checks["upstream"] = await request.app[gateway_key].relay.readiness()
     ready = all(value == "ok" for value in checks.values())
     return web.json_response({"status": "ready" if ready else "not ready", **checks}, status=200 if ready else 503)
 
@@ -337,7 +333,7 @@ async def handle_other(request: web.Request) -> web.StreamResponse:
             request[info_key].mode = "durable"
             return resumed
     body = await _read_body(request) if request.can_read_body else None
-    return await forward(request.app[upstream_key], request, body, is_mcp=request.path == MCP_PATH)
+    return await request.app[gateway_key].relay.relay_other(request, body)
 
 
 async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
@@ -355,7 +351,7 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
             'Invalid request: expected a JSON-RPC 2.0 object with "jsonrpc": "2.0", a string method, '
             "object params and a string or integer id",
         )
-    upstream = request.app[upstream_key]
+    relay_to = request.app[gateway_key].relay
     if kind == "response":
         # A client's answer to a request a durable call's stream relayed is the proxy's; any other is the server's.
         request[info_key].answers_2025 = not is_modern(message, request.headers)
@@ -369,7 +365,7 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
         return web.Response(status=202)
     if kind != "request":
         # Notifications, responses to a legacy server's requests, and legacy batches are not the proxy's.
-        return await forward(upstream, request, body, is_mcp=True)
+        return await relay_to.relay(request, body, message)
     method = message["method"]
     info = request[info_key]
     info.jsonrpc_id = message["id"]
@@ -394,7 +390,7 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
             # Routing headers a legacy server ignores must still not say something the body does not (SEP-2243):
             # a gateway in front may have routed on them.
             check_routing_headers(message, request.headers, required=False)
-        return await forward(upstream, request, body, is_mcp=True, request_id=message["id"])
+        return await relay_to.relay(request, body, message, request_id=message["id"])
 
     if not modern and method in _SEP1686_ANNOUNCED and await _serves_2025_tasks(request, method):
         # SEP-1686 for 2025-era clients, for the tools the policy names: the proxy's tasks, and what announces them.
@@ -410,15 +406,15 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
             def advertise(result: dict[str, Any]) -> None:
                 tasks2025.advertise(result, anonymous=anonymous[0])
 
-            return await forward_rewritten(
-                upstream, request, body, message["id"], advertise, limit=limit, on_headers=sessions
+            return await relay_to.relay_rewritten(
+                request, body, message["id"], advertise, limit=limit, on_headers=sessions
             )
         if method == "tools/list":
 
             def mark(result: dict[str, Any]) -> None:
                 tasks2025.mark_tools(result, config.rule_for)
 
-            return await forward_rewritten(upstream, request, body, message["id"], mark, limit=limit)
+            return await relay_to.relay_rewritten(request, body, message["id"], mark, limit=limit)
         if method in tasks2025.METHODS:
             info.mode = "sep1686"
             info.answers_2025 = True
@@ -432,7 +428,7 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
         if modern and await _era(request) == "legacy":
             return await _discover_from_legacy(request, message)
         limit = request.app[policy_key].config.limits.max_result_bytes
-        return await forward_rewritten(upstream, request, body, message["id"], _advertise_tasks, limit=limit)
+        return await relay_to.relay_rewritten(request, body, message["id"], _advertise_tasks, limit=limit)
     return await relay()
 
 
@@ -448,9 +444,9 @@ async def _listen(request: web.Request, message: dict[str, Any]) -> web.StreamRe
     """subscriptions/listen: task notifications are the proxy's, every other kind the upstream's (merged)."""
     params = params_of(message)
     task_ids, rest = listen.parse_filter(params)
-    upstream = request.app[upstream_key]
+    relay_to = request.app[gateway_key].relay
     if task_ids is None:
-        return await forward(upstream, request, dumps(message), is_mcp=True, request_id=message["id"])
+        return await relay_to.relay(request, dumps(message), message, request_id=message["id"])
     if not declares_tasks(message):
         raise missing_tasks_capability(
             f"notifications.taskIds needs the {TASKS_EXTENSION} extension declared in this request's "
@@ -458,15 +454,12 @@ async def _listen(request: web.Request, message: dict[str, Any]) -> web.StreamRe
         )
     check_modern_request(message, request.headers)
     request[info_key].mode = "listen"
-    upstream_response = None
+    upstream_events = None
+    limit = request.app[policy_key].config.limits.max_result_bytes
     if listen.wants_upstream(rest) and await _era(request) == "modern":
         upstream_message = without_tasks_declaration(message)
         upstream_message["params"] = {**upstream_message["params"], "notifications": rest}
-        response = await open_upstream(upstream, request, dumps(upstream_message), is_mcp=True, identity=True)
-        if response.status == 200 and response.headers.get("Content-Type", "").startswith("text/event-stream"):
-            upstream_response = response
-        else:
-            response.close()  # the upstream offers no subscription: only the task part is granted
+        upstream_events = await relay_to.open_listen(request, dumps(upstream_message), limit=limit)
     return await listen.stream(
         request,
         message,
@@ -474,8 +467,7 @@ async def _listen(request: web.Request, message: dict[str, Any]) -> web.StreamRe
         store=request.app[store_key],
         principal=request.app[identity_key].principal(request.headers),
         task_ids=task_ids,
-        upstream_response=upstream_response,
-        max_bytes=request.app[policy_key].config.limits.max_result_bytes,
+        upstream_events=upstream_events,
     )
 
 

@@ -15,10 +15,8 @@ from . import PROTOCOL_VERSION
 from .config import ConfigError, ProxyConfig, apply_overrides, load_config
 from .log import configure_logging
 from .security import Identity
+from .upstream import build_gateway
 from .upstream.events import Failed, Finished, UpstreamUnavailable
-from .upstream.gateway import Gateway
-from .upstream.http_modern import Upstream
-from .upstream.legacy import LegacyUpstream
 
 
 def check_main(argv: Sequence[str]) -> int:
@@ -68,35 +66,30 @@ def print_rules(config: ProxyConfig, names: Sequence[str]) -> None:
 
 async def list_tools(config: ProxyConfig) -> list[str]:
     """Every tool name the upstream lists (following pagination), whichever era it speaks."""
-    async with Upstream(config.upstream_url, connect_timeout_s=config.upstream.connect_timeout_s) as upstream:
-        legacy = LegacyUpstream(upstream, max_sessions=1, identity=Identity(config.security))
-        gateway = Gateway(upstream, legacy, config.upstream.protocol)
+    async with build_gateway(config, Identity(config.security)) as gateway:
         names: list[str] = []
         cursor = None
-        try:
-            for page in itertools.count():
-                params: dict = {
-                    "_meta": {
-                        "io.modelcontextprotocol/protocolVersion": PROTOCOL_VERSION,
-                        "io.modelcontextprotocol/clientCapabilities": {},
-                    }
+        for page in itertools.count():
+            params: dict = {
+                "_meta": {
+                    "io.modelcontextprotocol/protocolVersion": PROTOCOL_VERSION,
+                    "io.modelcontextprotocol/clientCapabilities": {},
                 }
-                if cursor is not None:
-                    params["cursor"] = cursor
-                message = {"jsonrpc": "2.0", "id": f"check-{page}", "method": "tools/list", "params": params}
-                headers = CIMultiDict({"MCP-Protocol-Version": PROTOCOL_VERSION, "Mcp-Method": "tools/list"})
-                result = None
-                async for event in gateway.call_tool(message, headers, {}, max_bytes=config.limits.max_result_bytes):
-                    if isinstance(event, Finished):
-                        result = event.result
-                    elif isinstance(event, Failed):
-                        raise UpstreamUnavailable(event.status_message)
-                if result is None:
-                    raise UpstreamUnavailable("no tools/list result")
-                names.extend(tool["name"] for tool in result.get("tools", []) if isinstance(tool, dict))
-                cursor = result.get("nextCursor")
-                if not cursor or page > 100:
-                    return names
-        finally:
-            await legacy.aclose()
+            }
+            if cursor is not None:
+                params["cursor"] = cursor
+            message = {"jsonrpc": "2.0", "id": f"check-{page}", "method": "tools/list", "params": params}
+            headers = CIMultiDict({"MCP-Protocol-Version": PROTOCOL_VERSION, "Mcp-Method": "tools/list"})
+            result = None
+            async for event in gateway.call_tool(message, headers, {}, max_bytes=config.limits.max_result_bytes):
+                if isinstance(event, Finished):
+                    result = event.result
+                elif isinstance(event, Failed):
+                    raise UpstreamUnavailable(event.status_message)
+            if result is None:
+                raise UpstreamUnavailable("no tools/list result")
+            names.extend(tool["name"] for tool in result.get("tools", []) if isinstance(tool, dict))
+            cursor = result.get("nextCursor")
+            if not cursor or page > 100:
+                return names
         return names

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-import aiohttp
 import structlog
 from aiohttp import web
 
@@ -20,7 +19,6 @@ from .jsonrpc import INVALID_PARAMS, JsonRpcError, dumps
 from .tasks.model import TaskRecord, is_task_id
 from .tasks.runner import TaskRunner
 from .tasks.store import StoreUnavailable, TaskStore
-from .upstream.http_sse import SseLimitError, iter_events, json_message
 
 log = structlog.get_logger(__name__)
 
@@ -67,15 +65,13 @@ async def stream(
     store: TaskStore,
     principal: str,
     task_ids: list[str],
-    upstream_response: aiohttp.ClientResponse | None,
-    max_bytes: int,
+    upstream_events: AsyncGenerator[dict[str, Any], None] | None,
 ) -> web.StreamResponse:
     """Serve one subscription until the client leaves, or (with no upstream part) every granted task is terminal."""
     subscription_id = message["id"]
     queue = runner.watchers.watch(task_ids)  # before reading state: no change can slip between the two
     try:
         granted = await granted_tasks(store, task_ids, principal)
-        upstream_events = _upstream_messages(upstream_response, max_bytes) if upstream_response is not None else None
         acknowledged: dict[str, Any] = {}
         if upstream_events is not None:
             first = await anext(upstream_events, None)
@@ -104,8 +100,8 @@ async def stream(
         return response
     finally:
         runner.watchers.unwatch(task_ids, queue)
-        if upstream_response is not None:
-            upstream_response.close()
+        if upstream_events is not None:
+            await upstream_events.aclose()
 
 
 async def _serve(
@@ -168,13 +164,3 @@ async def _serve(
             upstream_next.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await upstream_next
-
-
-async def _upstream_messages(response: aiohttp.ClientResponse, max_bytes: int) -> AsyncIterator[dict[str, Any]]:
-    try:
-        async for event in iter_events(response.content.iter_any(), max_bytes):
-            message = json_message(event)
-            if message is not None:
-                yield message
-    except (aiohttp.ClientError, OSError, SseLimitError) as exc:
-        log.info("upstream_subscription_ended", reason=str(exc) or type(exc).__name__)

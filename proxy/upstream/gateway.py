@@ -1,39 +1,89 @@
-"""The upstream as the rest of the proxy sees it: which era it speaks, and a call read as events either way."""
+"""The upstream as the rest of the proxy sees it, whatever the transport: its era, a call read as events either way,
+and the relay of what the proxy does not own."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Literal
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any, Literal, Protocol
 
-import aiohttp
 import structlog
+from aiohttp import web
 from multidict import CIMultiDict, MultiMapping
 
-from .. import PROTOCOL_VERSION, __version__
-from ..jsonrpc import dumps
+from ..jsonrpc import RequestId
 from .events import Event, InputNeeded, UpstreamUnavailable, proxy_failure
-from .http_headers import own_request_headers
-from .http_modern import Upstream
-from .legacy import LegacySession, LegacyUpstream, single_answer
+from .legacy import LegacySession, LegacyUpstream
 
 log = structlog.get_logger(__name__)
 
 Era = Literal["modern", "legacy"]
 
 
-class Gateway:
-    """Knows the upstream's era (configured, or probed once) and sends each call the way that era expects."""
+class ModernUpstream(Protocol):
+    """A 2026-07-28 server, however reached: http_modern.Upstream, stdio_modern.StdioModern."""
 
-    def __init__(self, upstream: Upstream, legacy: LegacyUpstream, protocol: str) -> None:
-        self.upstream = upstream
+    @property
+    def url(self) -> str: ...
+
+    async def probe(self, client_headers: MultiMapping[str]) -> Era: ...
+
+    def call_tool(
+        self,
+        message: dict[str, Any],
+        client_headers: MultiMapping[str],
+        capabilities: dict[str, Any],
+        *,
+        max_bytes: int,
+    ) -> AsyncIterator[Event]: ...
+
+    async def notify_cancelled(self, request_id: str, client_headers: MultiMapping[str], reason: str) -> None: ...
+
+
+Rewrite = Callable[[dict[str, Any]], None]
+
+
+class Relay(Protocol):
+    """What the proxy does not own, carried to the server and back: http_relay.HttpRelay, stdio_relay.StdioRelay."""
+
+    async def readiness(self) -> str: ...
+
+    async def relay(
+        self, request: web.Request, body: bytes, message: Any, *, request_id: RequestId = None
+    ) -> web.StreamResponse: ...
+
+    async def relay_rewritten(
+        self,
+        request: web.Request,
+        body: bytes,
+        request_id: RequestId,
+        rewrite: Rewrite,
+        *,
+        limit: int,
+        on_headers: Callable[[Any], None] | None = None,
+    ) -> web.Response: ...
+
+    async def relay_other(self, request: web.Request, body: bytes | None) -> web.StreamResponse: ...
+
+    async def open_listen(
+        self, request: web.Request, body: bytes, *, limit: int
+    ) -> AsyncGenerator[dict[str, Any], None] | None: ...
+
+
+class Gateway:
+    """The upstream as the rest of the proxy sees it, whatever its transport: its era (configured, or probed once),
+    each call sent the way that era expects, and everything else relayed."""
+
+    def __init__(self, modern: ModernUpstream, legacy: LegacyUpstream, relay: Relay, protocol: str) -> None:
+        self.modern = modern
         self.legacy = legacy
+        self.relay = relay
         self._era: Era | None = protocol if protocol in ("modern", "legacy") else None  # type: ignore[assignment]
         self._lock = asyncio.Lock()
 
     @property
     def url(self) -> str:
-        return self.upstream.url
+        return self.modern.url
 
     @property
     def known_era(self) -> Era | None:
@@ -48,33 +98,9 @@ class Gateway:
             return self._era
         async with self._lock:
             if self._era is None:
-                self._era = await self._probe(client_headers or CIMultiDict())
+                self._era = await self.modern.probe(client_headers or CIMultiDict())
                 log.info("upstream_era", era=self._era, upstream=self.url)
         return self._era
-
-    async def _probe(self, client_headers: MultiMapping[str]) -> Era:
-        headers = own_request_headers(client_headers, drop_mcp_headers=True)
-        headers.update({"MCP-Protocol-Version": PROTOCOL_VERSION, "Mcp-Method": "server/discover"})
-        meta = {
-            "io.modelcontextprotocol/protocolVersion": PROTOCOL_VERSION,
-            "io.modelcontextprotocol/clientCapabilities": {},
-            "io.modelcontextprotocol/clientInfo": {"name": "mcp-tasks-proxy", "version": __version__},
-        }
-        probe = {"jsonrpc": "2.0", "id": "mtp-discover", "method": "server/discover", "params": {"_meta": meta}}
-        try:
-            response = await self.upstream.request("POST", self.url, headers, dumps(probe))
-            async with response:
-                answer = await single_answer(response, "mtp-discover")
-                status = response.status
-        except (ConnectionError, aiohttp.ClientError, OSError) as exc:
-            raise UpstreamUnavailable(f"upstream unreachable ({exc})") from exc
-        result = answer.get("result") if answer else None
-        if isinstance(result, dict) and "supportedVersions" in result:
-            return "modern"
-        if status in (401, 403):
-            # Credentials are needed even to ask; the era stays unknown until a client's request carries them.
-            raise UpstreamUnavailable(f"the upstream refused the era probe (HTTP {status})")
-        return "legacy"
 
     async def call_tool(
         self,
@@ -105,7 +131,7 @@ class Gateway:
         if era == "legacy":
             events = self.legacy.call(message, client_headers, capabilities, max_bytes=max_bytes, on_request=on_request)
         else:
-            events = self.upstream.call_tool(message, client_headers, capabilities, max_bytes=max_bytes)
+            events = self.modern.call_tool(message, client_headers, capabilities, max_bytes=max_bytes)
         try:
             async for event in events:
                 yield event
@@ -115,4 +141,4 @@ class Gateway:
     async def notify_cancelled(self, request_id: str, client_headers: MultiMapping[str], reason: str) -> None:
         # A legacy-era call posts its own cancellation when its event stream is closed early.
         if self._era == "modern":
-            await self.upstream.notify_cancelled(request_id, client_headers, reason)
+            await self.modern.notify_cancelled(request_id, client_headers, reason)

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from multidict import CIMultiDict, MultiMapping
+
+if TYPE_CHECKING:
+    from .legacy import LegacySession
 
 # RFC 9110 §7.6.1 hop-by-hop fields, plus those the proxy recomputes for the body it sends.
 HOP_BY_HOP = frozenset(
@@ -58,4 +63,25 @@ def own_request_headers(client_headers: MultiMapping[str], *, drop_mcp_headers: 
             headers.popall(name, None)
     headers["Content-Type"] = "application/json"
     headers["Accept"] = "application/json, text/event-stream"
+    return headers
+
+
+def session_headers(session: LegacySession, client_headers: MultiMapping[str]) -> CIMultiDict[str]:
+    # Mcp-Method, Mcp-Name, Mcp-Param-* are not defined before 2026-07-28; version and session are the session's.
+    headers = own_request_headers(client_headers, drop_mcp_headers=True)
+    headers["MCP-Protocol-Version"] = session.protocol_version
+    if session.session_id is not None:
+        headers["Mcp-Session-Id"] = session.session_id
+    return headers
+
+
+def stream_headers(
+    session: LegacySession, client_headers: MultiMapping[str], last_event_id: str | None
+) -> CIMultiDict[str]:
+    """A GET for the session's event stream: the standalone one, or a call's resumed after `last_event_id`."""
+    headers = session_headers(session, client_headers)
+    headers.popall("Content-Type", None)
+    headers["Accept"] = "text/event-stream"
+    if last_event_id is not None:
+        headers["Last-Event-ID"] = last_event_id
     return headers

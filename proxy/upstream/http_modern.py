@@ -7,19 +7,22 @@ as an async stream of events: Progress, then Finished or Failed. The task runner
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Awaitable, Mapping
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 import structlog
 from multidict import MultiMapping
 
+from .. import PROTOCOL_VERSION
 from ..jsonrpc import dumps, loads
-from .events import Event, Failed, Finished, InputNeeded, Progress, interpret_progress, proxy_failure, too_large
+from .events import Event, Progress, UpstreamUnavailable, proxy_failure, too_large
 from .http_client import BodyTooLarge, CallClient, CallError, CallResponse
 from .http_headers import own_request_headers
-from .http_sse import SseLimitError, iter_events
+from .http_sse import SseLimitError, SseParser, iter_events
+from .modern import PROBE_ID, discover_probe, interpret, is_discover_result
 
 log = structlog.get_logger(__name__)
 
@@ -90,6 +93,24 @@ class Upstream:
         """
         return self._calls.post(headers, body, query=query, relay=relay)
 
+    async def probe(self, client_headers: MultiMapping[str]) -> Literal["modern", "legacy"]:
+        """The era, by server/discover: a DiscoverResult means 2026-07-28, anything else 2025 (initialize)."""
+        headers = own_request_headers(client_headers, drop_mcp_headers=True)
+        headers.update({"MCP-Protocol-Version": PROTOCOL_VERSION, "Mcp-Method": "server/discover"})
+        try:
+            response = await self.request("POST", self.url, headers, dumps(discover_probe()))
+            async with response:
+                answer = await single_answer(response, PROBE_ID)
+                status = response.status
+        except (ConnectionError, aiohttp.ClientError, OSError) as exc:
+            raise UpstreamUnavailable(f"upstream unreachable ({exc})") from exc
+        if is_discover_result(answer):
+            return "modern"
+        if status in (401, 403):
+            # Credentials are needed even to ask; the era stays unknown until a client's request carries them.
+            raise UpstreamUnavailable(f"the upstream refused the era probe (HTTP {status})")
+        return "legacy"
+
     async def call_tool(
         self,
         message: dict[str, Any],
@@ -141,7 +162,7 @@ class Upstream:
                 async for sse in iter_events(response.iter_chunks(), max_bytes):
                     if not sse.data:
                         continue  # priming events and keep-alives carry nothing
-                    event = self._interpret(_loads(sse.data), request_id, response.status, len(sse.data))
+                    event = interpret(_loads(sse.data), request_id, f"HTTP {response.status}", len(sse.data), self.url)
                     if event is not None:
                         yield event
                         if not isinstance(event, Progress):
@@ -156,41 +177,16 @@ class Upstream:
             yield proxy_failure(f"the upstream connection broke mid-call ({exc})", self.url)
             return
         message = _loads(body) if content_type in ("application/json", "") else None
-        event = self._interpret(message, request_id, response.status, len(body)) if message is not None else None
+        event = (
+            interpret(message, request_id, f"HTTP {response.status}", len(body), self.url)
+            if message is not None
+            else None
+        )
         if event is None or isinstance(event, Progress):
             detail = f"HTTP {response.status}" + (f" {content_type}" if content_type else "")
             yield proxy_failure(f"the upstream answered {detail} without a JSON-RPC response", self.url)
             return
         yield event
-
-    def _interpret(self, message: Any, request_id: Any, http_status: int, size: int) -> Event | None:
-        if not isinstance(message, dict):
-            return proxy_failure("the upstream sent something that is not a JSON-RPC message", self.url)
-        method = message.get("method")
-        if method == "notifications/progress":
-            return interpret_progress(message)
-        if isinstance(method, str):
-            if "id" in message:
-                # A server-to-client request (a legacy server's elicitation, sampling, roots) cannot be answered here.
-                return proxy_failure(f"the upstream sent a {method} request, which this proxy cannot relay", self.url)
-            return None  # other notifications (logging) are not part of a task
-        if message.get("id") != request_id:
-            return proxy_failure("the upstream answered a different request id", self.url)
-        if isinstance(message.get("error"), dict):
-            error = message["error"]
-            return Failed(error, f"the upstream answered with JSON-RPC error {error.get('code')}")
-        result = message.get("result")
-        if not isinstance(result, dict):
-            return proxy_failure(f"the upstream's HTTP {http_status} response has no result object", self.url)
-        if result.get("resultType") == "input_required":
-            if not isinstance(result.get("inputRequests", {}), dict) or not (
-                result.get("inputRequests") or isinstance(result.get("requestState"), str)
-            ):
-                return proxy_failure(
-                    "the upstream's input_required result has neither inputRequests nor requestState", self.url
-                )
-            return InputNeeded(result)
-        return Finished(result, size)
 
 
 async def read_bounded(response: aiohttp.ClientResponse, limit: int) -> bytes:
@@ -209,3 +205,40 @@ def _loads(data: str | bytes) -> Any:
         return loads(data)
     except (ValueError, RecursionError):
         return None
+
+
+HANDSHAKE_MAX_BYTES = 4 * 1024 * 1024
+"""The largest answer to a request of the proxy's own (initialize, discover, tools/list, tasks/get) it reads."""
+
+
+async def single_answer(response: aiohttp.ClientResponse, request_id: Any) -> dict[str, Any] | None:
+    """The response to `request_id` in a body that is JSON or an event stream, read only until that answer (a server
+    may keep the stream open after it); None when it has none, or past HANDSHAKE_MAX_BYTES."""
+    content_type = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
+    try:
+        if content_type != "text/event-stream":
+            return _answer_in(await read_bounded(response, HANDSHAKE_MAX_BYTES), request_id)
+        parser, seen = SseParser(HANDSHAKE_MAX_BYTES), 0
+        async for chunk in response.content.iter_any():
+            seen += len(chunk)
+            if seen > HANDSHAKE_MAX_BYTES:
+                raise BodyTooLarge(HANDSHAKE_MAX_BYTES)
+            for event in parser.feed(chunk):
+                message = _answer_in(event.data, request_id) if event.data else None
+                if message is not None:
+                    return message
+        for event in parser.feed(b"\n\n"):  # a last event without its blank line
+            message = _answer_in(event.data, request_id) if event.data else None
+            if message is not None:
+                return message
+    except (BodyTooLarge, SseLimitError):
+        log.warning("upstream_answer_too_large", limit=HANDSHAKE_MAX_BYTES)
+    return None
+
+
+def _answer_in(data: str | bytes, request_id: Any) -> dict[str, Any] | None:
+    try:
+        message = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    return message if isinstance(message, dict) and message.get("id") == request_id else None

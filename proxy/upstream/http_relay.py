@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -20,7 +20,7 @@ from ..jsonrpc import INTERNAL_ERROR, RequestId, UpstreamError, dumps, error_obj
 from .http_client import BodyTooLarge, CallError
 from .http_headers import request_headers, response_headers
 from .http_modern import Upstream, read_bounded
-from .http_sse import DEFAULT_MAX_EVENT_BYTES, SseEvent, SseLimitError, SseParser
+from .http_sse import DEFAULT_MAX_EVENT_BYTES, SseEvent, SseLimitError, SseParser, iter_events, json_message
 
 log = structlog.get_logger(__name__)
 
@@ -278,3 +278,57 @@ def _rewrite_sse(payload: bytes, request_id: RequestId, rewrite: Callable[[dict[
         lines.extend(f"data: {line}" for line in data.split("\n"))
         out.append(("\n".join(lines) + "\n\n").encode())
     return b"".join(out)
+
+
+class HttpRelay:
+    """The relay to a Streamable HTTP server: bytes as they are, every path, every method."""
+
+    def __init__(self, upstream: Upstream) -> None:
+        self.upstream = upstream
+
+    async def readiness(self) -> str:
+        return await self.upstream.reachable()
+
+    async def relay(
+        self, request: web.Request, body: bytes, message: Any, *, request_id: RequestId = None
+    ) -> web.StreamResponse:
+        return await forward(self.upstream, request, body, is_mcp=True, request_id=request_id)
+
+    async def relay_rewritten(
+        self,
+        request: web.Request,
+        body: bytes,
+        request_id: RequestId,
+        rewrite: Callable[[dict[str, Any]], None],
+        *,
+        limit: int,
+        on_headers: Callable[[Any], None] | None = None,
+    ) -> web.Response:
+        return await forward_rewritten(
+            self.upstream, request, body, request_id, rewrite, limit=limit, on_headers=on_headers
+        )
+
+    async def relay_other(self, request: web.Request, body: bytes | None) -> web.StreamResponse:
+        return await forward(self.upstream, request, body, is_mcp=request.path == "/mcp")
+
+    async def open_listen(
+        self, request: web.Request, body: bytes, *, limit: int
+    ) -> AsyncGenerator[dict[str, Any], None] | None:
+        """The server's part of a subscriptions/listen, when it grants one: its messages, closed with the stream."""
+        response = await open_upstream(self.upstream, request, body, is_mcp=True, identity=True)
+        if response.status != 200 or not response.headers.get("Content-Type", "").startswith("text/event-stream"):
+            response.close()  # the upstream offers no subscription: only the task part is granted
+            return None
+        return _listen_messages(response, limit=limit)
+
+
+async def _listen_messages(response: aiohttp.ClientResponse, *, limit: int) -> AsyncIterator[dict[str, Any]]:
+    try:
+        async for event in iter_events(response.content.iter_any(), limit):
+            message = json_message(event)
+            if message is not None:
+                yield message
+    except (aiohttp.ClientError, OSError, SseLimitError) as exc:
+        log.info("upstream_subscription_ended", reason=str(exc) or type(exc).__name__)
+    finally:
+        response.close()

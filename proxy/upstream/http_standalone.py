@@ -18,10 +18,12 @@ import structlog
 from multidict import MultiMapping
 
 from ..jsonrpc import INTERNAL_ERROR, error_object
+from .http_headers import stream_headers
 from .http_sse import SseLimitError, SseParser, StreamPosition
 from .routing import route_for
 
 if TYPE_CHECKING:
+    from .http_legacy import HttpLegacyLink
     from .legacy import LegacySession, LegacyUpstream
 
 log = structlog.get_logger(__name__)
@@ -38,10 +40,12 @@ _LOGGED_REFUSALS = 10
 """Refused requests logged one by one per session; past that, one line per thousand (a flood must not flood logs)."""
 
 
-async def open_stream(legacy: LegacyUpstream, session: LegacySession, client_headers: MultiMapping[str]) -> None:
+async def open_stream(
+    legacy: LegacyUpstream, link: HttpLegacyLink, session: LegacySession, client_headers: MultiMapping[str]
+) -> None:
     """Start reading the session's standalone stream; returns once it is open (or known to be unavailable)."""
     ready = asyncio.Event()
-    session.reader = asyncio.ensure_future(_read(legacy, session, client_headers, ready))
+    session.reader = asyncio.ensure_future(_read(legacy, link, session, client_headers, ready))
     try:
         await asyncio.wait_for(ready.wait(), timeout=_READY_WAIT_S)
     except TimeoutError:
@@ -49,16 +53,20 @@ async def open_stream(legacy: LegacyUpstream, session: LegacySession, client_hea
 
 
 async def _read(
-    legacy: LegacyUpstream, session: LegacySession, client_headers: MultiMapping[str], ready: asyncio.Event
+    legacy: LegacyUpstream,
+    link: HttpLegacyLink,
+    session: LegacySession,
+    client_headers: MultiMapping[str],
+    ready: asyncio.Event,
 ) -> None:
     position = StreamPosition()
     failures = 0
     try:
         while failures <= _MAX_RECONNECTS:
-            headers = session.stream_headers(client_headers, position.last_event_id)
+            headers = stream_headers(session, client_headers, position.last_event_id)
             try:
                 async with asyncio.timeout(_HEADERS_WAIT_S):  # a server that never answers the GET is a failure
-                    response = await legacy.upstream.request("GET", legacy.url, headers, None)
+                    response = await link.upstream.request("GET", link.url, headers, None)
             except (ConnectionError, aiohttp.ClientError, OSError, TimeoutError):
                 ready.set()  # no stream to wait for: the session goes on without one for now
                 failures += 1

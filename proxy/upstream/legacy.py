@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import structlog
 from cachetools import LRUCache
-from multidict import CIMultiDict, MultiMapping
+from multidict import MultiMapping
 
 from .. import PROTOCOL_VERSION, TASKS_EXTENSION, __version__
 from ..envelope import params_of
@@ -34,11 +33,8 @@ from .events import (
     proxy_failure,
     too_large,
 )
-from .http_client import BodyTooLarge, CallResponse
-from .http_headers import own_request_headers
-from .http_modern import Upstream, read_bounded
-from .http_sse import SseLimitError, SseParser, StreamPosition
-from .http_standalone import open_stream
+from .http_client import BodyTooLarge
+from .http_sse import SseLimitError
 from .legacy_tasks import TASKED, TaskSupport, run_as_upstream_task, without_task_support
 from .routing import CallRoute
 
@@ -56,7 +52,6 @@ _MODERN_META_KEYS = frozenset(
 )
 # Results that 2026-07-28 makes cacheable: they must carry ttlMs and cacheScope.
 _CACHEABLE = frozenset({"tools/list", "prompts/list", "resources/list", "resources/templates/list", "resources/read"})
-_MAX_RESUMES = 5
 ERROR_ANSWER = "io.github.mcp-tasks-proxy/error"
 """An answer to a server request that is a JSON-RPC error (a durable call's client refused): {ERROR_ANSWER: error}."""
 # Everything the proxy can relay, declared once per session (NOTES §8): what a modern client did not declare for
@@ -77,23 +72,6 @@ class LegacySession:
     """Requests on the standalone stream the proxy could not relay (their log lines are thinned past a few)."""
     on_status: Callable[[int], None] | None = None
     """A client's own session (a durable call's): told the HTTP status the server answers each POST with."""
-
-    def headers(self, client_headers: MultiMapping[str]) -> CIMultiDict[str]:
-        # Mcp-Method, Mcp-Name, Mcp-Param-* are not defined before 2026-07-28; version and session are the session's.
-        headers = own_request_headers(client_headers, drop_mcp_headers=True)
-        headers["MCP-Protocol-Version"] = self.protocol_version
-        if self.session_id is not None:
-            headers["Mcp-Session-Id"] = self.session_id
-        return headers
-
-    def stream_headers(self, client_headers: MultiMapping[str], last_event_id: str | None) -> CIMultiDict[str]:
-        """A GET for the session's event stream: the standalone one, or a call's resumed after `last_event_id`."""
-        headers = self.headers(client_headers)
-        headers.popall("Content-Type", None)
-        headers["Accept"] = "text/event-stream"
-        if last_event_id is not None:
-            headers["Last-Event-ID"] = last_event_id
-        return headers
 
 
 def to_legacy(message: dict[str, Any]) -> dict[str, Any]:
@@ -167,21 +145,77 @@ def declined_answer(method: str, capabilities: dict[str, Any], params: dict[str,
     return {"error": error_object(METHOD_NOT_FOUND, f"The client does not support {what} for this request")}
 
 
+class LegacyReply(Protocol):
+    """The server's answer to one request sent: a status (an HTTP status; 404 means the session is gone), then its
+    messages (progress, the server's requests for the call, the response last)."""
+
+    status: int
+    content_type: str
+
+    def messages(self, max_bytes: int) -> AsyncIterator[dict[str, Any]]: ...
+
+    def close(self) -> None: ...
+
+    def cancel(self, reason: str) -> None:
+        """The call ends unfinished: tell the server (notifications/cancelled), unless closing already did."""
+
+
+class LegacyLink(Protocol):
+    """How a 2025-era server is reached: http_legacy.HttpLegacyLink, stdio_legacy.StdioLegacyLink."""
+
+    @property
+    def url(self) -> str: ...
+
+    async def initialize(
+        self, principal: str, client_headers: MultiMapping[str], message: dict[str, Any], bare: LegacySession
+    ) -> tuple[dict[str, Any] | None, str | None, int]: ...
+
+    async def opened(
+        self, legacy: LegacyUpstream, session: LegacySession, client_headers: MultiMapping[str]
+    ) -> None: ...
+
+    def end(self, session: LegacySession) -> None: ...
+
+    def stop_reading(self, session: LegacySession) -> None: ...
+
+    async def send(
+        self,
+        session: LegacySession,
+        client_headers: MultiMapping[str],
+        message: dict[str, Any],
+        route: CallRoute | None,
+    ) -> LegacyReply: ...
+
+    async def respond(
+        self, session: LegacySession, client_headers: MultiMapping[str], request_id: Any, answer: dict[str, Any]
+    ) -> None: ...
+
+    async def ask(
+        self, session: LegacySession, client_headers: MultiMapping[str], message: dict[str, Any]
+    ) -> tuple[int, dict[str, Any] | None]: ...
+
+
 class LegacyUpstream:
     """A legacy upstream behind the proxy: per-principal sessions, and calls read as events."""
 
-    def __init__(self, upstream: Upstream, *, max_sessions: int, identity: Identity) -> None:
-        self._upstream = upstream
+    def __init__(
+        self,
+        link: Callable[[Callable[[Awaitable[None]], None]], LegacyLink],
+        *,
+        max_sessions: int,
+        identity: Identity,
+    ) -> None:
         self._identity = identity
-        self._sessions: LRUCache[str, LegacySession] = _SessionCache(maxsize=max_sessions, on_evict=self._end_session)
-        self._opening: dict[str, asyncio.Task[LegacySession]] = {}
         self._background: set[asyncio.Task[None]] = set()
+        self.link = link(self.spawn)
+        self._sessions: LRUCache[str, LegacySession] = _SessionCache(maxsize=max_sessions, on_evict=self.link.end)
+        self._opening: dict[str, asyncio.Task[LegacySession]] = {}
         self.initialize_result: dict[str, Any] | None = None
         self.task_support = TaskSupport()
 
     @property
     def url(self) -> str:
-        return self._upstream.url
+        return self.link.url
 
     # --- sessions ---------------------------------------------------------------------------------------------
 
@@ -201,8 +235,6 @@ class LegacyUpstream:
 
     async def _initialize(self, principal: str, client_headers: MultiMapping[str]) -> LegacySession:
         bare = LegacySession(session_id=None, protocol_version=LEGACY_VERSION, principal=principal)
-        headers = bare.headers(client_headers)
-        headers.popall("MCP-Protocol-Version", None)
         message = {
             "jsonrpc": "2.0",
             "id": "mtp-initialize",
@@ -213,12 +245,9 @@ class LegacyUpstream:
                 "clientInfo": {"name": "mcp-tasks-proxy", "version": __version__},
             },
         }
-        response = await self._upstream.request("POST", self.url, headers, dumps(message))
-        async with response:
-            answer = await single_answer(response, "mtp-initialize")
-            session_id = response.headers.get("Mcp-Session-Id")
+        answer, session_id, status = await self.link.initialize(principal, client_headers, message, bare)
         if answer is None or not isinstance(answer.get("result"), dict):
-            raise UpstreamUnavailable(f"the upstream refused initialize (HTTP {response.status})")
+            raise UpstreamUnavailable(f"the upstream refused initialize (HTTP {status})")
         result = answer["result"]
         self.initialize_result = result
         session = LegacySession(
@@ -226,46 +255,16 @@ class LegacyUpstream:
             protocol_version=str(result.get("protocolVersion") or LEGACY_VERSION),
             principal=principal,
         )
-        notified = await self._upstream.request(
-            "POST",
-            self.url,
-            session.headers(client_headers),
-            dumps({"jsonrpc": "2.0", "method": "notifications/initialized"}),
-        )
-        notified.release()
-        if session_id is not None:
-            # Before any call: a server may send a call's request there (server-everything's roots/list).
-            await open_stream(self, session, client_headers)
+        await self.link.opened(self, session, client_headers)
         self._sessions[principal] = session
         log.info("legacy_session_opened", protocol_version=session.protocol_version, has_session_id=bool(session_id))
         return session
 
-    def _end_session(self, session: LegacySession) -> None:
-        if session.reader is not None:
-            session.reader.cancel()
-        if session.session_id is None:
-            return
-        headers = CIMultiDict({"Mcp-Session-Id": session.session_id, "MCP-Protocol-Version": session.protocol_version})
-
-        async def delete() -> None:
-            try:
-                response = await self._upstream.request("DELETE", self.url, headers, None)
-                response.release()
-            except (ConnectionError, aiohttp.ClientError, OSError):
-                pass
-
-        self.spawn(delete())
-
     def forget(self, session: LegacySession) -> None:
         """The upstream ended this session (404): the next request opens a new one."""
-        if session.reader is not None:
-            session.reader.cancel()
+        self.link.stop_reading(session)
         if self._sessions.get(session.principal) is session:
             del self._sessions[session.principal]
-
-    @property
-    def upstream(self) -> Upstream:
-        return self._upstream
 
     def spawn(self, coro: Awaitable[None]) -> None:
         """Run `coro` beside the calls; it is cancelled when the proxy stops."""
@@ -275,56 +274,37 @@ class LegacyUpstream:
 
     async def aclose(self) -> None:
         for session in list(self._sessions.values()):
-            if session.reader is not None:
-                session.reader.cancel()
+            self.link.stop_reading(session)
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
 
     async def post(
-        self, message: dict[str, Any], client_headers: MultiMapping[str], session: LegacySession | None = None
-    ) -> tuple[LegacySession, CallResponse]:
-        """POST a call over the caller's session, opening a new one when the upstream says the old one is gone (404);
-        or over `session` (a client's own), as it is.
-
-        Through the lean client: a working task holds this response open for as long as the tool runs.
-        """
+        self,
+        message: dict[str, Any],
+        client_headers: MultiMapping[str],
+        session: LegacySession | None = None,
+        route: CallRoute | None = None,
+    ) -> tuple[LegacySession, LegacyReply]:
+        """Send a call over the caller's session, opening a new one when the upstream says the old one is gone
+        (404); or over `session` (a client's own), as it is."""
         given = session
         for attempt in range(2):
             session = await self.session_for(client_headers) if given is None else given
-            try:
-                response = await self._upstream.post(session.headers(client_headers), dumps(message))
-            except asyncio.CancelledError:
-                # Dropped before the response's headers (timeout, tasks/cancel, a client that left): the server
-                # may hold the request already, and only notifications/cancelled tells it to stop.
-                if "id" in message:
-                    self.cancel_later(session, client_headers, message["id"], "cancelled by the client")
-                raise
-            if response.status == 404 and session.session_id is not None and attempt == 0 and given is None:
-                response.close()
+            reply = await self.link.send(session, client_headers, message, route)
+            if reply.status == 404 and session.session_id is not None and attempt == 0 and given is None:
+                reply.close()
                 self.forget(session)
                 log.info("legacy_session_expired")
                 continue
-            return session, response
+            return session, reply
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def respond(
         self, session: LegacySession, client_headers: MultiMapping[str], request_id: Any, answer: dict[str, Any]
     ) -> None:
-        """Answer a server-to-client request: a POST whose body is the JSON-RPC response (the server says 202)."""
-        message = {"jsonrpc": "2.0", "id": request_id, **answer}
-        try:
-            async with asyncio.timeout(ASK_TIMEOUT_S):
-                response = await self._upstream.request(
-                    "POST", self.url, session.headers(client_headers), dumps(message)
-                )
-        except (ConnectionError, aiohttp.ClientError, OSError, TimeoutError) as exc:
-            # The call's own stream breaks too, and that ends the call with a clear failure.
-            log.warning("legacy_answer_not_delivered", reason=str(exc))
-            return
-        response.release()
-        if response.status >= 400:
-            log.warning("legacy_answer_refused", status=response.status)
+        """Answer a server-to-client request."""
+        await self.link.respond(session, client_headers, request_id, answer)
 
     async def ask(
         self,
@@ -340,96 +320,15 @@ class LegacyUpstream:
         message = {"jsonrpc": "2.0", "id": f"mtp-{method}-{secrets.token_hex(6)}", "method": method, "params": params}
         for attempt in range(2):
             current = session or await self.session_for(client_headers)
-            try:
-                async with asyncio.timeout(ASK_TIMEOUT_S):
-                    response = await self._upstream.request(
-                        "POST", self.url, current.headers(client_headers), dumps(message)
-                    )
-                    async with response:
-                        if response.status == 404 and current.session_id is not None and attempt == 0:
-                            self.forget(current)
-                            if session is None:
-                                continue
-                        return await single_answer(response, message["id"])
-            except (ConnectionError, aiohttp.ClientError, OSError, TimeoutError) as exc:
-                raise UpstreamUnavailable(f"{method}: {exc or type(exc).__name__}") from exc
+            status, answer = await self.link.ask(current, client_headers, message)
+            if status == 404 and current.session_id is not None and attempt == 0:
+                self.forget(current)
+                if session is None:
+                    continue
+            return answer
         return None
 
-    def cancel_later(
-        self, session: LegacySession, client_headers: MultiMapping[str], request_id: Any, reason: str
-    ) -> None:
-        """Post notifications/cancelled: a legacy server does not read a dropped stream as a cancellation."""
-        message = {
-            "jsonrpc": "2.0",
-            "method": "notifications/cancelled",
-            "params": {"requestId": request_id, "reason": reason},
-        }
-
-        async def send() -> None:
-            try:
-                response = await self._upstream.request(
-                    "POST", self.url, session.headers(client_headers), dumps(message)
-                )
-                response.release()
-            except (ConnectionError, aiohttp.ClientError, OSError) as exc:
-                log.warning("upstream_cancel_not_delivered", reason=str(exc))
-
-        self.spawn(send())
-
     # --- reading a call -----------------------------------------------------------------------------------------
-
-    async def messages(
-        self,
-        session: LegacySession,
-        client_headers: MultiMapping[str],
-        response: CallResponse,
-        *,
-        max_bytes: int,
-    ) -> AsyncIterator[dict[str, Any]]:
-        """Every JSON-RPC message of a call's response, JSON or event stream.
-
-        A 2025-11-25 server may close the connection without ending the stream (after a `retry:`); the call is
-        then resumed with GET and Last-Event-ID, honouring the retry delay. Priming events carry no message. A body
-        or event longer than `max_bytes` raises BodyTooLarge or SseLimitError.
-        """
-        if response.content_type != "text/event-stream":
-            body = await response.read(max_bytes)
-            try:
-                message = json.loads(body)
-            except ValueError:
-                return
-            if isinstance(message, dict):
-                yield message
-            return
-        position = StreamPosition()
-        resumes = 0
-        current: CallResponse | aiohttp.ClientResponse = response
-        while True:
-            parser = SseParser(max_bytes)
-            chunks = current.iter_chunks() if isinstance(current, CallResponse) else current.content.iter_any()
-            try:
-                async for chunk in chunks:
-                    for message in position.messages(parser, chunk):
-                        resumes = 0
-                        yield message
-            except (aiohttp.ClientError, OSError):  # CallError included
-                pass
-            finally:
-                if isinstance(current, aiohttp.ClientResponse):
-                    current.release()
-            if position.last_event_id is None or resumes >= _MAX_RESUMES:
-                return
-            resumes += 1
-            await asyncio.sleep(position.retry_ms / 1000)  # at most sse.MAX_RETRY_MS
-            headers = session.stream_headers(client_headers, position.last_event_id)
-            try:
-                current = await self._upstream.request("GET", self.url, headers, None)
-            except (ConnectionError, aiohttp.ClientError, OSError):
-                return
-            if current.status != 200:
-                current.release()
-                return
-            log.info("legacy_stream_resumed", last_event_id=position.last_event_id)
 
     async def call(
         self,
@@ -493,7 +392,7 @@ class LegacyUpstream:
         request_id = legacy["id"]
         verbatim = session is not None
         try:
-            session, response = await self.post(legacy, client_headers, session)
+            session, response = await self.post(legacy, client_headers, session, route)
         except (ConnectionError, aiohttp.ClientError, OSError, UpstreamUnavailable) as exc:
             yield proxy_failure(f"upstream unreachable ({exc})", self.url)
             return
@@ -508,7 +407,7 @@ class LegacyUpstream:
                 reason = f"the upstream answered HTTP {response.status} without a JSON-RPC response"
                 yield proxy_failure(reason, self.url)
                 return
-            async for upstream_message in self.messages(session, client_headers, response, max_bytes=max_bytes):
+            async for upstream_message in response.messages(max_bytes):
                 method = upstream_message.get("method")
                 if method == "notifications/progress":
                     yield interpret_progress(upstream_message)
@@ -542,9 +441,9 @@ class LegacyUpstream:
         finally:
             if route is not None:
                 session.calls.pop(request_id, None)
-            response.close()  # pooled if read to its end, else closed
+            response.close()
             if not finished:
-                self.cancel_later(session, client_headers, request_id, "cancelled by the client")
+                response.cancel("cancelled by the client")
 
     async def server_request(
         self,
@@ -613,42 +512,3 @@ class _SessionCache(LRUCache):
         key, session = super().popitem()
         self._on_evict(session)
         return key, session
-
-
-HANDSHAKE_MAX_BYTES = 4 * 1024 * 1024
-"""The largest answer to a request of the proxy's own (initialize, discover, tools/list, tasks/get) it reads."""
-ASK_TIMEOUT_S = 30.0
-"""How long a request of the proxy's own, or its answer to a server request, may take upstream."""
-
-
-async def single_answer(response: aiohttp.ClientResponse, request_id: Any) -> dict[str, Any] | None:
-    """The response to `request_id` in a body that is JSON or an event stream, read only until that answer (a server
-    may keep the stream open after it); None when it has none, or past HANDSHAKE_MAX_BYTES."""
-    content_type = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
-    try:
-        if content_type != "text/event-stream":
-            return _answer_in(await read_bounded(response, HANDSHAKE_MAX_BYTES), request_id)
-        parser, seen = SseParser(HANDSHAKE_MAX_BYTES), 0
-        async for chunk in response.content.iter_any():
-            seen += len(chunk)
-            if seen > HANDSHAKE_MAX_BYTES:
-                raise BodyTooLarge(HANDSHAKE_MAX_BYTES)
-            for event in parser.feed(chunk):
-                message = _answer_in(event.data, request_id) if event.data else None
-                if message is not None:
-                    return message
-        for event in parser.feed(b"\n\n"):  # a last event without its blank line
-            message = _answer_in(event.data, request_id) if event.data else None
-            if message is not None:
-                return message
-    except (BodyTooLarge, SseLimitError):
-        log.warning("upstream_answer_too_large", limit=HANDSHAKE_MAX_BYTES)
-    return None
-
-
-def _answer_in(data: str | bytes, request_id: Any) -> dict[str, Any] | None:
-    try:
-        message = json.loads(data)
-    except (ValueError, RecursionError):
-        return None
-    return message if isinstance(message, dict) and message.get("id") == request_id else None

@@ -1,0 +1,237 @@
+"""A 2025-era server over Streamable HTTP: sessions (`Mcp-Session-Id`), a call's POST and its JSON or event-stream
+answer (resumed with GET and Last-Event-ID), answers posted back, notifications, DELETE, the standalone GET stream.
+
+The era's rules (what to send, how to read it) are legacy.py's; this is only how it travels over HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import structlog
+from multidict import CIMultiDict, MultiMapping
+
+from ..jsonrpc import dumps
+from .events import UpstreamUnavailable
+from .http_client import CallResponse
+from .http_headers import session_headers, stream_headers
+from .http_modern import Upstream, single_answer
+from .http_sse import SseParser, StreamPosition
+from .http_standalone import open_stream
+from .routing import CallRoute
+
+if TYPE_CHECKING:
+    from .legacy import LegacySession, LegacyUpstream
+
+log = structlog.get_logger(__name__)
+
+_MAX_RESUMES = 5
+ASK_TIMEOUT_S = 30.0
+"""How long a request of the proxy's own, or its answer to a server request, may take upstream."""
+
+
+class HttpReply:
+    """The server's answer to one POSTed request: its status, then its messages."""
+
+    def __init__(
+        self,
+        link: HttpLegacyLink,
+        session: LegacySession,
+        client_headers: MultiMapping[str],
+        response: CallResponse,
+        request_id: Any,
+    ) -> None:
+        self._link = link
+        self._session = session
+        self._client_headers = client_headers
+        self._response = response
+        self._request_id = request_id
+        self.status = response.status
+        self.content_type = response.content_type
+
+    def close(self) -> None:
+        self._response.close()  # pooled if read to its end, else closed
+
+    def cancel(self, reason: str) -> None:
+        """The call ends unfinished: a legacy server does not read a dropped stream as a cancellation."""
+        self._link.cancel_later(self._session, self._client_headers, self._request_id, reason)
+
+    async def messages(self, max_bytes: int) -> AsyncIterator[dict[str, Any]]:
+        """Every JSON-RPC message of the answer, JSON or event stream.
+
+        A 2025-11-25 server may close the connection without ending the stream (after a `retry:`); the call is
+        then resumed with GET and Last-Event-ID, honouring the retry delay. Priming events carry no message. A body
+        or event longer than `max_bytes` raises BodyTooLarge or SseLimitError.
+        """
+        response = self._response
+        if response.content_type != "text/event-stream":
+            body = await response.read(max_bytes)
+            try:
+                message = json.loads(body)
+            except ValueError:
+                return
+            if isinstance(message, dict):
+                yield message
+            return
+        position = StreamPosition()
+        resumes = 0
+        current: CallResponse | aiohttp.ClientResponse = response
+        while True:
+            parser = SseParser(max_bytes)
+            chunks = current.iter_chunks() if isinstance(current, CallResponse) else current.content.iter_any()
+            try:
+                async for chunk in chunks:
+                    for message in position.messages(parser, chunk):
+                        resumes = 0
+                        yield message
+            except (aiohttp.ClientError, OSError):  # CallError included
+                pass
+            finally:
+                if isinstance(current, aiohttp.ClientResponse):
+                    current.release()
+            if position.last_event_id is None or resumes >= _MAX_RESUMES:
+                return
+            resumes += 1
+            await asyncio.sleep(position.retry_ms / 1000)  # at most http_sse.MAX_RETRY_MS
+            headers = stream_headers(self._session, self._client_headers, position.last_event_id)
+            try:
+                current = await self._link.upstream.request("GET", self._link.url, headers, None)
+            except (ConnectionError, aiohttp.ClientError, OSError):
+                return
+            if current.status != 200:
+                current.release()
+                return
+            log.info("legacy_stream_resumed", last_event_id=position.last_event_id)
+
+
+class HttpLegacyLink:
+    """How LegacyUpstream reaches a 2025-era server over Streamable HTTP."""
+
+    def __init__(self, upstream: Upstream, spawn: Callable[[Awaitable[None]], None]) -> None:
+        self.upstream = upstream
+        self._spawn = spawn
+
+    @property
+    def url(self) -> str:
+        return self.upstream.url
+
+    async def initialize(
+        self, principal: str, client_headers: MultiMapping[str], message: dict[str, Any], bare: LegacySession
+    ) -> tuple[dict[str, Any] | None, str | None, int]:
+        """POST the proxy's initialize: the answer, the session id the server gave, and the HTTP status."""
+        headers = session_headers(bare, client_headers)
+        headers.popall("MCP-Protocol-Version", None)
+        response = await self.upstream.request("POST", self.url, headers, dumps(message))
+        async with response:
+            answer = await single_answer(response, message["id"])
+            return answer, response.headers.get("Mcp-Session-Id"), response.status
+
+    async def opened(self, legacy: LegacyUpstream, session: LegacySession, client_headers: MultiMapping[str]) -> None:
+        notified = await self.upstream.request(
+            "POST",
+            self.url,
+            session_headers(session, client_headers),
+            dumps({"jsonrpc": "2.0", "method": "notifications/initialized"}),
+        )
+        notified.release()
+        if session.session_id is not None:
+            # Before any call: a server may send a call's request there (server-everything's roots/list).
+            await open_stream(legacy, self, session, client_headers)
+
+    def end(self, session: LegacySession) -> None:
+        if session.reader is not None:
+            session.reader.cancel()
+        if session.session_id is None:
+            return
+        headers = CIMultiDict({"Mcp-Session-Id": session.session_id, "MCP-Protocol-Version": session.protocol_version})
+
+        async def delete() -> None:
+            try:
+                response = await self.upstream.request("DELETE", self.url, headers, None)
+                response.release()
+            except (ConnectionError, aiohttp.ClientError, OSError):
+                pass
+
+        self._spawn(delete())
+
+    def stop_reading(self, session: LegacySession) -> None:
+        if session.reader is not None:
+            session.reader.cancel()
+
+    async def send(
+        self,
+        session: LegacySession,
+        client_headers: MultiMapping[str],
+        message: dict[str, Any],
+        route: CallRoute | None,
+    ) -> HttpReply:
+        """POST one request. Through the lean client: a working task holds this response open for as long as the
+        tool runs."""
+        try:
+            response = await self.upstream.post(session_headers(session, client_headers), dumps(message))
+        except asyncio.CancelledError:
+            # Dropped before the response's headers (timeout, tasks/cancel, a client that left): the server
+            # may hold the request already, and only notifications/cancelled tells it to stop.
+            if "id" in message:
+                self.cancel_later(session, client_headers, message["id"], "cancelled by the client")
+            raise
+        return HttpReply(self, session, client_headers, response, message.get("id"))
+
+    async def respond(
+        self, session: LegacySession, client_headers: MultiMapping[str], request_id: Any, answer: dict[str, Any]
+    ) -> None:
+        """Answer a server-to-client request: a POST whose body is the JSON-RPC response (the server says 202)."""
+        message = {"jsonrpc": "2.0", "id": request_id, **answer}
+        try:
+            async with asyncio.timeout(ASK_TIMEOUT_S):
+                response = await self.upstream.request(
+                    "POST", self.url, session_headers(session, client_headers), dumps(message)
+                )
+        except (ConnectionError, aiohttp.ClientError, OSError, TimeoutError) as exc:
+            # The call's own stream breaks too, and that ends the call with a clear failure.
+            log.warning("legacy_answer_not_delivered", reason=str(exc))
+            return
+        response.release()
+        if response.status >= 400:
+            log.warning("legacy_answer_refused", status=response.status)
+
+    async def ask(
+        self, session: LegacySession, client_headers: MultiMapping[str], message: dict[str, Any]
+    ) -> tuple[int, dict[str, Any] | None]:
+        """A request of the proxy's own and its one answer, within ASK_TIMEOUT_S. Raises UpstreamUnavailable."""
+        try:
+            async with asyncio.timeout(ASK_TIMEOUT_S):
+                response = await self.upstream.request(
+                    "POST", self.url, session_headers(session, client_headers), dumps(message)
+                )
+                async with response:
+                    if response.status == 404:
+                        return 404, None
+                    return response.status, await single_answer(response, message["id"])
+        except (ConnectionError, aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raise UpstreamUnavailable(f"{message['method']}: {exc or type(exc).__name__}") from exc
+
+    def cancel_later(
+        self, session: LegacySession, client_headers: MultiMapping[str], request_id: Any, reason: str
+    ) -> None:
+        """Post notifications/cancelled: a legacy server does not read a dropped stream as a cancellation."""
+        message = {
+            "jsonrpc": "2.0",
+            "method": "notifications/cancelled",
+            "params": {"requestId": request_id, "reason": reason},
+        }
+
+        async def send() -> None:
+            try:
+                response = await self.upstream.request(
+                    "POST", self.url, session_headers(session, client_headers), dumps(message)
+                )
+                response.release()
+            except (ConnectionError, aiohttp.ClientError, OSError) as exc:
+                log.warning("upstream_cancel_not_delivered", reason=str(exc))
+
+        self._spawn(send())
