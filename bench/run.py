@@ -1,12 +1,14 @@
-"""The benchmark: pass-through overhead, the task path (memory and Redis), scale, and a peer, in one run.
+"""The benchmark: pass-through overhead, the task path (memory and Redis), scale, a peer, and a stdio upstream, in
+one run.
 
     python bench/run.py            # about 10 minutes on 2 cores; --quick for a shorter, noisier run
 
 Everything runs on loopback in processes of their own, started and stopped here: a fast upstream
-(bench/fast_upstream.py), the minimal aiohttp forwarder (bench/minimal_forwarder.py), mcp-tasks-proxy (memory and
-Redis stores), a redis-server, and the peer (bench/peer_server.py: FastMCP with fastmcp-tasks, in a virtual
-environment of its own under bench/.peer-venv). Load comes from wrk (Debian's package) with one thread. Figures are
-medians of interleaved repeats; on 2 shared cores compare ratios measured side by side, not absolute values.
+(bench/fast_upstream.py) and its stdio twin that the proxy starts (bench/fast_stdio.py), the minimal aiohttp
+forwarder (bench/minimal_forwarder.py), mcp-tasks-proxy (memory and Redis stores), a redis-server, and the peer
+(bench/peer_server.py: FastMCP with fastmcp-tasks, in a virtual environment of its own under bench/.peer-venv). Load
+comes from wrk (Debian's package) with one thread. Figures are medians of interleaved repeats; on 2 shared cores
+compare ratios measured side by side, not absolute values.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -77,11 +80,14 @@ def process(*argv: str, port: int, env: dict[str, str] | None = None) -> Iterato
 
 @contextmanager
 def proxy(
-    upstream: str, store: dict, *, protocol: str = "modern", **extra: object
+    upstream: str | None, store: dict, *, protocol: str = "modern", command: list[str] | None = None, **extra: object
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A proxy in front of `upstream` (a URL), or of the stdio server it starts from `command`."""
     port = free_port()
+    # 20,000 in flight on one stdio child: the scale figures hold 10,000 calls open on it (the default is 10,000).
+    target = {"url": upstream} if command is None else {"command": command, "stdio": {"max_in_flight": 20_000}}
     policy = {
-        "upstream": {"url": upstream, "protocol": protocol},
+        "upstream": {**target, "protocol": protocol},
         "store": store,
         "tools": [{"match": "echo", "task": "optional"}, {"match": "hold"}, {"match": "ask"}],
         "tasks": {"max_tasks": 200_000},
@@ -93,7 +99,30 @@ def proxy(
     path = WORK / f"policy-{port}.json"  # JSON is YAML too
     path.write_text(json.dumps(policy))
     with process(sys.executable, "-m", "proxy", "--config", str(path), "--port", str(port), port=port) as proc:
-        yield f"http://127.0.0.1:{port}/mcp", proc
+        wait_ready(port)
+        url = f"http://127.0.0.1:{port}/mcp"
+        if command is not None:  # one request served (the tools list) before anything is measured
+            asyncio.run(_listed(url))
+        yield url, proc
+
+
+def wait_ready(port: int, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5):
+                return
+        except OSError as exc:  # HTTPError (503: not ready yet) is an OSError too
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the proxy on {port} never became ready: {exc}") from None
+            time.sleep(0.1)
+
+
+async def _listed(url: str) -> None:
+    async with aiohttp.ClientSession() as session:
+        answer = await rpc(session, url, "tools/list", {}, meta=META)
+    if "result" not in answer:
+        raise SystemExit(f"the stdio server did not list its tools: {answer}")
 
 
 def body(method: str, params: dict, meta: dict) -> str:
@@ -318,6 +347,106 @@ def scale(upstream_port: int, seconds: float, working: int, stored: int) -> None
     table("Scale (memory store; tasks/get at concurrency 16)", header, rows + growth)
 
 
+def stdio(upstream: str, seconds: float, repeats: int, working: int) -> None:
+    """The same fast server behind the proxy over HTTP (bench/fast_upstream.py) and as its stdio child
+    (bench/fast_stdio.py), side by side: what the stdio transport costs or saves on pass-through, on task creation,
+    and in memory per working task (the upstream's own RSS counted too: a stdio child holds every open call)."""
+    command = [sys.executable, str(HERE / "fast_stdio.py")]
+    rows = []
+    store = {"backend": "memory"}
+    with proxy(upstream, store) as (http_url, _), proxy(None, store, command=command) as (stdio_url, _):
+        targets = {"HTTP": http_url, "stdio": stdio_url}
+        for label, tool, meta, counts in (("pass-through tools/call", "plain", META, (1, 16, 64)),
+                                          ("task creation (saturated)", "echo", META_TASKS, (16,))):  # fmt: skip
+            for connections in counts:
+                runs: dict[str, list] = {name: [] for name in targets}
+                for _ in range(repeats):
+                    for name, url in targets.items():  # interleaved: both see the same machine noise
+                        runs[name].append(wrk(url, "tools/call", {"name": tool, "arguments": {}}, meta=meta,
+                                              connections=connections, seconds=seconds, name=tool))  # fmt: skip
+                http, child = median_runs(runs["HTTP"]), median_runs(runs["stdio"])
+                rate = "creations/s" if tool == "echo" else "req/s"
+                for what, h, c, digits in ((rate, http[0], child[0], 0), ("p50 ms", http[1], child[1], 2),
+                                           ("p99 ms", http[2], child[2], 2)):  # fmt: skip
+                    rows.append([f"{label}, c{connections}: {what}", f"{h:.{digits}f}", f"{c:.{digits}f}",
+                                 f"{c / h:.2f}x"])  # fmt: skip
+                print(f"  {label} c={connections}: stdio/HTTP throughput {child[0] / http[0]:.2f}x", file=sys.stderr)
+    memory: dict[str, tuple[float, float, float, float]] = {}
+    for name in ("HTTP", "stdio"):
+        over_http = name == "HTTP"
+        with proxy(upstream if over_http else None, store, command=None if over_http else command) as (url, proc):
+            # The upstream's RSS too: over stdio the child holds the open calls that fast_upstream holds over HTTP.
+            server = (
+                find_pid(f"fast_upstream.py\0{_port(upstream)}") if over_http else find_pid("fast_stdio.py", proc.pid)
+            )
+            idle, server_idle = rss_mb(proc.pid), rss_mb(server)
+            held = asyncio.run(create_tasks(url, "hold", working))
+            time.sleep(1)
+            memory[name] = (idle, rss_mb(proc.pid), server_idle, rss_mb(server))
+            if over_http:
+                asyncio.run(_release(_port(upstream)))
+            else:
+                asyncio.run(_release_stdio(url))
+            asyncio.run(_completed(url, [held[0], held[-1]]))
+    (http_idle, http_busy, http_server_idle, http_server_busy) = memory["HTTP"]
+    (idle, busy, server_idle, server_busy) = memory["stdio"]
+    per_task = (
+        ("proxy KB per working task", (http_busy - http_idle), (busy - idle)),
+        ("proxy + upstream KB per working task", (http_busy - http_idle + http_server_busy - http_server_idle),
+         (busy - idle + server_busy - server_idle)),
+    )  # fmt: skip
+    for what, h, c in (("proxy RSS idle MB", http_idle, idle), (f"proxy RSS, {working:,} working MB", http_busy, busy),
+                       ("upstream RSS idle MB", http_server_idle, server_idle),
+                       (f"upstream RSS, {working:,} working MB", http_server_busy, server_busy)):  # fmt: skip
+        rows.append([what, f"{h:.0f}", f"{c:.0f}", f"{c / h:.2f}x"])
+    for what, h, c in per_task:
+        h, c = h * 1024 / working, c * 1024 / working
+        rows.append([what, f"{h:.1f}", f"{c:.1f}", f"{c / h:.2f}x" if h > 0 else ""])
+    table(f"stdio upstream (the proxy starts bench/fast_stdio.py) vs HTTP (bench/fast_upstream.py); memory store, "
+          f"{working:,} working `hold` tasks; in a full run the HTTP upstream served the sections before",
+          ["figure", "HTTP upstream", "stdio child", "stdio / HTTP"], rows)  # fmt: skip
+
+
+def _port(url: str) -> int:
+    return int(url.split(":")[2].split("/")[0])
+
+
+def find_pid(needle: str, parent: int | None = None) -> int:
+    """The process whose argv (NUL-separated) contains `needle` (and whose parent is `parent`, if given)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace")
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue
+        if needle in argv and (parent is None or ppid == parent):
+            return int(entry.name)
+    raise SystemExit(f"no process runs {needle!r}")
+
+
+async def _release_stdio(url: str) -> None:
+    """A pass-through tools/call of `release`: the stdio child answers every `hold` waiting now."""
+    async with aiohttp.ClientSession() as session:
+        answer = await rpc(session, url, "tools/call", {"name": "release", "arguments": {}}, meta=META)
+    if "result" not in answer:
+        raise SystemExit(f"release failed: {answer}")
+
+
+async def _completed(url: str, task_ids: list[str], timeout_s: float = 60) -> None:
+    """Wait until the released tasks are seen completed (the release reached them)."""
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as session:
+        for task_id in task_ids:
+            while (status := (await rpc(session, url, "tasks/get", {"taskId": task_id}))["result"]["status"]) != (
+                "completed"
+            ):
+                if status != "working" or time.monotonic() > deadline:
+                    raise SystemExit(f"held task {task_id} is {status} after the release")
+                await asyncio.sleep(0.05)
+
+
 async def _release(port: int) -> None:
     async with aiohttp.ClientSession() as session, session.post(f"http://127.0.0.1:{port}/release") as response:
         await response.read()
@@ -337,7 +466,7 @@ def peer_python() -> Path | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1 s runs, 1 repeat, smaller scale (for a smoke test)")
-    parser.add_argument("--sections", default="passthrough,tasks,scale", help="comma-separated subset")
+    parser.add_argument("--sections", default="passthrough,tasks,scale,stdio", help="comma-separated subset")
     args = parser.parse_args()
     seconds, repeats = (1, 1) if args.quick else (4, 3)
     working, stored = (1_000, 20_000) if args.quick else (10_000, 100_000)
@@ -346,7 +475,7 @@ def main() -> None:
             raise SystemExit(f"{tool} is needed: apt-get install {tool}")
     print(f"# {datetime.now(UTC):%Y-%m-%d} · {platform.machine()} · {os.cpu_count()} cores · "
           f"{platform.python_implementation()} {platform.python_version()} · wrk -t1, {seconds} s runs, "
-          f"median of {repeats} ({'1' if args.quick else '5'} for pass-through)")  # fmt: skip
+          f"median of {repeats} ({'1' if args.quick else '5'} for pass-through and stdio)")  # fmt: skip
     sections = set(args.sections.split(","))
     upstream_port, redis_port = free_port(), free_port()
     upstream = f"http://127.0.0.1:{upstream_port}/mcp"
@@ -375,6 +504,8 @@ def main() -> None:
                 task_path(upstream, f"redis://127.0.0.1:{redis_port}/0", seconds, repeats, None)
         if "scale" in sections:
             scale(upstream_port, seconds, working, stored)
+        if "stdio" in sections:
+            stdio(upstream, seconds, repeats if args.quick else 5, working)
 
 
 if __name__ == "__main__":

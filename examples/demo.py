@@ -3,6 +3,7 @@
 Run from the repository root after `pip install '.[examples]'`:
     python examples/demo.py            # keeps both running afterwards; Ctrl-C stops them
     python examples/demo.py --exit     # stops both once the walk-through is done
+    python examples/demo.py --stdio    # the proxy starts the server itself and speaks to it over stdio
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -33,32 +35,44 @@ def wait_for_port(port: int, process: subprocess.Popen[bytes], what: str, timeou
     raise SystemExit(f"{what} did not listen on port {port} within {timeout_s:g} s")
 
 
+def wait_ready(port: int, proxy: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
+    """Until /readyz says the upstream answers (a stdio child has started and been initialized)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proxy.poll() is None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2):
+                return
+        except OSError:  # HTTPError (503: not ready yet) included
+            time.sleep(0.1)
+    raise SystemExit(f"mcp-tasks-proxy was not ready within {timeout_s:g} s")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--server-port", type=int, default=9000, help="port of the example MCP server")
     parser.add_argument("--proxy-port", type=int, default=8080, help="port of mcp-tasks-proxy")
     parser.add_argument("--exit", action="store_true", help="stop both processes after the walk-through")
+    parser.add_argument("--stdio", action="store_true", help="let the proxy start the server as its stdio child")
     args = parser.parse_args()
 
-    upstream = f"http://127.0.0.1:{args.server_port}/mcp"
-    server = subprocess.Popen([sys.executable, str(HERE / "slow_server.py"), str(args.server_port)])
+    server = None
+    if args.stdio:
+        upstream = "its stdio child, examples/slow_server.py --stdio"
+        where = ["--", sys.executable, str(HERE / "slow_server.py"), "--stdio"]
+    else:
+        upstream = f"http://127.0.0.1:{args.server_port}/mcp"
+        where = ["--upstream", upstream]
+        server = subprocess.Popen([sys.executable, str(HERE / "slow_server.py"), str(args.server_port)])
     proxy = None
     try:
-        wait_for_port(args.server_port, server, "the example server")
+        if server is not None:
+            wait_for_port(args.server_port, server, "the example server")
+        config = str(HERE.parent / "config" / "example.yaml")
         proxy = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "proxy",
-                "--config",
-                str(HERE.parent / "config" / "example.yaml"),
-                "--upstream",
-                upstream,
-                "--port",
-                str(args.proxy_port),
-            ]
+            [sys.executable, "-m", "proxy", "--config", config, "--port", str(args.proxy_port), *where]
         )
         wait_for_port(args.proxy_port, proxy, "mcp-tasks-proxy")
+        wait_ready(args.proxy_port, proxy)
         url = f"http://127.0.0.1:{args.proxy_port}/mcp"
         status = task_client.main(url)
         if args.exit:

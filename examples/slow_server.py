@@ -69,6 +69,9 @@ async def failing_job(reason: str = "the job failed") -> str:
 
 
 def main() -> None:
+    if "--stdio" in sys.argv:  # started by the proxy itself: mcp-tasks-proxy ... -- python slow_server.py --stdio
+        server.run(transport="stdio")
+        return
     port = int(sys.argv[1]) if len(sys.argv) > 1 else int(os.environ.get("EXAMPLE_SERVER_PORT", "9000"))
     host = os.environ.get("EXAMPLE_SERVER_HOST", "127.0.0.1")  # 0.0.0.0 in a container, behind the proxy
     server.run(transport="streamable-http", host=host, port=port)

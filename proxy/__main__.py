@@ -1,5 +1,5 @@
-"""Command line: `mcp-tasks-proxy [--config FILE] [--upstream URL] [--host H] [--port P] [--store S]`, and
-`mcp-tasks-proxy check FILE [TOOL ...]`."""
+"""Command line: `mcp-tasks-proxy [--config FILE] [--upstream URL] [--host H] [--port P] [--store S] [-- COMMAND ...]`,
+and `mcp-tasks-proxy check FILE [TOOL ...]`."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from .config import ENV_PREFIX, ConfigError, ProxyConfig, apply_overrides, load_
 from .log import configure_logging
 from .policy import PolicyReloader, file_stamp
 from .serve import BindError, bind, serve
+from .upstream.events import UpstreamStartError
 
 # Each operator setting is declared once: (flag, config path, environment variable suffix, type).
 OVERRIDES = (
@@ -50,8 +51,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def resolve_config(args: argparse.Namespace, environ: os._Environ[str] | dict[str, str]) -> ProxyConfig:
-    """File, then environment, then flags: the later one wins."""
+def split_command(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """The proxy's own arguments, and the stdio server's command after `--` (None without one)."""
+    if "--" not in argv:
+        return argv, None
+    at = argv.index("--")
+    return argv[:at], argv[at + 1 :] or None
+
+
+def resolve_config(
+    args: argparse.Namespace, environ: os._Environ[str] | dict[str, str], command: list[str] | None = None
+) -> ProxyConfig:
+    """File, then environment, then flags (and a command after --): the later one wins."""
     config = load_config(args.config or environ.get(f"{ENV_PREFIX}CONFIG") or None)
     from_env = {path: environ.get(ENV_PREFIX + suffix) for _, path, suffix, _ in OVERRIDES}
     for _, path, suffix, kind in OVERRIDES:
@@ -63,7 +74,9 @@ def resolve_config(args: argparse.Namespace, environ: os._Environ[str] | dict[st
                 raise ConfigError(f"{ENV_PREFIX}{suffix}: expected an integer, got {raw!r}") from None
     config = apply_overrides(config, from_env)
     config = apply_overrides(config, {path: getattr(args, flag) for flag, path, _, _ in OVERRIDES})
-    _ = config.upstream_url  # fail now, with the way to fix it, if no upstream is set anywhere
+    config = apply_overrides(config, {"upstream.command": command})
+    if config.upstream.command is None:
+        _ = config.upstream_url  # fail now, with the way to fix it, if no upstream is set anywhere
     return config
 
 
@@ -71,11 +84,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["check"]:
         raise SystemExit(check_main(argv[1:]))
+    argv, command = split_command(argv)
     args = build_parser().parse_args(argv)
     config_path = args.config or os.environ.get(f"{ENV_PREFIX}CONFIG")
     loaded_stamp = file_stamp(config_path) if config_path else None  # before reading: see PolicyReloader
     try:
-        config = resolve_config(args, os.environ)
+        config = resolve_config(args, os.environ, command)
     except ConfigError as exc:
         print(f"mcp-tasks-proxy: config error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -92,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         log.info(
             "proxy_started",
             listen=f"http://{config.listen.host}:{config.listen.port}{MCP_PATH}",
-            upstream=config.upstream_url,
+            upstream=config.upstream_name,
             upstream_protocol=config.upstream.protocol,
             store=config.store.backend,
             rules=len(config.tools),
@@ -102,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     async def reload_ctx(app: web.Application) -> AsyncIterator[None]:
         reloader = PolicyReloader(
-            app[policy_key], config_path, lambda: resolve_config(args, os.environ), loaded_stamp=loaded_stamp
+            app[policy_key], config_path, lambda: resolve_config(args, os.environ, command), loaded_stamp=loaded_stamp
         )
         reloader.start()
         yield
@@ -115,6 +129,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     loop = _event_loop()
     try:
         loop.run_until_complete(serve(app, sock, config.listen, on_refused=refused.inc, announce=announce))
+    except UpstreamStartError as exc:
+        print(f"mcp-tasks-proxy: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     finally:
         sock.close()
         loop.close()

@@ -130,7 +130,7 @@ def create_app(
     app[store_key] = store if store is not None else build_store(config, timer=timer)
 
     async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
-        async with build_gateway(config, identity) as gateway:
+        async with build_gateway(config, identity, max_bytes=lambda: policy.config.limits.max_result_bytes) as gateway:
             app[gateway_key] = gateway
             legacy = gateway.legacy
             app[bridge_key] = SyncBridge(

@@ -38,15 +38,15 @@ def check_main(argv: Sequence[str]) -> int:
     print(f"{args.file}: valid, {len(config.tools)} rule(s)")
     names = list(args.tools)
     if not names:
-        if config.upstream.url is None:
-            print("no upstream.url to ask for its tools; name the tools to check")
+        if config.upstream.url is None and config.upstream.command is None:
+            print("no upstream.url or upstream.command to ask for its tools; name the tools to check")
             return 0
         try:
             names = asyncio.run(list_tools(config))
         except (UpstreamUnavailable, ConnectionError, aiohttp.ClientError, OSError) as exc:
-            print(f"the upstream {config.upstream_url} could not be asked for its tools ({exc}); name them instead")
+            print(f"the upstream {config.upstream_name} could not be asked for its tools ({exc}); name them instead")
             return 0
-        print(f"the upstream {config.upstream_url} lists {len(names)} tool(s)")
+        print(f"the upstream {config.upstream_name} lists {len(names)} tool(s)")
     print_rules(config, names)
     return 0
 

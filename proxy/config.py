@@ -44,8 +44,46 @@ class ListenConfig(_Strict):
     """Open client connections at most; past it a new connection is answered HTTP 503 and closed."""
 
 
+class StdioConfig(_Strict):
+    """A server the proxy starts itself (upstream.command), spoken to over its stdin and stdout."""
+
+    inherit_env: list[str] = ["HOME", "LOGNAME", "PATH", "SHELL", "TERM", "USER"]
+    """The proxy's environment variables the child gets (as the SDKs' stdio clients pass), before upstream.env."""
+    max_line_bytes: PositiveInt | None = None
+    """The longest line (one message) read from the child; a longer one is dropped and fails its call. Default:
+    limits.max_result_bytes."""
+    start_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+    """How long the child may take to answer its first request (initialize or server/discover); also how long a
+    request waits for a child that is restarting."""
+    restart_min_s: Annotated[float, Field(gt=0)] = 0.5
+    """The first delay before restarting a child that exited; it doubles on each exit in a row."""
+    restart_max_s: Annotated[float, Field(gt=0)] = 30.0
+    stop_grace_s: Annotated[float, Field(ge=0)] = 2.0
+    """On shutdown: how long the child has to exit once its stdin is closed, before SIGTERM."""
+    term_grace_s: Annotated[float, Field(ge=0)] = 2.0
+    """After SIGTERM: how long before SIGKILL."""
+    children: PositiveInt = 1
+    """How many copies of the server the proxy runs (each started, restarted and stopped alike)."""
+    dispatch: Literal["shared", "exclusive"] = "shared"
+    """shared: each request goes to the child with the fewest in flight. exclusive: a call during which a 2025
+    server may ask something goes to a child with no other such call, waiting for one to be free; stdio ties a
+    server's question to no call, so with two such calls on one child the proxy must refuse it."""
+    max_in_flight: PositiveInt = 10_000
+    """Requests the child may have in flight at once; past it a call fails at once instead of queueing."""
+    max_sessions: PositiveInt = 10_000
+    """2025-era client sessions the proxy keeps for the child (it answers their initialize itself); the least
+    recently used is ended past it (its client gets 404 and initializes again)."""
+
+
 class UpstreamConfig(_Strict):
     url: AnyHttpUrl | None = None
+    command: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] | None = None
+    """Instead of url: the argv of a stdio server the proxy starts and speaks to over stdin/stdout."""
+    env: dict[str, str] = {}
+    """upstream.command: environment variables for the child, added to stdio.inherit_env."""
+    cwd: str | None = None
+    """upstream.command: the child's working directory (default: the proxy's)."""
+    stdio: StdioConfig = StdioConfig()
     protocol: Literal["auto", "modern", "legacy"] = "auto"
     """The upstream's era: auto probes server/discover and falls back to initialize, as the official SDKs do."""
     connect_timeout_s: Annotated[float, Field(gt=0)] = 10.0
@@ -54,6 +92,14 @@ class UpstreamConfig(_Strict):
     """Legacy upstreams: sessions the proxy keeps open (one per credential); the least recently used is ended."""
     input_wait_s: Annotated[float, Field(gt=0)] = 300.0
     """Legacy upstreams: how long a synchronous call that asked for input stays open for the client's MRTR retry."""
+
+    @model_validator(mode="after")
+    def _one_upstream(self) -> UpstreamConfig:
+        if self.url is not None and self.command is not None:
+            raise ValueError("url and command are exclusive: an upstream is reached over HTTP or started over stdio")
+        if self.command is None and (self.env or self.cwd is not None):
+            raise ValueError("env and cwd apply to upstream.command only")
+        return self
 
 
 class TaskDefaults(_Strict):
@@ -190,9 +236,17 @@ class ProxyConfig(_Strict):
     def upstream_url(self) -> str:
         if self.upstream.url is None:
             raise ConfigError(
-                "no upstream: set upstream.url in the config file, --upstream, or MCP_TASKS_PROXY_UPSTREAM"
+                "no upstream: set upstream.url in the config file, --upstream, or MCP_TASKS_PROXY_UPSTREAM "
+                "(or upstream.command, or the server's command after --)"
             )
         return str(self.upstream.url)
+
+    @property
+    def upstream_name(self) -> str:
+        """How logs name the upstream: its URL, or `stdio:<program>` (a command's arguments may hold secrets)."""
+        if self.upstream.command is not None:
+            return f"stdio:{Path(self.upstream.command[0]).name}"
+        return self.upstream_url
 
     def rule_for(self, tool_name: str) -> ToolRule | None:
         """The first rule whose pattern matches; None means the call passes through."""
@@ -258,4 +312,10 @@ def apply_overrides(config: ProxyConfig, overrides: Mapping[str, Any]) -> ProxyC
             continue
         section, key = dotted.split(".")
         data[section][key] = value
+        if dotted in ("upstream.url", "upstream.command"):
+            # One upstream: a later source's url replaces an earlier one's command, and the other way round.
+            other = "command" if key == "url" else "url"
+            data["upstream"][other] = None
+            if other == "command":
+                data["upstream"]["env"], data["upstream"]["cwd"] = {}, None
     return parse_config(data, source="overrides")

@@ -12,6 +12,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,22 @@ def wait_for_port(port: int, process: subprocess.Popen[bytes], timeout_s: float 
         except OSError:
             time.sleep(0.05)
     raise RuntimeError(f"nothing listened on port {port} within {timeout_s} s")
+
+
+def wait_ready(port: int, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Poll the proxy's /readyz until it says ready (a stdio child started and answered); its last answer."""
+    deadline = time.monotonic() + timeout_s
+    body: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            body = json.loads(exc.read() or b"{}")
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"the proxy on port {port} was not ready within {timeout_s} s: {body}")
 
 
 def stop(process: subprocess.Popen[bytes]) -> None:
@@ -285,11 +303,12 @@ class Proxy:
 async def make_proxy(
     aiohttp_server: Any,
 ) -> AsyncIterator[Callable[..., Awaitable[Proxy]]]:
-    """Build a proxy from config keys (`make_proxy(upstream_url, tools=[...])`), served over real HTTP."""
+    """Build a proxy from config keys (`make_proxy(upstream_url, tools=[...])`), served over real HTTP; an argv
+    list instead of a URL is a stdio server the proxy starts (upstream.command)."""
     sessions: list[aiohttp.ClientSession] = []
 
     async def build(
-        upstream_url: str,
+        upstream_url: str | list[str],
         *,
         protocol: str = "auto",
         store: Any = None,
@@ -299,7 +318,8 @@ async def make_proxy(
     ) -> Proxy:
         # Tests do not wait for stray background calls at teardown unless they ask to.
         sections["tasks"] = {"shutdown_grace_s": 0, **sections.get("tasks", {})}
-        upstream = {"url": upstream_url, "protocol": protocol, **sections.pop("upstream", {})}
+        where = {"command": upstream_url} if isinstance(upstream_url, list) else {"url": upstream_url}
+        upstream = {**where, "protocol": protocol, **sections.pop("upstream", {})}
         if isinstance(store, dict):  # the store section of the config, not a store instance
             sections["store"], store = store, None
         config = parse_config({"upstream": upstream, **sections})

@@ -3,12 +3,17 @@
 It runs in its own virtual environment (the tests build it: tests/.legacy-venv), since `mcp` 1.x and 2.x cannot
 share one. An event store makes its streams resumable (priming events, retry, GET + Last-Event-ID), as 2025-11-25
 servers may be. Run: tests/.legacy-venv/bin/python tests/legacy_server.py PORT [--plain]
+
+With --stdio (no PORT) it serves the same tools over the stdio transport instead: newline-delimited JSON-RPC on
+stdin/stdout, logs on stderr, nothing else on stdout. The event store and `interrupted` (HTTP streams only) are left
+out there. Run: tests/.legacy-venv/bin/python tests/legacy_server.py --stdio
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import sys
 from pathlib import Path
 
@@ -48,7 +53,9 @@ class MemoryEventStore(EventStore):
 
 
 # --plain: no event store, as most servers run (the SDK's default): a broken stream cannot be resumed.
-_PLAIN = "--plain" in sys.argv
+# --stdio: the stdio transport, where there are no streams to resume: no event store either.
+_STDIO = "--stdio" in sys.argv
+_PLAIN = "--plain" in sys.argv or _STDIO
 server = FastMCP(
     "legacy-example",
     log_level="WARNING",
@@ -195,6 +202,11 @@ async def gate_state(tag: str) -> str:
 
 
 @server.tool()
+async def pid() -> str:
+    """This server's process id, so that a test can kill it (the child process of a stdio proxy)."""
+    return str(os.getpid())
+
+
 async def interrupted(ctx: Context) -> str:
     """Close the connection mid-call (2025-11-25 polling); the client must resume with GET + Last-Event-ID."""
     await ctx.report_progress(1, 3, "before the break")
@@ -202,6 +214,11 @@ async def interrupted(ctx: Context) -> str:
     await asyncio.sleep(0.3)
     await ctx.report_progress(2, 3, "after the break")
     return "finished after a reconnect"
+
+
+# Only over HTTP: closing an SSE stream is meaningless on stdio (the SDK makes it a no-op there).
+if not _STDIO:
+    server.tool()(interrupted)
 
 
 @server.resource("note://greeting")
@@ -215,6 +232,9 @@ def greeting_prompt(name: str) -> str:
 
 
 if __name__ == "__main__":
-    server.settings.host = "127.0.0.1"
-    server.settings.port = int(sys.argv[1])
-    server.run(transport="streamable-http")
+    if _STDIO:
+        server.run(transport="stdio")  # the SDK logs to stderr; stdout carries MCP messages only
+    else:
+        server.settings.host = "127.0.0.1"
+        server.settings.port = int(next(arg for arg in sys.argv[1:] if not arg.startswith("--")))
+        server.run(transport="streamable-http")

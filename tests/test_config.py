@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from proxy.__main__ import build_parser, resolve_config
+from proxy.__main__ import build_parser, resolve_config, split_command
 from proxy.config import ConfigError, TaskMode, load_config, parse_config
 from tests.conftest import ROOT
 
@@ -46,7 +46,36 @@ def test_invalid_files_name_the_key(tmp_path, text, message):
 def test_every_shipped_config_is_valid():
     for path in sorted((ROOT / "config").glob("*.yaml")):
         config = load_config(path)
-        assert config.upstream.url is not None, path
+        assert config.upstream.url is not None or config.upstream.command is not None, path
+
+
+def test_a_stdio_command_is_exclusive_with_a_url_and_owns_env_and_cwd():
+    config = parse_config({"upstream": {"command": ["python", "server.py"], "env": {"K": "v"}, "cwd": "/srv"}})
+    assert config.upstream_name == "stdio:python"  # never the arguments, which may hold secrets
+    with pytest.raises(ConfigError, match="upstream: Value error, url and command are exclusive"):
+        parse_config({"upstream": {"url": "http://127.0.0.1:9/mcp", "command": ["server"]}})
+    with pytest.raises(ConfigError, match="env and cwd apply to upstream.command only"):
+        parse_config({"upstream": {"url": "http://127.0.0.1:9/mcp", "env": {"K": "v"}}})
+    with pytest.raises(ConfigError, match="upstream.command: List should have at least 1 item"):
+        parse_config({"upstream": {"command": []}})
+    with pytest.raises(ConfigError, match="upstream.stdio.dispatch"):
+        parse_config({"upstream": {"command": ["s"], "stdio": {"dispatch": "round-robin"}}})
+
+
+def test_a_command_after_the_flags_replaces_the_files_url_and_a_url_flag_the_files_command(tmp_path):
+    with_url = tmp_path / "url.yaml"
+    with_url.write_text("upstream: {url: 'http://127.0.0.1:9/mcp'}\n")
+    argv, command = split_command(["--config", str(with_url), "--", "npx", "-y", "server", "--port", "1"])
+    assert command == ["npx", "-y", "server", "--port", "1"]  # the server's own flags stay the server's
+    config = resolve_config(build_parser().parse_args(argv), {}, command)
+    assert config.upstream.command == ["npx", "-y", "server", "--port", "1"] and config.upstream.url is None
+
+    with_command = tmp_path / "command.yaml"
+    with_command.write_text("upstream: {command: [server], env: {K: v}}\n")
+    argv, command = split_command(["--config", str(with_command), "--upstream", "http://127.0.0.1:9/mcp"])
+    config = resolve_config(build_parser().parse_args(argv), {}, command)
+    assert str(config.upstream.url) == "http://127.0.0.1:9/mcp"
+    assert config.upstream.command is None and config.upstream.env == {}
 
 
 def test_first_matching_rule_wins_and_unmatched_tools_pass_through():

@@ -3,7 +3,9 @@ implements no tasks, under tests/conformance/policy.yaml, once for each era of u
 
 - modern: tests/conformance/fixture_server.py, 2026-07-28 (`mcp` 2.x), input through MRTR rounds;
 - legacy: tests/conformance/legacy_fixture_server.py, 2025-11-25 (`mcp` 1.x, in tests/.legacy-venv), the same tools
-  asking for input with elicitation requests on the call's stream.
+  asking for input with elicitation requests on the call's stream;
+
+and each of them again started by the proxy as a stdio child (`mcp-tasks-proxy ... -- COMMAND --stdio`).
 
 The proxy probes the upstream's era itself; both get the same command line. The suite is an npm package pinned in
 tests/conformance/package.json; the first run installs it (with a Node.js 22 of its own) into
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, free_port, legacy_python, npm_install, stop, wait_for_port
+from tests.conftest import ROOT, free_port, legacy_python, npm_install, stop, wait_for_port, wait_ready
 
 HERE = ROOT / "tests" / "conformance"
 SUITE = HERE / "node_modules" / "@modelcontextprotocol" / "conformance" / "dist" / "index.js"
@@ -58,25 +60,35 @@ def _upstream_command(era: str) -> list[str]:
     return [sys.executable, str(HERE / "fixture_server.py")]
 
 
-@pytest.fixture(scope="module", params=["modern", "legacy"])
+@pytest.fixture(scope="module", params=["modern", "legacy", "modern-stdio", "legacy-stdio"])
 def proxied_fixture(request: pytest.FixtureRequest) -> Iterator[str]:
-    """A fixture server of each era, and the proxy in front of it; yields the proxy's MCP URL."""
-    server_port, proxy_port = free_port(), free_port()
-    server = subprocess.Popen([*_upstream_command(request.param), str(server_port)])
+    """A fixture server of each era, and the proxy in front of it: over HTTP, or started by the proxy itself over
+    stdio (`-- COMMAND`); yields the proxy's MCP URL."""
+    era, _, transport = request.param.partition("-")
+    proxy_port = free_port()
+    server = None
+    if transport == "stdio":
+        upstream = ["--", *_upstream_command(era), "--stdio"]
+    else:
+        server_port = free_port()
+        server = subprocess.Popen([*_upstream_command(era), str(server_port)])
+        upstream = ["--upstream", f"http://127.0.0.1:{server_port}/mcp"]
     proxy = None
     try:
-        wait_for_port(server_port, server)
+        if server is not None:
+            wait_for_port(server_port, server)
         proxy = subprocess.Popen(
             [
                 sys.executable, "-m", "proxy",
                 "--config", str(HERE / "policy.yaml"),
-                "--upstream", f"http://127.0.0.1:{server_port}/mcp",
                 "--port", str(proxy_port),
                 "--log-level", "warning",
+                *upstream,
             ],
             cwd=ROOT,
         )  # fmt: skip
         wait_for_port(proxy_port, proxy)
+        wait_ready(proxy_port)
         yield f"http://127.0.0.1:{proxy_port}/mcp"
     finally:
         for process in (proxy, server):

@@ -5,15 +5,19 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT, free_port
 
 
-def test_demo_walks_the_task_flow_and_exits_cleanly():
+@pytest.mark.parametrize("transport", ["http", "stdio"])
+def test_demo_walks_the_task_flow_and_exits_cleanly(transport):
     done = subprocess.run(
         [
             sys.executable,
             "examples/demo.py",
             "--exit",
+            *(["--stdio"] if transport == "stdio" else []),
             "--server-port",
             str(free_port()),
             "--proxy-port",

@@ -1,11 +1,16 @@
 """The real upstream for end-to-end tests: the example server plus tools that let tests observe the upstream side.
 
 Built with the official SDK (`mcp` 2.x, 2026-07-28); it implements no tasks. Run: python tests/upstream_server.py PORT
+
+With --stdio (no PORT) it serves the same tools over the stdio transport: newline-delimited JSON-RPC on stdin/stdout,
+logs on stderr (the SDK points fd 1 at stderr while it serves, so a stray print cannot corrupt the wire).
+`echo_authorization` has no headers to read there and answers "<none>". Run: python tests/upstream_server.py --stdio
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from pathlib import Path
 
@@ -63,6 +68,12 @@ async def release(tag: str) -> str:
 async def gate_state(tag: str) -> str:
     """What happened to the gated call with this tag: unknown, started, cancelled or released."""
     return gates.state(tag)
+
+
+@server.tool()
+async def pid() -> str:
+    """This server's process id, so that a test can kill it (the child process of a stdio proxy)."""
+    return str(os.getpid())
 
 
 @server.tool()
@@ -202,4 +213,7 @@ async def ask_then_gated(tag: str, ctx: Context) -> CallToolResult | InputRequir
 
 
 if __name__ == "__main__":
-    server.run(transport="streamable-http", host="127.0.0.1", port=int(sys.argv[1]))
+    if "--stdio" in sys.argv:
+        server.run(transport="stdio")
+    else:
+        server.run(transport="streamable-http", host="127.0.0.1", port=int(sys.argv[1]))

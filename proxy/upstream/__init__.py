@@ -3,24 +3,45 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
+import structlog
+
+from .events import UpstreamStartError, UpstreamUnavailable
 from .gateway import Gateway
 from .http_legacy import HttpLegacyLink
 from .http_modern import Upstream
 from .http_relay import HttpRelay
 from .legacy import LegacyUpstream
+from .stdio_legacy import StdioLegacyLink
+from .stdio_modern import StdioModern
+from .stdio_pool import StdioPool
+from .stdio_process import ChildSpec, child_env
+from .stdio_relay import StdioRelay
+from .stdio_sessions import FrontSessions
 
 if TYPE_CHECKING:
     from ..config import ProxyConfig
     from ..security import Identity
 
+log = structlog.get_logger(__name__)
+
 
 @contextlib.asynccontextmanager
-async def build_gateway(config: ProxyConfig, identity: Identity) -> AsyncIterator[Gateway]:
-    """The gateway to the configured upstream (`upstream.url`, or `upstream.command` over stdio), open until exit."""
+async def build_gateway(
+    config: ProxyConfig, identity: Identity, *, max_bytes: Callable[[], int] | None = None
+) -> AsyncIterator[Gateway]:
+    """The gateway to the configured upstream (`upstream.url`, or `upstream.command` over stdio), open until exit.
+    `max_bytes` is limits.max_result_bytes as the live policy has it. Raises UpstreamStartError when a stdio
+    server cannot be started at all."""
+    limit = max_bytes or (lambda: config.limits.max_result_bytes)
+    if config.upstream.command is not None:
+        async with _stdio_gateway(config, identity, limit) as gateway:
+            yield gateway
+        return
     async with Upstream(config.upstream_url, connect_timeout_s=config.upstream.connect_timeout_s) as upstream:
         legacy = LegacyUpstream(
             lambda spawn: HttpLegacyLink(upstream, spawn),
@@ -31,3 +52,57 @@ async def build_gateway(config: ProxyConfig, identity: Identity) -> AsyncIterato
             yield Gateway(upstream, legacy, HttpRelay(upstream), config.upstream.protocol)
         finally:
             await legacy.aclose()
+
+
+@contextlib.asynccontextmanager
+async def _stdio_gateway(config: ProxyConfig, identity: Identity, limit: Callable[[], int]) -> AsyncIterator[Gateway]:
+    upstream, stdio = config.upstream, config.upstream.stdio
+    assert upstream.command is not None
+    spec = ChildSpec(
+        argv=tuple(upstream.command),
+        env=child_env(stdio.inherit_env, upstream.env),
+        cwd=upstream.cwd,
+        max_line_bytes=stdio.max_line_bytes or config.limits.max_result_bytes,
+        restart_min_s=stdio.restart_min_s,
+        restart_max_s=stdio.restart_max_s,
+        stop_grace_s=stdio.stop_grace_s,
+        term_grace_s=stdio.term_grace_s,
+    )
+    pool = StdioPool(
+        spec, children=stdio.children, exclusive=stdio.dispatch == "exclusive", max_in_flight=stdio.max_in_flight
+    )
+    sessions = FrontSessions(stdio.max_sessions)
+    link = StdioLegacyLink(pool, sessions, start_timeout_s=stdio.start_timeout_s)
+    legacy = LegacyUpstream(lambda spawn: link, max_sessions=upstream.max_sessions, identity=identity)
+    modern = StdioModern(pool, start_timeout_s=stdio.start_timeout_s)
+    gateway: Gateway | None = None
+
+    async def era() -> str:
+        assert gateway is not None
+        return await gateway.era()
+
+    relay = StdioRelay(
+        pool, link, modern, sessions, identity, era, lambda: gateway.known_era if gateway else None, max_bytes=limit
+    )
+    gateway = Gateway(modern, legacy, relay, upstream.protocol)
+    try:
+        await pool.start()
+    except OSError as exc:
+        raise UpstreamStartError(f"cannot start {spec.name}: {exc.strerror or exc}") from exc
+
+    async def warm() -> None:
+        # The era first (a dual-era child keeps the one its first request shows), then a 2025 child's initialize:
+        # ready before the first client asks.
+        try:
+            if await gateway.era() == "legacy":
+                await link.ready()
+        except UpstreamUnavailable as exc:
+            log.warning("upstream_not_ready", upstream=spec.name, reason=str(exc))
+
+    warming = asyncio.ensure_future(warm())
+    try:
+        yield gateway
+    finally:
+        warming.cancel()
+        await legacy.aclose()
+        await pool.stop()

@@ -10,6 +10,10 @@ from typing import Any
 from ..jsonrpc import INTERNAL_ERROR, error_object
 
 
+class UpstreamStartError(Exception):
+    """A stdio server could not be started at all (a missing program, a bad working directory)."""
+
+
 class UpstreamUnavailable(Exception):
     """The upstream could not be reached or refused the proxy's own handshake."""
 

@@ -158,6 +158,11 @@ class HttpLegacyLink:
 
         self._spawn(delete())
 
+    follows_tasks = True
+
+    def client_capabilities(self, session: LegacySession) -> dict[str, Any] | None:
+        return None  # the client initialized the server itself: the server knows, and asks only what it may
+
     def stop_reading(self, session: LegacySession) -> None:
         if session.reader is not None:
             session.reader.cancel()

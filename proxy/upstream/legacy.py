@@ -123,6 +123,20 @@ def clean_input_request(message: dict[str, Any]) -> dict[str, Any]:
     return request
 
 
+def proxy_initialize() -> dict[str, Any]:
+    """The proxy's own initialize: everything it can relay, declared once per session (NOTES §8)."""
+    return {
+        "jsonrpc": "2.0",
+        "id": "mtp-initialize",
+        "method": "initialize",
+        "params": {
+            "protocolVersion": LEGACY_VERSION,
+            "capabilities": _PROXY_CAPABILITIES,
+            "clientInfo": {"name": "mcp-tasks-proxy", "version": __version__},
+        },
+    }
+
+
 def declined_answer(method: str, capabilities: dict[str, Any], params: dict[str, Any]) -> dict[str, Any] | None:
     """The answer the proxy gives the upstream itself when the client did not declare what a request needs.
 
@@ -177,6 +191,13 @@ class LegacyLink(Protocol):
     def end(self, session: LegacySession) -> None: ...
 
     def stop_reading(self, session: LegacySession) -> None: ...
+
+    def client_capabilities(self, session: LegacySession) -> dict[str, Any] | None:
+        """What a 2025-era client declared at its own initialize, when the link (not the server) holds it."""
+
+    @property
+    def follows_tasks(self) -> bool:
+        """Whether the server's own SEP-1686 tasks can be followed: their polls reach the server that made them."""
 
     async def send(
         self,
@@ -235,17 +256,7 @@ class LegacyUpstream:
 
     async def _initialize(self, principal: str, client_headers: MultiMapping[str]) -> LegacySession:
         bare = LegacySession(session_id=None, protocol_version=LEGACY_VERSION, principal=principal)
-        message = {
-            "jsonrpc": "2.0",
-            "id": "mtp-initialize",
-            "method": "initialize",
-            "params": {
-                "protocolVersion": LEGACY_VERSION,
-                "capabilities": _PROXY_CAPABILITIES,
-                "clientInfo": {"name": "mcp-tasks-proxy", "version": __version__},
-            },
-        }
-        answer, session_id, status = await self.link.initialize(principal, client_headers, message, bare)
+        answer, session_id, status = await self.link.initialize(principal, client_headers, proxy_initialize(), bare)
         if answer is None or not isinstance(answer.get("result"), dict):
             raise UpstreamUnavailable(f"the upstream refused initialize (HTTP {status})")
         result = answer["result"]
@@ -360,7 +371,7 @@ class LegacyUpstream:
                 support = await self.task_support.of(self, client_headers, name)
             else:
                 support = "forbidden"
-            if support in TASKED:
+            if support in TASKED and self.link.follows_tasks:
                 events = run_as_upstream_task(
                     self, session, legacy, client_headers, capabilities, route, max_bytes=max_bytes
                 )
@@ -391,6 +402,10 @@ class LegacyUpstream:
         requests come back verbatim, for that client."""
         request_id = legacy["id"]
         verbatim = session is not None
+        if session is not None:
+            # Where the server cannot know what this client declared (one stdio child for all), the proxy checks.
+            declared = self.link.client_capabilities(session)
+            capabilities = declared if declared is not None else capabilities
         try:
             session, response = await self.post(legacy, client_headers, session, route)
         except (ConnectionError, aiohttp.ClientError, OSError, UpstreamUnavailable) as exc:

@@ -28,6 +28,8 @@ class CallRoute:
     """Where a request tied to this call goes; None when its caller cannot take input from outside its stream."""
     upstream_task_id: str | None = None
     """The SEP-1686 task the upstream made for this call, once known."""
+    affinity: int | None = None
+    """stdio: the child (of a pool) that took the call's first request, where the rest of it goes too."""
 
 
 def related_task_id(message: dict[str, Any]) -> str | None:

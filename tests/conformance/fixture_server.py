@@ -93,4 +93,7 @@ async def test_tool_with_task(ctx: Context) -> CallToolResult | InputRequiredRes
 
 
 if __name__ == "__main__":
-    server.run(transport="streamable-http", host="127.0.0.1", port=int(sys.argv[1]))
+    if sys.argv[1] == "--stdio":  # the same tools over stdio, for a proxy that starts it (upstream.command)
+        server.run(transport="stdio")
+    else:
+        server.run(transport="streamable-http", host="127.0.0.1", port=int(sys.argv[1]))

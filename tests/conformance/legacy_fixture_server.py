@@ -116,6 +116,9 @@ async def test_tool_with_task(ctx: Context) -> CallToolResult:
 
 
 if __name__ == "__main__":
-    server.settings.host = "127.0.0.1"
-    server.settings.port = int(sys.argv[1])
-    server.run(transport="streamable-http")
+    if sys.argv[1] == "--stdio":  # the same tools over stdio, for a proxy that starts it (upstream.command)
+        server.run(transport="stdio")
+    else:
+        server.settings.host = "127.0.0.1"
+        server.settings.port = int(sys.argv[1])
+        server.run(transport="streamable-http")

@@ -1,0 +1,437 @@
+"""Many callers on one stdio child: the proxy owns the child's id space, and routes what the child writes back.
+
+Each request sent is an Exchange with an id of the proxy's (`m<generation>.<n>`, so callers' ids never collide)
+and, when it asked for progress, a progress token of the same value; what the child writes for it (progress,
+the response) is queued on it with the caller's own id and token put back. A request the child sends (elicitation,
+sampling, roots) names no call on stdio, so it is tied as on a legacy standalone stream (routing.py): its
+related-task, else the one call in flight. Everything is bounded: the calls in flight, the progress and requests
+queued per call, the line length (stdio_process.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import structlog
+
+from ..jsonrpc import INTERNAL_ERROR, dumps, error_object
+from .http_client import BodyTooLarge
+from .routing import CallRoute, related_task_id
+from .stdio_process import ChildProcess, ChildSpec, Oversized, Supervisor
+
+log = structlog.get_logger(__name__)
+
+_MAX_QUEUED_NOTIFICATIONS = 64
+"""Notifications (progress, logs) of one call not yet read; past it the oldest is dropped."""
+_MAX_QUEUED_REQUESTS = 16
+"""Server requests tied to one call and not yet taken; past it the child is refused at once."""
+_LOGGED_DROPS = 10
+_QUIET_METHODS = frozenset(
+    {
+        "initialize",
+        "ping",
+        "tools/list",
+        "prompts/list",
+        "resources/list",
+        "resources/templates/list",
+        "logging/setLevel",
+        "resources/subscribe",
+        "resources/unsubscribe",
+        "tasks/get",
+        "tasks/list",
+        "tasks/cancel",
+        "server/discover",
+        "subscriptions/listen",
+    }
+)
+"""Requests during which a server does not ask its client anything: never the call an untied request is for."""
+SUBSCRIPTION_ID = "io.modelcontextprotocol/subscriptionId"
+_ID_IN_LINE = re.compile(rb'"id"\s*:\s*"(m\d+\.\d+)"')
+
+
+def may_ask(method: Any) -> bool:
+    """Whether a server may ask its client something while it answers this request."""
+    return method not in _QUIET_METHODS
+
+
+class ChildGone(ConnectionError):
+    """The child exited (or could not be written to) while a call waited on it."""
+
+
+class Exchange:
+    """One request to the child and what comes back for it, up to its response."""
+
+    def __init__(self, channel: StdioChannel, child_id: str, request: dict[str, Any], route: CallRoute | None) -> None:
+        self._channel = channel
+        self.child_id = child_id
+        self.caller_id = request.get("id")
+        self.method = request.get("method")
+        self.route = route
+        self.token: Any = None
+        """The caller's progress token, when it asked for progress (the child sees `child_id` instead)."""
+        self.may_ask = may_ask(self.method)
+        self._items: collections.deque[tuple[dict[str, Any], int]] = collections.deque()
+        self._notifications = 0
+        self._requests = 0
+        self.last_size = 0
+        """The size of the last message read, as the child wrote it."""
+        self._ready = asyncio.Event()
+        self.answered = False
+        self.closed = False
+        self.asked: list[str] = []
+        """The child's requests delivered to this call (by shown id): refused at its end if still unanswered."""
+
+    def deliver(self, message: dict[str, Any], size: int) -> bool:
+        """Queue what the child wrote for this call; False when the bound refuses a request of the child's."""
+        method = message.get("method")
+        if method is None:
+            message = {**message, "id": self.caller_id}
+            self.answered = True
+        elif "id" in message:
+            if self._requests >= _MAX_QUEUED_REQUESTS:
+                return False
+            self._requests += 1
+            self.asked.append(message["id"])
+        else:
+            if self._notifications >= _MAX_QUEUED_NOTIFICATIONS:
+                for index, (queued, _) in enumerate(self._items):
+                    if queued.get("method") is not None and "id" not in queued:
+                        del self._items[index]
+                        self._notifications -= 1
+                        break
+            self._notifications += 1
+        self._items.append((message, size))
+        self._ready.set()
+        return True
+
+    async def messages(self, max_bytes: int) -> AsyncIterator[dict[str, Any]]:
+        """What the child wrote for this call, the response last; BodyTooLarge for one over `max_bytes`."""
+        while True:
+            while not self._items:
+                self._ready.clear()
+                await self._ready.wait()
+            message, size = self._items.popleft()
+            method = message.get("method")
+            if method is not None and "id" in message:
+                self._requests -= 1
+            elif method is not None:
+                self._notifications -= 1
+            if size > max_bytes:
+                raise BodyTooLarge(max_bytes)
+            self.last_size = size
+            yield message
+            if method is None:
+                return
+
+    def close(self, reason: str = "cancelled by the client") -> None:
+        """Done with it: when its response has not come, the child is told to stop (notifications/cancelled)."""
+        if self.closed:
+            return
+        self.closed = True
+        self._channel.forget(self, cancel_reason=None if self.answered else reason)
+
+
+class StdioChannel:
+    """The proxy's side of one supervised child's stdin and stdout."""
+
+    def __init__(self, spec: ChildSpec, *, max_in_flight: int, index: int = 0) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.index = index
+        self._max_in_flight = max_in_flight
+        self._numbers = itertools.count(1)
+        self._pending: dict[str, Exchange] = {}
+        self._asked: dict[str, tuple[int, Any]] = {}
+        """The child's own requests not yet answered: the id they are shown under → (generation, the child's id)."""
+        self._asked_numbers = itertools.count(1)
+        self.prepare: Callable[[StdioChannel], Awaitable[Any]] | None = None
+        """Run once per run of the child before any request of a caller's (a 2025 child's initialize)."""
+        self._prepared: dict[int, asyncio.Task[Any]] = {}
+        self.reserved = 0
+        """Calls the pool has sent this child's way and not yet written (exclusive dispatch)."""
+        self.on_forget: list[Callable[[Exchange], None]] = []
+        """Told each exchange that ends (its answer read, or given up)."""
+        self._refused = 0
+        self.on_notification: list[Callable[[dict[str, Any]], None]] = []
+        """Told every notification of the child's that belongs to no call (list_changed, resources/updated)."""
+        self.on_start: list[Callable[[ChildProcess], None]] = []
+        self.supervisor = Supervisor(
+            spec,
+            on_start=self._started,
+            on_exit=self._exited,
+            on_message=self._received,
+            on_oversized=self._oversized,
+        )
+        self._running = asyncio.Event()
+
+    @property
+    def generation(self) -> int:
+        child = self.supervisor.child
+        return child.generation if child is not None else 0
+
+    @property
+    def pid(self) -> int | None:
+        child = self.supervisor.child
+        return child.pid if child is not None else None
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    async def start(self) -> None:
+        await self.supervisor.start()
+
+    async def stop(self) -> None:
+        await self.supervisor.stop()
+        self._fail_all("the proxy is shutting down", None)
+
+    async def running(self, timeout_s: float) -> ChildProcess:
+        """The child, once one runs (a restart may be under way); ChildGone past `timeout_s`."""
+        try:
+            await asyncio.wait_for(self._running.wait(), timeout_s)
+        except TimeoutError:
+            raise ChildGone(f"the stdio server is not running ({self.supervisor.state})") from None
+        child = self.supervisor.child
+        if child is None:  # pragma: no cover - cleared and set in the same step
+            raise ChildGone(f"the stdio server is not running ({self.supervisor.state})")
+        return child
+
+    @property
+    def asking(self) -> int:
+        """Exchanges in flight during which the child may ask something."""
+        return sum(1 for exchange in self._pending.values() if exchange.may_ask)
+
+    async def prepared(self, wait_s: float) -> Any:
+        """The running child, prepared (its prepare hook run once for this run of it); what the hook returned."""
+        child = await self.running(wait_s)
+        if self.prepare is None:
+            return None
+        task = self._prepared.get(child.generation)
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+            task = self._prepared[child.generation] = asyncio.ensure_future(self.prepare(self))
+        return await asyncio.shield(task)
+
+    async def request(
+        self, message: dict[str, Any], *, route: CallRoute | None = None, wait_s: float = 30.0, prepared: bool = True
+    ) -> Exchange:
+        """Send one request under an id of the proxy's; read the answer from the Exchange, then close it. Unless
+        `prepared` is False (the prepare hook's own requests), the child is prepared first."""
+        if len(self._pending) >= self._max_in_flight:
+            raise ChildGone(f"{self._max_in_flight} calls are in flight on the stdio server (upstream.stdio)")
+        if prepared:
+            await self.prepared(wait_s)
+        child = await self.running(wait_s)
+        child_id = f"m{child.generation}.{next(self._numbers)}"
+        exchange = Exchange(self, child_id, message, route)
+        sent = {**message, "id": child_id}
+        params = message.get("params")
+        meta = params.get("_meta") if isinstance(params, dict) else None
+        if isinstance(meta, dict) and "progressToken" in meta:
+            exchange.token = meta["progressToken"]
+            sent["params"] = {**params, "_meta": {**meta, "progressToken": child_id}}
+        self._pending[child_id] = exchange
+        try:
+            await child.write(dumps(sent) + b"\n")
+        except ConnectionError as exc:
+            self._pending.pop(child_id, None)
+            raise ChildGone(str(exc)) from exc
+        except BaseException:
+            self._pending.pop(child_id, None)
+            raise
+        return exchange
+
+    async def notify(self, message: dict[str, Any]) -> None:
+        """A notification of the proxy's to the child (dropped when none runs: nothing would read it)."""
+        child = self.supervisor.child
+        if child is None:
+            return
+        try:
+            await child.write(dumps(message) + b"\n")
+        except ConnectionError as exc:
+            log.info("upstream_notification_not_delivered", upstream=self.name, reason=str(exc))
+
+    def owns(self, shown_id: Any) -> bool:
+        return isinstance(shown_id, str) and shown_id in self._asked
+
+    async def respond(self, shown_id: Any, answer: dict[str, Any]) -> bool:
+        """Answer a request of the child's, by the id it was shown under (once; never one that a previous run of the
+        child sent). False when dropped."""
+        asked = self._asked.pop(shown_id, None) if isinstance(shown_id, str) else None
+        if asked is None:
+            return False
+        return await self._answer_child(asked[0], asked[1], answer)
+
+    async def _answer_child(self, generation: int, request_id: Any, answer: dict[str, Any]) -> bool:
+        child = self.supervisor.child
+        if child is None or generation != child.generation:
+            return False
+        try:
+            await child.write(dumps({"jsonrpc": "2.0", "id": request_id, **answer}) + b"\n")
+        except ConnectionError as exc:
+            log.warning("upstream_answer_not_delivered", upstream=self.name, reason=str(exc))
+            return False
+        return True
+
+    def forget(self, exchange: Exchange, *, cancel_reason: str | None) -> None:
+        for callback in self.on_forget:
+            callback(exchange)
+        for shown_id in exchange.asked:
+            asked = self._asked.pop(shown_id, None)
+            if asked is not None:  # the call ended with the child's question open: the child must not wait on it
+                error = error_object(INTERNAL_ERROR, "The request's call has ended at the proxy")
+                asyncio.ensure_future(self._answer_child(asked[0], asked[1], {"error": error}))
+        if self._pending.get(exchange.child_id) is exchange:
+            del self._pending[exchange.child_id]
+            if cancel_reason is not None:
+                cancel = {
+                    "jsonrpc": "2.0",
+                    "method": "notifications/cancelled",
+                    "params": {"requestId": exchange.child_id, "reason": cancel_reason},
+                }
+                task = asyncio.ensure_future(self.notify(cancel))
+                task.add_done_callback(lambda _: None)
+
+    # --- what the child writes ------------------------------------------------------------------------------------
+
+    def _started(self, child: ChildProcess) -> None:
+        self._running.set()
+        for callback in list(self.on_start):
+            callback(child)
+
+    def _exited(self, child: ChildProcess, status: int) -> None:
+        self._running.clear()
+        self._fail_all(f"the stdio server exited with status {status}", child, status)
+
+    def _fail_all(self, reason: str, child: ChildProcess | None, status: int | None = None) -> None:
+        data: dict[str, Any] = {"upstream": self.name}
+        if status is not None:
+            data["exitStatus"] = status
+        if child is not None:
+            data["stderr"] = list(child.stderr_tail)
+        error = error_object(INTERNAL_ERROR, f"Upstream failure: {reason}", data)
+        pending, self._pending = self._pending, {}
+        for exchange in pending.values():
+            exchange.deliver({"jsonrpc": "2.0", "id": exchange.child_id, "error": error}, 0)
+        self._asked.clear()
+        self._prepared.clear()
+
+    def _received(self, child: ChildProcess, message: Any, size: int) -> None:
+        if not isinstance(message, dict):
+            self._drop("a JSON-RPC batch (stdio carries one message per line)", message)
+            return
+        method = message.get("method")
+        if method is None:
+            exchange = self._pending.pop(_key(message.get("id")), None)
+            if exchange is None:
+                self._drop("a response to no request in flight", message)
+                return
+            exchange.deliver(message, size)
+            return
+        if not isinstance(method, str):
+            self._drop("a message whose method is not a string", message)
+            return
+        if "id" not in message:
+            self._notification(message, size)
+            return
+        if method == "ping":
+            asyncio.ensure_future(self._answer_child(child.generation, message["id"], {"result": {}}))
+            return
+        exchange, why = self._route(message)
+        # Shown under an id of the proxy's: the ids of several children (or of two runs of one) never meet.
+        shown_id = f"c{self.index}.{next(self._asked_numbers)}"
+        if exchange is not None and exchange.deliver({**message, "id": shown_id}, size):
+            self._asked[shown_id] = (child.generation, message["id"])
+            return
+        why = why or f"its call has {_MAX_QUEUED_REQUESTS} requests waiting already"
+        self._refuse(child, message, why)
+
+    def _notification(self, message: dict[str, Any], size: int) -> None:
+        if message["method"] == "notifications/progress":
+            params = message.get("params")
+            token = params.get("progressToken") if isinstance(params, dict) else None
+            exchange = self._pending.get(token) if isinstance(token, str) else None
+            if exchange is not None and exchange.token is not None:
+                exchange.deliver({**message, "params": {**params, "progressToken": exchange.token}}, size)
+            return
+        if message["method"] == "notifications/cancelled":
+            return  # the child gave up a request of its own: its answer, if any, will be dropped
+        params = message.get("params")
+        meta = params.get("_meta") if isinstance(params, dict) else None
+        subscription = meta.get(SUBSCRIPTION_ID) if isinstance(meta, dict) else None
+        if isinstance(subscription, str) and subscription in self._pending:
+            exchange = self._pending[subscription]  # a 2026 subscriptions/listen stream's notification
+            meta = {**meta, SUBSCRIPTION_ID: exchange.caller_id}
+            exchange.deliver({**message, "params": {**params, "_meta": meta}}, size)
+            return
+        if message["method"] == "notifications/message":
+            # A log line says something about the call that wrote it: only that call's client may see it.
+            exchange, _ = self._route(message)
+            if exchange is not None:
+                exchange.deliver(message, size)
+            return
+        for callback in list(self.on_notification):
+            callback(message)
+
+    def _route(self, message: dict[str, Any]) -> tuple[Exchange | None, str]:
+        """The open call a request of the child's is for (the newest exchange of it), or None and why not."""
+        groups: dict[int, list[Exchange]] = {}
+        for exchange in self._pending.values():
+            if exchange.may_ask:
+                key = id(exchange.route) if exchange.route is not None else id(exchange)
+                groups.setdefault(key, []).append(exchange)
+        task_id = related_task_id(message)
+        if task_id is not None:
+            for exchanges in groups.values():
+                route = exchanges[0].route
+                if route is not None and route.upstream_task_id == task_id:
+                    return exchanges[-1], ""
+            if len(groups) == 1:
+                only = next(iter(groups.values()))
+                if only[0].route is None or only[0].route.upstream_task_id is None:
+                    return only[-1], ""
+            return None, f"it names task {task_id!r}, which no call in flight follows"
+        if len(groups) == 1:
+            return next(iter(groups.values()))[-1], ""
+        if not groups:
+            return None, "no call is in flight on the stdio server"
+        return None, f"{len(groups)} calls are in flight on the stdio server and the request names none of them"
+
+    def _refuse(self, child: ChildProcess, message: dict[str, Any], why: str) -> None:
+        self._refused += 1
+        if self._refused <= _LOGGED_DROPS or self._refused % 1000 == 0:
+            log.info(
+                "upstream_request_refused",
+                upstream=self.name,
+                upstream_method=message["method"],
+                reason=why,
+                count=self._refused,
+            )
+        error = error_object(INTERNAL_ERROR, f"The proxy cannot relay this {message['method']} request: {why}")
+        asyncio.ensure_future(self._answer_child(child.generation, message["id"], {"error": error}))
+
+    def _oversized(self, child: ChildProcess, line: Oversized) -> None:
+        """A discarded line may have been a call's answer: the call whose id it shows fails, not waits."""
+        for edge in (line.head, line.tail):
+            match = _ID_IN_LINE.search(edge)
+            exchange = self._pending.pop(match.group(1).decode(), None) if match else None
+            if exchange is not None:
+                reason = f"the stdio server's answer ({line.size} bytes) exceeds upstream.stdio.max_line_bytes"
+                exchange.deliver(
+                    {"jsonrpc": "2.0", "id": exchange.child_id, "error": error_object(INTERNAL_ERROR, reason)}, 0
+                )
+                return
+
+    def _drop(self, what: str, message: Any) -> None:
+        self._refused += 1
+        if self._refused <= _LOGGED_DROPS or self._refused % 1000 == 0:
+            log.warning("upstream_message_dropped", upstream=self.name, reason=what, count=self._refused)
+
+
+def _key(request_id: Any) -> Any:
+    """Ids as dict keys: 1 and "1" are different ids, and True is not 1."""
+    return (type(request_id).__name__, request_id) if not isinstance(request_id, str) else request_id

@@ -1,0 +1,170 @@
+"""A 2025-era server over stdio: one initialize per run of the child (the proxy's, never a client's: a second
+initialize would replace the capabilities the child holds for everyone), then requests multiplexed on the channel.
+
+Every principal shares the child's one session, so the LegacyUpstream sessions all name it; what keeps callers apart
+is the channel (ids the proxy owns, server requests tied to their call). A 2025-era client's own session (a durable
+call's) is one the proxy made for it (stdio_sessions.py): 404 once ended, as an HTTP server says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from multidict import MultiMapping
+
+from ..jsonrpc import dumps
+from .events import UpstreamUnavailable
+from .http_client import BodyTooLarge
+from .legacy import LEGACY_VERSION, LegacySession, proxy_initialize
+from .routing import CallRoute
+from .stdio_channel import ChildGone, Exchange, StdioChannel
+from .stdio_pool import StdioPool
+
+if TYPE_CHECKING:
+    from .legacy import LegacyUpstream
+    from .stdio_sessions import FrontSessions
+
+log = structlog.get_logger(__name__)
+
+ASK_TIMEOUT_S = 30.0
+_HANDSHAKE_MAX_BYTES = 4 * 1024 * 1024
+
+
+class StdioReply:
+    """The child's answer to one request: always "200" (stdio has no status), or 404 for an ended client session."""
+
+    content_type = "application/json"
+
+    def __init__(self, exchange: Exchange | None, status: int = 200) -> None:
+        self._exchange = exchange
+        self.status = status
+
+    async def messages(self, max_bytes: int) -> AsyncIterator[dict[str, Any]]:
+        if self._exchange is None:
+            return
+        async for message in self._exchange.messages(max_bytes):
+            yield message
+
+    def close(self) -> None:
+        if self._exchange is not None:
+            self._exchange.close()  # tells the child when the answer had not come
+
+    def cancel(self, reason: str) -> None:
+        """Closing told the child already."""
+
+
+class StdioLegacyLink:
+    """How LegacyUpstream reaches a 2025-era stdio child."""
+
+    def __init__(self, pool: StdioPool, sessions: FrontSessions, *, start_timeout_s: float) -> None:
+        self.pool = pool
+        self._sessions = sessions
+        self._start_timeout_s = start_timeout_s
+        self.shared = LegacySession(session_id=None, protocol_version=LEGACY_VERSION, principal="stdio")
+        self.initialize_result: dict[str, Any] | None = None
+
+    @property
+    def url(self) -> str:
+        return self.pool.name
+
+    async def _handshake(self, channel: StdioChannel) -> dict[str, Any]:
+        """The proxy's initialize, once per run of each child, before any caller's request reaches it."""
+        message = proxy_initialize()
+        exchange = await channel.request(message, wait_s=self._start_timeout_s, prepared=False)
+        try:
+            async with asyncio.timeout(self._start_timeout_s):
+                async for answer in exchange.messages(_HANDSHAKE_MAX_BYTES):
+                    if answer.get("method") is None:
+                        break
+                else:  # pragma: no cover - messages() ends with the answer
+                    raise UpstreamUnavailable("the stdio server gave no answer to initialize")
+        except TimeoutError:
+            raise UpstreamUnavailable(
+                f"the stdio server did not answer initialize within {self._start_timeout_s:g} s "
+                "(upstream.stdio.start_timeout_s)"
+            ) from None
+        finally:
+            exchange.close()
+        result = answer.get("result")
+        if not isinstance(result, dict):
+            raise UpstreamUnavailable(f"the stdio server refused initialize: {dumps(answer.get('error'))[:200]!r}")
+        await channel.notify({"jsonrpc": "2.0", "method": "notifications/initialized"})
+        self.initialize_result = result
+        self.shared.protocol_version = str(result.get("protocolVersion") or LEGACY_VERSION)
+        log.info("stdio_session_initialized", upstream=self.url, protocol_version=self.shared.protocol_version)
+        return result
+
+    async def ready(self) -> dict[str, Any]:
+        """A running child's initialize result, the handshake made first if need be. Raises UpstreamUnavailable.
+
+        The first call also makes the handshake every child's first step from then on (the era is 2025)."""
+        self.pool.set_prepare(self._handshake)
+        try:
+            return await self.pool.prepared(self._start_timeout_s)
+        except ChildGone as exc:
+            raise UpstreamUnavailable(str(exc)) from exc
+
+    async def initialize(
+        self, principal: str, client_headers: MultiMapping[str], message: dict[str, Any], bare: LegacySession
+    ) -> tuple[dict[str, Any] | None, str | None, int]:
+        return {"result": await self.ready()}, None, 200
+
+    async def opened(self, legacy: LegacyUpstream, session: LegacySession, client_headers: MultiMapping[str]) -> None:
+        """Nothing to open: stdio has no standalone stream (every request of the child's comes the same way)."""
+
+    def end(self, session: LegacySession) -> None:
+        """Sessions of principals all name the child's one session, which lives as long as the child."""
+
+    def stop_reading(self, session: LegacySession) -> None:
+        """No stream to stop."""
+
+    @property
+    def follows_tasks(self) -> bool:
+        # With several children a task's polls could reach one that never made it: the proxy makes its own tasks.
+        return len(self.pool.channels) == 1
+
+    def client_capabilities(self, session: LegacySession) -> dict[str, Any] | None:
+        front = self._sessions.get(session.session_id) if session.session_id is not None else None
+        return front.capabilities if front is not None else None
+
+    async def send(
+        self,
+        session: LegacySession,
+        client_headers: MultiMapping[str],
+        message: dict[str, Any],
+        route: CallRoute | None,
+    ) -> StdioReply:
+        if session.session_id is not None and self._sessions.get(session.session_id) is None:
+            return StdioReply(None, 404)  # a client's session the proxy has ended (or never made)
+        await self.ready()
+        return StdioReply(await self.pool.request(message, route=route, wait_s=self._start_timeout_s))
+
+    async def respond(
+        self, session: LegacySession, client_headers: MultiMapping[str], request_id: Any, answer: dict[str, Any]
+    ) -> None:
+        await self.pool.respond(request_id, answer)
+
+    async def ask(
+        self, session: LegacySession, client_headers: MultiMapping[str], message: dict[str, Any]
+    ) -> tuple[int, dict[str, Any] | None]:
+        await self.ready()
+        try:
+            exchange = await self.pool.request(message, wait_s=self._start_timeout_s)
+        except ChildGone as exc:
+            raise UpstreamUnavailable(f"{message['method']}: {exc}") from exc
+        try:
+            async with asyncio.timeout(ASK_TIMEOUT_S):
+                async for answer in exchange.messages(_HANDSHAKE_MAX_BYTES):
+                    if answer.get("method") is None:
+                        return 200, answer
+        except TimeoutError as exc:
+            raise UpstreamUnavailable(f"{message['method']}: no answer within {ASK_TIMEOUT_S:g} s") from exc
+        except BodyTooLarge:
+            log.warning("upstream_answer_too_large", limit=_HANDSHAKE_MAX_BYTES)
+            return 200, None
+        finally:
+            exchange.close()
+        return 200, None  # pragma: no cover - messages() ends with the answer

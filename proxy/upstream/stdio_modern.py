@@ -1,0 +1,105 @@
+"""A 2026-07-28 server over stdio: every request carries its own `_meta` envelope, so many clients multiplex on the
+one child with nothing but ids to keep apart (the channel's). Cancellation is `notifications/cancelled`, sent when a
+call's exchange is closed before its answer."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+import structlog
+from multidict import MultiMapping
+
+from .events import Event, Progress, UpstreamUnavailable, proxy_failure, too_large
+from .http_client import BodyTooLarge
+from .modern import discover_probe, interpret, is_discover_result
+from .stdio_channel import ChildGone
+from .stdio_pool import StdioPool
+
+log = structlog.get_logger(__name__)
+
+_PROBE_MAX_BYTES = 4 * 1024 * 1024
+
+
+class StdioModern:
+    def __init__(self, pool: StdioPool, *, start_timeout_s: float) -> None:
+        self.pool = pool
+        self._start_timeout_s = start_timeout_s
+
+    @property
+    def url(self) -> str:
+        return self.pool.name
+
+    async def probe(self, client_headers: MultiMapping[str]) -> Literal["modern", "legacy"]:
+        """server/discover as the stdio transport says: a DiscoverResult means modern; any error, or no answer in
+        time, means 2025 (initialize follows). The first request also fixes a dual-era child's era for its life."""
+        try:
+            exchange = await self.pool.request(discover_probe(), wait_s=self._start_timeout_s, prepared=False)
+        except ChildGone as exc:
+            raise UpstreamUnavailable(str(exc)) from exc
+        answer = None
+        try:
+            async with asyncio.timeout(self._start_timeout_s):
+                async for message in exchange.messages(_PROBE_MAX_BYTES):
+                    if message.get("method") is None:
+                        answer = message
+        except (TimeoutError, BodyTooLarge):
+            log.info("upstream_probe_unanswered", upstream=self.url, wait_s=self._start_timeout_s)
+        finally:
+            exchange.close()
+        if answer is not None and _exited(answer):
+            raise UpstreamUnavailable(answer["error"]["message"])
+        return "modern" if is_discover_result(answer) else "legacy"
+
+    async def answers(self, timeout_s: float) -> bool:
+        """Whether the child answers a server/discover within `timeout_s` (for /readyz)."""
+        try:
+            exchange = await self.pool.request(discover_probe(), wait_s=timeout_s, prepared=False)
+        except ChildGone:
+            return False
+        try:
+            async with asyncio.timeout(timeout_s):
+                async for message in exchange.messages(_PROBE_MAX_BYTES):
+                    if message.get("method") is None:
+                        return not _exited(message)
+        except (TimeoutError, BodyTooLarge):
+            return False
+        finally:
+            exchange.close()
+        return False  # pragma: no cover - messages() ends with the answer
+
+    async def call_tool(
+        self,
+        message: dict[str, Any],
+        client_headers: MultiMapping[str],
+        capabilities: dict[str, Any],
+        *,
+        max_bytes: int,
+    ) -> AsyncIterator[Event]:
+        """One request and what the child writes for it, as events; closing early cancels it in the child."""
+        try:
+            exchange = await self.pool.request(message, wait_s=self._start_timeout_s)
+        except ChildGone as exc:
+            yield proxy_failure(str(exc), self.url)
+            return
+        try:
+            async for answer in exchange.messages(max_bytes):
+                event = interpret(answer, message["id"], "stdio", exchange.last_size, self.url)
+                if event is not None:
+                    yield event
+                    if not isinstance(event, Progress):
+                        return
+        except BodyTooLarge:
+            yield too_large(max_bytes)
+        finally:
+            exchange.close()
+
+    async def notify_cancelled(self, request_id: str, client_headers: MultiMapping[str], reason: str) -> None:
+        """Closing the call's exchange told the child already."""
+
+
+def _exited(answer: dict[str, Any]) -> bool:
+    error = answer.get("error")
+    data = error.get("data") if isinstance(error, dict) else None
+    return isinstance(data, dict) and "exitStatus" in data

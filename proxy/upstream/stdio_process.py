@@ -1,0 +1,338 @@
+"""A stdio MCP server as a child process: started, read line by line, restarted with backoff, stopped in order.
+
+The stdio transport frames one JSON-RPC message per `\\n`-terminated line. A line longer than `max_line_bytes` is
+discarded without being held (`readuntil`, then `readexactly` of what overran), so a flooding child costs at most
+about twice the limit; its head and tail are kept to tell which call it answered. stderr is always drained (a full
+pipe would stop the child), logged line by line, and its last lines kept for the failure of the calls that were
+running when the child died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+_STDERR_LINE_BYTES = 8 * 1024
+"""A stderr line is logged up to this length; the rest of it is dropped."""
+_STDERR_TAIL = 20
+"""stderr lines kept for the failure of the calls a dying child leaves."""
+_LOGGED_LINES = 200
+"""stderr or junk stdout lines logged one by one per child; past that one in a thousand (a flood must not flood)."""
+_EDGE_BYTES = 256
+"""Of a discarded (too long) line, the head and tail kept: where its id is."""
+_HEALTHY_S = 60.0
+"""A child that ran this long resets the restart backoff."""
+_WRITE_TIMEOUT_S = 30.0
+"""How long a write may wait for a child that does not read its stdin."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChildSpec:
+    argv: Sequence[str]
+    env: dict[str, str]
+    """The child's whole environment (the inherited names and upstream.env)."""
+    cwd: str | None = None
+    max_line_bytes: int = 16 * 1024 * 1024
+    restart_min_s: float = 0.5
+    restart_max_s: float = 30.0
+    stop_grace_s: float = 2.0
+    term_grace_s: float = 2.0
+
+    @property
+    def name(self) -> str:
+        """How logs and errors name the child: its program only, since arguments may hold secrets."""
+        return f"stdio:{Path(self.argv[0]).name}"
+
+
+def child_env(inherit: Sequence[str], extra: dict[str, str]) -> dict[str, str]:
+    """The inherited variables (as the SDKs' stdio clients do, so the proxy's own secrets stay its own) and `extra`."""
+    env = {name: os.environ[name] for name in inherit if name in os.environ}
+    env.update(extra)
+    return env
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Oversized:
+    """A stdout line over max_line_bytes, discarded: its first and last bytes, and how long it was."""
+
+    head: bytes
+    tail: bytes
+    size: int
+
+
+class ChildProcess:
+    """One run of the child: its pipes read until it exits. `on_message` gets each JSON message (with its size),
+    `on_oversized` each discarded line; both are called in the reader and must not block."""
+
+    def __init__(
+        self,
+        spec: ChildSpec,
+        generation: int,
+        on_message: Callable[[Any, int], None],
+        on_oversized: Callable[[Oversized], None],
+    ) -> None:
+        self.spec = spec
+        self.generation = generation
+        self._on_message = on_message
+        self._on_oversized = on_oversized
+        self._process: asyncio.subprocess.Process | None = None
+        self._readers: list[asyncio.Task[None]] = []
+        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=_STDERR_TAIL)
+        self._stderr_lines = 0
+        self._junk_lines = 0
+        self._write_lock = asyncio.Lock()
+        self.started_at = 0.0
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    async def start(self) -> None:
+        """Spawn the child; OSError (a missing program, a bad cwd) is the caller's to report."""
+        self._process = await asyncio.create_subprocess_exec(
+            *self.spec.argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=self.spec.env,
+            cwd=self.spec.cwd,
+            limit=self.spec.max_line_bytes,
+            # Its own process group: a wrapper (sh, npx) and what it starts are stopped together (killpg).
+            start_new_session=True,
+        )
+        self.started_at = time.monotonic()
+        log.info("upstream_started", upstream=self.spec.name, pid=self._process.pid, generation=self.generation)
+        assert self._process.stdout is not None and self._process.stderr is not None
+        self._readers = [
+            asyncio.ensure_future(self._read_stdout(self._process.stdout)),
+            asyncio.ensure_future(self._read_stderr(self._process.stderr)),
+        ]
+
+    async def wait(self) -> int:
+        """The exit status, once the child has exited and its pipes are read to their end."""
+        assert self._process is not None
+        status = await self._process.wait()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*self._readers, return_exceptions=True), 2.0)
+        for reader in self._readers:
+            reader.cancel()
+        return status
+
+    async def write(self, line: bytes) -> None:
+        """One message (a line with its newline) to the child's stdin. Raises ConnectionError when the child is
+        gone or has not read its stdin for _WRITE_TIMEOUT_S."""
+        process = self._process
+        if process is None or process.stdin is None or process.returncode is not None:
+            raise ConnectionError("the stdio server is not running")
+        try:
+            process.stdin.write(line)  # one write per message keeps the framing whole
+            async with self._write_lock, asyncio.timeout(_WRITE_TIMEOUT_S):
+                await process.stdin.drain()
+        except TimeoutError:
+            raise ConnectionError(f"the stdio server has not read its stdin for {_WRITE_TIMEOUT_S:g} s") from None
+        except (BrokenPipeError, ConnectionResetError, RuntimeError) as exc:
+            raise ConnectionError(f"the stdio server's stdin is closed ({type(exc).__name__})") from None
+
+    async def stop(self) -> int | None:
+        """As the stdio transport asks: close stdin, wait; SIGTERM the group, wait; SIGKILL. The exit status."""
+        process = self._process
+        if process is None:
+            return None
+        if process.returncode is None and process.stdin is not None:
+            with contextlib.suppress(OSError, RuntimeError):
+                process.stdin.close()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(process.wait(), self.spec.stop_grace_s)
+        for sig, grace in ((signal.SIGTERM, self.spec.term_grace_s), (signal.SIGKILL, 5.0)):
+            if process.returncode is not None:
+                break
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, sig)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(process.wait(), grace)
+        # What the group still holds (a wrapper's children that outlived it) goes too.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        for reader in self._readers:
+            reader.cancel()
+        return process.returncode
+
+    async def _read_stdout(self, stdout: asyncio.StreamReader) -> None:
+        limit = self.spec.max_line_bytes
+        while True:
+            try:
+                line = await stdout.readuntil(b"\n")
+            except asyncio.IncompleteReadError as exc:
+                if exc.partial.strip():
+                    self._line(exc.partial)  # a last message without its newline
+                return
+            except asyncio.LimitOverrunError as exc:
+                await self._discard(stdout, exc.consumed, limit)
+                continue
+            self._line(line)
+
+    async def _discard(self, stdout: asyncio.StreamReader, consumed: int, limit: int) -> None:
+        """Read past one over-long line without keeping it, then report its edges."""
+        head = bytes(await stdout.readexactly(consumed)) if consumed else b""
+        size, tail = len(head), head[-_EDGE_BYTES:]
+        head = head[:_EDGE_BYTES]
+        while True:
+            try:
+                rest = await stdout.readuntil(b"\n")
+            except asyncio.LimitOverrunError as exc:
+                chunk = await stdout.readexactly(exc.consumed) if exc.consumed else b""
+                size += len(chunk)
+                tail = (tail + chunk)[-_EDGE_BYTES:]
+                if not exc.consumed:  # pragma: no cover - readuntil always consumes when over the limit
+                    await asyncio.sleep(0)
+                continue
+            except asyncio.IncompleteReadError as exc:
+                rest = exc.partial
+            size += len(rest)
+            tail = (tail + rest)[-_EDGE_BYTES:]
+            break
+        log.warning("upstream_line_too_long", upstream=self.spec.name, bytes=size, limit=limit)
+        self._on_oversized(Oversized(head, tail, size))
+
+    def _line(self, line: bytes) -> None:
+        text = line.strip()
+        if not text:
+            return
+        try:
+            message = json.loads(text)
+        except (ValueError, RecursionError):
+            message = None
+        if not isinstance(message, dict | list):
+            # Not MCP (a banner, a stray print): the transport forbids it, and servers do it anyway.
+            self._junk_lines += 1
+            if self._junk_lines <= _LOGGED_LINES or self._junk_lines % 1000 == 0:
+                log.warning(
+                    "upstream_stdout_not_json",
+                    upstream=self.spec.name,
+                    line=text[:200].decode("utf-8", "replace"),
+                    count=self._junk_lines,
+                )
+            return
+        self._on_message(message, len(text))
+
+    async def _read_stderr(self, stderr: asyncio.StreamReader) -> None:
+        while True:
+            try:
+                line = await stderr.readuntil(b"\n")
+            except asyncio.IncompleteReadError as exc:
+                line = exc.partial
+                if not line:
+                    return
+            except asyncio.LimitOverrunError as exc:
+                line = await stderr.readexactly(exc.consumed) if exc.consumed else b""
+            text = line[:_STDERR_LINE_BYTES].decode("utf-8", "replace").rstrip()
+            if not text:
+                continue
+            self.stderr_tail.append(text[:500])
+            self._stderr_lines += 1
+            if self._stderr_lines <= _LOGGED_LINES or self._stderr_lines % 1000 == 0:
+                log.info("upstream_stderr", upstream=self.spec.name, pid=self.pid, line=text, count=self._stderr_lines)
+
+
+class Supervisor:
+    """Keeps one child running: starts it, and when it exits tells `on_exit` and starts it again, the delay doubling
+    from restart_min_s to restart_max_s (and back to the minimum after a healthy run)."""
+
+    def __init__(
+        self,
+        spec: ChildSpec,
+        *,
+        on_start: Callable[[ChildProcess], None],
+        on_exit: Callable[[ChildProcess, int], None],
+        on_message: Callable[[ChildProcess, Any, int], None],
+        on_oversized: Callable[[ChildProcess, Oversized], None],
+    ) -> None:
+        self.spec = spec
+        self._on_start = on_start
+        self._on_exit = on_exit
+        self._on_message = on_message
+        self._on_oversized = on_oversized
+        self.child: ChildProcess | None = None
+        self.state = "starting"
+        """For /readyz: "running", "starting", or why the child is not running."""
+        self._generation = 0
+        self._loop_task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self.restarts = 0
+
+    async def start(self) -> None:
+        """Start the first child (OSError when it cannot be spawned at all), then keep it running."""
+        child = await self._spawn()
+        self._loop_task = asyncio.ensure_future(self._watch(child))
+
+    async def _spawn(self) -> ChildProcess:
+        self._generation += 1
+        child = ChildProcess(
+            self.spec,
+            self._generation,
+            lambda message, size: self._on_message(child, message, size),
+            lambda oversized: self._on_oversized(child, oversized),
+        )
+        await child.start()
+        self.child = child
+        self.state = "running"
+        self._on_start(child)
+        return child
+
+    async def _watch(self, child: ChildProcess) -> None:
+        delay = self.spec.restart_min_s
+        while True:
+            status = await child.wait()
+            ran_s = time.monotonic() - child.started_at
+            self.child = None
+            if self._stopping:
+                return
+            self._on_exit(child, status)
+            if ran_s >= _HEALTHY_S:
+                delay = self.spec.restart_min_s
+            self.state = f"exited with status {status}, restarting in {delay:g} s"
+            log.warning(
+                "upstream_exited",
+                upstream=self.spec.name,
+                pid=child.pid,
+                status=status,
+                ran_s=round(ran_s, 3),
+                restart_in_s=delay,
+                stderr_tail=list(child.stderr_tail)[-5:],
+            )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.spec.restart_max_s)
+            while True:
+                try:
+                    child = await self._spawn()
+                    self.restarts += 1
+                    break
+                except OSError as exc:
+                    self.state = f"cannot start ({exc}), retrying in {delay:g} s"
+                    log.warning("upstream_start_failed", upstream=self.spec.name, reason=str(exc))
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, self.spec.restart_max_s)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        child = self.child
+        if child is not None:
+            status = await child.stop()
+            log.info("upstream_stopped", upstream=self.spec.name, pid=child.pid, status=status)
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task

@@ -1,0 +1,399 @@
+"""What the proxy does not own, relayed to a stdio child: each client request an exchange on the channel, its
+answer written back as JSON (or as an event stream when progress, a log line or a request of the child's comes
+first), the way a Streamable HTTP server would answer it.
+
+2025-era clients of a 2025-era child get sessions of the proxy's (stdio_sessions.py): the proxy answers their
+`initialize` from the child's, `ping` itself, and their GET streams and DELETE; a request of the child's for one of
+their calls is shown to them under an id of the proxy's, and their answer goes back under the child's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from ..envelope import check_modern_request, is_modern, params_of
+from ..jsonrpc import (
+    ERROR_HTTP_STATUS,
+    INTERNAL_ERROR,
+    INVALID_REQUEST,
+    JsonRpcError,
+    RequestId,
+    classify,
+    dumps,
+    error_object,
+    error_response,
+    loads,
+    result_response,
+)
+from ..security import Identity
+from .events import UpstreamUnavailable
+from .http_client import BodyTooLarge
+from .http_relay import client_gone_key
+from .legacy import declined_answer
+from .routing import CallRoute
+from .stdio_channel import ChildGone, Exchange
+from .stdio_legacy import StdioLegacyLink
+from .stdio_modern import StdioModern
+from .stdio_pool import StdioPool
+from .stdio_sessions import FrontSession, FrontSessions
+
+log = structlog.get_logger(__name__)
+
+VERSIONS_2025 = ("2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25")
+_KEEPALIVE_S = 15.0
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+Rewrite = Callable[[dict[str, Any]], None]
+
+
+class StdioRelay:
+    def __init__(
+        self,
+        pool: StdioPool,
+        link: StdioLegacyLink,
+        modern: StdioModern,
+        sessions: FrontSessions,
+        identity: Identity,
+        era: Callable[[], Awaitable[str]],
+        known_era: Callable[[], str | None],
+        *,
+        max_bytes: Callable[[], int],
+    ) -> None:
+        self.pool = pool
+        self._link = link
+        self._modern = modern
+        self.sessions = sessions
+        self._identity = identity
+        self._era = era
+        self._known_era = known_era
+        self._max_bytes = max_bytes
+        self._shown_ids = itertools.count(1)
+        pool.on_notification(sessions.broadcast)
+
+    async def readiness(self) -> str:
+        if self.pool.state != "running":
+            return f"upstream {self.pool.state}"
+        era = self._known_era()
+        if era is None:
+            return "upstream starting (era not known yet)"
+        if era == "legacy":
+            try:
+                await asyncio.wait_for(self._link.ready(), 2.0)
+            except (TimeoutError, UpstreamUnavailable) as exc:
+                return f"upstream not initialized ({exc or 'starting'})"
+        elif not await self._modern.answers(2.0):
+            return "upstream does not answer server/discover"
+        return "ok"
+
+    # --- POST ---------------------------------------------------------------------------------------------------
+
+    async def relay(
+        self, request: web.Request, body: bytes, message: Any, *, request_id: RequestId = None
+    ) -> web.StreamResponse:
+        return await self._relay(request, message, None, None)
+
+    async def relay_rewritten(
+        self,
+        request: web.Request,
+        body: bytes,
+        request_id: RequestId,
+        rewrite: Rewrite,
+        *,
+        limit: int,
+        on_headers: Callable[[Any], None] | None = None,
+    ) -> web.Response:
+        response = await self._relay(request, loads(body), rewrite, on_headers)
+        assert isinstance(response, web.Response)  # a rewritten answer is read whole: never a stream
+        return response
+
+    async def _relay(
+        self, request: web.Request, message: Any, rewrite: Rewrite | None, on_headers: Callable[[Any], None] | None
+    ) -> web.StreamResponse:
+        kind = classify(message)
+        if kind == "batch":
+            raise JsonRpcError(INVALID_REQUEST, "Invalid request: a stdio server takes no JSON-RPC batches")
+        modern = is_modern(message, request.headers)
+        try:
+            era = await self._era()
+        except UpstreamUnavailable as exc:
+            raise _unavailable(exc) from exc
+        if era == "legacy" and not modern:
+            return await self._legacy_client(request, message, kind, rewrite, on_headers)
+        if not modern:
+            raise JsonRpcError(
+                INVALID_REQUEST,
+                "This stdio server speaks 2026-07-28 only (it answered server/discover), and the proxy does not "
+                "translate 2025-era requests for it: use a 2026-07-28 client",
+            )
+        if kind == "request":
+            # The headers stop here (stdio has none): what a 2026-07-28 server checks of them, the proxy checks.
+            check_modern_request(message, request.headers)
+            exchange = await self._send(message, None)
+            return await self._answer(request, exchange, None, {}, rewrite=rewrite, modern=True)
+        if kind == "notification":
+            if message["method"] != "notifications/cancelled":  # a 2026 client cancels by closing its stream
+                await self.pool.notify(message)
+            return web.Response(status=202)
+        raise JsonRpcError(INVALID_REQUEST, "Invalid request: a 2026-07-28 client sends no responses")
+
+    async def _legacy_client(
+        self,
+        request: web.Request,
+        message: dict[str, Any],
+        kind: str,
+        rewrite: Rewrite | None,
+        on_headers: Callable[[Any], None] | None,
+    ) -> web.StreamResponse:
+        if kind == "request" and message["method"] == "initialize":
+            return await self._initialize(request, message, rewrite, on_headers)
+        front = self._front(request)
+        if kind == "notification":
+            method, params = message["method"], params_of(message)
+            if method == "notifications/cancelled":
+                exchange = front.calls.get(_key(params.get("requestId")))
+                if exchange is not None:
+                    exchange.close(str(params.get("reason") or "cancelled by the client"))
+            elif method not in ("notifications/initialized", "notifications/roots/list_changed"):
+                # initialized was the proxy's to send; the child's roots are asked per call, never listed ahead.
+                await self.pool.notify(message)
+            return web.Response(status=202)
+        if kind == "response":
+            child_id = front.asked.pop(message["id"], None) if isinstance(message["id"], str) else None
+            if child_id is None:
+                log.info("stdio_answer_unknown", reason="no request of the server's has this id")
+            else:
+                answer = {"error": message["error"]} if "error" in message else {"result": message.get("result")}
+                await self.pool.respond(child_id, answer)
+            return web.Response(status=202)
+        method = message["method"]
+        if method == "ping":
+            return _json(result_response(message["id"], {}))
+        params = params_of(message)
+        if method == "resources/subscribe" and isinstance(params.get("uri"), str):
+            front.subscribed.add(params["uri"])
+        elif method == "resources/unsubscribe" and isinstance(params.get("uri"), str):
+            front.subscribed.discard(params["uri"])
+        try:
+            await self._link.ready()
+        except UpstreamUnavailable as exc:
+            return _json(error_response(message["id"], _failure(str(exc), self.pool.name)))
+        try:
+            exchange = await self._send(message, CallRoute(front.capabilities, None))
+        except JsonRpcError as exc:
+            return _json(error_response(message["id"], exc.to_error()))  # a 2025 client ends its session on 5xx
+        front.calls[_key(message["id"])] = exchange
+        try:
+            return await self._answer(request, exchange, front, front.capabilities, rewrite=rewrite, modern=False)
+        finally:
+            if front.calls.get(_key(message["id"])) is exchange:
+                del front.calls[_key(message["id"])]
+
+    async def _initialize(
+        self,
+        request: web.Request,
+        message: dict[str, Any],
+        rewrite: Rewrite | None,
+        on_headers: Callable[[Any], None] | None,
+    ) -> web.Response:
+        try:
+            child = await self._link.ready()
+        except UpstreamUnavailable as exc:
+            raise _unavailable(exc) from exc
+        params = params_of(message)
+        asked = params.get("protocolVersion")
+        version = asked if asked in VERSIONS_2025 else str(child.get("protocolVersion") or VERSIONS_2025[-1])
+        capabilities = params.get("capabilities")
+        front = self.sessions.create(
+            self._identity.principal(request.headers), version, capabilities if isinstance(capabilities, dict) else {}
+        )
+        result = copy.deepcopy(child)
+        result["protocolVersion"] = version
+        if rewrite is not None:
+            rewrite(result)
+        headers = {"Mcp-Session-Id": front.id}
+        if on_headers is not None:
+            on_headers(headers)
+        log.info("stdio_session_opened", protocol_version=version, sessions=len(self.sessions))
+        return _json(result_response(message["id"], result), headers=headers)
+
+    def _front(self, request: web.Request) -> FrontSession:
+        session_id = request.headers.get("Mcp-Session-Id")
+        if session_id is None:
+            raise JsonRpcError(INVALID_REQUEST, "Bad Request: no Mcp-Session-Id header (initialize first)")
+        front = self.sessions.get(session_id)
+        if front is None or front.principal != self._identity.principal(request.headers):
+            raise JsonRpcError(INVALID_REQUEST, "Session not found: initialize again", http_status=404)
+        return front
+
+    async def _send(self, message: dict[str, Any], route: CallRoute | None) -> Exchange:
+        try:
+            return await self.pool.request(message, route=route)
+        except ChildGone as exc:
+            raise JsonRpcError(INTERNAL_ERROR, f"Upstream failure: {exc}", {"upstream": self.pool.name}) from exc
+
+    async def _answer(
+        self,
+        request: web.Request,
+        exchange: Exchange,
+        front: FrontSession | None,
+        capabilities: dict[str, Any],
+        *,
+        rewrite: Rewrite | None,
+        modern: bool,
+    ) -> web.StreamResponse:
+        """What the child writes for one request, as JSON when its answer comes first, else as an event stream."""
+        streams = "text/event-stream" in request.headers.get("Accept", "") and rewrite is None
+        stream: web.StreamResponse | None = None
+        shown: list[str] = []
+        try:
+            async for message in exchange.messages(self._max_bytes()):
+                method = message.get("method")
+                if method is None:
+                    if rewrite is not None and isinstance(message.get("result"), dict):
+                        rewrite(message["result"])
+                    if stream is None:
+                        return _json(message, status=_status(message) if modern else 200)
+                    await _write(request, stream, message)
+                    await stream.write_eof()
+                    return stream
+                if "id" in message:
+                    message = await self._child_request(message, front, capabilities, streams, shown)
+                    if message is None:
+                        continue
+                elif not streams:
+                    continue  # a JSON answer has no room for notifications
+                if stream is None:
+                    stream = web.StreamResponse(headers=_SSE_HEADERS)
+                    await stream.prepare(request)
+                if not await _write(request, stream, message):
+                    return stream
+        except BodyTooLarge:
+            reason = f"the stdio server's answer exceeds limits.max_result_bytes ({self._max_bytes()})"
+            error = error_response(exchange.caller_id, error_object(INTERNAL_ERROR, f"Proxy failure: {reason}"))
+            if stream is None:
+                return _json(error, status=500 if modern else 200)
+            await _write(request, stream, error)
+            return stream
+        finally:
+            exchange.close()
+            if front is not None:
+                for shown_id in shown:
+                    front.asked.pop(shown_id, None)
+        return stream or web.Response(status=502)  # pragma: no cover - messages() ends with the answer
+
+    async def _child_request(
+        self,
+        message: dict[str, Any],
+        front: FrontSession | None,
+        capabilities: dict[str, Any],
+        streams: bool,
+        shown: list[str],
+    ) -> dict[str, Any] | None:
+        """A request of the child's for this call: shown to the client under an id of the proxy's, or answered here
+        (declined) when the client cannot take it. None when answered here."""
+        method, params = message["method"], params_of(message)
+        answer = declined_answer(method, capabilities, params) if front is not None else None
+        if front is None:
+            reason = "a 2026-07-28 server asks for input with input_required, never with a request"
+            answer = {"error": error_object(INTERNAL_ERROR, f"The proxy cannot relay this {method} request: {reason}")}
+        elif answer is None and not streams:
+            answer = declined_answer(method, {}, params)  # a JSON answer cannot carry the question
+        shown_id = f"mtp-s{next(self._shown_ids)}"
+        if answer is None and front is not None and not front.remember_asked(shown_id, message["id"]):
+            answer = {"error": error_object(INTERNAL_ERROR, "The proxy cannot relay this request: too many pending")}
+        if answer is not None:
+            await self.pool.respond(message["id"], answer)
+            return None
+        shown.append(shown_id)
+        return {**message, "id": shown_id}
+
+    # --- GET, DELETE, other paths --------------------------------------------------------------------------------
+
+    async def relay_other(self, request: web.Request, body: bytes | None) -> web.StreamResponse:
+        if request.path != "/mcp":
+            raise JsonRpcError(INVALID_REQUEST, f"Not found: a stdio server has no {request.path}", http_status=404)
+        if self._known_era() != "legacy" or request.method not in ("GET", "DELETE"):
+            return web.Response(status=405, headers={"Allow": "POST"})
+        front = self._front(request)
+        if request.method == "DELETE":
+            self.sessions.end(front.id)
+            return web.Response(status=200)
+        return await self._standalone(request, front)
+
+    async def _standalone(self, request: web.Request, front: FrontSession) -> web.StreamResponse:
+        """The session's GET stream: list changes, and updates of the resources it subscribed to."""
+        queue = front.open_stream()
+        stream = web.StreamResponse(headers=_SSE_HEADERS)
+        try:
+            await stream.prepare(request)
+            while True:
+                try:
+                    message = await asyncio.wait_for(queue.get(), _KEEPALIVE_S)
+                except TimeoutError:
+                    await stream.write(b": keep-alive\n\n")
+                    continue
+                if message is None:
+                    break
+                if not await _write(request, stream, message):
+                    return stream
+            await stream.write_eof()
+        except ConnectionResetError:
+            request[client_gone_key] = True
+        finally:
+            front.streams.discard(queue)
+        return stream
+
+    async def open_listen(
+        self, request: web.Request, body: bytes, *, limit: int
+    ) -> AsyncGenerator[dict[str, Any], None] | None:
+        """The child's part of a subscriptions/listen (a 2026-07-28 child): its notifications, until it ends."""
+        exchange = await self._send(loads(body), None)
+        return _listen_messages(exchange, limit)
+
+
+async def _listen_messages(exchange: Exchange, limit: int) -> AsyncGenerator[dict[str, Any], None]:
+    try:
+        async for message in exchange.messages(limit):
+            if message.get("method") is None:
+                return
+            yield message
+    except BodyTooLarge:
+        log.info("upstream_subscription_ended", reason="a notification over limits.max_result_bytes")
+    finally:
+        exchange.close()
+
+
+async def _write(request: web.Request, stream: web.StreamResponse, message: dict[str, Any]) -> bool:
+    try:
+        await stream.write(b"event: message\ndata: " + dumps(message) + b"\n\n")
+    except ConnectionResetError:
+        request[client_gone_key] = True
+        return False
+    return True
+
+
+def _json(message: dict[str, Any], *, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=dumps(message), status=status, content_type="application/json", headers=headers)
+
+
+def _status(message: dict[str, Any]) -> int:
+    error = message.get("error")
+    return ERROR_HTTP_STATUS.get(error.get("code"), 200) if isinstance(error, dict) else 200
+
+
+def _failure(reason: str, upstream: str) -> dict[str, Any]:
+    return error_object(INTERNAL_ERROR, f"Upstream failure: {reason}", {"upstream": upstream})
+
+
+def _unavailable(exc: Exception) -> JsonRpcError:
+    return JsonRpcError(INTERNAL_ERROR, f"Upstream failure: {exc}", http_status=503)
+
+
+def _key(request_id: Any) -> Any:
+    return (type(request_id).__name__, request_id) if not isinstance(request_id, str) else request_id

@@ -1,0 +1,455 @@
+"""stdio upstreams: the proxy starts the server itself (upstream.command) and speaks MCP over its stdin and stdout.
+
+Real servers over stdio: the Python SDK 1.x FastMCP server (2025-11-25: elicitation, sampling, roots requests,
+progress), the SDK 2.x server (2026-07-28: MRTR), and npm server-everything in its stdio mode. tests/stdio_hostile.py
+only injects faults.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import signal
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tests.conftest import EVERYTHING, ROOT, eventually, everything_node, legacy_python, task_reaches
+from tests.factories import meta, request
+from tests.schemas import validate_response
+from tests.test_real_clients import sdk1_call
+
+ELICIT = {"elicitation": {}}
+RULES = [{"match": name, "task": "optional"} for name in ("ask_*", "gated", "slow", "slow_report", "one_question")]
+
+
+def legacy_command() -> list[str]:
+    return [str(legacy_python()), str(ROOT / "tests" / "legacy_server.py"), "--stdio"]
+
+
+def modern_command() -> list[str]:
+    return [sys.executable, str(ROOT / "tests" / "upstream_server.py"), "--stdio"]
+
+
+def everything_command() -> list[str]:
+    script = EVERYTHING / "node_modules" / "@modelcontextprotocol" / "server-everything" / "dist" / "index.js"
+    return [str(everything_node()), str(script), "stdio"]
+
+
+def hostile_command(mode: str) -> list[str]:
+    return [sys.executable, str(ROOT / "tests" / "stdio_hostile.py"), mode]
+
+
+async def ready(proxy, *, timeout_s: float = 60.0) -> dict:
+    async def check():
+        async with proxy.client.session.get(proxy.url.replace("/mcp", "/readyz")) as response:
+            return await response.json() if response.status == 200 else None
+
+    return await eventually(check, timeout_s=timeout_s, what="the stdio server ready")
+
+
+async def readiness(proxy) -> tuple[int, dict]:
+    async with proxy.client.session.get(proxy.url.replace("/mcp", "/readyz")) as response:
+        return response.status, await response.json()
+
+
+def text_of(reply) -> str:
+    return (
+        reply.result["result"]["content"][0]["text"] if "result" in reply.result else reply.result["content"][0]["text"]
+    )
+
+
+async def stdio_proxy(make_proxy, command, **sections):
+    sections.setdefault("tools", RULES)
+    sections.setdefault("tasks", {"poll_interval_ms": 50})
+    proxy = await make_proxy(command, **sections)
+    await ready(proxy)
+    return proxy
+
+
+async def tool_text(proxy, name: str, arguments: dict | None = None, **caps) -> str:
+    reply = await proxy.client.call_tool(name, arguments or {}, tasks=False)
+    assert "result" in reply.message, reply.message
+    return reply.result["content"][0]["text"]
+
+
+# --- a 2025-era server (SDK 1.x FastMCP) --------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def legacy(make_proxy):
+    return await stdio_proxy(make_proxy, legacy_command())
+
+
+async def test_legacy_task_with_progress_and_elicitation_as_input_requests(legacy):
+    created = await legacy.client.call("tools/call", {"name": "ask_name", "arguments": {}, "_meta": meta(**ELICIT)})
+    validate_response(created.message, "CreateTaskResult")
+    task_id = created.result["taskId"]
+    asking = await task_reaches(legacy.client, task_id, "input_required")
+    ((key, question),) = asking.result["inputRequests"].items()
+    assert question["method"] == "elicitation/create"
+    answer = {"action": "accept", "content": {"name": "Ada"}}
+    await legacy.client.call("tasks/update", {"taskId": task_id, "inputResponses": {key: answer}})
+    done = await task_reaches(legacy.client, task_id, "completed")
+    assert done.result["result"]["content"][0]["text"] == "hello Ada"
+
+    gate = secrets.token_hex(4)
+    created = await legacy.client.call_tool("gated", {"tag": gate})
+    task_id = created.result["taskId"]
+
+    async def waiting():
+        reply = await legacy.client.get_task(task_id)
+        return reply.result.get("statusMessage") == f"waiting at gate {gate}"
+
+    await eventually(waiting, what="the child's progress as statusMessage")
+    await legacy.client.cancel_task(task_id)
+
+    async def cancelled_in_the_child():
+        return await tool_text(legacy, "gate_state", {"tag": gate}) == "cancelled"
+
+    # The gates live in the one child the proxy runs: notifications/cancelled reached it.
+    await eventually(cancelled_in_the_child, what="notifications/cancelled reaching the child")
+
+
+async def test_legacy_sampling_and_roots_reach_the_client_that_asked(legacy):
+    caps = {"sampling": {}, "roots": {}}
+    created = await legacy.client.call("tools/call", {"name": "ask_model", "arguments": {}, "_meta": meta(**caps)})
+    task_id = created.result["taskId"]
+    asking = await task_reaches(legacy.client, task_id, "input_required")
+    ((key, sampling),) = asking.result["inputRequests"].items()
+    assert sampling["method"] == "sampling/createMessage"
+    answer = {"role": "assistant", "content": {"type": "text", "text": "Paris"}, "model": "m"}
+    await legacy.client.call("tasks/update", {"taskId": task_id, "inputResponses": {key: answer}})
+    assert text_of(await task_reaches(legacy.client, task_id, "completed")) == "model said Paris"
+
+    created = await legacy.client.call("tools/call", {"name": "ask_roots", "arguments": {}, "_meta": meta(**caps)})
+    task_id = created.result["taskId"]
+    asking = await task_reaches(legacy.client, task_id, "input_required")
+    ((key, roots),) = asking.result["inputRequests"].items()
+    assert roots["method"] == "roots/list"
+    answer = {"roots": [{"uri": "file:///home/user/project", "name": "project"}]}
+    await legacy.client.call("tasks/update", {"taskId": task_id, "inputResponses": {key: answer}})
+    assert text_of(await task_reaches(legacy.client, task_id, "completed")) == "file:///home/user/project"
+
+    # Undeclared: the child is told no by the proxy (sampling as -32601, elicitation declined).
+    created = await legacy.client.call("tools/call", {"name": "ask_model", "arguments": {}, "_meta": meta()})
+    assert (
+        text_of(await task_reaches(legacy.client, created.result["taskId"], "completed")) == "sampling refused: -32601"
+    )
+
+
+async def test_a_2025_client_does_its_own_initialize_through_the_proxy(legacy):
+    # The SDK 1.x client initializes, calls with progress, and DELETEs its session; the child never sees any of it.
+    done = await sdk1_call(legacy.url, "slow", {"seconds": 0.3}, "--progress")
+    assert done == {"text": "slept 0.3 s", "isError": False}, done
+    plain = await sdk1_call(legacy.url, "add", {"a": 2, "b": 3})
+    assert plain["text"] == "5", plain
+    # Its client declared no elicitation: the child's question is declined for it alone.
+    declined = await sdk1_call(legacy.url, "ask_name", {})
+    assert declined["text"] == "no name (decline)", declined
+
+
+async def test_a_2025_session_is_the_proxys_and_ends_with_delete(legacy):
+    session = legacy.client.session
+    init = request(
+        "initialize", {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}
+    )
+    accept = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+    async with session.post(legacy.url, json=init, headers=accept) as response:
+        answer = await response.json()
+        session_id = response.headers["Mcp-Session-Id"]
+    assert answer["result"]["protocolVersion"] == "2025-06-18"  # the client's version, which the proxy speaks
+    assert answer["result"]["serverInfo"]["name"] == "legacy-example"
+    headers = {**accept, "Mcp-Session-Id": session_id, "MCP-Protocol-Version": "2025-06-18"}
+    call = request("tools/call", {"name": "add", "arguments": {"a": 1, "b": 1}})
+    async with session.post(legacy.url, json=call, headers=headers) as response:
+        assert response.status == 200
+    async with session.post(legacy.url, json=call, headers={**accept}) as response:
+        assert response.status == 400  # no session
+    async with session.delete(legacy.url, headers=headers) as response:
+        assert response.status == 200
+    async with session.post(legacy.url, json=call, headers=headers) as response:
+        assert response.status == 404  # ended: a client initializes again
+
+
+async def test_fifty_concurrent_calls_from_three_principals_never_cross(make_proxy):
+    proxy = await stdio_proxy(
+        make_proxy, legacy_command(), security={"principal": "header", "principal_header": "X-User"}
+    )
+
+    async def one(n: int) -> None:
+        user = f"user-{n % 3}"
+        headers = {"X-User": user}
+        if n % 2:  # a task, polled to its end
+            created = await proxy.client.call_tool("slow", {"seconds": 0.05 * (n % 4)}, headers=headers)
+            done = await task_reaches(proxy.client, created.result["taskId"], "completed", headers=headers)
+            assert text_of(done) == f"slept {0.05 * (n % 4):g} s"
+        else:  # a synchronous call through the relay
+            reply = await proxy.client.call_tool("add", {"a": n, "b": 1000}, tasks=False, headers=headers)
+            assert reply.result["content"][0]["text"] == str(n + 1000)
+
+    await asyncio.wait_for(asyncio.gather(*(one(n) for n in range(50))), 120)
+
+
+async def _ask_two_at_once(proxy) -> list:
+    created = [
+        await proxy.client.call("tools/call", {"name": "ask_name", "arguments": {}, "_meta": meta(**ELICIT)})
+        for _ in range(2)
+    ]
+    return [await task_reaches(proxy.client, c.result["taskId"], "input_required", "completed") for c in created]
+
+
+async def test_two_calls_asking_at_once_on_one_shared_child_cannot_be_told_apart(legacy):
+    # Nothing on stdio says which call a question is for: with two in flight the proxy refuses rather than guess.
+    gate = secrets.token_hex(4)
+    held = await legacy.client.call_tool("gated", {"tag": gate})
+    await eventually(lambda: _gate_is(legacy, gate, "started"), what="a first call in flight")
+    created = await legacy.client.call("tools/call", {"name": "ask_name", "arguments": {}, "_meta": meta(**ELICIT)})
+    refused = await task_reaches(legacy.client, created.result["taskId"], "completed", "input_required")
+    assert refused.result["status"] == "completed", refused.result  # the tool went on with the refusal
+    assert "2 calls are in flight on the stdio server" in text_of(refused), refused.result
+    await tool_text(legacy, "release", {"tag": gate})
+    await task_reaches(legacy.client, held.result["taskId"], "completed")
+
+
+async def test_exclusive_dispatch_gives_each_asking_call_a_child_of_its_own(make_proxy):
+    proxy = await stdio_proxy(
+        make_proxy, legacy_command(), upstream={"stdio": {"children": 2, "dispatch": "exclusive"}}
+    )
+    asking = await _ask_two_at_once(proxy)
+    assert [reply.result["status"] for reply in asking] == ["input_required", "input_required"]
+    # A third asking call waits for a free child instead of being refused.
+    third = await proxy.client.call("tools/call", {"name": "ask_name", "arguments": {}, "_meta": meta(**ELICIT)})
+    await asyncio.sleep(0.5)
+    assert (await proxy.client.get_task(third.result["taskId"])).result["status"] == "working"
+    for reply, name in zip(asking, ("Ada", "Grace"), strict=True):
+        ((key, _),) = reply.result["inputRequests"].items()
+        answer = {"action": "accept", "content": {"name": name}}
+        await proxy.client.call("tasks/update", {"taskId": reply.result["taskId"], "inputResponses": {key: answer}})
+    for reply, name in zip(asking, ("Ada", "Grace"), strict=True):
+        assert text_of(await task_reaches(proxy.client, reply.result["taskId"], "completed")) == f"hello {name}"
+    waited = await task_reaches(proxy.client, third.result["taskId"], "input_required")
+    ((key, _),) = waited.result["inputRequests"].items()
+    answer = {"action": "accept", "content": {"name": "Hopper"}}
+    await proxy.client.call("tasks/update", {"taskId": third.result["taskId"], "inputResponses": {key: answer}})
+    assert text_of(await task_reaches(proxy.client, third.result["taskId"], "completed")) == "hello Hopper"
+
+
+async def test_a_killed_child_fails_its_calls_then_comes_back(make_proxy):
+    proxy = await stdio_proxy(make_proxy, legacy_command(), upstream={"stdio": {"restart_min_s": 0.2}})
+    pid = int(await tool_text(proxy, "pid"))
+    created = await proxy.client.call_tool("gated", {"tag": secrets.token_hex(4)})
+    task_id = created.result["taskId"]
+    await task_reaches(proxy.client, task_id, "working")
+    os.kill(pid, signal.SIGKILL)
+    failed = await task_reaches(proxy.client, task_id, "failed")
+    error = failed.result["error"]
+    assert "exited with status -9" in error["message"], error
+    assert error["data"]["exitStatus"] == -9
+    assert isinstance(error["data"]["stderr"], list)
+    await ready(proxy)  # restarted, initialized again
+    assert int(await tool_text(proxy, "pid")) != pid
+    assert await tool_text(proxy, "add", {"a": 1, "b": 2}) == "3"
+
+
+# --- a 2026-07-28 server (SDK 2.x) --------------------------------------------------------------------------------
+
+
+async def test_modern_child_mrtr_progress_and_cancel(make_proxy):
+    proxy = await stdio_proxy(make_proxy, modern_command())
+    reply = await proxy.client.call("server/discover")
+    validate_response(reply.message, "DiscoverResult", "core")
+
+    created = await proxy.client.call("tools/call", {"name": "one_question", "arguments": {}, "_meta": meta(**ELICIT)})
+    task_id = created.result["taskId"]
+    asking = await task_reaches(proxy.client, task_id, "input_required")
+    ((key, question),) = asking.result["inputRequests"].items()
+    assert question["method"] == "elicitation/create"
+    answer = {"action": "accept", "content": {"answer": "42"}}
+    await proxy.client.call("tasks/update", {"taskId": task_id, "inputResponses": {key: answer}})
+    assert text_of(await task_reaches(proxy.client, task_id, "completed")) == "you said 42"
+
+    created = await proxy.client.call_tool("slow_report", {"topic": "tides", "seconds": 1})
+    task_id = created.result["taskId"]
+
+    async def progressed():
+        reply = await proxy.client.get_task(task_id)
+        return reply.result.get("statusMessage") or reply.result["status"] == "completed"
+
+    await eventually(progressed, what="the modern child's progress as statusMessage")
+    await task_reaches(proxy.client, task_id, "completed")
+
+    gate = secrets.token_hex(4)
+    created = await proxy.client.call_tool("gated", {"tag": gate})
+    task_id = created.result["taskId"]
+    await eventually(lambda: _gate_is(proxy, gate, "started"), what="the modern call starting in the child")
+    await proxy.client.cancel_task(task_id)
+    await eventually(lambda: _gate_is(proxy, gate, "cancelled"), what="notifications/cancelled reaching the child")
+
+
+async def _gate_is(proxy, gate: str, state: str) -> bool:
+    return await tool_text(proxy, "gate_state", {"tag": gate}) == state
+
+
+# --- server-everything over stdio ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def everything(make_proxy):
+    rules = [
+        {"match": name, "task": "optional"}
+        for name in ("trigger-long-running-operation", "trigger-elicitation-request", "trigger-sampling-request")
+    ]
+    return await stdio_proxy(make_proxy, everything_command(), tools=rules)
+
+
+async def test_everything_over_stdio_tasks_with_progress_elicitation_and_sampling(everything):
+    created = await everything.client.call_tool("trigger-long-running-operation", {"duration": 1, "steps": 2})
+    task_id = created.result["taskId"]
+    done = await task_reaches(everything.client, task_id, "completed")
+    assert "Long running operation completed" in text_of(done)
+
+    created = await everything.client.call(
+        "tools/call", {"name": "trigger-elicitation-request", "arguments": {}, "_meta": meta(**ELICIT)}
+    )
+    task_id = created.result["taskId"]
+    asking = await task_reaches(everything.client, task_id, "input_required")
+    ((key, question),) = asking.result["inputRequests"].items()
+    assert question["method"] == "elicitation/create"
+    await everything.client.call("tasks/update", {"taskId": task_id, "inputResponses": {key: {"action": "decline"}}})
+    done = await task_reaches(everything.client, task_id, "completed")
+    assert "decline" in json.dumps(done.result["result"]).lower()
+
+    caps = {"sampling": {}}
+    created = await everything.client.call(
+        "tools/call", {"name": "trigger-sampling-request", "arguments": {"prompt": "hi"}, "_meta": meta(**caps)}
+    )
+    task_id = created.result["taskId"]
+    asking = await task_reaches(everything.client, task_id, "input_required")
+    ((key, question),) = asking.result["inputRequests"].items()
+    assert question["method"] == "sampling/createMessage"
+    answer = {"role": "assistant", "content": {"type": "text", "text": "sampled!"}, "model": "m"}
+    await everything.client.call("tasks/update", {"taskId": task_id, "inputResponses": {key: answer}})
+    assert "sampled!" in json.dumps((await task_reaches(everything.client, task_id, "completed")).result)
+
+
+async def test_everything_over_stdio_serves_2025_clients(everything):
+    done = await sdk1_call(everything.url, "echo", {"message": "hi"})
+    assert done == {"text": "Echo: hi", "isError": False}, done
+    # A durable call (the policy's tool, a 2025 client with an event stream) with progress.
+    slow = await sdk1_call(everything.url, "trigger-long-running-operation", {"duration": 1, "steps": 2}, "--progress")
+    assert "Long running operation completed" in slow["text"], slow
+    # server-everything's own SEP-1686 tasks pass through to a SEP-1686 client, untouched.
+    research = await sdk1_call(
+        everything.url, "simulate-research-query", {"topic": "tides", "ambiguous": False}, "--as-task", timeout_s=60
+    )
+    assert "tides" in research["text"], research
+
+
+# --- faults -------------------------------------------------------------------------------------------------------
+
+
+async def test_a_child_that_dies_mid_call_fails_it_with_its_status_and_stderr(make_proxy):
+    proxy = await stdio_proxy(
+        make_proxy,
+        hostile_command("die_mid_call"),
+        tools=[{"match": "sleep"}],
+        upstream={"stdio": {"restart_min_s": 0.2}},
+    )
+    created = await proxy.client.call_tool("sleep", {"seconds": 5})
+    failed = await task_reaches(proxy.client, created.result["taskId"], "failed")
+    error = failed.result["error"]
+    assert error["data"]["exitStatus"] == 3, error
+    assert "dying now" in error["data"]["stderr"], error
+    await ready(proxy)
+    assert await tool_text(proxy, "echo", {"text": "back"}) == "back"
+
+
+async def test_a_child_that_exits_at_start_keeps_the_proxy_not_ready(make_proxy):
+    proxy = await make_proxy(
+        hostile_command("exit_at_start"), upstream={"stdio": {"restart_min_s": 0.2, "start_timeout_s": 1}}
+    )
+
+    async def not_ready_with_reason():
+        status, body = await readiness(proxy)
+        return status == 503 and ("exited with status 2" in body["upstream"] or "not" in body["upstream"])
+
+    await eventually(not_ready_with_reason, what="/readyz saying why the child is down")
+    reply = await proxy.client.call_tool("echo", {"text": "x"}, tasks=False)
+    assert reply.message["error"]["code"] == -32603, reply.message
+
+
+async def test_a_child_that_never_answers_is_not_ready_and_calls_fail_in_time(make_proxy):
+    proxy = await make_proxy(hostile_command("never_answers"), upstream={"stdio": {"start_timeout_s": 1}})
+    status, body = await readiness(proxy)
+    assert status == 503, body
+    reply = await asyncio.wait_for(proxy.client.call_tool("echo", {"text": "x"}, tasks=False), 30)
+    assert reply.message["error"]["code"] == -32603, reply.message
+    assert "initialize" in reply.message["error"]["message"] or "1 s" in reply.message["error"]["message"]
+
+
+@pytest.mark.parametrize("mode", ["banner", "stderr_flood"])
+async def test_banners_and_a_stderr_flood_do_not_stop_the_child(make_proxy, mode):
+    proxy = await stdio_proxy(make_proxy, hostile_command(mode), tools=[])
+    assert await tool_text(proxy, "echo", {"text": "fine"}) == "fine"
+
+
+async def test_a_line_over_the_limit_fails_its_call_and_the_next_works(make_proxy):
+    proxy = await stdio_proxy(
+        make_proxy, hostile_command("long_line"), tools=[], limits={"max_result_bytes": 1_000_000}
+    )
+    reply = await asyncio.wait_for(proxy.client.call_tool("echo", {"text": "flood"}, tasks=False), 60)
+    assert reply.message["error"]["code"] == -32603, reply.message
+    assert "max_line_bytes" in reply.message["error"]["message"]
+    assert await tool_text(proxy, "echo", {"text": "after"}) == "after"
+
+
+async def test_a_million_junk_lines_are_skipped(make_proxy):
+    proxy = await stdio_proxy(make_proxy, hostile_command("junk_lines"), tools=[])
+    reply = await asyncio.wait_for(proxy.client.call_tool("echo", {"text": "flood"}, tasks=False), 120)
+    assert reply.result["content"][0]["text"] == "flood", reply.message
+
+
+# --- the command line ---------------------------------------------------------------------------------------------
+
+
+async def _run_proxy(*argv: str, env: dict | None = None) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", *argv, cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env=env or os.environ.copy(),
+    )  # fmt: skip
+
+
+async def test_a_missing_program_is_one_line_and_exit_2():
+    process = await _run_proxy("--port", "0", "--", "/nonexistent/mcp-server", "--flag")
+    out, err = await asyncio.wait_for(process.communicate(), 30)
+    assert process.returncode == 2, err
+    assert err.decode().strip().splitlines()[-1].startswith("mcp-tasks-proxy: cannot start stdio:mcp-server"), err
+    assert b"Traceback" not in err
+
+
+async def test_shutdown_stops_a_child_that_ignores_eof_and_sigterm(tmp_path: Path):
+    from tests.conftest import free_port, wait_ready
+
+    port = free_port()
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("upstream:\n  stdio: {stop_grace_s: 0.5, term_grace_s: 0.5}\n")
+    process = await _run_proxy(
+        "--config", str(policy), "--port", str(port), "--", *hostile_command("ignores_eof_and_term")
+    )
+    await asyncio.get_running_loop().run_in_executor(None, wait_ready, port)
+    async with aiohttp.ClientSession() as session:
+        message = request("tools/call", {"name": "pid", "arguments": {}, "_meta": meta(tasks=False)})
+        from tests.factories import headers_for
+
+        async with session.post(f"http://127.0.0.1:{port}/mcp", json=message, headers=headers_for(message)) as reply:
+            child = int((await reply.json())["result"]["content"][0]["text"])
+    process.send_signal(signal.SIGTERM)
+    await asyncio.wait_for(process.communicate(), 30)
+    assert process.returncode == 0
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)  # SIGKILLed with its group after the graces
