@@ -291,6 +291,28 @@ async def test_modern_child_mrtr_progress_and_cancel(make_proxy):
     await eventually(lambda: _gate_is(proxy, gate, "cancelled"), what="notifications/cancelled reaching the child")
 
 
+async def test_modern_child_listen_notifications_merge_with_task_notifications(make_proxy):
+    from tests.test_listen import SUB, Subscription, subscribe
+
+    proxy = await stdio_proxy(make_proxy, modern_command())
+    gate = secrets.token_hex(4)
+    task = (await proxy.client.call_tool("gated", {"tag": gate})).result
+    message, response = await subscribe(proxy, [task["taskId"]], toolsListChanged=True)
+    stream = Subscription(response)
+    ack = await stream.next()
+    assert ack["params"]["notifications"] == {"toolsListChanged": True, "taskIds": [task["taskId"]]}
+    await stream.next()  # the task's current state
+    await tool_text(proxy, "announce_tools_changed")
+    changed = await stream.next()
+    # The child's notification carried its subscription id (the proxy's id for the child); the client sees its own.
+    assert changed["method"] == "notifications/tools/list_changed", changed
+    assert changed["params"]["_meta"] == {SUB: message["id"]}
+    await tool_text(proxy, "release", {"tag": gate})
+    done = await stream.next()
+    assert done["method"] == "notifications/tasks" and done["params"]["status"] == "completed"
+    response.close()
+
+
 async def _gate_is(proxy, gate: str, state: str) -> bool:
     return await tool_text(proxy, "gate_state", {"tag": gate}) == state
 
@@ -453,3 +475,19 @@ async def test_shutdown_stops_a_child_that_ignores_eof_and_sigterm(tmp_path: Pat
     assert process.returncode == 0
     with pytest.raises(ProcessLookupError):
         os.kill(child, 0)  # SIGKILLed with its group after the graces
+
+
+async def test_a_childs_notifications_reach_2025_sessions_as_they_subscribed():
+    from proxy.upstream.stdio_sessions import FrontSessions
+
+    sessions = FrontSessions(max_sessions=2)
+    first, second = sessions.create("a", "2025-11-25", {}), sessions.create("b", "2025-11-25", {})
+    streams = first.open_stream(), second.open_stream()
+    second.subscribed.add("file:///b")
+    sessions.broadcast({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"})
+    sessions.broadcast({"jsonrpc": "2.0", "method": "notifications/resources/updated", "params": {"uri": "file:///b"}})
+    assert [streams[0].get_nowait()["method"]] == ["notifications/tools/list_changed"] and streams[0].empty()
+    got = [streams[1].get_nowait()["method"], streams[1].get_nowait()["params"]["uri"]]
+    assert got == ["notifications/tools/list_changed", "file:///b"]
+    sessions.create("c", "2025-11-25", {})  # one more than max_sessions: the least recently used ends
+    assert sessions.get(first.id) is None and streams[0].get_nowait() is None  # its GET stream is told to end
