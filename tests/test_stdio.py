@@ -77,6 +77,18 @@ async def tool_text(proxy, name: str, arguments: dict | None = None, **caps) -> 
     return reply.result["content"][0]["text"]
 
 
+async def one_round(proxy, tool: str, arguments: dict, caps: dict, method: str, answer: dict) -> dict:
+    """A task of `tool` that asks one question of `method`, answered with `answer`: the completed task."""
+    created = await proxy.client.call("tools/call", {"name": tool, "arguments": arguments, "_meta": meta(**caps)})
+    validate_response(created.message, "CreateTaskResult")
+    task_id = created.result["taskId"]
+    asking = await task_reaches(proxy.client, task_id, "input_required")
+    ((key, question),) = asking.result["inputRequests"].items()
+    assert question["method"] == method, question
+    await proxy.client.call("tasks/update", {"taskId": task_id, "inputResponses": {key: answer}})
+    return (await task_reaches(proxy.client, task_id, "completed")).result
+
+
 # --- a 2025-era server (SDK 1.x FastMCP) --------------------------------------------------------------------------
 
 
@@ -86,16 +98,9 @@ async def legacy(make_proxy):
 
 
 async def test_legacy_task_with_progress_and_elicitation_as_input_requests(legacy):
-    created = await legacy.client.call("tools/call", {"name": "ask_name", "arguments": {}, "_meta": meta(**ELICIT)})
-    validate_response(created.message, "CreateTaskResult")
-    task_id = created.result["taskId"]
-    asking = await task_reaches(legacy.client, task_id, "input_required")
-    ((key, question),) = asking.result["inputRequests"].items()
-    assert question["method"] == "elicitation/create"
     answer = {"action": "accept", "content": {"name": "Ada"}}
-    await legacy.client.call("tasks/update", {"taskId": task_id, "inputResponses": {key: answer}})
-    done = await task_reaches(legacy.client, task_id, "completed")
-    assert done.result["result"]["content"][0]["text"] == "hello Ada"
+    done = await one_round(legacy, "ask_name", {}, ELICIT, "elicitation/create", answer)
+    assert done["result"]["content"][0]["text"] == "hello Ada"
 
     gate = secrets.token_hex(4)
     created = await legacy.client.call_tool("gated", {"tag": gate})
@@ -117,23 +122,12 @@ async def test_legacy_task_with_progress_and_elicitation_as_input_requests(legac
 
 async def test_legacy_sampling_and_roots_reach_the_client_that_asked(legacy):
     caps = {"sampling": {}, "roots": {}}
-    created = await legacy.client.call("tools/call", {"name": "ask_model", "arguments": {}, "_meta": meta(**caps)})
-    task_id = created.result["taskId"]
-    asking = await task_reaches(legacy.client, task_id, "input_required")
-    ((key, sampling),) = asking.result["inputRequests"].items()
-    assert sampling["method"] == "sampling/createMessage"
     answer = {"role": "assistant", "content": {"type": "text", "text": "Paris"}, "model": "m"}
-    await legacy.client.call("tasks/update", {"taskId": task_id, "inputResponses": {key: answer}})
-    assert text_of(await task_reaches(legacy.client, task_id, "completed")) == "model said Paris"
-
-    created = await legacy.client.call("tools/call", {"name": "ask_roots", "arguments": {}, "_meta": meta(**caps)})
-    task_id = created.result["taskId"]
-    asking = await task_reaches(legacy.client, task_id, "input_required")
-    ((key, roots),) = asking.result["inputRequests"].items()
-    assert roots["method"] == "roots/list"
+    done = await one_round(legacy, "ask_model", {}, caps, "sampling/createMessage", answer)
+    assert done["result"]["content"][0]["text"] == "model said Paris"
     answer = {"roots": [{"uri": "file:///home/user/project", "name": "project"}]}
-    await legacy.client.call("tasks/update", {"taskId": task_id, "inputResponses": {key: answer}})
-    assert text_of(await task_reaches(legacy.client, task_id, "completed")) == "file:///home/user/project"
+    done = await one_round(legacy, "ask_roots", {}, caps, "roots/list", answer)
+    assert done["result"]["content"][0]["text"] == "file:///home/user/project"
 
     # Undeclared: the child is told no by the proxy (sampling as -32601, elicitation declined).
     created = await legacy.client.call("tools/call", {"name": "ask_model", "arguments": {}, "_meta": meta()})
@@ -264,14 +258,9 @@ async def test_modern_child_mrtr_progress_and_cancel(make_proxy):
     reply = await proxy.client.call("server/discover")
     validate_response(reply.message, "DiscoverResult", "core")
 
-    created = await proxy.client.call("tools/call", {"name": "one_question", "arguments": {}, "_meta": meta(**ELICIT)})
-    task_id = created.result["taskId"]
-    asking = await task_reaches(proxy.client, task_id, "input_required")
-    ((key, question),) = asking.result["inputRequests"].items()
-    assert question["method"] == "elicitation/create"
     answer = {"action": "accept", "content": {"answer": "42"}}
-    await proxy.client.call("tasks/update", {"taskId": task_id, "inputResponses": {key: answer}})
-    assert text_of(await task_reaches(proxy.client, task_id, "completed")) == "you said 42"
+    done = await one_round(proxy, "one_question", {}, ELICIT, "elicitation/create", answer)
+    assert done["result"]["content"][0]["text"] == "you said 42"
 
     created = await proxy.client.call_tool("slow_report", {"topic": "tides", "seconds": 1})
     task_id = created.result["taskId"]
@@ -335,28 +324,15 @@ async def test_everything_over_stdio_tasks_with_progress_elicitation_and_samplin
     done = await task_reaches(everything.client, task_id, "completed")
     assert "Long running operation completed" in text_of(done)
 
-    created = await everything.client.call(
-        "tools/call", {"name": "trigger-elicitation-request", "arguments": {}, "_meta": meta(**ELICIT)}
+    done = await one_round(
+        everything, "trigger-elicitation-request", {}, ELICIT, "elicitation/create", {"action": "decline"}
     )
-    task_id = created.result["taskId"]
-    asking = await task_reaches(everything.client, task_id, "input_required")
-    ((key, question),) = asking.result["inputRequests"].items()
-    assert question["method"] == "elicitation/create"
-    await everything.client.call("tasks/update", {"taskId": task_id, "inputResponses": {key: {"action": "decline"}}})
-    done = await task_reaches(everything.client, task_id, "completed")
-    assert "decline" in json.dumps(done.result["result"]).lower()
-
-    caps = {"sampling": {}}
-    created = await everything.client.call(
-        "tools/call", {"name": "trigger-sampling-request", "arguments": {"prompt": "hi"}, "_meta": meta(**caps)}
-    )
-    task_id = created.result["taskId"]
-    asking = await task_reaches(everything.client, task_id, "input_required")
-    ((key, question),) = asking.result["inputRequests"].items()
-    assert question["method"] == "sampling/createMessage"
+    assert "decline" in json.dumps(done["result"]).lower()
     answer = {"role": "assistant", "content": {"type": "text", "text": "sampled!"}, "model": "m"}
-    await everything.client.call("tasks/update", {"taskId": task_id, "inputResponses": {key: answer}})
-    assert "sampled!" in json.dumps((await task_reaches(everything.client, task_id, "completed")).result)
+    done = await one_round(
+        everything, "trigger-sampling-request", {"prompt": "hi"}, {"sampling": {}}, "sampling/createMessage", answer
+    )
+    assert "sampled!" in json.dumps(done["result"])
 
 
 async def test_everything_over_stdio_serves_2025_clients(everything):
