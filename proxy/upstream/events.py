@@ -10,6 +10,10 @@ from typing import Any
 from ..jsonrpc import INTERNAL_ERROR, error_object
 
 
+class AnswerTooLarge(Exception):
+    """An answer (a body, an event, a line) over the limit the reader was given: not read on."""
+
+
 class UpstreamStartError(Exception):
     """A stdio server could not be started at all (a missing program, a bad working directory)."""
 

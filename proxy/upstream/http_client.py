@@ -27,6 +27,8 @@ from urllib.parse import urlsplit
 import httptools
 from multidict import CIMultiDict
 
+from .events import AnswerTooLarge
+
 MAX_HEAD_BYTES = 64 * 1024
 """Status line and headers of one response, whatever pieces they arrive in."""
 _MAX_HEADERS = 200
@@ -45,7 +47,7 @@ class CallError(ConnectionError):
     """The call could not be made, or its connection broke before the answer was complete."""
 
 
-class BodyTooLarge(CallError):
+class BodyTooLarge(CallError, AnswerTooLarge):
     """The body is longer than the reader's limit (decoded bytes are counted); the connection is closed."""
 
     def __init__(self, limit: int) -> None:

@@ -125,10 +125,13 @@ class HttpLegacyLink:
         """POST the proxy's initialize: the answer, the session id the server gave, and the HTTP status."""
         headers = session_headers(bare, client_headers)
         headers.popall("MCP-Protocol-Version", None)
-        response = await self.upstream.request("POST", self.url, headers, dumps(message))
-        async with response:
-            answer = await single_answer(response, message["id"])
-            return answer, response.headers.get("Mcp-Session-Id"), response.status
+        try:
+            response = await self.upstream.request("POST", self.url, headers, dumps(message))
+            async with response:
+                answer = await single_answer(response, message["id"])
+                return answer, response.headers.get("Mcp-Session-Id"), response.status
+        except aiohttp.ClientError as exc:  # the era's code knows no transport: a broken link is a ConnectionError
+            raise ConnectionError(str(exc) or type(exc).__name__) from exc
 
     async def opened(self, legacy: LegacyUpstream, session: LegacySession, client_headers: MultiMapping[str]) -> None:
         notified = await self.upstream.request(

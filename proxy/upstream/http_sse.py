@@ -16,6 +16,8 @@ import re
 from collections.abc import AsyncIterable, AsyncIterator, Iterator
 from typing import Any
 
+from .events import AnswerTooLarge
+
 DEFAULT_MAX_EVENT_BYTES = 16 * 1024 * 1024
 MAX_RETRY_MS = 30_000
 """The longest reconnection delay a peer's `retry:` field may ask for; longer ones are cut to this."""
@@ -24,7 +26,7 @@ _LINE_END = re.compile(rb"\r\n|\r|\n")
 _BOM = b"\xef\xbb\xbf"
 
 
-class SseLimitError(ValueError):
+class SseLimitError(ValueError, AnswerTooLarge):
     """An event is larger than the parser's bound; the stream cannot be read on."""
 
 

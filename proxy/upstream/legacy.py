@@ -14,7 +14,6 @@ import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
-import aiohttp
 import structlog
 from cachetools import LRUCache
 from multidict import MultiMapping
@@ -24,6 +23,7 @@ from ..envelope import params_of
 from ..jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, dumps, error_object
 from ..security import Identity
 from .events import (
+    AnswerTooLarge,
     Event,
     Failed,
     Finished,
@@ -33,8 +33,6 @@ from .events import (
     proxy_failure,
     too_large,
 )
-from .http_client import BodyTooLarge
-from .http_sse import SseLimitError
 from .legacy_tasks import TASKED, TaskSupport, run_as_upstream_task, without_task_support
 from .routing import CallRoute
 
@@ -360,7 +358,7 @@ class LegacyUpstream:
         legacy = to_legacy(message)
         try:
             session = await self.session_for(client_headers)
-        except (ConnectionError, aiohttp.ClientError, OSError, UpstreamUnavailable) as exc:
+        except (ConnectionError, OSError, UpstreamUnavailable) as exc:
             yield proxy_failure(f"upstream unreachable ({exc})", self.url)
             return
         route = CallRoute(capabilities, on_request)
@@ -408,7 +406,7 @@ class LegacyUpstream:
             capabilities = declared if declared is not None else capabilities
         try:
             session, response = await self.post(legacy, client_headers, session, route)
-        except (ConnectionError, aiohttp.ClientError, OSError, UpstreamUnavailable) as exc:
+        except (ConnectionError, OSError, UpstreamUnavailable) as exc:
             yield proxy_failure(f"upstream unreachable ({exc})", self.url)
             return
         if session.on_status is not None:
@@ -451,7 +449,7 @@ class LegacyUpstream:
                     return
             finished = True
             yield proxy_failure("the upstream closed its event stream before answering the call", self.url)
-        except (BodyTooLarge, SseLimitError):
+        except AnswerTooLarge:
             yield too_large(max_bytes)  # not finished upstream: the finally below cancels the call there
         finally:
             if route is not None:

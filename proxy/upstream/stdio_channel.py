@@ -20,7 +20,7 @@ from typing import Any
 import structlog
 
 from ..jsonrpc import INTERNAL_ERROR, dumps, error_object
-from .http_client import BodyTooLarge
+from .events import AnswerTooLarge
 from .routing import CallRoute, related_task_id
 from .stdio_process import ChildProcess, ChildSpec, Oversized, Supervisor
 
@@ -110,7 +110,7 @@ class Exchange:
         return True
 
     async def messages(self, max_bytes: int) -> AsyncIterator[dict[str, Any]]:
-        """What the child wrote for this call, the response last; BodyTooLarge for one over `max_bytes`."""
+        """What the child wrote for this call, the response last; AnswerTooLarge for one over `max_bytes`."""
         while True:
             while not self._items:
                 self._ready.clear()
@@ -122,7 +122,7 @@ class Exchange:
             elif method is not None:
                 self._notifications -= 1
             if size > max_bytes:
-                raise BodyTooLarge(max_bytes)
+                raise AnswerTooLarge(f"a message over {max_bytes} bytes")
             self.last_size = size
             yield message
             if method is None:

@@ -16,8 +16,7 @@ import structlog
 from multidict import MultiMapping
 
 from ..jsonrpc import dumps
-from .events import UpstreamUnavailable
-from .http_client import BodyTooLarge
+from .events import AnswerTooLarge, UpstreamUnavailable
 from .legacy import LEGACY_VERSION, LegacySession, proxy_initialize
 from .routing import CallRoute
 from .stdio_channel import ChildGone, Exchange, StdioChannel
@@ -162,7 +161,7 @@ class StdioLegacyLink:
                         return 200, answer
         except TimeoutError as exc:
             raise UpstreamUnavailable(f"{message['method']}: no answer within {ASK_TIMEOUT_S:g} s") from exc
-        except BodyTooLarge:
+        except AnswerTooLarge:
             log.warning("upstream_answer_too_large", limit=_HANDSHAKE_MAX_BYTES)
             return 200, None
         finally:

@@ -11,8 +11,7 @@ from typing import Any, Literal
 import structlog
 from multidict import MultiMapping
 
-from .events import Event, Progress, UpstreamUnavailable, proxy_failure, too_large
-from .http_client import BodyTooLarge
+from .events import AnswerTooLarge, Event, Progress, UpstreamUnavailable, proxy_failure, too_large
 from .modern import discover_probe, interpret, is_discover_result
 from .stdio_channel import ChildGone
 from .stdio_pool import StdioPool
@@ -44,7 +43,7 @@ class StdioModern:
                 async for message in exchange.messages(_PROBE_MAX_BYTES):
                     if message.get("method") is None:
                         answer = message
-        except (TimeoutError, BodyTooLarge):
+        except (TimeoutError, AnswerTooLarge):
             log.info("upstream_probe_unanswered", upstream=self.url, wait_s=self._start_timeout_s)
         finally:
             exchange.close()
@@ -63,7 +62,7 @@ class StdioModern:
                 async for message in exchange.messages(_PROBE_MAX_BYTES):
                     if message.get("method") is None:
                         return not _exited(message)
-        except (TimeoutError, BodyTooLarge):
+        except (TimeoutError, AnswerTooLarge):
             return False
         finally:
             exchange.close()
@@ -90,7 +89,7 @@ class StdioModern:
                     yield event
                     if not isinstance(event, Progress):
                         return
-        except BodyTooLarge:
+        except AnswerTooLarge:
             yield too_large(max_bytes)
         finally:
             exchange.close()

@@ -33,8 +33,7 @@ from ..jsonrpc import (
     result_response,
 )
 from ..security import Identity
-from .events import UpstreamUnavailable
-from .http_client import BodyTooLarge
+from .events import AnswerTooLarge, UpstreamUnavailable
 from .http_relay import client_gone_key
 from .legacy import declined_answer
 from .routing import CallRoute
@@ -273,7 +272,7 @@ class StdioRelay:
                     await stream.prepare(request)
                 if not await _write(request, stream, message):
                     return stream
-        except BodyTooLarge:
+        except AnswerTooLarge:
             reason = f"the stdio server's answer exceeds limits.max_result_bytes ({self._max_bytes()})"
             error = error_response(exchange.caller_id, error_object(INTERNAL_ERROR, f"Proxy failure: {reason}"))
             if stream is None:
@@ -363,7 +362,7 @@ async def _listen_messages(exchange: Exchange, limit: int) -> AsyncGenerator[dic
             if message.get("method") is None:
                 return
             yield message
-    except BodyTooLarge:
+    except AnswerTooLarge:
         log.info("upstream_subscription_ended", reason="a notification over limits.max_result_bytes")
     finally:
         exchange.close()
