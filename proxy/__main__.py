@@ -56,7 +56,9 @@ def split_command(argv: list[str]) -> tuple[list[str], list[str] | None]:
     if "--" not in argv:
         return argv, None
     at = argv.index("--")
-    return argv[:at], argv[at + 1 :] or None
+    if not argv[at + 1 :]:
+        raise ConfigError("nothing after --: give the stdio server's command there, or leave -- out")
+    return argv[:at], argv[at + 1 :]
 
 
 def resolve_config(
@@ -84,7 +86,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["check"]:
         raise SystemExit(check_main(argv[1:]))
-    argv, command = split_command(argv)
+    try:
+        argv, command = split_command(argv)
+    except ConfigError as exc:
+        print(f"mcp-tasks-proxy: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     args = build_parser().parse_args(argv)
     config_path = args.config or os.environ.get(f"{ENV_PREFIX}CONFIG")
     loaded_stamp = file_stamp(config_path) if config_path else None  # before reading: see PolicyReloader

@@ -73,6 +73,8 @@ class StdioConfig(_Strict):
     max_sessions: PositiveInt = 10_000
     """2025-era client sessions the proxy keeps for the child (it answers their initialize itself); the least
     recently used is ended past it (its client gets 404 and initializes again)."""
+    max_sessions_per_principal: PositiveInt = 64
+    """Of those, one principal's; its own oldest is ended past it, so that one caller cannot end everyone's."""
 
 
 class UpstreamConfig(_Strict):
@@ -258,7 +260,8 @@ class ProxyConfig(_Strict):
 
 def _format_validation_error(exc: ValidationError, source: str) -> str:
     errors = exc.errors()
-    first = errors[0]
+    # An unknown key first: a typo is the likeliest mistake, and its other errors often follow from it.
+    first = next((error for error in errors if error["type"] == "extra_forbidden"), errors[0])
     path = ".".join(str(part) for part in first["loc"]) or "(top level)"
     message = first["msg"]
     if first["type"] == "extra_forbidden":

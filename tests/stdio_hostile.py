@@ -24,6 +24,7 @@ At stdin EOF it finishes the calls under way, then exits 0. MODE is one of:
 - never_answers: reads stdin but never writes anything on stdout (initialize is never answered); exits at EOF.
 - ignores_eof_and_term: ignores SIGTERM and keeps running after stdin EOF (sleeps forever): only SIGKILL stops it.
 - exit_at_start: writes "fatal: bad config" on stderr and exits with status 2 at once.
+- stops_reading: echo "stop" is answered, and from then on stdin is never read again (the process lives on).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ MODES = (
     "never_answers",
     "ignores_eof_and_term",
     "exit_at_start",
+    "stops_reading",
 )
 PROTOCOL_VERSION = "2025-11-25"
 LONG_LINE_BYTES = 100 * 1024 * 1024
@@ -79,6 +81,7 @@ class Server:
         self.out = sys.stdout.buffer
         self.lock = asyncio.Lock()  # one message at a time on stdout: lines never interleave
         self.tasks: set[asyncio.Task[None]] = set()
+        self.stop_reading = threading.Event()
 
     async def write(self, data: bytes) -> None:
         """Write whole lines on stdout, off the event loop (a big write waits for the reader without stalling us)."""
@@ -134,6 +137,8 @@ class Server:
                 head = b'{"jsonrpc":"2.0","id":' + json.dumps(request_id).encode() + b',"result":{"content":'
                 await self.write(head + b'[{"type":"text","text":"' + b"x" * LONG_LINE_BYTES + b'"}]}}\n')
                 return None
+            if text == "stop" and self.mode == "stops_reading":
+                self.stop_reading.set()
             if text == "flood" and self.mode == "junk_lines":
                 await self.write(b"".join(b"junk line %d\n" % n for n in range(JUNK_LINES)))
             return text_result(text)
@@ -157,6 +162,8 @@ class Server:
         def read() -> None:  # a thread: works whatever stdin is (pipe, file, terminal)
             for line in sys.stdin.buffer:
                 loop.call_soon_threadsafe(lines.put_nowait, line)
+                if self.stop_reading.is_set():
+                    threading.Event().wait()  # never again: what the proxy writes now stays in the pipe
             loop.call_soon_threadsafe(lines.put_nowait, None)
 
         threading.Thread(target=read, name="stdin", daemon=True).start()

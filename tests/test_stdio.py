@@ -412,6 +412,121 @@ async def test_a_million_junk_lines_are_skipped(make_proxy):
     assert reply.result["content"][0]["text"] == "flood", reply.message
 
 
+async def test_a_child_that_stops_reading_stdin_is_restarted_and_its_calls_fail(make_proxy, monkeypatch):
+    from proxy.upstream import stdio_process
+
+    monkeypatch.setattr(stdio_process, "_WRITE_TIMEOUT_S", 1.0)
+    proxy = await stdio_proxy(
+        make_proxy, hostile_command("stops_reading"), tools=[], upstream={"stdio": {"restart_min_s": 0.2}}
+    )
+    pid = int(await tool_text(proxy, "pid"))
+    assert await tool_text(proxy, "echo", {"text": "stop"}) == "stop"
+    big = "x" * 300_000  # more than the pipe holds: writes wait on a child that never reads them
+    replies = await asyncio.wait_for(
+        asyncio.gather(*(proxy.client.call_tool("echo", {"text": big}, tasks=False) for _ in range(4))), 60
+    )
+    for reply in replies:
+        assert reply.message["error"]["code"] == -32603, reply.message
+    await ready(proxy)
+    assert int(await tool_text(proxy, "pid")) != pid  # stopped and started again
+
+
+@pytest.mark.parametrize("kind", ["relayed", "durable"])
+async def test_a_2025_clients_call_ends_when_cancelled_or_its_session_ends(make_proxy, kind):
+    # A tool no rule names is relayed as it is; one the policy names is a durable call (a task of the proxy's).
+    legacy = await stdio_proxy(make_proxy, legacy_command(), tools=[] if kind == "relayed" else RULES)
+    accept = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+    session = legacy.client.session
+
+    async def open_session() -> dict:
+        init = request(
+            "initialize",
+            {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}},
+        )
+        async with session.post(legacy.url, json=init, headers=accept) as response:
+            return {
+                **accept,
+                "Mcp-Session-Id": response.headers["Mcp-Session-Id"],
+                "MCP-Protocol-Version": "2025-11-25",
+            }
+
+    for ending in ("cancelled", "deleted"):
+        headers = await open_session()
+        gate = secrets.token_hex(4)
+        call = {
+            "jsonrpc": "2.0",
+            "id": 7,
+            "method": "tools/call",
+            "params": {"name": "gated", "arguments": {"tag": gate}},
+        }
+        pending = asyncio.ensure_future(session.post(legacy.url, json=call, headers=headers))
+        await eventually(lambda gate=gate: _gate_is(legacy, gate, "started"), what="the relayed call in the child")
+        if ending == "cancelled":
+            cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 7}}
+            async with session.post(legacy.url, json=cancel, headers=headers) as response:
+                assert response.status == 202
+        else:
+            async with session.delete(legacy.url, headers=headers) as response:
+                assert response.status == 200
+        response = await asyncio.wait_for(pending, 30)  # the POST ends: nothing is left waiting on the proxy
+        response.release()
+        await eventually(lambda gate=gate: _gate_is(legacy, gate, "cancelled"), what=f"the child told ({ending})")
+
+
+async def test_a_2025_session_is_only_its_principals_for_durable_calls_too(make_proxy):
+    proxy = await stdio_proxy(make_proxy, legacy_command())
+    accept = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+    init = request(
+        "initialize",
+        {
+            "protocolVersion": "2025-11-25",
+            "capabilities": {"elicitation": {}},
+            "clientInfo": {"name": "a", "version": "1"},
+        },
+    )
+    async with proxy.client.session.post(
+        proxy.url, json=init, headers={**accept, "Authorization": "Bearer alice"}
+    ) as r:
+        alices = r.headers["Mcp-Session-Id"]
+    call = request("tools/call", {"name": "ask_name", "arguments": {}})  # a policy tool: a durable call
+    headers = {
+        **accept,
+        "Authorization": "Bearer mallory",
+        "Mcp-Session-Id": alices,
+        "MCP-Protocol-Version": "2025-11-25",
+    }
+    async with proxy.client.session.post(proxy.url, json=call, headers=headers) as response:
+        assert response.status == 404, await response.text()
+
+
+async def test_requests_past_max_in_flight_fail_at_once_even_in_a_burst(make_proxy):
+    proxy = await stdio_proxy(make_proxy, hostile_command("ok"), tools=[], upstream={"stdio": {"max_in_flight": 2}})
+    replies = await asyncio.gather(*(proxy.client.call_tool("sleep", {"seconds": 1}, tasks=False) for _ in range(6)))
+    failed = [r for r in replies if "error" in r.message]
+    assert len(failed) == 4, [r.message for r in replies]
+    assert all("2 calls are in flight" in r.message["error"]["message"] for r in failed)
+
+
+def test_one_principal_ends_only_its_own_oldest_sessions():
+    from proxy.upstream.stdio_sessions import FrontSessions
+
+    sessions = FrontSessions(max_sessions=100, per_principal=2)
+    alice = sessions.create("alice", "2025-11-25", {})
+    mallorys = [sessions.create("mallory", "2025-11-25", {}) for _ in range(50)]
+    assert sessions.get(alice.id) is alice
+    assert [s.id for s in mallorys if sessions.get(s.id)] == [mallorys[-2].id, mallorys[-1].id]
+
+
+def test_a_malformed_response_of_the_child_reaches_a_client_as_the_proxys_error():
+    from proxy.upstream.stdio_relay import _well_formed
+
+    for bad in ({"id": 2}, {"id": 2, "result": 5}, {"id": 2, "result": {}, "error": {}}, {"id": 2, "error": "boom"}):
+        answer = _well_formed({"jsonrpc": "2.0", **bad}, "stdio:x")
+        assert answer["error"]["code"] == -32603 and "malformed" in answer["error"]["message"], answer
+    good = {"jsonrpc": "2.0", "id": 2, "error": {"code": -32602, "message": "no"}}
+    assert _well_formed(good, "stdio:x") is good
+
+
 # --- the command line ---------------------------------------------------------------------------------------------
 
 
@@ -428,6 +543,20 @@ async def test_a_missing_program_is_one_line_and_exit_2():
     assert process.returncode == 2, err
     assert err.decode().strip().splitlines()[-1].startswith("mcp-tasks-proxy: cannot start stdio:mcp-server"), err
     assert b"Traceback" not in err
+
+
+async def test_nothing_after_the_double_dash_and_a_missing_cwd_are_one_line_each(tmp_path: Path):
+    process = await _run_proxy("--port", "0", "--")
+    _, err = await asyncio.wait_for(process.communicate(), 30)
+    assert process.returncode == 2 and err.decode().strip() == (
+        "mcp-tasks-proxy: nothing after --: give the stdio server's command there, or leave -- out"
+    )
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(f"upstream: {{command: [python3, server.py], cwd: {tmp_path / 'nowhere'}}}\n")
+    process = await _run_proxy("--config", str(policy), "--port", "0")
+    _, err = await asyncio.wait_for(process.communicate(), 30)
+    assert process.returncode == 2, err
+    assert str(tmp_path / "nowhere") in err.decode().strip().splitlines()[-1], err  # names what is missing
 
 
 async def test_shutdown_stops_a_child_that_ignores_eof_and_sigterm(tmp_path: Path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
@@ -71,7 +72,7 @@ async def _stdio_gateway(config: ProxyConfig, identity: Identity, limit: Callabl
     pool = StdioPool(
         spec, children=stdio.children, exclusive=stdio.dispatch == "exclusive", max_in_flight=stdio.max_in_flight
     )
-    sessions = FrontSessions(stdio.max_sessions)
+    sessions = FrontSessions(stdio.max_sessions, per_principal=stdio.max_sessions_per_principal)
     link = StdioLegacyLink(pool, sessions, start_timeout_s=stdio.start_timeout_s)
     legacy = LegacyUpstream(lambda spawn: link, max_sessions=upstream.max_sessions, identity=identity)
     modern = StdioModern(pool, start_timeout_s=stdio.start_timeout_s)
@@ -85,10 +86,13 @@ async def _stdio_gateway(config: ProxyConfig, identity: Identity, limit: Callabl
         pool, link, modern, sessions, identity, era, lambda: gateway.known_era if gateway else None, max_bytes=limit
     )
     gateway = Gateway(modern, legacy, relay, upstream.protocol)
+    if upstream.cwd is not None and not os.path.isdir(upstream.cwd):
+        raise UpstreamStartError(f"cannot start {spec.name}: upstream.cwd {upstream.cwd} is not a directory")
     try:
         await pool.start()
     except OSError as exc:
-        raise UpstreamStartError(f"cannot start {spec.name}: {exc.strerror or exc}") from exc
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise UpstreamStartError(f"cannot start {spec.name}: {exc.strerror or exc}{where}") from exc
 
     async def warm() -> None:
         # The era first (a dual-era child keeps the one its first request shows), then a 2025 child's initialize:

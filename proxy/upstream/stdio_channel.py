@@ -14,7 +14,7 @@ import asyncio
 import collections
 import itertools
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import structlog
@@ -31,6 +31,7 @@ _MAX_QUEUED_NOTIFICATIONS = 64
 _MAX_QUEUED_REQUESTS = 16
 """Server requests tied to one call and not yet taken; past it the child is refused at once."""
 _LOGGED_DROPS = 10
+_MAX_BACKGROUND_WRITES = 1024
 _QUIET_METHODS = frozenset(
     {
         "initialize",
@@ -83,6 +84,7 @@ class Exchange:
         self._ready = asyncio.Event()
         self.answered = False
         self.closed = False
+        self.on_close: Callable[[], Any] | None = None
         self.asked: list[str] = []
         """The child's requests delivered to this call (by shown id): refused at its end if still unanswered."""
 
@@ -133,7 +135,13 @@ class Exchange:
         if self.closed:
             return
         self.closed = True
-        self._channel.forget(self, cancel_reason=None if self.answered else reason)
+        if self.on_close is not None:
+            self.on_close()
+        unanswered = not self.answered
+        self._channel.forget(self, cancel_reason=reason if unanswered else None)
+        if unanswered:  # closed by someone else (a cancel, an ended session): whoever still reads it is done too
+            error = error_object(INTERNAL_ERROR, f"Request cancelled: {reason}")
+            self.deliver({"jsonrpc": "2.0", "id": self.child_id, "error": error}, 0)
 
 
 class StdioChannel:
@@ -152,6 +160,9 @@ class StdioChannel:
         self.prepare: Callable[[StdioChannel], Awaitable[Any]] | None = None
         """Run once per run of the child before any request of a caller's (a 2025 child's initialize)."""
         self._prepared: dict[int, asyncio.Task[Any]] = {}
+        self._writes: set[asyncio.Task[Any]] = set()
+        self._starting = 0
+        """Requests past the in-flight check and not yet in _pending (waiting for the child, or for its handshake)."""
         self.reserved = 0
         """Calls the pool has sent this child's way and not yet written (exclusive dispatch)."""
         self.on_forget: list[Callable[[Exchange], None]] = []
@@ -166,6 +177,7 @@ class StdioChannel:
             on_exit=self._exited,
             on_message=self._received,
             on_oversized=self._oversized,
+            on_kill=lambda child: self._running.clear(),
         )
         self._running = asyncio.Event()
 
@@ -221,11 +233,15 @@ class StdioChannel:
     ) -> Exchange:
         """Send one request under an id of the proxy's; read the answer from the Exchange, then close it. Unless
         `prepared` is False (the prepare hook's own requests), the child is prepared first."""
-        if len(self._pending) >= self._max_in_flight:
+        if len(self._pending) + self._starting >= self._max_in_flight:
             raise ChildGone(f"{self._max_in_flight} calls are in flight on the stdio server (upstream.stdio)")
-        if prepared:
-            await self.prepared(wait_s)
-        child = await self.running(wait_s)
+        self._starting += 1  # counted before the first await: a burst cannot pass the check together
+        try:
+            if prepared:
+                await self.prepared(wait_s)
+            child = await self.running(wait_s)
+        finally:
+            self._starting -= 1
         child_id = f"m{child.generation}.{next(self._numbers)}"
         exchange = Exchange(self, child_id, message, route)
         sent = {**message, "id": child_id}
@@ -284,7 +300,7 @@ class StdioChannel:
             asked = self._asked.pop(shown_id, None)
             if asked is not None:  # the call ended with the child's question open: the child must not wait on it
                 error = error_object(INTERNAL_ERROR, "The request's call has ended at the proxy")
-                asyncio.ensure_future(self._answer_child(asked[0], asked[1], {"error": error}))
+                self._background(self._answer_child(asked[0], asked[1], {"error": error}))
         if self._pending.get(exchange.child_id) is exchange:
             del self._pending[exchange.child_id]
             if cancel_reason is not None:
@@ -293,8 +309,7 @@ class StdioChannel:
                     "method": "notifications/cancelled",
                     "params": {"requestId": exchange.child_id, "reason": cancel_reason},
                 }
-                task = asyncio.ensure_future(self.notify(cancel))
-                task.add_done_callback(lambda _: None)
+                self._background(self.notify(cancel))
 
     # --- what the child writes ------------------------------------------------------------------------------------
 
@@ -339,7 +354,7 @@ class StdioChannel:
             self._notification(message, size)
             return
         if method == "ping":
-            asyncio.ensure_future(self._answer_child(child.generation, message["id"], {"result": {}}))
+            self._background(self._answer_child(child.generation, message["id"], {"result": {}}))
             return
         exchange, why = self._route(message)
         # Shown under an id of the proxy's: the ids of several children (or of two runs of one) never meet.
@@ -369,8 +384,9 @@ class StdioChannel:
             exchange.deliver({**message, "params": {**params, "_meta": meta}}, size)
             return
         if message["method"] == "notifications/message":
-            # A log line says something about the call that wrote it: only that call's client may see it.
-            exchange, _ = self._route(message)
+            # A log line may say something about one caller's call, and on stdio nothing says whose: it reaches a
+            # client only when its related-task names the call; otherwise it is dropped, never guessed.
+            exchange, _ = self._route(message) if related_task_id(message) is not None else (None, "")
             if exchange is not None:
                 exchange.deliver(message, size)
             return
@@ -412,7 +428,7 @@ class StdioChannel:
                 count=self._refused,
             )
         error = error_object(INTERNAL_ERROR, f"The proxy cannot relay this {message['method']} request: {why}")
-        asyncio.ensure_future(self._answer_child(child.generation, message["id"], {"error": error}))
+        self._background(self._answer_child(child.generation, message["id"], {"error": error}))
 
     def _oversized(self, child: ChildProcess, line: Oversized) -> None:
         """A discarded line may have been a call's answer: the call whose id it shows fails, not waits."""
@@ -425,6 +441,17 @@ class StdioChannel:
                     {"jsonrpc": "2.0", "id": exchange.child_id, "error": error_object(INTERNAL_ERROR, reason)}, 0
                 )
                 return
+
+    def _background(self, write: Coroutine[Any, Any, Any]) -> None:
+        """A write of the proxy's own (an answer to a ping, a refusal, a cancellation) beside the calls; at most
+        _MAX_BACKGROUND_WRITES at once, so that a child that floods and stops reading cannot grow them."""
+        if len(self._writes) >= _MAX_BACKGROUND_WRITES:
+            write.close()
+            self._drop("a write of the proxy's own, with too many waiting for the child to read", None)
+            return
+        task = asyncio.ensure_future(write)
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
 
     def _drop(self, what: str, message: Any) -> None:
         self._refused += 1

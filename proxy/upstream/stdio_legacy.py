@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from multidict import MultiMapping
 
-from ..jsonrpc import dumps
 from .events import AnswerTooLarge, UpstreamUnavailable
 from .legacy import LEGACY_VERSION, LegacySession, proxy_initialize
 from .routing import CallRoute
@@ -24,7 +23,7 @@ from .stdio_pool import StdioPool
 
 if TYPE_CHECKING:
     from .legacy import LegacyUpstream
-    from .stdio_sessions import FrontSessions
+    from .stdio_sessions import FrontSession, FrontSessions
 
 log = structlog.get_logger(__name__)
 
@@ -89,7 +88,9 @@ class StdioLegacyLink:
             exchange.close()
         result = answer.get("result")
         if not isinstance(result, dict):
-            raise UpstreamUnavailable(f"the stdio server refused initialize: {dumps(answer.get('error'))[:200]!r}")
+            error = answer.get("error")
+            message = error.get("message") if isinstance(error, dict) else None
+            raise UpstreamUnavailable(f"the stdio server refused initialize: {str(message or error)[:200]}")
         await channel.notify({"jsonrpc": "2.0", "method": "notifications/initialized"})
         self.initialize_result = result
         self.shared.protocol_version = str(result.get("protocolVersion") or LEGACY_VERSION)
@@ -126,8 +127,13 @@ class StdioLegacyLink:
         return len(self.pool.channels) == 1
 
     def client_capabilities(self, session: LegacySession) -> dict[str, Any] | None:
-        front = self._sessions.get(session.session_id) if session.session_id is not None else None
+        front = self._front(session) if session.session_id is not None else None
         return front.capabilities if front is not None else None
+
+    def _front(self, session: LegacySession) -> FrontSession | None:
+        """The 2025-era client session a client's own LegacySession names, when it is that caller's."""
+        front = self._sessions.get(session.session_id) if session.session_id is not None else None
+        return front if front is not None and front.principal == session.principal else None
 
     async def send(
         self,
@@ -136,10 +142,15 @@ class StdioLegacyLink:
         message: dict[str, Any],
         route: CallRoute | None,
     ) -> StdioReply:
-        if session.session_id is not None and self._sessions.get(session.session_id) is None:
-            return StdioReply(None, 404)  # a client's session the proxy has ended (or never made)
+        front = self._front(session) if session.session_id is not None else None
+        if session.session_id is not None and front is None:
+            return StdioReply(None, 404)  # a client's session the proxy has ended (or never made, or not this caller's)
         await self.ready()
-        return StdioReply(await self.pool.request(message, route=route, wait_s=self._start_timeout_s))
+        exchange = await self.pool.request(message, route=route, wait_s=self._start_timeout_s)
+        if front is not None:  # a durable call is the session's: it ends with it (DELETE, eviction)
+            front.calls[("durable", exchange.child_id)] = exchange
+            exchange.on_close = lambda: front.calls.pop(("durable", exchange.child_id), None)
+        return StdioReply(exchange)
 
     async def respond(
         self, session: LegacySession, client_headers: MultiMapping[str], request_id: Any, answer: dict[str, Any]

@@ -35,6 +35,8 @@ _EDGE_BYTES = 256
 """Of a discarded (too long) line, the head and tail kept: where its id is."""
 _HEALTHY_S = 60.0
 """A child that ran this long resets the restart backoff."""
+_MAX_UNREAD_BYTES = 16 * 1024 * 1024
+"""Bytes written to the child's stdin and not yet read by it, past which a new message fails at once."""
 _WRITE_TIMEOUT_S = 30.0
 """How long a write may wait for a child that does not read its stdin."""
 
@@ -83,9 +85,12 @@ class ChildProcess:
         generation: int,
         on_message: Callable[[Any, int], None],
         on_oversized: Callable[[Oversized], None],
+        on_kill: Callable[[], None] = lambda: None,
     ) -> None:
         self.spec = spec
         self.generation = generation
+        self.killed = False
+        self._on_kill = on_kill
         self._on_message = on_message
         self._on_oversized = on_oversized
         self._process: asyncio.subprocess.Process | None = None
@@ -93,7 +98,6 @@ class ChildProcess:
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=_STDERR_TAIL)
         self._stderr_lines = 0
         self._junk_lines = 0
-        self._write_lock = asyncio.Lock()
         self.started_at = 0.0
 
     @property
@@ -137,14 +141,29 @@ class ChildProcess:
         process = self._process
         if process is None or process.stdin is None or process.returncode is not None:
             raise ConnectionError("the stdio server is not running")
+        if process.stdin.transport.get_write_buffer_size() > _MAX_UNREAD_BYTES:
+            # A child that does not read: each message would wait in memory until it does.
+            raise ConnectionError(f"the stdio server has not read {_MAX_UNREAD_BYTES} bytes written to its stdin")
         try:
             process.stdin.write(line)  # one write per message keeps the framing whole
-            async with self._write_lock, asyncio.timeout(_WRITE_TIMEOUT_S):
+            async with asyncio.timeout(_WRITE_TIMEOUT_S):  # drain() has room for many waiters: no lock to queue on
                 await process.stdin.drain()
         except TimeoutError:
+            # Not reading for that long is a fault of the child's, like dying: it is stopped, and started again.
+            log.warning("upstream_stdin_stuck", upstream=self.spec.name, pid=process.pid, wait_s=_WRITE_TIMEOUT_S)
+            self.kill()
             raise ConnectionError(f"the stdio server has not read its stdin for {_WRITE_TIMEOUT_S:g} s") from None
         except (BrokenPipeError, ConnectionResetError, RuntimeError) as exc:
             raise ConnectionError(f"the stdio server's stdin is closed ({type(exc).__name__})") from None
+
+    def kill(self) -> None:
+        """SIGKILL the child's process group at once; from now on it takes no request (the supervisor sees it exit
+        and starts it again)."""
+        if self._process is not None and self._process.returncode is None:
+            self.killed = True
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self._process.pid, signal.SIGKILL)
+            self._on_kill()
 
     async def stop(self) -> int | None:
         """As the stdio transport asks: close stdin, wait; SIGTERM the group, wait; SIGKILL. The exit status."""
@@ -259,9 +278,11 @@ class Supervisor:
         on_exit: Callable[[ChildProcess, int], None],
         on_message: Callable[[ChildProcess, Any, int], None],
         on_oversized: Callable[[ChildProcess, Oversized], None],
+        on_kill: Callable[[ChildProcess], None] = lambda child: None,
     ) -> None:
         self.spec = spec
         self._on_start = on_start
+        self._on_kill = on_kill
         self._on_exit = on_exit
         self._on_message = on_message
         self._on_oversized = on_oversized
@@ -285,12 +306,19 @@ class Supervisor:
             self._generation,
             lambda message, size: self._on_message(child, message, size),
             lambda oversized: self._on_oversized(child, oversized),
+            lambda: self._killed(child),
         )
         await child.start()
         self.child = child
         self.state = "running"
         self._on_start(child)
         return child
+
+    def _killed(self, child: ChildProcess) -> None:
+        if self.child is child:
+            self.child = None  # no request goes to it while it dies
+            self.state = "killed (it stopped reading its stdin), restarting"
+            self._on_kill(child)
 
     async def _watch(self, child: ChildProcess) -> None:
         delay = self.spec.restart_min_s

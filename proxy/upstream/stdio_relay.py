@@ -85,7 +85,7 @@ class StdioRelay:
             try:
                 await asyncio.wait_for(self._link.ready(), 2.0)
             except (TimeoutError, UpstreamUnavailable) as exc:
-                return f"upstream not initialized ({exc or 'starting'})"
+                return f"upstream not initialized ({str(exc) or 'initialize not answered yet'})"
         elif not await self._modern.answers(2.0):
             return "upstream does not answer server/discover"
         return "ok"
@@ -254,6 +254,7 @@ class StdioRelay:
             async for message in exchange.messages(self._max_bytes()):
                 method = message.get("method")
                 if method is None:
+                    message = _well_formed(message, self.pool.name)
                     if rewrite is not None and isinstance(message.get("result"), dict):
                         rewrite(message["result"])
                     if stream is None:
@@ -379,6 +380,19 @@ async def _write(request: web.Request, stream: web.StreamResponse, message: dict
 
 def _json(message: dict[str, Any], *, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(body=dumps(message), status=status, content_type="application/json", headers=headers)
+
+
+def _well_formed(message: dict[str, Any], upstream: str) -> dict[str, Any]:
+    """The child's response as a client may take it: a result object, or an error with an integer code and a
+    message; anything else becomes the proxy's -32603 saying so."""
+    error, result = message.get("error"), message.get("result")
+    if "error" in message and "result" not in message and isinstance(error, dict):
+        code = error.get("code")
+        if isinstance(code, int) and not isinstance(code, bool) and isinstance(error.get("message"), str):
+            return message
+    elif "result" in message and "error" not in message and isinstance(result, dict):
+        return message
+    return error_response(message.get("id"), _failure("the stdio server's response is malformed", upstream))
 
 
 def _status(message: dict[str, Any]) -> int:

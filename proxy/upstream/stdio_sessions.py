@@ -58,14 +58,22 @@ class FrontSession:
 class FrontSessions:
     """The sessions, least recently used ended first past `max_sessions`."""
 
-    def __init__(self, max_sessions: int) -> None:
+    def __init__(self, max_sessions: int, *, per_principal: int = 64) -> None:
         self._sessions: LRUCache[str, FrontSession] = _Evicting(maxsize=max_sessions)
+        self._per_principal = per_principal
+        self._of: dict[str, list[str]] = {}
+        """Each principal's session ids, oldest first."""
 
     def __len__(self) -> int:
         return len(self._sessions)
 
     def create(self, principal: str, protocol_version: str, capabilities: dict[str, Any]) -> FrontSession:
         session = FrontSession(secrets.token_urlsafe(24), principal, protocol_version, capabilities)
+        mine = [sid for sid in self._of.get(principal, []) if sid in self._sessions]
+        while len(mine) >= self._per_principal:  # a caller's many sessions end its own oldest, not anyone else's
+            self.end(mine.pop(0))
+        mine.append(session.id)
+        self._of[principal] = mine
         self._sessions[session.id] = session
         return session
 
@@ -77,6 +85,11 @@ class FrontSessions:
         if session is None:
             return False
         _close(session)
+        mine = self._of.get(session.principal)
+        if mine is not None and session_id in mine:
+            mine.remove(session_id)
+            if not mine:
+                del self._of[session.principal]
         return True
 
     def broadcast(self, message: dict[str, Any]) -> None:
