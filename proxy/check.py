@@ -16,7 +16,7 @@ from .config import ConfigError, ProxyConfig, apply_overrides, load_config
 from .log import configure_logging
 from .security import Identity
 from .upstream import build_gateway
-from .upstream.events import Failed, Finished, UpstreamUnavailable
+from .upstream.events import Failed, Finished, UpstreamStartError, UpstreamUnavailable
 
 
 def check_main(argv: Sequence[str]) -> int:
@@ -43,7 +43,7 @@ def check_main(argv: Sequence[str]) -> int:
             return 0
         try:
             names = asyncio.run(list_tools(config))
-        except (UpstreamUnavailable, ConnectionError, aiohttp.ClientError, OSError) as exc:
+        except (UpstreamUnavailable, UpstreamStartError, ConnectionError, aiohttp.ClientError, OSError) as exc:
             print(f"the upstream {config.upstream_name} could not be asked for its tools ({exc}); name them instead")
             return 0
         print(f"the upstream {config.upstream_name} lists {len(names)} tool(s)")

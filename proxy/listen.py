@@ -71,12 +71,15 @@ async def stream(
     subscription_id = message["id"]
     queue = runner.watchers.watch(task_ids)  # before reading state: no change can slip between the two
     try:
-        granted = await granted_tasks(store, task_ids, principal)
         acknowledged: dict[str, Any] = {}
+        first = None
         if upstream_events is not None:
+            # Read first: a generator never started does not run its cleanup on aclose (the upstream stream would
+            # stay open if what follows failed).
             first = await anext(upstream_events, None)
-            if first is not None and first.get("method") == "notifications/subscriptions/acknowledged":
-                acknowledged = dict((first.get("params") or {}).get("notifications") or {})
+        granted = await granted_tasks(store, task_ids, principal)
+        if first is not None and first.get("method") == "notifications/subscriptions/acknowledged":
+            acknowledged = dict((first.get("params") or {}).get("notifications") or {})
         if task_ids:
             acknowledged["taskIds"] = list(granted)
         response = web.StreamResponse(

@@ -348,6 +348,45 @@ async def test_everything_over_stdio_serves_2025_clients(everything):
     assert "tides" in research["text"], research
 
 
+async def test_the_childs_own_tasks_are_each_sessions_own(everything):
+    accept = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+    session = everything.client.session
+
+    async def post(message: dict, headers: dict) -> dict:
+        async with session.post(everything.url, json=message, headers=headers) as response:
+            raw = await response.read()
+        if response.headers.get("Content-Type", "").startswith("text/event-stream"):
+            events = [line[6:] for line in raw.decode().splitlines() if line.startswith("data: ")]
+            return json.loads(events[-1])
+        return json.loads(raw)
+
+    async def open_session() -> dict:
+        init = request(
+            "initialize",
+            {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}},
+        )
+        async with session.post(everything.url, json=init, headers=accept) as response:
+            return {
+                **accept,
+                "Mcp-Session-Id": response.headers["Mcp-Session-Id"],
+                "MCP-Protocol-Version": "2025-11-25",
+            }
+
+    alice, bob = await open_session(), await open_session()
+    arguments = {"topic": "tides", "ambiguous": False}
+    created = await post(
+        request("tools/call", {"name": "simulate-research-query", "arguments": arguments, "task": {"ttl": 60000}}),
+        alice,
+    )
+    task_id = created["result"]["task"]["taskId"]
+    assert "result" in await post(request("tasks/get", {"taskId": task_id}), alice)
+    refused = await post(request("tasks/get", {"taskId": task_id}), bob)
+    assert refused["error"]["code"] == -32602, refused  # as an unknown id: nothing says it exists
+    listed = await post(request("tasks/list", {}), bob)
+    assert task_id not in json.dumps(listed), listed
+    assert task_id in json.dumps(await post(request("tasks/list", {}), alice))
+
+
 # --- faults -------------------------------------------------------------------------------------------------------
 
 

@@ -134,12 +134,15 @@ class HttpLegacyLink:
             raise ConnectionError(str(exc) or type(exc).__name__) from exc
 
     async def opened(self, legacy: LegacyUpstream, session: LegacySession, client_headers: MultiMapping[str]) -> None:
-        notified = await self.upstream.request(
-            "POST",
-            self.url,
-            session_headers(session, client_headers),
-            dumps({"jsonrpc": "2.0", "method": "notifications/initialized"}),
-        )
+        try:
+            notified = await self.upstream.request(
+                "POST",
+                self.url,
+                session_headers(session, client_headers),
+                dumps({"jsonrpc": "2.0", "method": "notifications/initialized"}),
+            )
+        except aiohttp.ClientError as exc:
+            raise ConnectionError(str(exc) or type(exc).__name__) from exc
         notified.release()
         if session.session_id is not None:
             # Before any call: a server may send a call's request there (server-everything's roots/list).
@@ -217,8 +220,6 @@ class HttpLegacyLink:
                     "POST", self.url, session_headers(session, client_headers), dumps(message)
                 )
                 async with response:
-                    if response.status == 404:
-                        return 404, None
                     return response.status, await single_answer(response, message["id"])
         except (ConnectionError, aiohttp.ClientError, OSError, TimeoutError) as exc:
             raise UpstreamUnavailable(f"{message['method']}: {exc or type(exc).__name__}") from exc

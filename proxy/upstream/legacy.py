@@ -370,6 +370,7 @@ class LegacyUpstream:
             else:
                 support = "forbidden"
             if support in TASKED and self.link.follows_tasks:
+                route.upstream_task = True
                 events = run_as_upstream_task(
                     self, session, legacy, client_headers, capabilities, route, max_bytes=max_bytes
                 )

@@ -28,6 +28,8 @@ class CallRoute:
     """Where a request tied to this call goes; None when its caller cannot take input from outside its stream."""
     upstream_task_id: str | None = None
     """The SEP-1686 task the upstream made for this call, once known."""
+    upstream_task: bool = False
+    """The call runs as the server's own SEP-1686 task (its id, upstream_task_id, not yet known at first)."""
     affinity: int | None = None
     """stdio: the child (of a pool) that took the call's first request, where the rest of it goes too."""
 

@@ -69,6 +69,7 @@ class Exchange:
 
     def __init__(self, channel: StdioChannel, child_id: str, request: dict[str, Any], route: CallRoute | None) -> None:
         self._channel = channel
+        self.channel_index = channel.index
         self.child_id = child_id
         self.caller_id = request.get("id")
         self.method = request.get("method")
@@ -130,15 +131,16 @@ class Exchange:
             if method is None:
                 return
 
-    def close(self, reason: str = "cancelled by the client") -> None:
-        """Done with it: when its response has not come, the child is told to stop (notifications/cancelled)."""
+    def close(self, reason: str = "cancelled by the client", *, tell_child: bool = True) -> None:
+        """Done with it: when its response has not come, the child is told to stop (notifications/cancelled),
+        unless `tell_child` is False (initialize, which MCP forbids to cancel)."""
         if self.closed:
             return
         self.closed = True
         if self.on_close is not None:
             self.on_close()
         unanswered = not self.answered
-        self._channel.forget(self, cancel_reason=reason if unanswered else None)
+        self._channel.forget(self, cancel_reason=reason if unanswered and tell_child else None)
         if unanswered:  # closed by someone else (a cancel, an ended session): whoever still reads it is done too
             error = error_object(INTERNAL_ERROR, f"Request cancelled: {reason}")
             self.deliver({"jsonrpc": "2.0", "id": self.child_id, "error": error}, 0)
@@ -169,7 +171,8 @@ class StdioChannel:
         """Told each exchange that ends (its answer read, or given up)."""
         self._refused = 0
         self.on_notification: list[Callable[[dict[str, Any]], None]] = []
-        """Told every notification of the child's that belongs to no call (list_changed, resources/updated)."""
+        """Told the child's notifications that concern every client: list changes, resource updates (any other that
+        names no call is dropped: nothing says whose it is)."""
         self.on_start: list[Callable[[ChildProcess], None]] = []
         self.supervisor = Supervisor(
             spec,
@@ -226,6 +229,7 @@ class StdioChannel:
         task = self._prepared.get(child.generation)
         if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
             task = self._prepared[child.generation] = asyncio.ensure_future(self.prepare(self))
+            task.add_done_callback(lambda done: done.cancelled() or done.exception())  # read, even with no waiter
         return await asyncio.shield(task)
 
     async def request(
@@ -341,7 +345,8 @@ class StdioChannel:
             return
         method = message.get("method")
         if method is None:
-            exchange = self._pending.pop(_key(message.get("id")), None)
+            child_id = message.get("id")  # the proxy's ids are strings: any other is no request of the proxy's
+            exchange = self._pending.pop(child_id, None) if isinstance(child_id, str) else None
             if exchange is None:
                 self._drop("a response to no request in flight", message)
                 return
@@ -390,8 +395,11 @@ class StdioChannel:
             if exchange is not None:
                 exchange.deliver(message, size)
             return
-        for callback in list(self.on_notification):
-            callback(message)
+        if message["method"].endswith("/list_changed") or message["method"] == "notifications/resources/updated":
+            for callback in list(self.on_notification):
+                callback(message)
+            return
+        self._drop(f"a {message['method']} notification that names no call", message)
 
     def _route(self, message: dict[str, Any]) -> tuple[Exchange | None, str]:
         """The open call a request of the child's is for (the newest exchange of it), or None and why not."""
@@ -407,9 +415,11 @@ class StdioChannel:
                 if route is not None and route.upstream_task_id == task_id:
                     return exchanges[-1], ""
             if len(groups) == 1:
-                only = next(iter(groups.values()))
-                if only[0].route is None or only[0].route.upstream_task_id is None:
-                    return only[-1], ""
+                # The one call in flight, when it is a server task being made: its id is not known yet. Any other
+                # call (another caller's, on the one child) must never get a question that names some task.
+                route = next(iter(groups.values()))[0].route
+                if route is not None and route.upstream_task and route.upstream_task_id is None:
+                    return next(iter(groups.values()))[-1], ""
             return None, f"it names task {task_id!r}, which no call in flight follows"
         if len(groups) == 1:
             return next(iter(groups.values()))[-1], ""

@@ -84,8 +84,12 @@ class StdioLegacyLink:
                 f"the stdio server did not answer initialize within {self._start_timeout_s:g} s "
                 "(upstream.stdio.start_timeout_s)"
             ) from None
+        except AnswerTooLarge:
+            raise UpstreamUnavailable(
+                f"the stdio server's initialize answer exceeds {_HANDSHAKE_MAX_BYTES} bytes"
+            ) from None
         finally:
-            exchange.close()
+            exchange.close(tell_child=False)
         result = answer.get("result")
         if not isinstance(result, dict):
             error = answer.get("error")
@@ -147,6 +151,9 @@ class StdioLegacyLink:
             return StdioReply(None, 404)  # a client's session the proxy has ended (or never made, or not this caller's)
         await self.ready()
         exchange = await self.pool.request(message, route=route, wait_s=self._start_timeout_s)
+        if front is not None and self._front(session) is not front:  # ended meanwhile
+            exchange.close("the session ended")
+            return StdioReply(None, 404)
         if front is not None:  # a durable call is the session's: it ends with it (DELETE, eviction)
             front.calls[("durable", exchange.child_id)] = exchange
             exchange.on_close = lambda: front.calls.pop(("durable", exchange.child_id), None)

@@ -47,9 +47,31 @@ class StdioModern:
             log.info("upstream_probe_unanswered", upstream=self.url, wait_s=self._start_timeout_s)
         finally:
             exchange.close()
+        if answer is None and not await self._answers_ping():
+            # Silent to both: still starting (an npx download), not 2025. The next request probes again.
+            raise UpstreamUnavailable(f"the stdio server answers nothing yet ({self._start_timeout_s:g} s)")
         if answer is not None and _exited(answer):
             raise UpstreamUnavailable(answer["error"]["message"])
         return "modern" if is_discover_result(answer) else "legacy"
+
+    async def _answers_ping(self) -> bool:
+        """Whether the child answers a bare ping (a 2025 server answers it, or refuses it before initialize)."""
+        try:
+            exchange = await self.pool.request(
+                {"jsonrpc": "2.0", "id": "mtp-ping", "method": "ping"}, wait_s=self._start_timeout_s, prepared=False
+            )
+        except ChildGone:
+            return False
+        try:
+            async with asyncio.timeout(self._start_timeout_s):
+                async for message in exchange.messages(_PROBE_MAX_BYTES):
+                    if message.get("method") is None:
+                        return not _exited(message)
+        except (TimeoutError, AnswerTooLarge):
+            return False
+        finally:
+            exchange.close()
+        return False  # pragma: no cover - messages() ends with the answer
 
     async def answers(self, timeout_s: float) -> bool:
         """Whether the child answers a server/discover within `timeout_s` (for /readyz)."""

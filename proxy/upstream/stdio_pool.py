@@ -15,7 +15,7 @@ from typing import Any
 
 from .routing import CallRoute
 from .stdio_channel import ChildGone, Exchange, StdioChannel, may_ask
-from .stdio_process import ChildProcess, ChildSpec
+from .stdio_process import ChildSpec
 
 
 class StdioPool:
@@ -33,17 +33,17 @@ class StdioPool:
         for channel in self.channels:
             channel.on_notification.append(callback)
 
-    def on_start(self, callback: Callable[[StdioChannel, ChildProcess], None]) -> None:
-        for channel in self.channels:
-            channel.on_start.append(lambda child, channel=channel: callback(channel, child))
-
     def set_prepare(self, prepare: Any) -> None:
         for channel in self.channels:
             channel.prepare = prepare
 
     async def start(self) -> None:
-        for channel in self.channels:
-            await channel.start()  # OSError for a program that cannot start: the first child says it
+        try:
+            for channel in self.channels:
+                await channel.start()  # OSError for a program that cannot start: the first child says it
+        except OSError:
+            await self.stop()  # the children already started go too
+            raise
 
     async def stop(self) -> None:
         await asyncio.gather(*(channel.stop() for channel in self.channels))

@@ -245,7 +245,10 @@ class ChildProcess:
                     count=self._junk_lines,
                 )
             return
-        self._on_message(message, len(text))
+        try:
+            self._on_message(message, len(text))
+        except Exception:  # a fault of the proxy's own on one message must not stop the reading of the rest
+            log.exception("upstream_message_error", upstream=self.spec.name)
 
     async def _read_stderr(self, stderr: asyncio.StreamReader) -> None:
         while True:
@@ -324,6 +327,8 @@ class Supervisor:
         delay = self.spec.restart_min_s
         while True:
             status = await child.wait()
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.pid, signal.SIGKILL)  # what a wrapper left behind in its group goes with it
             ran_s = time.monotonic() - child.started_at
             self.child = None
             if self._stopping:

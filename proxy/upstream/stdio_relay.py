@@ -22,6 +22,7 @@ from ..envelope import check_modern_request, is_modern, params_of
 from ..jsonrpc import (
     ERROR_HTTP_STATUS,
     INTERNAL_ERROR,
+    INVALID_PARAMS,
     INVALID_REQUEST,
     JsonRpcError,
     RequestId,
@@ -41,7 +42,7 @@ from .stdio_channel import ChildGone, Exchange
 from .stdio_legacy import StdioLegacyLink
 from .stdio_modern import StdioModern
 from .stdio_pool import StdioPool
-from .stdio_sessions import FrontSession, FrontSessions
+from .stdio_sessions import _MAX_SUBSCRIBED, FrontSession, FrontSessions
 
 log = structlog.get_logger(__name__)
 
@@ -95,7 +96,8 @@ class StdioRelay:
     async def relay(
         self, request: web.Request, body: bytes, message: Any, *, request_id: RequestId = None
     ) -> web.StreamResponse:
-        return await self._relay(request, message, None, None)
+        # The body, not the message: the proxy may have rewritten it (a tasks declaration removed).
+        return await self._relay(request, loads(body) if body is not None else message, None, None)
 
     async def relay_rewritten(
         self,
@@ -155,7 +157,9 @@ class StdioRelay:
         if kind == "notification":
             method, params = message["method"], params_of(message)
             if method == "notifications/cancelled":
-                exchange = front.calls.get(_key(params.get("requestId")))
+                request_id = params.get("requestId")
+                valid = isinstance(request_id, str | int) and not isinstance(request_id, bool)
+                exchange = front.calls.get(_key(request_id)) if valid else None
                 if exchange is not None:
                     exchange.close(str(params.get("reason") or "cancelled by the client"))
             elif method not in ("notifications/initialized", "notifications/roots/list_changed"):
@@ -175,6 +179,9 @@ class StdioRelay:
             return _json(result_response(message["id"], {}))
         params = params_of(message)
         if method == "resources/subscribe" and isinstance(params.get("uri"), str):
+            if len(front.subscribed) >= _MAX_SUBSCRIBED and params["uri"] not in front.subscribed:
+                error = error_object(INVALID_REQUEST, f"At most {_MAX_SUBSCRIBED} subscriptions per session")
+                return _json(error_response(message["id"], error))
             front.subscribed.add(params["uri"])
         elif method == "resources/unsubscribe" and isinstance(params.get("uri"), str):
             front.subscribed.discard(params["uri"])
@@ -182,13 +189,32 @@ class StdioRelay:
             await self._link.ready()
         except UpstreamUnavailable as exc:
             return _json(error_response(message["id"], _failure(str(exc), self.pool.name)))
+        route = CallRoute(front.capabilities, None)
+        observe: Rewrite | None = None
+        if method in _SERVER_TASK_METHODS:
+            # The child's own SEP-1686 tasks: one child serves every session, so each session sees and touches only
+            # the tasks it made, on the child that made them.
+            task_id = params.get("taskId")
+            if not isinstance(task_id, str) or task_id not in front.tasks:
+                error = error_object(INVALID_PARAMS, "Invalid params: no such task in this session")
+                return _json(error_response(message["id"], error))
+            route.affinity = front.tasks[task_id]
+        elif method == "tasks/list":
+            rewrite = _only_tasks_of(front, rewrite)
+        elif method == "tools/call" and "task" in params:
+            observe = _records_task(front)
         try:
-            exchange = await self._send(message, CallRoute(front.capabilities, None))
+            exchange = await self._send(message, route)
         except JsonRpcError as exc:
             return _json(error_response(message["id"], exc.to_error()))  # a 2025 client ends its session on 5xx
+        if self.sessions.get(front.id) is not front:  # ended while the request waited for the child
+            exchange.close("the session ended")
+            raise JsonRpcError(INVALID_REQUEST, "Session not found: initialize again", http_status=404)
         front.calls[_key(message["id"])] = exchange
         try:
-            return await self._answer(request, exchange, front, front.capabilities, rewrite=rewrite, modern=False)
+            return await self._answer(
+                request, exchange, front, front.capabilities, rewrite=rewrite, modern=False, observe=observe
+            )
         finally:
             if front.calls.get(_key(message["id"])) is exchange:
                 del front.calls[_key(message["id"])]
@@ -245,8 +271,10 @@ class StdioRelay:
         *,
         rewrite: Rewrite | None,
         modern: bool,
+        observe: Callable[[dict[str, Any], Exchange], None] | None = None,
     ) -> web.StreamResponse:
-        """What the child writes for one request, as JSON when its answer comes first, else as an event stream."""
+        """What the child writes for one request, as JSON when its answer comes first, else as an event stream.
+        `observe` sees the answer (with the exchange it came on) before the client does."""
         streams = "text/event-stream" in request.headers.get("Accept", "") and rewrite is None
         stream: web.StreamResponse | None = None
         shown: list[str] = []
@@ -255,6 +283,8 @@ class StdioRelay:
                 method = message.get("method")
                 if method is None:
                     message = _well_formed(message, self.pool.name)
+                    if observe is not None:
+                        observe(message, exchange)
                     if rewrite is not None and isinstance(message.get("result"), dict):
                         rewrite(message["result"])
                     if stream is None:
@@ -346,7 +376,7 @@ class StdioRelay:
         except ConnectionResetError:
             request[client_gone_key] = True
         finally:
-            front.streams.discard(queue)
+            front.streams.pop(queue, None)
         return stream
 
     async def open_listen(
@@ -380,6 +410,30 @@ async def _write(request: web.Request, stream: web.StreamResponse, message: dict
 
 def _json(message: dict[str, Any], *, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(body=dumps(message), status=status, content_type="application/json", headers=headers)
+
+
+_SERVER_TASK_METHODS = frozenset({"tasks/get", "tasks/result", "tasks/cancel"})
+
+
+def _records_task(front: FrontSession) -> Callable[[dict[str, Any], Exchange], None]:
+    def record(answer: dict[str, Any], exchange: Exchange) -> None:
+        task = answer.get("result", {}).get("task") if isinstance(answer.get("result"), dict) else None
+        task_id = task.get("taskId") if isinstance(task, dict) else None
+        if isinstance(task_id, str):
+            front.remember_task(task_id, exchange.channel_index)
+
+    return record
+
+
+def _only_tasks_of(front: FrontSession, then: Rewrite | None) -> Rewrite:
+    def only(result: dict[str, Any]) -> None:
+        tasks = result.get("tasks")
+        if isinstance(tasks, list):
+            result["tasks"] = [t for t in tasks if isinstance(t, dict) and t.get("taskId") in front.tasks]
+        if then is not None:
+            then(result)
+
+    return only
 
 
 def _well_formed(message: dict[str, Any], upstream: str) -> dict[str, Any]:

@@ -20,6 +20,12 @@ log = structlog.get_logger(__name__)
 
 _STREAM_QUEUE = 256
 """Notifications a GET stream may fall behind by; past it the oldest are dropped (they say "something changed")."""
+_MAX_STREAMS = 4
+"""GET streams one session may hold open."""
+_MAX_SUBSCRIBED = 1024
+"""Resources one session may subscribe to."""
+_MAX_TASKS = 10_000
+"""The child's own tasks remembered per session."""
 _MAX_ASKED = 1024
 """Requests of the child shown to one session's client and not yet answered."""
 
@@ -34,12 +40,27 @@ class FrontSession:
     """The client's requests in flight (its id → their Exchange), for its notifications/cancelled."""
     asked: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Ids the client was shown for the child's requests → the child's own ids."""
-    streams: set[asyncio.Queue[dict[str, Any] | None]] = dataclasses.field(default_factory=set)
+    streams: dict[asyncio.Queue[dict[str, Any] | None], None] = dataclasses.field(default_factory=dict)
+    """Its GET streams' queues, oldest first."""
     subscribed: set[str] = dataclasses.field(default_factory=set)
+    tasks: dict[str, int] = dataclasses.field(default_factory=dict)
+    """The child's own SEP-1686 tasks this session made → the child (of the pool) that made each."""
+
+    def remember_task(self, task_id: str, child: int) -> None:
+        if len(self.tasks) >= _MAX_TASKS:
+            del self.tasks[next(iter(self.tasks))]  # the oldest: its polls then get "no such task"
+        self.tasks[task_id] = child
 
     def open_stream(self) -> asyncio.Queue[dict[str, Any] | None]:
+        """A new GET stream's queue; past _MAX_STREAMS the oldest stream is ended."""
+        if len(self.streams) >= _MAX_STREAMS:
+            oldest = next(iter(self.streams))
+            self.streams.discard(oldest)
+            if oldest.full():
+                oldest.get_nowait()
+            oldest.put_nowait(None)
         queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(maxsize=_STREAM_QUEUE)
-        self.streams.add(queue)
+        self.streams[queue] = None
         return queue
 
     def push(self, message: dict[str, Any] | None) -> None:
@@ -59,7 +80,7 @@ class FrontSessions:
     """The sessions, least recently used ended first past `max_sessions`."""
 
     def __init__(self, max_sessions: int, *, per_principal: int = 64) -> None:
-        self._sessions: LRUCache[str, FrontSession] = _Evicting(maxsize=max_sessions)
+        self._sessions: LRUCache[str, FrontSession] = _Evicting(maxsize=max_sessions, on_evict=self._evicted)
         self._per_principal = per_principal
         self._of: dict[str, list[str]] = {}
         """Each principal's session ids, oldest first."""
@@ -85,12 +106,15 @@ class FrontSessions:
         if session is None:
             return False
         _close(session)
-        mine = self._of.get(session.principal)
-        if mine is not None and session_id in mine:
-            mine.remove(session_id)
-            if not mine:
-                del self._of[session.principal]
+        self._evicted(session)
         return True
+
+    def _evicted(self, session: FrontSession) -> None:
+        mine = self._of.get(session.principal)
+        if mine is not None and session.id in mine:
+            mine.remove(session.id)
+        if not mine:
+            self._of.pop(session.principal, None)  # principals are cheap to mint: none is kept for nothing
 
     def broadcast(self, message: dict[str, Any]) -> None:
         """A notification of the child's that names no call: list changes reach every session, a resource's update
@@ -113,8 +137,13 @@ def _close(session: FrontSession) -> None:
 
 
 class _Evicting(LRUCache):
+    def __init__(self, maxsize: int, on_evict: Any) -> None:
+        super().__init__(maxsize=maxsize)
+        self._on_evict = on_evict
+
     def popitem(self) -> tuple[str, FrontSession]:
         key, session = super().popitem()
         _close(session)
+        self._on_evict(session)
         log.info("stdio_session_evicted", reason="upstream.stdio.max_sessions")
         return key, session
