@@ -89,6 +89,24 @@ async def one_round(proxy, tool: str, arguments: dict, caps: dict, method: str, 
     return (await task_reaches(proxy.client, task_id, "completed")).result
 
 
+ACCEPT = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+
+
+async def open_2025_session(proxy, *, capabilities: dict | None = None, **extra: str) -> dict:
+    """A 2025-11-25 client's initialize through the proxy: the headers of its later requests (`extra` included)."""
+    init = request(
+        "initialize",
+        {
+            "protocolVersion": "2025-11-25",
+            "capabilities": capabilities or {},
+            "clientInfo": {"name": "t", "version": "1"},
+        },
+    )
+    async with proxy.client.session.post(proxy.url, json=init, headers={**ACCEPT, **extra}) as response:
+        session_id = response.headers["Mcp-Session-Id"]
+    return {**ACCEPT, **extra, "Mcp-Session-Id": session_id, "MCP-Protocol-Version": "2025-11-25"}
+
+
 # --- a 2025-era server (SDK 1.x FastMCP) --------------------------------------------------------------------------
 
 
@@ -152,17 +170,16 @@ async def test_a_2025_session_is_the_proxys_and_ends_with_delete(legacy):
     init = request(
         "initialize", {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}
     )
-    accept = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
-    async with session.post(legacy.url, json=init, headers=accept) as response:
+    async with session.post(legacy.url, json=init, headers=ACCEPT) as response:
         answer = await response.json()
         session_id = response.headers["Mcp-Session-Id"]
     assert answer["result"]["protocolVersion"] == "2025-06-18"  # the client's version, which the proxy speaks
     assert answer["result"]["serverInfo"]["name"] == "legacy-example"
-    headers = {**accept, "Mcp-Session-Id": session_id, "MCP-Protocol-Version": "2025-06-18"}
+    headers = {**ACCEPT, "Mcp-Session-Id": session_id, "MCP-Protocol-Version": "2025-06-18"}
     call = request("tools/call", {"name": "add", "arguments": {"a": 1, "b": 1}})
     async with session.post(legacy.url, json=call, headers=headers) as response:
         assert response.status == 200
-    async with session.post(legacy.url, json=call, headers={**accept}) as response:
+    async with session.post(legacy.url, json=call, headers=ACCEPT) as response:
         assert response.status == 400  # no session
     async with session.delete(legacy.url, headers=headers) as response:
         assert response.status == 200
@@ -349,7 +366,6 @@ async def test_everything_over_stdio_serves_2025_clients(everything):
 
 
 async def test_the_childs_own_tasks_are_each_sessions_own(everything):
-    accept = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
     session = everything.client.session
 
     async def post(message: dict, headers: dict) -> dict:
@@ -360,19 +376,7 @@ async def test_the_childs_own_tasks_are_each_sessions_own(everything):
             return json.loads(events[-1])
         return json.loads(raw)
 
-    async def open_session() -> dict:
-        init = request(
-            "initialize",
-            {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}},
-        )
-        async with session.post(everything.url, json=init, headers=accept) as response:
-            return {
-                **accept,
-                "Mcp-Session-Id": response.headers["Mcp-Session-Id"],
-                "MCP-Protocol-Version": "2025-11-25",
-            }
-
-    alice, bob = await open_session(), await open_session()
+    alice, bob = await open_2025_session(everything), await open_2025_session(everything)
     arguments = {"topic": "tides", "ambiguous": False}
     created = await post(
         request("tools/call", {"name": "simulate-research-query", "arguments": arguments, "task": {"ttl": 60000}}),
@@ -474,23 +478,9 @@ async def test_a_child_that_stops_reading_stdin_is_restarted_and_its_calls_fail(
 async def test_a_2025_clients_call_ends_when_cancelled_or_its_session_ends(make_proxy, kind):
     # A tool no rule names is relayed as it is; one the policy names is a durable call (a task of the proxy's).
     legacy = await stdio_proxy(make_proxy, legacy_command(), tools=[] if kind == "relayed" else RULES)
-    accept = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
     session = legacy.client.session
-
-    async def open_session() -> dict:
-        init = request(
-            "initialize",
-            {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}},
-        )
-        async with session.post(legacy.url, json=init, headers=accept) as response:
-            return {
-                **accept,
-                "Mcp-Session-Id": response.headers["Mcp-Session-Id"],
-                "MCP-Protocol-Version": "2025-11-25",
-            }
-
     for ending in ("cancelled", "deleted"):
-        headers = await open_session()
+        headers = await open_2025_session(legacy)
         gate = secrets.token_hex(4)
         call = {
             "jsonrpc": "2.0",
@@ -514,26 +504,9 @@ async def test_a_2025_clients_call_ends_when_cancelled_or_its_session_ends(make_
 
 async def test_a_2025_session_is_only_its_principals_for_durable_calls_too(make_proxy):
     proxy = await stdio_proxy(make_proxy, legacy_command())
-    accept = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
-    init = request(
-        "initialize",
-        {
-            "protocolVersion": "2025-11-25",
-            "capabilities": {"elicitation": {}},
-            "clientInfo": {"name": "a", "version": "1"},
-        },
-    )
-    async with proxy.client.session.post(
-        proxy.url, json=init, headers={**accept, "Authorization": "Bearer alice"}
-    ) as r:
-        alices = r.headers["Mcp-Session-Id"]
+    alices = await open_2025_session(proxy, capabilities={"elicitation": {}}, Authorization="Bearer alice")
     call = request("tools/call", {"name": "ask_name", "arguments": {}})  # a policy tool: a durable call
-    headers = {
-        **accept,
-        "Authorization": "Bearer mallory",
-        "Mcp-Session-Id": alices,
-        "MCP-Protocol-Version": "2025-11-25",
-    }
+    headers = {**alices, "Authorization": "Bearer mallory"}
     async with proxy.client.session.post(proxy.url, json=call, headers=headers) as response:
         assert response.status == 404, await response.text()
 

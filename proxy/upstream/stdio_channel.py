@@ -469,6 +469,33 @@ class StdioChannel:
             log.warning("upstream_message_dropped", upstream=self.name, reason=what, count=self._refused)
 
 
+OWN_ANSWER_MAX_BYTES = 4 * 1024 * 1024
+"""The largest answer to a request of the proxy's own (initialize, discover, ping, tools/list, tasks/get) it reads."""
+
+
+async def own_answer(
+    sender: Any,
+    message: dict[str, Any],
+    *,
+    timeout_s: float,
+    wait_s: float | None = None,
+    prepared: bool = True,
+    tell_child: bool = True,
+) -> dict[str, Any]:
+    """The child's response to a request of the proxy's own, sent through `sender` (a StdioChannel or StdioPool;
+    `wait_s`, default `timeout_s`, for a child that is restarting), read within `timeout_s`. Raises ChildGone,
+    TimeoutError, or AnswerTooLarge past OWN_ANSWER_MAX_BYTES."""
+    exchange = await sender.request(message, wait_s=timeout_s if wait_s is None else wait_s, prepared=prepared)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for answer in exchange.messages(OWN_ANSWER_MAX_BYTES):
+                if answer.get("method") is None:
+                    return answer
+    finally:
+        exchange.close(tell_child=tell_child)
+    raise ChildGone("the stdio server gave no answer")  # pragma: no cover - messages() ends with the answer
+
+
 def _key(request_id: Any) -> Any:
     """Ids as dict keys: 1 and "1" are different ids, and True is not 1."""
     return (type(request_id).__name__, request_id) if not isinstance(request_id, str) else request_id

@@ -8,7 +8,6 @@ call's) is one the proxy made for it (stdio_sessions.py): 404 once ended, as an 
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +17,7 @@ from multidict import MultiMapping
 from .events import AnswerTooLarge, UpstreamUnavailable
 from .legacy import LEGACY_VERSION, LegacySession, proxy_initialize
 from .routing import CallRoute
-from .stdio_channel import ChildGone, Exchange, StdioChannel
+from .stdio_channel import OWN_ANSWER_MAX_BYTES, ChildGone, Exchange, StdioChannel, own_answer
 from .stdio_pool import StdioPool
 
 if TYPE_CHECKING:
@@ -28,7 +27,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 ASK_TIMEOUT_S = 30.0
-_HANDSHAKE_MAX_BYTES = 4 * 1024 * 1024
 
 
 class StdioReply:
@@ -70,15 +68,11 @@ class StdioLegacyLink:
 
     async def _handshake(self, channel: StdioChannel) -> dict[str, Any]:
         """The proxy's initialize, once per run of each child, before any caller's request reaches it."""
-        message = proxy_initialize()
-        exchange = await channel.request(message, wait_s=self._start_timeout_s, prepared=False)
         try:
-            async with asyncio.timeout(self._start_timeout_s):
-                async for answer in exchange.messages(_HANDSHAKE_MAX_BYTES):
-                    if answer.get("method") is None:
-                        break
-                else:  # pragma: no cover - messages() ends with the answer
-                    raise UpstreamUnavailable("the stdio server gave no answer to initialize")
+            # Never cancelled: MCP forbids cancelling initialize.
+            answer = await own_answer(
+                channel, proxy_initialize(), timeout_s=self._start_timeout_s, prepared=False, tell_child=False
+            )
         except TimeoutError:
             raise UpstreamUnavailable(
                 f"the stdio server did not answer initialize within {self._start_timeout_s:g} s "
@@ -86,10 +80,8 @@ class StdioLegacyLink:
             ) from None
         except AnswerTooLarge:
             raise UpstreamUnavailable(
-                f"the stdio server's initialize answer exceeds {_HANDSHAKE_MAX_BYTES} bytes"
+                f"the stdio server's initialize answer exceeds {OWN_ANSWER_MAX_BYTES} bytes"
             ) from None
-        finally:
-            exchange.close(tell_child=False)
         result = answer.get("result")
         if not isinstance(result, dict):
             error = answer.get("error")
@@ -169,19 +161,11 @@ class StdioLegacyLink:
     ) -> tuple[int, dict[str, Any] | None]:
         await self.ready()
         try:
-            exchange = await self.pool.request(message, wait_s=self._start_timeout_s)
+            return 200, await own_answer(self.pool, message, timeout_s=ASK_TIMEOUT_S, wait_s=self._start_timeout_s)
         except ChildGone as exc:
             raise UpstreamUnavailable(f"{message['method']}: {exc}") from exc
-        try:
-            async with asyncio.timeout(ASK_TIMEOUT_S):
-                async for answer in exchange.messages(_HANDSHAKE_MAX_BYTES):
-                    if answer.get("method") is None:
-                        return 200, answer
         except TimeoutError as exc:
             raise UpstreamUnavailable(f"{message['method']}: no answer within {ASK_TIMEOUT_S:g} s") from exc
         except AnswerTooLarge:
-            log.warning("upstream_answer_too_large", limit=_HANDSHAKE_MAX_BYTES)
+            log.warning("upstream_answer_too_large", limit=OWN_ANSWER_MAX_BYTES)
             return 200, None
-        finally:
-            exchange.close()
-        return 200, None  # pragma: no cover - messages() ends with the answer

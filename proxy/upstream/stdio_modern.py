@@ -4,7 +4,6 @@ call's exchange is closed before its answer."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
@@ -13,12 +12,10 @@ from multidict import MultiMapping
 
 from .events import AnswerTooLarge, Event, Progress, UpstreamUnavailable, proxy_failure, too_large
 from .modern import discover_probe, interpret, is_discover_result
-from .stdio_channel import ChildGone
+from .stdio_channel import ChildGone, own_answer
 from .stdio_pool import StdioPool
 
 log = structlog.get_logger(__name__)
-
-_PROBE_MAX_BYTES = 4 * 1024 * 1024
 
 
 class StdioModern:
@@ -33,62 +30,28 @@ class StdioModern:
     async def probe(self, client_headers: MultiMapping[str]) -> Literal["modern", "legacy"]:
         """server/discover as the stdio transport says: a DiscoverResult means modern; any error, or no answer in
         time, means 2025 (initialize follows). The first request also fixes a dual-era child's era for its life."""
-        try:
-            exchange = await self.pool.request(discover_probe(), wait_s=self._start_timeout_s, prepared=False)
-        except ChildGone as exc:
-            raise UpstreamUnavailable(str(exc)) from exc
         answer = None
         try:
-            async with asyncio.timeout(self._start_timeout_s):
-                async for message in exchange.messages(_PROBE_MAX_BYTES):
-                    if message.get("method") is None:
-                        answer = message
+            answer = await own_answer(self.pool, discover_probe(), timeout_s=self._start_timeout_s, prepared=False)
+        except ChildGone as exc:
+            raise UpstreamUnavailable(str(exc)) from exc
         except (TimeoutError, AnswerTooLarge):
             log.info("upstream_probe_unanswered", upstream=self.url, wait_s=self._start_timeout_s)
-        finally:
-            exchange.close()
-        if answer is None and not await self._answers_ping():
+        ping = {"jsonrpc": "2.0", "id": "mtp-ping", "method": "ping"}  # a 2025 server answers (or refuses) it
+        if answer is None and not await self.answers(self._start_timeout_s, ping):
             # Silent to both: still starting (an npx download), not 2025. The next request probes again.
             raise UpstreamUnavailable(f"the stdio server answers nothing yet ({self._start_timeout_s:g} s)")
         if answer is not None and _exited(answer):
             raise UpstreamUnavailable(answer["error"]["message"])
         return "modern" if is_discover_result(answer) else "legacy"
 
-    async def _answers_ping(self) -> bool:
-        """Whether the child answers a bare ping (a 2025 server answers it, or refuses it before initialize)."""
+    async def answers(self, timeout_s: float, message: dict[str, Any] | None = None) -> bool:
+        """Whether the child answers `message` (default server/discover, as /readyz asks) within `timeout_s`."""
         try:
-            exchange = await self.pool.request(
-                {"jsonrpc": "2.0", "id": "mtp-ping", "method": "ping"}, wait_s=self._start_timeout_s, prepared=False
-            )
-        except ChildGone:
+            answer = await own_answer(self.pool, message or discover_probe(), timeout_s=timeout_s, prepared=False)
+        except (ChildGone, TimeoutError, AnswerTooLarge):
             return False
-        try:
-            async with asyncio.timeout(self._start_timeout_s):
-                async for message in exchange.messages(_PROBE_MAX_BYTES):
-                    if message.get("method") is None:
-                        return not _exited(message)
-        except (TimeoutError, AnswerTooLarge):
-            return False
-        finally:
-            exchange.close()
-        return False  # pragma: no cover - messages() ends with the answer
-
-    async def answers(self, timeout_s: float) -> bool:
-        """Whether the child answers a server/discover within `timeout_s` (for /readyz)."""
-        try:
-            exchange = await self.pool.request(discover_probe(), wait_s=timeout_s, prepared=False)
-        except ChildGone:
-            return False
-        try:
-            async with asyncio.timeout(timeout_s):
-                async for message in exchange.messages(_PROBE_MAX_BYTES):
-                    if message.get("method") is None:
-                        return not _exited(message)
-        except (TimeoutError, AnswerTooLarge):
-            return False
-        finally:
-            exchange.close()
-        return False  # pragma: no cover - messages() ends with the answer
+        return not _exited(answer)
 
     async def call_tool(
         self,
