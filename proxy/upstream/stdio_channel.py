@@ -494,8 +494,3 @@ async def own_answer(
     finally:
         exchange.close(tell_child=tell_child)
     raise ChildGone("the stdio server gave no answer")  # pragma: no cover - messages() ends with the answer
-
-
-def _key(request_id: Any) -> Any:
-    """Ids as dict keys: 1 and "1" are different ids, and True is not 1."""
-    return (type(request_id).__name__, request_id) if not isinstance(request_id, str) else request_id

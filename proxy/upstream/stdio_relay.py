@@ -463,4 +463,5 @@ def _unavailable(exc: Exception) -> JsonRpcError:
 
 
 def _key(request_id: Any) -> Any:
+    """A client's request id as a dict key: 1 and "1" are different ids, and True is not 1."""
     return (type(request_id).__name__, request_id) if not isinstance(request_id, str) else request_id
