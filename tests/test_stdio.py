@@ -608,3 +608,16 @@ async def test_a_childs_notifications_reach_2025_sessions_as_they_subscribed():
     assert got == ["notifications/tools/list_changed", "file:///b"]
     sessions.create("c", "2025-11-25", {})  # one more than max_sessions: the least recently used ends
     assert sessions.get(first.id) is None and streams[0].get_nowait() is None  # its GET stream is told to end
+
+
+async def test_a_response_whose_id_is_no_string_is_dropped_and_reading_goes_on():
+    from types import SimpleNamespace
+
+    from proxy.upstream.stdio_channel import StdioChannel
+    from proxy.upstream.stdio_process import ChildSpec
+
+    channel = StdioChannel(ChildSpec(argv=["server"], env={}), max_in_flight=10)
+    child = SimpleNamespace(generation=1)
+    for bad_id in ([1], {"a": 1}, None, 3, True):  # the proxy's ids are strings: none of these is one of its
+        channel._received(child, {"jsonrpc": "2.0", "id": bad_id, "result": {}}, 10)
+    assert channel._refused == 5 and channel.in_flight == 0
