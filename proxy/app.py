@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
-import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -17,7 +16,7 @@ import structlog
 from aiohttp import web
 
 from . import TASKS_EXTENSION, listen, tasks2025
-from .config import ConfigError, ProxyConfig, TaskMode
+from .config import ProxyConfig, TaskMode
 from .durable import DurableCalls, wants_event_stream
 from .envelope import (
     META_CLIENT_CAPABILITIES,
@@ -48,7 +47,7 @@ from .jsonrpc import (
 )
 from .metrics import Metrics, method_label
 from .policy import LivePolicy
-from .security import HostGuard, Identity, PollGuard
+from .security import HostGuard, Identity, PollGuard, keep_shared_key
 from .tasks.job import DirectOutcome, ToolCall
 from .tasks.model import TaskRecord, utc_now
 from .tasks.redis_store import RedisTaskStore
@@ -115,19 +114,10 @@ def create_app(
     )
     app[policy_key] = policy = LivePolicy(config)
     app[metrics_key] = Metrics()
-    if (
-        config.store.backend == "redis"
-        and config.security.principal != "none"
-        and not (config.security.principal_key or os.environ.get("MCP_TASKS_PROXY_PRINCIPAL_KEY"))
-    ):
-        raise ConfigError(
-            "security.principal_key: replicas sharing a Redis store must share it (or MCP_TASKS_PROXY_PRINCIPAL_KEY), "
-            "or task owners would differ from replica to replica"
-        )
-    app[identity_key] = identity = Identity(config.security)
+    app[store_key] = store if store is not None else build_store(config, timer=timer)
+    app[identity_key] = identity = Identity(config.security, shared_store=app[store_key].shared)
     app[poll_guard_key] = PollGuard(config.limits.min_poll_interval_ms, timer=timer)
     app[guard_key] = HostGuard(config)
-    app[store_key] = store if store is not None else build_store(config, timer=timer)
 
     async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         async with build_gateway(config, identity, max_bytes=lambda: policy.config.limits.max_result_bytes) as gateway:
@@ -148,6 +138,21 @@ def create_app(
     async def store_ctx(app: web.Application) -> AsyncIterator[None]:
         yield
         await app[store_key].aclose()
+
+    async def identity_ctx(app: web.Application) -> AsyncIterator[None]:
+        if not identity.from_store:
+            yield
+            return
+        try:
+            await identity.agree(app[store_key])
+        except StoreUnavailable as exc:
+            # Serve anyway: what needs an owner answers "store unavailable" until the key loads, /readyz says why.
+            log.warning("principal_key_unavailable_at_start", reason=str(exc))
+        keeper = asyncio.ensure_future(keep_shared_key(identity, app[store_key], interval_s=config.store.lease_s))
+        yield
+        keeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await keeper
 
     async def runner_ctx(app: web.Application) -> AsyncIterator[None]:
         runner = TaskRunner(
@@ -176,7 +181,7 @@ def create_app(
         await app[runner_key].aclose(config.tasks.shutdown_grace_s)
 
     # Unwinds in reverse: the runner stops before the store and the upstream session close.
-    app.cleanup_ctx.extend([upstream_ctx, store_ctx, runner_ctx])
+    app.cleanup_ctx.extend([upstream_ctx, store_ctx, identity_ctx, runner_ctx])
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
@@ -217,7 +222,7 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
             if request.app[policy_key].config.logging.level in VERBOSE_LEVELS:  # spare the work when not logged
                 log.info(
                     "request_handled",
-                    principal=request.app[identity_key].principal(request.headers) or None,
+                    principal=request.app[identity_key].logged_principal(request.headers),
                     http_method=request.method,
                     path=request.path,
                     method=info.rpc_method,
@@ -306,6 +311,8 @@ async def readyz(request: web.Request) -> web.Response:
         checks["store"] = "ok"
     except StoreUnavailable as exc:
         checks["store"] = str(exc)
+    if not request.app[identity_key].keyed:
+        checks["principal_key"] = "not loaded yet: the replicas' shared key is kept in the store"
     checks["upstream"] = await request.app[gateway_key].relay.readiness()
     ready = all(value == "ok" for value in checks.values())
     return web.json_response({"status": "ready" if ready else "not ready", **checks}, status=200 if ready else 503)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import hmac
@@ -11,24 +12,53 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import structlog
 from cachetools import TTLCache
 from multidict import MultiMapping
+from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
 from .config import ProxyConfig, SecurityConfig
 from .jsonrpc import INTERNAL_ERROR, JsonRpcError, dumps
+from .tasks.store import StoreUnavailable, TaskStore
+
+log = structlog.get_logger(__name__)
+SHARED_KEY_NAME = "principal-key"
 
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]", "::1")
 
 
 class Identity:
     """Keyed hashes of who calls, so that logs and the store never hold a credential, nor one that can be guessed
-    back from its hash. The key comes from the config or the environment, else is random per process."""
+    back from its hash. The key is, in this order: `security.principal_key`, MCP_TASKS_PROXY_PRINCIPAL_KEY, the
+    one kept in a shared store (made by the first replica), a random one of this process."""
 
-    def __init__(self, config: SecurityConfig) -> None:
-        key = config.principal_key or os.environ.get("MCP_TASKS_PROXY_PRINCIPAL_KEY") or secrets.token_hex(32)
-        self._key = key.encode()
+    def __init__(self, config: SecurityConfig, *, shared_store: bool = False) -> None:
+        explicit = config.principal_key or os.environ.get("MCP_TASKS_PROXY_PRINCIPAL_KEY")
+        self.from_store = shared_store and not explicit
+        """The key is the store's: replicas sharing a Redis store then agree on owners without anyone setting it."""
+        self._key: bytes | None = None if self.from_store else (explicit or secrets.token_hex(32)).encode()
         self._mode = config.principal
         self._header = config.principal_header
+
+    @property
+    def keyed(self) -> bool:
+        return self._key is not None
+
+    async def agree(self, store: TaskStore) -> None:
+        """Take the key kept in the store (putting this replica's there if it has none)."""
+        mine = self._key.decode() if self._key is not None else secrets.token_hex(32)
+        stored = await store.shared_secret(SHARED_KEY_NAME, mine)
+        if self._key is None:
+            log.info("principal_key_loaded", created=stored == mine)
+        elif stored != mine:
+            # Redis lost the key and another replica wrote its own first: everyone converges on the stored one.
+            log.warning("principal_key_replaced", reason="the store holds another replica's key")
+        self._key = stored.encode()
+
+    def _secret(self) -> bytes:
+        if self._key is None:
+            raise StoreUnavailable("the replicas' shared principal key is kept in the store, which has not answered")
+        return self._key
 
     def durable_task_id(self, principal: str, session: str, request_id: Any, generation: int) -> str:
         """The task id of a durable call, from who asked, on which session, with which request id: any replica
@@ -36,7 +66,7 @@ class Identity:
         id used again after its call ended (a client restarted against a server without sessions) takes the next
         `generation`."""
         value = dumps(["durable", principal, session, request_id, generation])
-        digest = hmac.new(self._key, value, hashlib.sha256).digest()
+        digest = hmac.new(self._secret(), value, hashlib.sha256).digest()
         return base64.urlsafe_b64encode(digest[:18]).decode()  # 24 characters, a task id's alphabet
 
     def session_tag(self, headers: MultiMapping[str]) -> str:
@@ -45,7 +75,7 @@ class Identity:
         return self._hash("session:" + session) if session else ""
 
     def _hash(self, value: str) -> str:
-        return hmac.new(self._key, value.encode(), hashlib.sha256).hexdigest()[:32]
+        return hmac.new(self._secret(), value.encode(), hashlib.sha256).hexdigest()[:32]
 
     def credential(self, headers: MultiMapping[str]) -> str:
         """The caller's credential (Authorization), hashed; "" without one. Keys legacy sessions and MRTR handles."""
@@ -60,6 +90,25 @@ class Identity:
             value = headers.get(self._header, "")
             return self._hash("header:" + value) if value else ""
         return self.credential(headers)
+
+    def logged_principal(self, headers: MultiMapping[str]) -> str | None:
+        """The principal for a log line: None when anonymous, or while the key is not loaded yet."""
+        return (self.principal(headers) or None) if self._key is not None else None
+
+
+async def keep_shared_key(identity: Identity, store: TaskStore, *, interval_s: float) -> None:
+    """Load the store's key until it answers, then check it every `interval_s`: a Redis restarted without
+    persistence gets it back from the first replica to look, and every replica converges on that one."""
+    retrying = AsyncRetrying(retry=retry_if_exception_type(StoreUnavailable), wait=wait_exponential(0.2, max=5))
+    async for attempt in retrying:
+        with attempt:
+            await identity.agree(store)
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await identity.agree(store)
+        except StoreUnavailable:
+            continue  # the store's own log line says why; the key this replica holds stays valid meanwhile
 
 
 class HostGuard:

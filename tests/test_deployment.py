@@ -11,11 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import aiohttp
 import pytest
 import yaml
 
 from proxy.config import load_config, parse_config
-from tests.conftest import ROOT, free_port, stop, wait_for_port
+from tests.conftest import ROOT, free_port, stop, task_reaches, wait_for_port
+from tests.factories import McpClient
 
 DOCKERFILES = [ROOT / "Dockerfile", ROOT / "examples" / "compose" / "example-server.Dockerfile"]
 
@@ -120,3 +122,69 @@ def test_compose_file_wires_proxy_server_and_redis():
     load_config(ROOT / "examples" / "compose" / mounted)  # the policy it mounts exists and is valid
     dockerfile = ROOT / services["example-server"]["build"]["dockerfile"]
     assert dockerfile.exists()
+
+
+def compose_services() -> dict:
+    return yaml.safe_load((ROOT / "examples" / "compose" / "compose.yaml").read_text())["services"]
+
+
+async def test_the_compose_file_and_the_scale_out_one_liner_start_as_written(tmp_path, redis_url):
+    """The compose file's own environment and command lines, run here as processes (no Docker engine): only what
+    Docker would provide changes (service names become loopback ports, the mounted file its path in the repository,
+    0.0.0.0 becomes 127.0.0.1). No principal key is set anywhere: the replicas agree on the one kept in Redis."""
+    services = compose_services()
+    redis_port = redis_url.rsplit(":", 1)[1].split("/")[0]
+    server_port, ports = free_port(), {"proxy-a": free_port(), "proxy-b": free_port(), "one-liner": free_port()}
+
+    def as_here(value: str) -> str:
+        value = value.replace("redis://redis:6379", f"redis://127.0.0.1:{redis_port}")
+        return value.replace("example-server:9000", f"127.0.0.1:{server_port}").replace("0.0.0.0", "127.0.0.1")
+
+    image_env = dict(pair.split("=", 1) for pair in shlex.split(next(a for k, a in instructions(ROOT / "Dockerfile")
+                                                                       if k == "ENV")))  # fmt: skip
+    bin_dir = str(Path(sys.executable).parent)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("MCP_TASKS_PROXY_")}
+    base["PATH"] = f"{bin_dir}{os.pathsep}{base['PATH']}"
+    processes = []
+    try:
+        server = services["example-server"]
+        command = yaml.safe_load(next(a for k, a in instructions(ROOT / server["build"]["dockerfile"]) if k == "CMD"))
+        command = [sys.executable, str(ROOT / "examples" / "slow_server.py"), *command[2:]]  # its COPY, here
+        server_env = {**base, **{k: as_here(v) for k, v in server["environment"].items()}}
+        server_env["EXAMPLE_SERVER_PORT"] = str(server_port)
+        processes.append(subprocess.Popen(command, env=server_env, stderr=subprocess.DEVNULL))
+        wait_for_port(server_port, processes[-1])
+        entrypoint = yaml.safe_load(next(a for k, a in instructions(ROOT / "Dockerfile") if k == "ENTRYPOINT"))
+        for name in ("proxy-a", "proxy-b"):
+            service = services[name]
+            host_file, mounted = service["volumes"][0].split(":")[:2]
+            env = {**base, **{k: as_here(v) for k, v in image_env.items() if k != "PATH"}}
+            env |= {k: as_here(v).replace(mounted, str((ROOT / "examples" / "compose" / host_file).resolve()))
+                    for k, v in service["environment"].items()}  # fmt: skip
+            env["MCP_TASKS_PROXY_PORT"] = str(ports[name])  # each container has its own 8080
+            assert "PRINCIPAL_KEY" not in " ".join(env)
+            processes.append(subprocess.Popen(entrypoint, env=env, stderr=subprocess.DEVNULL))
+        # The README's scale-out one-liner, as printed there (README.md, "Scale out with Redis").
+        readme = (ROOT / "README.md").read_text()
+        line = next(line for line in readme.splitlines() if line.startswith("mcp-tasks-proxy --config policy.yaml"))
+        argv = shlex.split(line.split("#")[0].replace("redis.internal:6379", f"127.0.0.1:{redis_port}"))
+        (tmp_path / "policy.yaml").write_text((ROOT / "config" / "example.yaml").read_text())
+        argv += ["--upstream", f"http://127.0.0.1:{server_port}/mcp", "--port", str(ports["one-liner"])]
+        processes.append(subprocess.Popen(argv, env=base, cwd=tmp_path, stderr=subprocess.DEVNULL))
+        for process, port in zip(processes[1:], ports.values(), strict=True):
+            wait_for_port(port, process)
+
+        alice, mallory = {"Authorization": "Bearer alice"}, {"Authorization": "Bearer mallory"}
+        async with aiohttp.ClientSession() as session:
+            a, b, c = (McpClient(session, f"http://127.0.0.1:{port}/mcp") for port in ports.values())
+            created = await a.call_tool("slow_report", {"topic": "compose", "seconds": 0}, headers=alice)
+            task_id = created.result["taskId"]
+            for other in (b, c):  # the same owner on every replica: they share the key
+                done = await task_reaches(other, task_id, "completed", headers=alice)
+                assert done.result["result"]["content"][0]["text"].startswith("Report on compose")
+                assert (await other.get_task(task_id, headers=mallory)).error["code"] == -32602
+            async with session.get(f"http://127.0.0.1:{ports['proxy-b']}/readyz") as response:
+                assert response.status == 200, await response.text()
+    finally:
+        for process in reversed(processes):
+            stop(process)

@@ -10,7 +10,7 @@ import secrets
 import pytest
 import redis.asyncio as redis
 
-from tests.conftest import eventually, task_reaches
+from tests.conftest import RedisServer, eventually, task_reaches
 from tests.factories import McpClient, meta
 from tests.test_replicas import gate_is, gate_tag
 
@@ -309,3 +309,84 @@ async def test_a_result_in_hand_outlasts_the_calls_timeout_while_redis_is_down(
     done = await task_reaches(proxy.client, task_id, "completed", "failed")
     assert done.result["status"] == "completed", done.result.get("statusMessage")
     assert done.result["result"]["content"][0]["text"] == f"gate {tag} opened"
+
+
+async def keyless_replica(make_proxy, upstream: str, url: str, prefix: str):
+    """A replica as the compose example runs it: no principal key anywhere, so it takes the one kept in Redis."""
+    return await make_proxy(
+        upstream, protocol="modern", store=store_section(url, prefix), tools=[{"match": "slow_report"}]
+    )
+
+
+ALICE, MALLORY = {"Authorization": "Bearer alice"}, {"Authorization": "Bearer mallory"}
+
+
+async def made_here_seen_there(maker, seer) -> bool:
+    created = await maker.client.call_tool("slow_report", {"topic": "k", "seconds": 0}, headers=ALICE)
+    if "result" not in created.message:  # the store reconnecting
+        return False
+    reply = await seer.client.get_task(created.result["taskId"], headers=ALICE)
+    return "result" in reply.message
+
+
+async def test_replicas_without_a_key_share_the_one_kept_in_redis_even_after_redis_lost_it(
+    make_proxy, mcp_upstream, redis_server, monkeypatch
+):
+    monkeypatch.delenv("MCP_TASKS_PROXY_PRINCIPAL_KEY", raising=False)
+    server = redis_server()
+    prefix = f"key-{secrets.token_hex(3)}:"
+    a = await keyless_replica(make_proxy, mcp_upstream, server.url, prefix)
+    b = await keyless_replica(make_proxy, mcp_upstream, server.url, prefix)
+    created = await a.client.call_tool("slow_report", {"topic": "k", "seconds": 0}, headers=ALICE)
+    task_id = created.result["taskId"]
+    assert (await task_reaches(b.client, task_id, "completed", headers=ALICE)).result["status"] == "completed"
+    assert (await b.client.get_task(task_id, headers=MALLORY)).error["code"] == -32602  # still another owner's
+    admin = redis.Redis.from_url(server.url)
+    try:
+        assert len(await admin.get(f"{prefix}principal-key")) == 64
+    finally:
+        await admin.aclose()
+
+    server.kill()  # no persistence: the key is gone with everything else
+    server.start()
+    c = await keyless_replica(make_proxy, mcp_upstream, server.url, prefix)
+    # Whichever replica wrote the key again first, all three converge on it within a lease (1 s here).
+    for maker, seer in [(c, a), (a, c), (b, c)]:
+        await eventually(lambda m=maker, s=seer: made_here_seen_there(m, s), what="the replicas agreeing again")
+
+
+async def test_an_explicit_key_wins_over_the_one_in_redis(make_proxy, mcp_upstream, redis_server, monkeypatch):
+    monkeypatch.delenv("MCP_TASKS_PROXY_PRINCIPAL_KEY", raising=False)
+    server = redis_server()
+    prefix = f"key-{secrets.token_hex(3)}:"
+    keyless = await keyless_replica(make_proxy, mcp_upstream, server.url, prefix)
+    keyed = await replica(make_proxy, mcp_upstream, server.url, prefix)  # security.principal_key set
+    created = await keyed.client.call_tool("slow_report", {"topic": "k", "seconds": 0}, headers=ALICE)
+    await task_reaches(keyed.client, created.result["taskId"], "completed", headers=ALICE)
+    # Alice's hash differs between the two keys: to the keyless replica the task is someone else's.
+    assert (await keyless.client.get_task(created.result["taskId"], headers=ALICE)).error["code"] == -32602
+
+
+async def test_a_replica_started_before_redis_answers_store_unavailable_until_the_key_loads(
+    make_proxy, mcp_upstream, redis_server, monkeypatch, tmp_path
+):
+    monkeypatch.delenv("MCP_TASKS_PROXY_PRINCIPAL_KEY", raising=False)
+    server = RedisServer(tmp_path)  # not started yet: the store's address answers nothing
+    early = await keyless_replica(make_proxy, mcp_upstream, server.url, f"early-{secrets.token_hex(3)}:")
+    reply = await early.client.call_tool("slow_report", {"topic": "k", "seconds": 0}, headers=ALICE)
+    assert reply.status == 503 and "Task store unavailable" in reply.error["message"]
+    async with early.client.session.get(early.url.replace("/mcp", "/readyz")) as response:
+        body = await response.json()
+    assert response.status == 503 and "not loaded yet" in body["principal_key"]
+    try:
+        server.start()
+
+        async def works() -> bool:
+            made = await early.client.call_tool("slow_report", {"topic": "k", "seconds": 0}, headers=ALICE)
+            return made.status == 200 and made.result["status"] == "working"
+
+        await eventually(works, what="the key loading once Redis answers")
+        async with early.client.session.get(early.url.replace("/mcp", "/readyz")) as response:
+            assert response.status == 200 and "principal_key" not in await response.json()
+    finally:
+        server.stop()

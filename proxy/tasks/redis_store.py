@@ -252,6 +252,17 @@ class RedisTaskStore:
             if await self._fast.execute("SET", f"{self._prefix}readyz", "1", "PX", 10_000) != b"OK":
                 raise _Inconsistent("SET was not answered with OK")
 
+    async def shared_secret(self, name: str, candidate: str) -> str:
+        key = f"{self._prefix}{name}"
+        async with self._answering("shared_secret"):
+            # No expiry: replicas started at any time later must find the same value. Written only if absent, so
+            # the first replica's value wins and a Redis that lost it (restarted without persistence) gets it back.
+            await self._fast.execute("SET", key, candidate, "NX")
+            stored = await self._fast.execute("GET", key)
+            if not isinstance(stored, bytes) or not stored:
+                raise _Inconsistent(f"GET {key} answered no value right after SET NX")
+        return stored.decode("utf-8", "replace")
+
     async def start(
         self, replica_id: str, on_event: EventHandler, on_resync: Callable[[], Awaitable[None]] | None = None
     ) -> None:

@@ -49,6 +49,10 @@ class TaskStore(Protocol):
     async def ping(self) -> None:
         """Raise StoreUnavailable unless the store answers."""
 
+    async def shared_secret(self, name: str, candidate: str) -> str:
+        """The value of `name` that every replica sharing the store agrees on: the one stored, else `candidate`,
+        stored now by whichever replica comes first."""
+
     async def start(
         self, replica_id: str, on_event: EventHandler, on_resync: Callable[[], Awaitable[None]] | None = None
     ) -> None:
@@ -141,6 +145,9 @@ class MemoryTaskStore:
 
     async def ping(self) -> None:
         return None
+
+    async def shared_secret(self, name: str, candidate: str) -> str:
+        return candidate  # one process: nobody to agree with
 
     async def start(
         self, replica_id: str, on_event: EventHandler, on_resync: Callable[[], Awaitable[None]] | None = None
