@@ -1,5 +1,8 @@
 """Command line: `mcp-tasks-proxy [--config FILE] [--upstream URL] [--host H] [--port P] [--store S] [-- COMMAND ...]`,
-and `mcp-tasks-proxy check FILE [TOOL ...]`."""
+`mcp-tasks-proxy check [FILE] [TOOL ...]` and `mcp-tasks-proxy health`.
+
+Where a setting comes from, the later winning: the embedded defaults, the defaults file (`--defaults`, a container
+image's), the policy file, the environment (MCP_TASKS_PROXY_*), the flags (and a command after --)."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import asyncio
 import gc
 import os
 import sys
+import urllib.request
 from collections.abc import AsyncIterator, Sequence
 
 import structlog
@@ -36,9 +40,19 @@ OVERRIDES = (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mcp-tasks-proxy",
-        description="Reverse proxy that adds the MCP tasks extension (SEP-2663) in front of an MCP server.",
+        usage="%(prog)s [options] [-- COMMAND ARGS...]\n       %(prog)s check [FILE] [TOOL ...] [--upstream URL]\n"
+        "       %(prog)s health [options]",
+        description="Reverse proxy that adds the MCP tasks extension (SEP-2663) in front of an MCP server: an HTTP "
+        "one (--upstream URL) or a stdio one it starts (the command after --).",
+        epilog="commands:\n  check   validate a policy file and print the rule each tool gets (check --help)\n"
+        "  health  exit 0 if the proxy this configuration describes answers /healthz (for container health checks)\n\n"
+        "Precedence, the later winning: embedded defaults < --defaults file < --config file < environment < flags.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", metavar="FILE", help=f"YAML policy file (env {ENV_PREFIX}CONFIG)")
+    parser.add_argument(
+        "--defaults", metavar="FILE", help=f"YAML defaults under the policy file: an image's (env {ENV_PREFIX}DEFAULTS)"
+    )
     parser.add_argument("--upstream", metavar="URL", help=f"upstream MCP endpoint (env {ENV_PREFIX}UPSTREAM)")
     parser.add_argument("--host", help=f"listen address (env {ENV_PREFIX}HOST; default 127.0.0.1)")
     parser.add_argument("--port", type=int, help=f"listen port (env {ENV_PREFIX}PORT; default 8080)")
@@ -62,10 +76,17 @@ def split_command(argv: list[str]) -> tuple[list[str], list[str] | None]:
 
 
 def resolve_config(
-    args: argparse.Namespace, environ: os._Environ[str] | dict[str, str], command: list[str] | None = None
+    args: argparse.Namespace,
+    environ: os._Environ[str] | dict[str, str],
+    command: list[str] | None = None,
+    *,
+    needs_upstream: bool = True,
 ) -> ProxyConfig:
     """File, then environment, then flags (and a command after --): the later one wins."""
-    config = load_config(args.config or environ.get(f"{ENV_PREFIX}CONFIG") or None)
+    config = load_config(
+        args.config or environ.get(f"{ENV_PREFIX}CONFIG") or None,
+        defaults=args.defaults or environ.get(f"{ENV_PREFIX}DEFAULTS") or None,
+    )
     from_env = {path: environ.get(ENV_PREFIX + suffix) for _, path, suffix, _ in OVERRIDES}
     for _, path, suffix, kind in OVERRIDES:
         raw = from_env[path]
@@ -77,7 +98,7 @@ def resolve_config(
     config = apply_overrides(config, from_env)
     config = apply_overrides(config, {path: getattr(args, flag) for flag, path, _, _ in OVERRIDES})
     config = apply_overrides(config, {"upstream.command": command})
-    if config.upstream.command is None:
+    if needs_upstream and config.upstream.command is None:
         _ = config.upstream_url  # fail now, with the way to fix it, if no upstream is set anywhere
     return config
 
@@ -86,6 +107,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["check"]:
         raise SystemExit(check_main(argv[1:]))
+    health = argv[:1] == ["health"]
+    if health:
+        argv = argv[1:]
     try:
         argv, command = split_command(argv)
     except ConfigError as exc:
@@ -95,10 +119,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     config_path = args.config or os.environ.get(f"{ENV_PREFIX}CONFIG")
     loaded_stamp = file_stamp(config_path) if config_path else None  # before reading: see PolicyReloader
     try:
-        config = resolve_config(args, os.environ, command)
+        config = resolve_config(args, os.environ, command, needs_upstream=not health)
     except ConfigError as exc:
         print(f"mcp-tasks-proxy: config error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    if health:
+        raise SystemExit(health_main(config))
     configure_logging(level=config.logging.level, format=config.logging.format)
     log = structlog.get_logger("proxy")
     try:
@@ -141,6 +167,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     finally:
         sock.close()
         loop.close()
+
+
+def health_main(config: ProxyConfig) -> int:
+    """GET /healthz of the proxy this configuration describes (on loopback when it listens on every address)."""
+    host = config.listen.host
+    host = "127.0.0.1" if host in ("0.0.0.0", "", "*") else "[::1]" if host == "::" else host
+    url = f"http://{host}:{config.listen.port}/healthz"
+    try:
+        with urllib.request.urlopen(url, timeout=3) as response:
+            if response.status == 200:
+                return 0
+            print(f"mcp-tasks-proxy health: {url} answered {response.status}", file=sys.stderr)
+    except (OSError, ValueError) as exc:
+        print(f"mcp-tasks-proxy health: {url}: {getattr(exc, 'reason', exc)}", file=sys.stderr)
+    return 1
 
 
 def _event_loop() -> asyncio.AbstractEventLoop:

@@ -116,12 +116,20 @@ def create_app(
     app[metrics_key] = Metrics()
     app[store_key] = store if store is not None else build_store(config, timer=timer)
     app[identity_key] = identity = Identity(config.security, shared_store=app[store_key].shared)
+    app[metrics_key].watch(
+        "mcp_tasks_proxy_store_errors", "Calls to the task store that failed, by operation (Redis unreachable, slow, "
+        "refusing writes or answering garbage)", "operation", lambda: dict(app[store_key].failures), counter=True,
+    )  # fmt: skip
     app[poll_guard_key] = PollGuard(config.limits.min_poll_interval_ms, timer=timer)
     app[guard_key] = HostGuard(config)
 
     async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         async with build_gateway(config, identity, max_bytes=lambda: policy.config.limits.max_result_bytes) as gateway:
             app[gateway_key] = gateway
+            app[metrics_key].watch(
+                "mcp_tasks_proxy_legacy_sessions", "Open 2025-era sessions: upstream (the proxy's with a 2025 "
+                "server) and client (2025 clients' with the proxy, for a stdio server)", "side", gateway.session_counts,
+            )  # fmt: skip
             legacy = gateway.legacy
             app[bridge_key] = SyncBridge(
                 legacy,
@@ -257,6 +265,7 @@ async def error_boundary(request: web.Request, handler: Handler) -> web.StreamRe
         return _json_error(request, exc.to_error(), exc.http_status)
     except UpstreamError as exc:
         log.warning("upstream_error", reason=exc.reason)
+        request.app[metrics_key].upstream_errors.labels("request").inc()
         return _json_error(request, exc.to_error(), exc.http_status)
     except StoreUnavailable as exc:
         return _json_error(request, error_object(INTERNAL_ERROR, f"Task store unavailable: {exc}"), 503)

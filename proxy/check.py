@@ -1,54 +1,68 @@
-"""`mcp-tasks-proxy check FILE [TOOL ...]`: validate a policy and show the rule each tool gets."""
+"""`mcp-tasks-proxy check [FILE] [TOOL ...] [--upstream URL]`: validate a policy and show the rule each tool gets."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import itertools
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import aiohttp
 from multidict import CIMultiDict
 
 from . import PROTOCOL_VERSION
-from .config import ConfigError, ProxyConfig, apply_overrides, load_config
+from .config import ENV_PREFIX, ConfigError, ProxyConfig, apply_overrides, load_config
 from .log import configure_logging
 from .security import Identity
 from .upstream import build_gateway
 from .upstream.events import Failed, Finished, UpstreamStartError, UpstreamUnavailable
 
 
-def check_main(argv: Sequence[str]) -> int:
+def check_main(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> int:
+    """0: the policy is valid (and the upstream answered, when asked); 1: the upstream could not be asked;
+    2: the policy or the command line is wrong."""
     parser = argparse.ArgumentParser(
         prog="mcp-tasks-proxy check",
+        usage="mcp-tasks-proxy check [-h] [FILE] [TOOL ...] [--upstream URL]",
         description="Validate a policy file and print the effective rule for each tool: those the upstream lists "
-        "(when it is reachable), or the names given.",
+        "(when it is reachable), or the names given. Without FILE: MCP_TASKS_PROXY_CONFIG, else the embedded defaults.",
     )
-    parser.add_argument("file", help="the YAML policy file")
-    parser.add_argument("tools", nargs="*", help="tool names to check instead of asking the upstream")
+    parser.add_argument("names", nargs="*", metavar="FILE TOOL", help="the YAML policy file (a .yaml/.yml path), "
+                        "then tool names to check instead of asking the upstream")  # fmt: skip
     parser.add_argument("--upstream", metavar="URL", help="ask this upstream instead of the file's upstream.url")
     args = parser.parse_args(list(argv))
+    names = list(args.names)
+    path = names.pop(0) if names and _is_policy_path(names[0]) else environ.get(f"{ENV_PREFIX}CONFIG") or None
     configure_logging(level="warning", format="console")  # the report is the output; keep log lines out of it
     try:
-        config = apply_overrides(load_config(args.file), {"upstream.url": args.upstream})
+        config = apply_overrides(load_config(path), {"upstream.url": args.upstream})
     except ConfigError as exc:
         print(f"mcp-tasks-proxy: config error: {exc}", file=sys.stderr)
         return 2
-    print(f"{args.file}: valid, {len(config.tools)} rule(s)")
-    names = list(args.tools)
+    print(f"{path or 'the embedded defaults'}: valid, {len(config.tools)} rule(s)")
     if not names:
         if config.upstream.url is None and config.upstream.command is None:
-            print("no upstream.url or upstream.command to ask for its tools; name the tools to check")
+            print("no upstream to ask for its tools: give --upstream URL, or name the tools to check")
             return 0
         try:
             names = asyncio.run(list_tools(config))
         except (UpstreamUnavailable, UpstreamStartError, ConnectionError, aiohttp.ClientError, OSError) as exc:
-            print(f"the upstream {config.upstream_name} could not be asked for its tools ({exc}); name them instead")
-            return 0
+            print(
+                f"mcp-tasks-proxy check: the upstream {config.upstream_name} could not be asked for its tools ({exc}); "
+                "start it, or name the tools to check",
+                file=sys.stderr,
+            )
+            return 1
         print(f"the upstream {config.upstream_name} lists {len(names)} tool(s)")
     print_rules(config, names)
     return 0
+
+
+def _is_policy_path(name: str) -> bool:
+    return name.endswith((".yaml", ".yml")) or os.sep in name or Path(name).is_file()
 
 
 def print_rules(config: ProxyConfig, names: Sequence[str]) -> None:

@@ -259,15 +259,17 @@ class ProxyConfig(_Strict):
 
 
 def _format_validation_error(exc: ValidationError, source: str) -> str:
-    errors = exc.errors()
-    # An unknown key first: a typo is the likeliest mistake, and its other errors often follow from it.
-    first = next((error for error in errors if error["type"] == "extra_forbidden"), errors[0])
-    path = ".".join(str(part) for part in first["loc"]) or "(top level)"
-    message = first["msg"]
-    if first["type"] == "extra_forbidden":
-        message = "unknown key"
-    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return f"{source}: {path}: {message}{more}"
+    """Every error, on one line: unknown keys first (a typo is the likeliest mistake, and other errors often follow
+    from it), each as `path: message`."""
+    errors = sorted(exc.errors(), key=lambda error: error["type"] != "extra_forbidden")
+    described = []
+    for error in errors:
+        path = ".".join(str(part) for part in error["loc"]) or "(top level)"
+        message = "unknown key" if error["type"] == "extra_forbidden" else error["msg"]
+        described.append(f"{path}: {message}")
+    if len(described) == 1:
+        return f"{source}: {described[0]}"
+    return f"{source}: {len(described)} errors: " + "; ".join(described)
 
 
 def parse_config(data: Any, *, source: str = "config") -> ProxyConfig:
@@ -281,22 +283,44 @@ def parse_config(data: Any, *, source: str = "config") -> ProxyConfig:
         raise ConfigError(_format_validation_error(exc, source)) from exc
 
 
-def load_config(path: str | os.PathLike[str] | None) -> ProxyConfig:
-    """Read and validate the YAML file; the only place that touches the file system for configuration."""
-    if path is None:
-        return ProxyConfig()
+def _read_yaml(path: str | os.PathLike[str]) -> Any:
     source = str(path)
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{source}: cannot read: {exc.strerror or exc}") from exc
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"{source}: not valid YAML{where}") from exc
-    return parse_config(data, source=source)
+
+
+def _merged(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """`over` on top of `base`, section by section (a list, like `tools`, replaces the base's whole)."""
+    merged = dict(base)
+    for key, value in over.items():
+        below = merged.get(key)
+        merged[key] = _merged(below, value) if isinstance(below, Mapping) and isinstance(value, Mapping) else value
+    return merged
+
+
+def load_config(path: str | os.PathLike[str] | None, *, defaults: str | os.PathLike[str] | None = None) -> ProxyConfig:
+    """Read and validate the YAML policy file, on top of a defaults file (a container image's) when given; the only
+    place that touches the file system for configuration."""
+    base: Any = {}
+    if defaults is not None:
+        base = _read_yaml(defaults)
+        parse_config(base, source=str(defaults))  # its own errors name it
+    if path is None:
+        return parse_config(base, source=str(defaults))
+    data = _read_yaml(path)
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys, not {type(data).__name__}")
+    return parse_config(_merged(base or {}, data), source=str(path))
 
 
 ENV_PREFIX = "MCP_TASKS_PROXY_"

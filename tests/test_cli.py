@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 
@@ -61,3 +63,88 @@ async def test_runs_from_environment_alone_and_serves_a_task(mcp_upstream, tmp_p
     assert {"method", "status", "duration_ms", "request_id", "mode"} <= handled[0].keys()
     # Tool arguments and results never reach the log by default.
     assert "zebra-topic-7" not in log_path.read_text()
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MCP_TASKS_PROXY_")}
+    return subprocess.run([sys.executable, "-m", "proxy", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env={**clean, **(env or {})})  # fmt: skip
+
+
+def test_help_names_the_commands_and_the_precedence():
+    done = run_cli("--help")
+    assert done.returncode == 0
+    assert "check [FILE] [TOOL ...]" in done.stdout and "health" in done.stdout
+    assert "embedded defaults < --defaults file < --config file < environment < flags" in done.stdout
+
+
+def test_check_needs_no_file_and_fails_when_the_upstream_cannot_be_asked(mcp_upstream):
+    bare = run_cli("check")
+    assert bare.returncode == 0, bare.stderr
+    assert bare.stdout.splitlines()[0] == "the embedded defaults: valid, 0 rule(s)"
+    assert "give --upstream URL, or name the tools" in bare.stdout
+    asked = run_cli("check", "--upstream", mcp_upstream)  # no file: the embedded defaults, this upstream
+    assert asked.returncode == 0, asked.stderr
+    assert any(line.split()[:3] == ["slow_report", "(none)", "passthrough"] for line in asked.stdout.splitlines())
+    named = run_cli("check", "slow_report", env={"MCP_TASKS_PROXY_CONFIG": "config/example.yaml"})
+    assert named.returncode == 0 and named.stdout.splitlines()[0] == "config/example.yaml: valid, 3 rule(s)"
+    unreachable = run_cli("check", "config/example.yaml", "--upstream", f"http://127.0.0.1:{free_port()}/mcp")
+    assert unreachable.returncode == 1
+    assert "could not be asked for its tools" in unreachable.stderr and "Traceback" not in unreachable.stderr
+
+
+def test_start_up_failures_are_one_line_and_exit_2(tmp_path, mcp_upstream):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        in_use = run_cli("--upstream", mcp_upstream, "--port", str(port))
+    assert in_use.returncode == 2
+    expected = f"mcp-tasks-proxy: cannot listen on 127.0.0.1:{port}: Address already in use"
+    assert in_use.stderr.strip().splitlines() == [expected]
+    assert "proxy_started" not in in_use.stdout + in_use.stderr  # bound before announcing
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("listen:\n  port: abc\nfoo: 1\n")
+    refused = run_cli("--config", str(bad), "--upstream", mcp_upstream)
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
+    assert "2 errors: foo: unknown key; listen.port:" in refused.stderr
+    no_upstream = run_cli()
+    assert no_upstream.returncode == 2 and "no upstream: set upstream.url" in no_upstream.stderr
+    missing = run_cli("--upstream", mcp_upstream, "--", str(tmp_path / "no-such-server"))
+    assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1, missing.stderr
+
+
+async def test_start_and_stop_are_logged_and_health_finds_the_port(mcp_upstream, tmp_path):
+    port = free_port()
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(f"listen:\n  port: {port}\ntasks:\n  shutdown_grace_s: 1\ntools:\n  - match: gated\n")
+    env = {**os.environ, "MCP_TASKS_PROXY_CONFIG": str(policy), "MCP_TASKS_PROXY_LOG_FORMAT": "json"}
+    env.pop("MCP_TASKS_PROXY_PORT", None)
+    log_path = tmp_path / "proxy.log"
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen([sys.executable, "-m", "proxy", "--upstream", mcp_upstream], env=env,
+                                   stderr=log_file, cwd=ROOT)  # fmt: skip
+        try:
+            wait_for_port(port, process)
+            health = subprocess.run([sys.executable, "-m", "proxy", "health"], env=env, timeout=60)
+            assert health.returncode == 0  # the policy's port, found from the same configuration
+            async with aiohttp.ClientSession() as session:
+                client = McpClient(session, f"http://127.0.0.1:{port}/mcp")
+                created = await client.call_tool("gated", {"tag": secrets.token_hex(4)})  # never released
+                await task_reaches(client, created.result["taskId"], "working")
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=30) == 0
+        finally:
+            stop(process)
+    lines = [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{")]
+    events = [line["event"] for line in lines]
+    started = lines[events.index("proxy_started")]
+    assert started["policy"] == str(policy) and started["upstream"] == mcp_upstream and started["store"] == "memory"
+    stopping = events.index("proxy_stopping")
+    assert "open_connections" in lines[stopping]
+    draining = lines[events.index("tasks_draining")]
+    assert draining["running"] == 1 and draining["grace_s"] == 1
+    drained = lines[events.index("tasks_drained")]
+    assert drained["failed_at_shutdown"] == 1
+    assert stopping < events.index("tasks_draining") < events.index("tasks_drained") < events.index("proxy_stopped")
+    assert subprocess.run([sys.executable, "-m", "proxy", "health"], env=env, timeout=60).returncode == 1

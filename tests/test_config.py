@@ -46,7 +46,33 @@ def test_invalid_files_name_the_key(tmp_path, text, message):
 def test_every_shipped_config_is_valid():
     for path in sorted((ROOT / "config").glob("*.yaml")):
         config = load_config(path)
+        if path.name == "container.yaml":  # the image's defaults, under a policy file: no upstream of its own
+            assert config.listen.host == "0.0.0.0" and config.upstream.url is None
+            continue
         assert config.upstream.url is not None or config.upstream.command is not None, path
+
+
+def test_every_config_error_is_listed_on_one_line_unknown_keys_first(tmp_path):
+    text = "listen:\n  port: abc\ntools:\n  - match: 1\n    bogus: 2\nfoo: 1\n"
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text))
+    message = str(info.value)
+    assert "\n" not in message and "more)" not in message
+    assert ": 4 errors: tools.0.bogus: unknown key; foo: unknown key; listen.port: " in message
+    assert "tools.0.match: Input should be a valid string" in message
+
+
+def test_a_policy_file_overrides_the_defaults_file_section_by_section(tmp_path):
+    defaults = tmp_path / "defaults.yaml"
+    defaults.write_text("listen:\n  host: 0.0.0.0\n  port: 8080\nlogging:\n  format: json\n")
+    policy = write(tmp_path, "listen:\n  port: 9090\ntools:\n  - match: a\n")
+    config = load_config(policy, defaults=defaults)
+    assert (config.listen.host, config.listen.port, config.logging.format) == ("0.0.0.0", 9090, "json")
+    assert [rule.match for rule in config.tools] == ["a"]
+    assert load_config(None, defaults=defaults).listen.port == 8080
+    defaults.write_text("listen:\n  prot: 1\n")
+    with pytest.raises(ConfigError, match=r"defaults.yaml: listen.prot: unknown key"):
+        load_config(policy, defaults=defaults)  # the defaults file's own mistakes name it
 
 
 def test_a_stdio_command_is_exclusive_with_a_url_and_owns_env_and_cwd():

@@ -59,30 +59,47 @@ def test_image_is_multi_stage_non_root_with_a_healthcheck():
     assert not any(keyword == "RUN" and "pip install" in args for keyword, args in runtime)
 
 
+def image_env(venv: Path | None = None) -> dict[str, str]:
+    """The Dockerfile's ENV, with the files it copies where they are in this repository."""
+    env_line = next(a for k, a in instructions(ROOT / "Dockerfile") if k == "ENV")
+    env = dict(pair.split("=", 1) for pair in shlex.split(env_line))
+    copied = next(a for k, a in instructions(ROOT / "Dockerfile") if k == "COPY" and "container.yaml" in a).split()
+    where = {copied[1]: str(ROOT / copied[0])}
+    if venv is not None:
+        where["/opt/venv"] = str(venv)
+    for key, value in env.items():
+        for inside, here in where.items():
+            value = value.replace(inside, here)
+        env[key] = value.replace("$PATH", os.environ["PATH"])
+    return env
+
+
 def test_the_dockerfiles_commands_work_in_a_clean_environment(tmp_path, mcp_upstream):
-    """Run what the image runs: its build RUN line (with /opt/venv moved here), its ENV, ENTRYPOINT, HEALTHCHECK."""
+    """Run what the image runs: its build RUN line (with /opt/venv moved here), its ENV, ENTRYPOINT, HEALTHCHECK; a
+    mounted policy file's listen.port and logging.format win over the image's defaults."""
     steps = instructions(ROOT / "Dockerfile")
     venv = tmp_path / "venv"
     build = next(a for k, a in steps if k == "RUN" and "pip install" in a).replace("/opt/venv", str(venv))
     subprocess.run(build, shell=True, cwd=ROOT, check=True, timeout=900)  # the Dockerfile's own line
-    env_line = next(a for k, a in steps if k == "ENV")
-    env = dict(pair.split("=", 1) for pair in shlex.split(env_line))
     port = free_port()
-    env = {
-        **os.environ,
-        **{k: v.replace("/opt/venv", str(venv)).replace("$PATH", os.environ["PATH"]) for k, v in env.items()},
-        "MCP_TASKS_PROXY_PORT": str(port),
-        "MCP_TASKS_PROXY_UPSTREAM": mcp_upstream,
-    }
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(f"listen:\n  host: 127.0.0.1\n  port: {port}\nlogging:\n  format: console\n")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("MCP_TASKS_PROXY_")}
+    env = {**base, **image_env(venv), "MCP_TASKS_PROXY_CONFIG": str(policy), "MCP_TASKS_PROXY_UPSTREAM": mcp_upstream}
     entrypoint = yaml.safe_load(next(a for k, a in steps if k == "ENTRYPOINT"))
-    process = subprocess.Popen(entrypoint, env=env, cwd=tmp_path, stderr=subprocess.DEVNULL)
+    log = tmp_path / "proxy.log"
+    with open(log, "wb") as sink:
+        process = subprocess.Popen(entrypoint, env=env, cwd=tmp_path, stdout=sink, stderr=sink)
     try:
-        wait_for_port(port, process)
+        wait_for_port(port, process)  # the policy's port, not the image's 8080
         healthcheck = next(a for k, a in steps if k == "HEALTHCHECK")
         command = yaml.safe_load(healthcheck[healthcheck.index("CMD") + 3 :].strip())
-        assert subprocess.run(command, env=env, timeout=30).returncode == 0
+        assert subprocess.run(command, env=env, timeout=30).returncode == 0  # it finds that port too
     finally:
         stop(process)
+    started = next(line for line in log.read_text().splitlines() if "proxy_started" in line)
+    assert not started.startswith("{")  # console lines, as the policy says, not the image's json
+    assert f"127.0.0.1:{port}" in started
     assert not (venv / "bin" / "gcc").exists()
 
 
@@ -140,8 +157,6 @@ async def test_the_compose_file_and_the_scale_out_one_liner_start_as_written(tmp
         value = value.replace("redis://redis:6379", f"redis://127.0.0.1:{redis_port}")
         return value.replace("example-server:9000", f"127.0.0.1:{server_port}").replace("0.0.0.0", "127.0.0.1")
 
-    image_env = dict(pair.split("=", 1) for pair in shlex.split(next(a for k, a in instructions(ROOT / "Dockerfile")
-                                                                       if k == "ENV")))  # fmt: skip
     bin_dir = str(Path(sys.executable).parent)
     base = {k: v for k, v in os.environ.items() if not k.startswith("MCP_TASKS_PROXY_")}
     base["PATH"] = f"{bin_dir}{os.pathsep}{base['PATH']}"
@@ -158,10 +173,11 @@ async def test_the_compose_file_and_the_scale_out_one_liner_start_as_written(tmp
         for name in ("proxy-a", "proxy-b"):
             service = services[name]
             host_file, mounted = service["volumes"][0].split(":")[:2]
-            env = {**base, **{k: as_here(v) for k, v in image_env.items() if k != "PATH"}}
+            env = {**base, **{k: v for k, v in image_env().items() if k != "PATH"}}
             env |= {k: as_here(v).replace(mounted, str((ROOT / "examples" / "compose" / host_file).resolve()))
                     for k, v in service["environment"].items()}  # fmt: skip
             env["MCP_TASKS_PROXY_PORT"] = str(ports[name])  # each container has its own 8080
+            env["MCP_TASKS_PROXY_HOST"] = "127.0.0.1"  # its own network namespace, where 0.0.0.0 is private
             assert "PRINCIPAL_KEY" not in " ".join(env)
             processes.append(subprocess.Popen(entrypoint, env=env, stderr=subprocess.DEVNULL))
         # The README's scale-out one-liner, as printed there (README.md, "Scale out with Redis").

@@ -62,6 +62,7 @@ async def test_one_round_through_tasks_update(proxy):
 
     await update(proxy, task_id, {"q": accept("yes")})
     done = await task_reaches(proxy.client, task_id, "completed")
+    assert "statusMessage" not in done.result  # not "input received; resuming the call" any more
     result = done.result["result"]
     assert result["content"][0]["text"] == "you said yes"
     # The retry carried the answer under the upstream's own key and its requestState byte for byte.

@@ -94,6 +94,26 @@ async def test_readiness_reports_an_unreachable_upstream(make_proxy):
     assert "upstream unreachable" in body["upstream"]
 
 
+async def test_upstream_errors_and_legacy_sessions_are_exported(make_proxy, legacy_upstream):
+    gone = await make_proxy(f"http://127.0.0.1:{free_port()}/mcp", protocol="modern", tools=[{"match": "slow_*"}])
+    assert (await gone.client.call_tool("add", {"a": 1, "b": 2})).status == 502  # pass-through: answered 502
+    created = await gone.client.call_tool("slow_report", {"topic": "t", "seconds": 0})
+    await task_reaches(gone.client, created.result["taskId"], "failed")  # a task's attempt
+    samples = await scrape(gone)
+    assert value(samples, "mcp_tasks_proxy_upstream_errors_total", where="request") == 1
+    assert value(samples, "mcp_tasks_proxy_upstream_errors_total", where="task") == 1
+    assert ("mcp_tasks_proxy_store_errors_total", ()) not in samples  # the memory store never fails
+
+    legacy = await make_proxy(legacy_upstream, protocol="legacy")
+    before = await scrape(legacy)
+    assert value(before, "mcp_tasks_proxy_legacy_sessions", side="upstream") == 0
+    reply = await legacy.client.call_tool("add", {"a": 1, "b": 2}, tasks=False)
+    assert reply.status == 200, reply.message
+    after = await scrape(legacy)
+    assert value(after, "mcp_tasks_proxy_legacy_sessions", side="upstream") == 1
+    assert value(after, "mcp_tasks_proxy_legacy_sessions", side="client") == 0
+
+
 async def test_reload_applies_new_rules_to_new_calls_only_and_refuses_invalid_files(
     make_proxy, mcp_upstream, upstream_client, tmp_path
 ):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import secrets
 
 import pytest
@@ -378,6 +379,9 @@ async def test_a_replica_started_before_redis_answers_store_unavailable_until_th
     async with early.client.session.get(early.url.replace("/mcp", "/readyz")) as response:
         body = await response.json()
     assert response.status == 503 and "not loaded yet" in body["principal_key"]
+    async with early.client.session.get(early.url.replace("/mcp", "/metrics")) as response:
+        exposition = await response.text()
+    assert re.search(r'^mcp_tasks_proxy_store_errors_total\{operation="shared_secret"\} [1-9]', exposition, re.M)
     try:
         server.start()
 

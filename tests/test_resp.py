@@ -143,6 +143,7 @@ async def test_an_unreachable_redis_is_a_resp_error() -> None:
         await client.execute("PING")
 
 
+@pytest.mark.usefixtures("redis_binary")
 async def test_a_unix_socket_url_with_a_database_reaches_that_database(tmp_path) -> None:
     import shutil
     import subprocess

@@ -130,6 +130,9 @@ def transition(record: TaskRecord, to: TaskStatus, *, now: datetime, **fields: A
     """Return the record moved to `to`, stamped with `now`; refuses to leave a terminal state."""
     if record.is_terminal:
         raise TaskStateError(record.task_id, record.status, to)
+    if to in TERMINAL:
+        # What the call said while it ran ("input received; resuming the call", "2 of 3") is stale once it ended.
+        fields.setdefault("status_message", None)
     return dataclasses.replace(record, status=to, last_updated_at=stamp_after(record, now), **fields)
 
 

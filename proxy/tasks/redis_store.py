@@ -17,6 +17,7 @@ script result out of range) drops the connection, so that a desynchronised strea
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hashlib
 import json
@@ -113,6 +114,7 @@ class RedisTaskStore:
         self._last_failure = time.monotonic()
         """When a Redis call last failed (or the store was made): the sweep waits a lease after it."""
         self.events_state = "not subscribed"
+        self.failures: collections.Counter[str] = collections.Counter()
 
     def _key(self, task_id: str) -> str:
         return f"{self._prefix}task:{task_id}"
@@ -130,10 +132,12 @@ class RedisTaskStore:
         try:
             yield
         except _Corrupt as exc:
+            self.failures[what] += 1
             log.error("store_record_corrupt", operation=what, reason=str(exc))
             raise StoreUnavailable(str(exc)) from exc
         except (TimeoutError, RedisError, RespError, OSError, _Inconsistent) as exc:
             self._last_failure = time.monotonic()
+            self.failures[what] += 1
             if isinstance(exc, _Inconsistent):
                 self._fast.reset(str(exc))
             reason = _reason(exc, self._timeout_s)

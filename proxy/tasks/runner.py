@@ -433,14 +433,20 @@ class TaskRunner:
         for loop_task in (self._reaper, self._reconciler):
             if loop_task is not None:
                 loop_task.cancel()
-        pending = [job.runner for job in self._jobs.values() if job.runner is not None]
+        pending = [job.runner for job in self._jobs.values() if job.runner is not None and not job.runner.done()]
+        if pending:
+            log.info("tasks_draining", running=len(pending), grace_s=grace_s)
         if pending and grace_s > 0:
             await asyncio.wait(pending, timeout=grace_s)
+        stopped = 0
         for job in list(self._jobs.values()):
             if job.runner is not None and not job.runner.done():
                 job.cancel_reason = _SHUTDOWN
                 job.runner.cancel()
+                stopped += 1
         await asyncio.gather(*pending, return_exceptions=True)
+        if pending:
+            log.info("tasks_drained", finished=len(pending) - stopped, failed_at_shutdown=stopped)
 
     async def _create_record(self, job: Job) -> TaskRecord:
         now = self._now()
@@ -572,12 +578,15 @@ class TaskRunner:
                         break
                     else:
                         outcome = "failed"
+                        if event.unread:  # unreachable, or the stream cut: the upstream failed, not the tool
+                            self._metrics.upstream_errors.labels("task").inc()
                         settle = (TaskStatus.FAILED, {"error": event.error, "status_message": event.status_message})
                         break
         except RoundLimit:
             outcome = "failed"  # already written; closing the events cancels the call upstream
         except TimeoutError:
             outcome = "timeout"
+            self._metrics.upstream_errors.labels("task").inc()
             reason = f"the upstream call exceeded its {job.rule.timeout_s:g} s limit (timeout_s)"
             error = error_object(INTERNAL_ERROR, f"Upstream failure: {reason}", {"upstream": self._upstream.url})
             settle = (TaskStatus.FAILED, {"error": error, "status_message": reason})

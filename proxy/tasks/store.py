@@ -5,7 +5,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 import structlog
@@ -33,6 +33,8 @@ class StoreUnavailable(Exception):
 class TaskStore(Protocol):
     shared: bool
     """True when several replicas share the store (then leases and cross-replica events matter)."""
+    failures: Mapping[str, int]
+    """Calls to the store that failed (unreachable, timed out, refused, corrupt), by operation, since the start."""
 
     async def create(self, record: TaskRecord) -> None:
         """Store a new record; it expires ttl_ms after this call, whatever updates follow."""
@@ -97,6 +99,7 @@ class MemoryTaskStore:
     """
 
     shared = False
+    failures: Mapping[str, int] = {}  # nothing to fail
 
     def __init__(self, *, max_tasks: int, timer: Callable[[], float] = time.monotonic) -> None:
         self._on_event: EventHandler | None = None

@@ -85,7 +85,7 @@ async def _stdio_gateway(config: ProxyConfig, identity: Identity, limit: Callabl
     relay = StdioRelay(
         pool, link, modern, sessions, identity, era, lambda: gateway.known_era if gateway else None, max_bytes=limit
     )
-    gateway = Gateway(modern, legacy, relay, upstream.protocol)
+    gateway = Gateway(modern, legacy, relay, upstream.protocol, clients=sessions)
     if upstream.cwd is not None and not os.path.isdir(upstream.cwd):
         raise UpstreamStartError(f"cannot start {spec.name}: upstream.cwd {upstream.cwd} is not a directory")
     try:

@@ -4,7 +4,7 @@ and the relay of what the proxy does not own."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sized
 from typing import Any, Literal, Protocol
 
 import structlog
@@ -74,16 +74,23 @@ class Gateway:
     """The upstream as the rest of the proxy sees it, whatever its transport: its era (configured, or probed once),
     each call sent the way that era expects, and everything else relayed."""
 
-    def __init__(self, modern: ModernUpstream, legacy: LegacyUpstream, relay: Relay, protocol: str) -> None:
+    def __init__(
+        self, modern: ModernUpstream, legacy: LegacyUpstream, relay: Relay, protocol: str, *, clients: Sized = ()
+    ) -> None:
         self.modern = modern
         self.legacy = legacy
         self.relay = relay
+        self._clients = clients
         self._era: Era | None = protocol if protocol in ("modern", "legacy") else None  # type: ignore[assignment]
         self._lock = asyncio.Lock()
 
     @property
     def url(self) -> str:
         return self.modern.url
+
+    def session_counts(self) -> dict[str, int]:
+        """Open 2025-era sessions: the proxy's with a 2025 upstream, and 2025 clients' with the proxy (stdio)."""
+        return {"upstream": self.legacy.session_count(), "client": len(self._clients)}
 
     @property
     def known_era(self) -> Era | None:

@@ -281,6 +281,9 @@ class LegacyUpstream:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    def session_count(self) -> int:
+        return len(self._sessions)
+
     async def aclose(self) -> None:
         for session in list(self._sessions.values()):
             self.link.stop_reading(session)
