@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import ssl
 from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
@@ -77,6 +78,43 @@ class StdioConfig(_Strict):
     """Of those, one principal's; its own oldest is ended past it, so that one caller cannot end everyone's."""
 
 
+class UpstreamTls(_Strict):
+    """TLS to an https:// upstream: whose certificates to trust, and the proxy's own for mTLS."""
+
+    verify: bool = True
+    """Check the upstream's certificate and host name; false only for a test bench, never in production."""
+    ca_file: str | None = None
+    """A PEM bundle of the CAs to trust instead of the system's (a private CA)."""
+    cert_file: str | None = None
+    """The proxy's client certificate (PEM, may hold the key too), for an upstream that requires mTLS."""
+    key_file: str | None = None
+    """The client certificate's private key (PEM), when not in cert_file."""
+
+    @model_validator(mode="after")
+    def _loadable(self) -> UpstreamTls:
+        if self.key_file is not None and self.cert_file is None:
+            raise ValueError("key_file needs cert_file (the client certificate it is the key of)")
+        self.ssl_context()  # a missing file or a key that does not match fails here, at start-up, naming it
+        return self
+
+    def ssl_context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context()
+        where = ""
+        try:
+            if self.ca_file is not None:
+                where = f"ca_file {self.ca_file}"
+                context.load_verify_locations(cafile=self.ca_file)
+            if self.cert_file is not None:
+                where = f"cert_file {self.cert_file}" + (f" / key_file {self.key_file}" if self.key_file else "")
+                context.load_cert_chain(self.cert_file, self.key_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"{where}: {exc.strerror or exc.reason or exc}") from None
+        if not self.verify:
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+        return context
+
+
 class UpstreamConfig(_Strict):
     url: AnyHttpUrl | None = None
     command: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] | None = None
@@ -86,6 +124,8 @@ class UpstreamConfig(_Strict):
     cwd: str | None = None
     """upstream.command: the child's working directory (default: the proxy's)."""
     stdio: StdioConfig = StdioConfig()
+    tls: UpstreamTls = UpstreamTls()
+    """For an https:// url: CA bundle, client certificate (mTLS), verification."""
     protocol: Literal["auto", "modern", "legacy"] = "auto"
     """The upstream's era: auto probes server/discover and falls back to initialize, as the official SDKs do."""
     connect_timeout_s: Annotated[float, Field(gt=0)] = 10.0
@@ -101,6 +141,8 @@ class UpstreamConfig(_Strict):
             raise ValueError("url and command are exclusive: an upstream is reached over HTTP or started over stdio")
         if self.command is None and (self.env or self.cwd is not None):
             raise ValueError("env and cwd apply to upstream.command only")
+        if self.tls != UpstreamTls() and not (self.url is not None and self.url.scheme == "https"):
+            raise ValueError("tls applies to an https:// upstream.url only")
         return self
 
 

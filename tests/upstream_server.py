@@ -212,8 +212,24 @@ async def ask_then_gated(tag: str, ctx: Context) -> CallToolResult | InputRequir
     return _done(ctx, f"hello {name}")
 
 
+def serve_tls(port: int, cert: str, key: str, client_ca: str | None) -> None:
+    """HTTPS, through uvicorn's own TLS; with `client_ca`, a client certificate signed by it is required (mTLS)."""
+    import ssl
+
+    import uvicorn
+
+    uvicorn.run(
+        server.streamable_http_app(host="127.0.0.1"), host="127.0.0.1", port=port, log_level="warning",
+        ssl_certfile=cert, ssl_keyfile=key, ssl_ca_certs=client_ca,
+        ssl_cert_reqs=ssl.CERT_REQUIRED if client_ca else ssl.CERT_NONE,
+    )  # fmt: skip
+
+
 if __name__ == "__main__":
     if "--stdio" in sys.argv:
         server.run(transport="stdio")
+    elif "--tls" in sys.argv:  # PORT --tls CERT KEY [CLIENT_CA]
+        at = sys.argv.index("--tls")
+        serve_tls(int(sys.argv[1]), sys.argv[at + 1], sys.argv[at + 2], (sys.argv[at + 3 :] or [None])[0])
     else:
         server.run(transport="streamable-http", host="127.0.0.1", port=int(sys.argv[1]))

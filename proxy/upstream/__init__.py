@@ -43,7 +43,8 @@ async def build_gateway(
         async with _stdio_gateway(config, identity, limit) as gateway:
             yield gateway
         return
-    async with Upstream(config.upstream_url, connect_timeout_s=config.upstream.connect_timeout_s) as upstream:
+    tls = config.upstream.tls.ssl_context() if config.upstream_url.startswith("https:") else None
+    async with Upstream(config.upstream_url, connect_timeout_s=config.upstream.connect_timeout_s, tls=tls) as upstream:
         legacy = LegacyUpstream(
             lambda spawn: HttpLegacyLink(upstream, spawn),
             max_sessions=config.upstream.max_sessions,

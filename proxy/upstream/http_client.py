@@ -438,13 +438,21 @@ class CallResponse:
 class CallClient:
     """POSTs to one URL over pooled keep-alive connections."""
 
-    def __init__(self, url: str, *, connect_timeout_s: float, max_idle: int = _MAX_IDLE, idle_s: float = _IDLE_S):
+    def __init__(
+        self,
+        url: str,
+        *,
+        connect_timeout_s: float,
+        tls: ssl.SSLContext | None = None,
+        max_idle: int = _MAX_IDLE,
+        idle_s: float = _IDLE_S,
+    ):
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) URL: {url!r}")
         self._host = parts.hostname
         self._port = parts.port or (443 if parts.scheme == "https" else 80)
-        self._ssl: ssl.SSLContext | None = ssl.create_default_context() if parts.scheme == "https" else None
+        self._ssl = (tls or ssl.create_default_context()) if parts.scheme == "https" else None
         host_header = f"[{self._host}]" if ":" in self._host else self._host
         if parts.port is not None:
             host_header += f":{parts.port}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
@@ -31,13 +32,14 @@ class Upstream:
     """The upstream MCP endpoint: a CallClient makes every POST to it (task calls and pass-through); an aiohttp
     session carries the rest (GET streams, DELETE, other paths, legacy sessions, the era probe)."""
 
-    def __init__(self, url: str, *, connect_timeout_s: float) -> None:
+    def __init__(self, url: str, *, connect_timeout_s: float, tls: ssl.SSLContext | None = None) -> None:
         self.url = url
+        self._tls = tls
         parts = urlsplit(url)
         self._origin = urlunsplit((parts.scheme, parts.netloc, "", "", ""))
         self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_connect=connect_timeout_s)
         self._session: aiohttp.ClientSession | None = None
-        self._calls = CallClient(url, connect_timeout_s=connect_timeout_s)
+        self._calls = CallClient(url, connect_timeout_s=connect_timeout_s, tls=tls)
 
     async def __aenter__(self) -> Upstream:
         self._session = aiohttp.ClientSession(
@@ -45,7 +47,8 @@ class Upstream:
             # Pass-through relays bytes as they are: no decompression, and no headers the client did not send.
             auto_decompress=False,
             skip_auto_headers=("Accept-Encoding", "User-Agent"),
-            connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True),
+            # One TLS context for both clients: upstream.tls (CA bundle, client certificate) or the system's.
+            connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True, ssl=self._tls or True),
         )
         return self
 
