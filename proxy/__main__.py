@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Sequence
 import structlog
 from aiohttp import web
 
-from . import __version__
+from . import __version__, tracing
 from .app import MCP_PATH, create_app, metrics_key, policy_key
 from .check import check_main
 from .config import ENV_PREFIX, ConfigError, ProxyConfig, apply_overrides, load_config
@@ -127,6 +127,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(health_main(config))
     configure_logging(level=config.logging.level, format=config.logging.format)
     log = structlog.get_logger("proxy")
+    traces = tracing.configure()
     try:
         app = create_app(config)
         sock = bind(config.listen.host, config.listen.port)  # before anything starts: a port in use is one line
@@ -143,6 +144,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             store=config.store.backend,
             rules=len(config.tools),
             policy=config_path,
+            tracing=traces,
             version=__version__,
         )
 
@@ -167,6 +169,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     finally:
         sock.close()
         loop.close()
+        if tracing.TRACER.enabled:
+            tracing.TRACER.shutdown()  # type: ignore[union-attr]  # exports the spans still batched
 
 
 def health_main(config: ProxyConfig) -> int:

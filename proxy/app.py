@@ -15,7 +15,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from . import TASKS_EXTENSION, listen, tasks2025
+from . import TASKS_EXTENSION, listen, tasks2025, tracing
 from .config import ProxyConfig, TaskMode
 from .durable import DurableCalls, wants_event_stream
 from .envelope import (
@@ -88,6 +88,10 @@ class RequestInfo:
     mode: str = "passthrough"
     answers_2025: bool = False
     """The proxy answers a 2025-era client itself: every error goes on HTTP 200, as that era's clients expect."""
+    task_trace: str | None = None
+    """The traceparent of the task this request is about, for its span to link to."""
+    trace: Any = None
+    """The request's span and context token while tracing is on (proxy/tracing.py)."""
 
 
 info_key = web.RequestKey("info_key", RequestInfo)
@@ -224,6 +228,10 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
         request[client_gone_key] = True
         raise
     finally:
+        if info.trace is not None:
+            tracing.TRACER.end_request(  # type: ignore[union-attr]
+                info.trace, status=status, task_id=info.task_id, task_trace=info.task_trace, mode=info.mode
+            )
         if request.path not in LOCAL_PATHS:
             elapsed_s = time.perf_counter() - started
             request.app[metrics_key].observe_request(method_label(info.rpc_method), info.mode, status, elapsed_s)
@@ -386,6 +394,12 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
     info = request[info_key]
     info.jsonrpc_id = message["id"]
     info.rpc_method = method
+    if tracing.TRACER.enabled:
+        params = message.get("params")
+        tool = params.get("name") if method == "tools/call" and isinstance(params, dict) else None
+        info.trace = tracing.TRACER.begin_request(
+            request.headers, message, method, tool if isinstance(tool, str) else None
+        )
     modern = is_modern(message, request.headers)
     if method.startswith("tasks/") and modern:
         info.mode = "local"

@@ -65,7 +65,7 @@ class Tasks2026:
             record = await self._store.get(task_id)
             if record is None or record.principal != principal:
                 raise _not_found()
-            info.tool = record.tool
+            info.tool, info.task_trace = record.tool, record.trace
             self._poll_guard.check(task_id, record.poll_interval_ms)
             return {**record.to_wire(), "resultType": "complete"}
         if method == "tasks/update":
@@ -76,7 +76,7 @@ class Tasks2026:
             record = await runner.cancel(task_id, principal)
         if record is None:
             raise _not_found()
-        info.tool = record.tool
+        info.tool, info.task_trace = record.tool, record.trace
         return {"resultType": "complete"}
 
 

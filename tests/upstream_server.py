@@ -96,6 +96,13 @@ async def echo_authorization(ctx: Context) -> str:
     return headers.get("authorization", "<none>")
 
 
+@server.tool()
+async def echo_traceparent(ctx: Context) -> str:
+    """Return the W3C traceparent header this call arrived with (to prove the proxy passes its own trace context)."""
+    headers = ctx.headers or {}
+    return headers.get("traceparent", "<none>")
+
+
 # --- MRTR (2026-07-28 input_required) tools: each echoes what its last round received, for the tests to check ---
 
 STATE = '{"round": 1, "note": "ünïcode and  spaces"}'  # the proxy must echo requestState byte for byte

@@ -79,6 +79,8 @@ class Job:
     upstream_id: str = ""
     """The JSON-RPC id of the upstream attempt in flight (each MRTR round has its own)."""
     upstream_busy: bool = False
+    span: Any = None
+    """The task's OpenTelemetry span (proxy/tracing.py) while it is open on this replica; None without tracing."""
     waiting_input: bool = False
     answered: asyncio.Event | None = None
     """Made for each modern input round; set when tasks/update has answered every outstanding input request."""

@@ -79,6 +79,8 @@ class TaskRecord:
     """Who created the task (a keyed hash, "" for none); only they may see it. Never on the wire."""
     stream: dict[str, Any] | None = None
     """A durable call's client (proxy/durable.py): its request id, session and progress token. Never on the wire."""
+    trace: str | None = None
+    """The W3C traceparent of the task's span (proxy/tracing.py), for requests about it to link to; not on the wire."""
 
     @property
     def is_terminal(self) -> bool:
@@ -115,6 +117,8 @@ def to_json(record: TaskRecord) -> bytes:
     data["created_at"] = record.created_at.isoformat()
     data["last_updated_at"] = record.last_updated_at.isoformat()
     data["status"] = record.status.value
+    if record.trace is None:
+        del data["trace"]  # records stay as replicas of an earlier version read them, unless tracing is on
     return dumps(data)
 
 

@@ -23,6 +23,7 @@ from tenacity import (
     wait_random,
 )
 
+from .. import tracing
 from ..config import LimitsConfig, TaskDefaults, ToolRule
 from ..jsonrpc import (
     INTERNAL_ERROR,
@@ -463,6 +464,9 @@ class TaskRunner:
             principal=job.call.principal,
             stream=job.call.stream,
         )
+        if tracing.TRACER.enabled:
+            job.span = tracing.TRACER.start_task(job.task_id, job.call.tool)
+            record = dataclasses.replace(record, trace=tracing.TRACER.traceparent(job.span))
         job.is_task = True
         await self._store.create(record)
         job.mark_stored()
@@ -475,6 +479,9 @@ class TaskRunner:
         job.runner.add_done_callback(lambda _: self._forget(job))
 
     def _forget(self, job: Job) -> None:
+        if job.span is not None:  # the call ended without this replica writing a terminal status
+            tracing.TRACER.end_task(job.span, "ended elsewhere")  # type: ignore[union-attr]
+            job.span = None
         if self._jobs.get(job.task_id) is job:  # never another job under the same id
             del self._jobs[job.task_id]
         if job.holds_slot and job.slots is not None:
@@ -541,6 +548,12 @@ class TaskRunner:
 
     async def _attempt(self, job: Job, message: dict[str, Any]) -> InputNeeded | None:
         """One upstream call; None once the outcome is settled, the InputNeeded when the upstream wants input."""
+        if not tracing.TRACER.enabled:
+            return await self._call_upstream(job, message)
+        with tracing.TRACER.upstream_call(job.span, job.call.tool):
+            return await self._call_upstream(job, message)
+
+    async def _call_upstream(self, job: Job, message: dict[str, Any]) -> InputNeeded | None:
         job.upstream_id = message["id"]
         job.upstream_busy = True
         events = self._upstream.call_tool(
@@ -885,6 +898,10 @@ class TaskRunner:
         job = job or self._jobs.get(task_id)
         duration_ms = round((self._timer() - job.started_s) * 1000, 1) if job is not None else None
         if record.is_terminal:
+            if job is not None and job.span is not None:
+                code = record.error.get("code") if record.error else None
+                tracing.TRACER.end_task(job.span, to.value, error_code=code)  # type: ignore[union-attr]
+                job.span = None
             self._metrics.tasks_finished.labels(record.tool, to.value).inc()
             if duration_ms is not None:
                 self._metrics.task_seconds.labels(record.tool, to.value).observe(duration_ms / 1000)

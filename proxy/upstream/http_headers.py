@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING
 
 from multidict import CIMultiDict, MultiMapping
 
+from .. import tracing
+
 if TYPE_CHECKING:
     from .legacy import LegacySession
 
@@ -46,7 +48,10 @@ def end_to_end_headers(headers: MultiMapping[str], skip: frozenset[str] | set[st
 
 
 def request_headers(headers: MultiMapping[str]) -> CIMultiDict[str]:
-    return end_to_end_headers(headers, _REQUEST_SKIP)
+    out = end_to_end_headers(headers, _REQUEST_SKIP)
+    if tracing.TRACER.enabled:
+        tracing.TRACER.inject(out)  # the proxy's span is the upstream's parent, not the client's
+    return out
 
 
 def response_headers(headers: MultiMapping[str]) -> CIMultiDict[str]:
@@ -63,6 +68,8 @@ def own_request_headers(client_headers: MultiMapping[str], *, drop_mcp_headers: 
             headers.popall(name, None)
     headers["Content-Type"] = "application/json"
     headers["Accept"] = "application/json, text/event-stream"
+    if tracing.TRACER.enabled:
+        tracing.TRACER.inject(headers)
     return headers
 
 

@@ -1,0 +1,166 @@
+"""OpenTelemetry traces: a span per request, one per task from creation to its terminal status (the requests about it
+linked to it), the upstream call as its child, W3C trace context continued from the client and passed upstream.
+
+On when the `otel` extra is installed and the standard variables name an exporter (OTEL_TRACES_EXPORTER, or an
+OTEL_EXPORTER_OTLP_*ENDPOINT); off otherwise, and then every function here returns after one attribute check.
+Attributes follow the OpenTelemetry MCP semantic conventions (mcp.method.name, gen_ai.tool.name, jsonrpc.request.id,
+mcp.protocol.version); mcp.task.id and mcp.task.status are the proxy's. Never arguments, results or credentials."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Mapping, MutableMapping
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+_EXPORTER_VARIABLES = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+_TRACE_KEYS = ("traceparent", "tracestate")
+
+
+class _Off:
+    enabled = False
+
+
+class Tracer:
+    """The proxy's tracer over an OpenTelemetry TracerProvider (the SDK's, or a test's)."""
+
+    enabled = True
+
+    def __init__(self, provider: Any) -> None:
+        from opentelemetry import context, propagate, trace
+
+        self._provider = provider
+        self._tracer = provider.get_tracer("mcp-tasks-proxy")
+        self._trace, self._context, self._propagate = trace, context, propagate
+        self._server, self._client = trace.SpanKind.SERVER, trace.SpanKind.CLIENT
+
+    def begin_request(
+        self, headers: Mapping[str, str], message: dict[str, Any], method: str, tool: str | None
+    ) -> tuple[Any, object]:
+        """The request's span, made current: continued from the client's `traceparent` header, else from its
+        `params._meta` (as MCP's semantic conventions carry it), else a new trace."""
+        carrier: Mapping[str, Any] = headers
+        if "traceparent" not in headers:
+            params = message.get("params")
+            meta = params.get("_meta") if isinstance(params, dict) else None
+            carrier = {k: v for k, v in meta.items() if k in _TRACE_KEYS and isinstance(v, str)} if meta else {}
+        parent = self._propagate.extract(carrier)
+        attributes: dict[str, Any] = {"mcp.method.name": method, "network.protocol.name": "http"}
+        request_id = message.get("id")
+        if isinstance(request_id, (str, int)) and not isinstance(request_id, bool):
+            attributes["jsonrpc.request.id"] = str(request_id)
+        version = headers.get("MCP-Protocol-Version")
+        if version:
+            attributes["mcp.protocol.version"] = version
+        if tool is not None:
+            attributes["gen_ai.tool.name"] = tool
+            attributes["gen_ai.operation.name"] = "execute_tool"
+        name = f"{method} {tool}" if tool else method
+        span = self._tracer.start_span(name, context=parent, kind=self._server, attributes=attributes)
+        token = self._context.attach(self._trace.set_span_in_context(span))
+        return span, token
+
+    def end_request(
+        self, handle: tuple[Any, object], *, status: int, task_id: str | None, task_trace: str | None, mode: str
+    ) -> None:
+        span, token = handle
+        if task_id is not None:
+            span.set_attribute("mcp.task.id", task_id)
+        span.set_attribute("http.response.status_code", status)
+        span.set_attribute("mcp_tasks_proxy.mode", mode)
+        if task_trace is not None:
+            linked = self._trace.get_current_span(self._propagate.extract({"traceparent": task_trace}))
+            span.add_link(linked.get_span_context(), {"mcp.task.id": task_id or ""})
+        if status >= 500:
+            span.set_status(self._trace.StatusCode.ERROR)
+            span.set_attribute("error.type", str(status))
+        span.end()
+        with contextlib.suppress(ValueError):  # detached in another context: nothing left to restore
+            self._context.detach(token)
+
+    def start_task(self, task_id: str, tool: str) -> Any:
+        """The task's span, a child of the current one (the request that created it); ended by end_task."""
+        attributes = {"mcp.task.id": task_id, "gen_ai.tool.name": tool, "mcp.method.name": "tools/call"}
+        return self._tracer.start_span(f"task {tool}", attributes=attributes)
+
+    def traceparent(self, span: Any) -> str | None:
+        """The span's W3C traceparent, kept with the task so that any replica links to it."""
+        carrier: dict[str, str] = {}
+        self._propagate.inject(carrier, context=self._trace.set_span_in_context(span))
+        return carrier.get("traceparent")
+
+    def end_task(self, span: Any, status: str, *, error_code: Any = None) -> None:
+        span.set_attribute("mcp.task.status", status)
+        if status == "failed":
+            span.set_status(self._trace.StatusCode.ERROR)
+            if error_code is not None:
+                span.set_attribute("rpc.response.status_code", str(error_code))
+        span.end()
+
+    @contextlib.contextmanager
+    def upstream_call(self, task_span: Any, tool: str) -> Iterator[Any]:
+        """One attempt of the task's call upstream, current while it runs: its headers carry this span's context."""
+        # Before its task exists (inside a sync window) the attempt belongs to the request that makes it.
+        parent = self._trace.set_span_in_context(task_span) if task_span is not None else None
+        attributes = {"mcp.method.name": "tools/call", "gen_ai.tool.name": tool}
+        attributes["gen_ai.operation.name"] = "execute_tool"
+        with self._tracer.start_as_current_span(
+            f"tools/call {tool}", context=parent, kind=self._client, attributes=attributes
+        ) as span:
+            yield span
+
+    def inject(self, headers: MutableMapping[str, str]) -> None:
+        """The current span's context on an upstream request, in place of the client's."""
+        for key in _TRACE_KEYS:
+            headers.pop(key, None)
+        self._propagate.inject(headers)
+
+    def shutdown(self) -> None:
+        shutdown = getattr(self._provider, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+
+TRACER: Tracer | _Off = _Off()
+
+
+def install(tracer: Tracer | _Off) -> None:
+    global TRACER
+    TRACER = tracer
+
+
+def configure(environ: Mapping[str, str] = os.environ) -> str:
+    """Turn tracing on from the standard OTEL_* variables when the SDK is installed; what was done, for the log."""
+    exporter = environ.get("OTEL_TRACES_EXPORTER", "otlp" if any(environ.get(v) for v in _EXPORTER_VARIABLES) else "")
+    if environ.get("OTEL_SDK_DISABLED", "").lower() == "true" or exporter in ("", "none"):
+        install(_Off())
+        return "off (no OTEL_TRACES_EXPORTER or OTEL_EXPORTER_OTLP_ENDPOINT)"
+    try:
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+    except ImportError:
+        install(_Off())
+        return "off (the otel extra is not installed: pip install 'mcp-tasks-proxy[otel]')"
+    if exporter == "console":
+        span_exporter: Any = ConsoleSpanExporter()
+    elif exporter == "otlp":
+        try:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        except ImportError:
+            install(_Off())
+            return "off (the OTLP/HTTP exporter is not installed: pip install 'mcp-tasks-proxy[otel]')"
+        span_exporter = OTLPSpanExporter()  # OTEL_EXPORTER_OTLP_* say where, with which headers
+    else:
+        install(_Off())
+        return f"off (OTEL_TRACES_EXPORTER={exporter} is not one of otlp, console, none)"
+    # Resource.create reads OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES.
+    resource = Resource.create({"service.name": environ.get("OTEL_SERVICE_NAME", "mcp-tasks-proxy")})
+    provider = TracerProvider(resource=resource)
+    provider.add_span_processor(BatchSpanProcessor(span_exporter))
+    install(Tracer(provider))
+    return f"on ({exporter})"
