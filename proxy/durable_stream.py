@@ -9,6 +9,7 @@ and the final answer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import re
 import time
@@ -83,8 +84,12 @@ class DurableStream:
             stream.update(id=reply_to, related=True, resumable=False)
         resumable = bool(stream.get("resumable"))
         response = web.StreamResponse(headers=STREAM_HEADERS)
-        queue = self._runner.watchers.watch([record.task_id])  # before reading again: no change slips between
+        queue = self._runner.watchers.watch([record.task_id], progress=True)
         try:
+            # Read again now that changes are watched: one made since the caller read it (a call that failed at
+            # once) would otherwise wait for the next keep-alive tick.
+            with contextlib.suppress(StoreUnavailable):
+                record = await self._store.get(record.task_id) or record
             await response.prepare(request)
             if after is None:
                 position = _Position(revision(record), 0)

@@ -322,3 +322,30 @@ async def test_a_2026_client_that_leaves_cancels_its_kept_alive_call(make_proxy,
     await eventually(lambda: state("started"), what="the call reaching the server")
     call.cancel()
     await eventually(lambda: state("cancelled"), what="the server hearing of the cancellation")
+
+
+async def test_a_call_that_fails_at_once_is_answered_at_once_with_the_servers_own_error(make_proxy, mcp_upstream, http):
+    # No session and no _meta to an SDK 2.x server: it refuses with an id-null error. The keep-alive is far away, so
+    # an answer missed between the call's start and its stream's first read would hang this test until its timeout.
+    proxy = await make_proxy(mcp_upstream, tools=[{"match": "slow_report", "keepalive_s": 300}])
+    client = Client2025(http, proxy.url)  # not initialized: no Mcp-Session-Id
+    async with client.call("slow_report", {"topic": "t", "seconds": 1}, request_id=7) as response:
+        assert response.status == 200
+        messages = [message async for _, message in events_of(response) if message]
+    assert messages[-1]["id"] == 7
+    assert messages[-1]["error"] == {"code": -32600, "message": "Bad Request: Missing session ID"}  # not "closed"
+
+
+async def test_progress_reaches_a_durable_stream_as_it_happens_not_at_the_keepalive(make_proxy, legacy_upstream, http):
+    proxy = await make_proxy(legacy_upstream, tools=[{"match": "slow", "keepalive_s": 300}])
+    client = Client2025(http, proxy.url)
+    await client.initialize()
+    seen = []
+    async with client.call("slow", {"seconds": 1.2}, progress_token="tok") as response:
+        async for _, message in events_of(response):
+            if message:
+                seen.append(message)
+    progress = [m["params"] for m in seen if m.get("method") == "notifications/progress"]
+    assert seen[-1]["result"]["content"][0]["text"] == "slept 1.2 s"
+    # The keep-alive is 300 s away (past the test timeout): progress before the result is the server's, sent at once.
+    assert any("legacy step" in p.get("message", "") for p in progress)

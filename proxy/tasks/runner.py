@@ -54,11 +54,15 @@ class TaskWatchers:
 
     def __init__(self) -> None:
         self._queues: dict[str, set[asyncio.Queue[str]]] = {}
+        self._progress: set[asyncio.Queue[str]] = set()
+        """Queues that also want progress (a durable call's stream); listen streams want transitions only."""
 
-    def watch(self, task_ids: list[str]) -> asyncio.Queue[str]:
+    def watch(self, task_ids: list[str], *, progress: bool = False) -> asyncio.Queue[str]:
         queue: asyncio.Queue[str] = asyncio.Queue()
         for task_id in task_ids:
             self._queues.setdefault(task_id, set()).add(queue)
+        if progress:
+            self._progress.add(queue)
         return queue
 
     def unwatch(self, task_ids: list[str], queue: asyncio.Queue[str]) -> None:
@@ -68,10 +72,16 @@ class TaskWatchers:
                 queues.discard(queue)
                 if not queues:
                     del self._queues[task_id]
+        self._progress.discard(queue)
 
     def changed(self, task_id: str) -> None:
         for queue in self._queues.get(task_id, ()):
             queue.put_nowait(task_id)
+
+    def progressed(self, task_id: str) -> None:
+        for queue in self._queues.get(task_id, ()):
+            if queue in self._progress:
+                queue.put_nowait(task_id)
 
     def watched(self) -> list[str]:
         return list(self._queues)
@@ -801,7 +811,10 @@ class TaskRunner:
 
             # Best effort (a failure is logged by the store): a later message or the outcome replaces it anyway.
             with contextlib.suppress(StoreUnavailable):
-                await self._update_live(job, apply)
+                if await self._update_live(job, apply) is not None:
+                    # Streams on this replica (a durable call's progress) see it now, not at their next tick; no
+                    # publish: other replicas' listeners read it at theirs, which spares Redis a message per step.
+                    self.watchers.progressed(job.task_id)
 
     async def _update_live(self, job: Job, apply: Callable[[TaskRecord], TaskRecord]) -> TaskRecord | None:
         """Update a running job's record; None when it ended meanwhile (the job is stopped if the record is gone)."""

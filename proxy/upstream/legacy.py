@@ -434,7 +434,12 @@ class LegacyUpstream:
                     )
                     if event is not None:
                         yield event
-                elif method is None and upstream_message.get("id") == request_id:
+                elif method is None and (
+                    upstream_message.get("id") == request_id
+                    # An error with id null in an HTTP error answer is this POST's one request refused before the
+                    # server read its id (the SDKs' "Missing session ID", "Invalid Content-Type"): it is the answer.
+                    or (response.status >= 400 and upstream_message.get("id") is None and "error" in upstream_message)
+                ):
                     finished = True
                     if isinstance(upstream_message.get("error"), dict):
                         error = upstream_message["error"] if verbatim else to_modern_error(upstream_message["error"])
