@@ -1,13 +1,19 @@
-"""The quick start as a newcomer runs it: the demo starts the example server and the proxy, and walks a task."""
+"""The examples as a newcomer runs them: the quick start's demo, and the example client's command line."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import re
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT, free_port, quiet_proxy, stop, wait_for_port, wait_ready
+
+CLIENT = ROOT / "examples" / "task_client.py"
 
 
 @pytest.mark.parametrize("transport", ["http", "stdio"])
@@ -37,3 +43,134 @@ def test_demo_walks_the_task_flow_and_exits_cleanly(transport):
     assert "Dear Ada, here is your report on tides." in out
     assert "<-- notifications/tasks: status='completed'" in out
     assert "Done: three tasks completed" in out
+
+
+def client(*args: str, timeout: float = 50) -> subprocess.CompletedProcess[str]:
+    """The example client as a user runs it, without a terminal on stdin (so it never prompts)."""
+    return subprocess.run(
+        [sys.executable, str(CLIENT), *args],
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def one_line_error(done: subprocess.CompletedProcess[str]) -> str:
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, done.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def proxy_url() -> Iterator[str]:
+    """The quick start by hand: examples/slow_server.py, and the proxy in front of it with config/example.yaml."""
+    server_port, proxy_port = free_port(), free_port()
+    server = subprocess.Popen([sys.executable, str(ROOT / "examples" / "slow_server.py"), str(server_port)])
+    try:
+        wait_for_port(server_port, server)
+        upstream = f"http://127.0.0.1:{server_port}/mcp"
+        with quiet_proxy(ROOT / "config" / "example.yaml", upstream, proxy_port):
+            wait_ready(proxy_port)
+            yield f"http://127.0.0.1:{proxy_port}/mcp"
+    finally:
+        stop(server)
+
+
+def test_client_help_exits_0_with_its_usage():
+    done = client("--help")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: task_client.py [options] URL [TOOL [JSON_ARGUMENTS]]")
+    for option in ("--answer JSON", "--poll-interval SECONDS", "--timeout SECONDS", "--verbose"):
+        assert option in done.stdout
+    assert done.stderr == ""
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["http://127.0.0.1:8080/mcp", "slow_report", '{"topic": '], "JSON_ARGUMENTS is not valid JSON"),
+        (["http://127.0.0.1:8080/mcp", "slow_report", '["tides"]'], "JSON_ARGUMENTS must be a JSON object"),
+        (["127.0.0.1:8080/mcp", "slow_report"], "URL must be an http:// or https:// URL"),
+        (["ftp://127.0.0.1/mcp", "slow_report"], "URL must be an http:// or https:// URL"),
+        (["http://127.0.0.1:80x/mcp", "slow_report"], "URL must be an http:// or https:// URL"),
+        (["http://127.0.0.1:8080/mcp", "personal_report", "{}", "--answer", "Ada"], "--answer is not valid JSON"),
+        (["http://127.0.0.1:8080/mcp", "add", "{}", "--timeout", "0"], "--timeout must be a positive number"),
+        (["http://127.0.0.1:8080/mcp", "add", "{}", "--poll-interval", "soon"], "--poll-interval: invalid float"),
+        ([], "the following arguments are required: URL"),
+    ],
+)
+def test_client_usage_errors_exit_2_with_one_line(args, message):
+    done = client(*args)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    line = one_line_error(done)
+    assert line.startswith("task_client.py: error: ") and message in line, line
+    assert done.stdout == ""
+
+
+def test_client_names_the_url_it_cannot_connect_to():
+    url = f"http://127.0.0.1:{free_port()}/mcp"  # nothing listens there
+    done = client(url, "slow_report", '{"topic": "tides"}')
+    assert done.returncode == 1
+    assert one_line_error(done) == f"error: cannot connect to {url}: connection refused (is the proxy running?)"
+
+
+def test_client_runs_a_tool_as_a_task_to_its_result(proxy_url):
+    done = client(proxy_url, "slow_report", '{"topic": "tides", "seconds": 2}', "--poll-interval", "0.2")
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert f"{proxy_url}: slow-example, io.modelcontextprotocol/tasks offered" in out
+    created = json.loads(re.search(r"^<-- CreateTaskResult (\{.*\})$", out, re.MULTILINE).group(1))
+    assert created["resultType"] == "task" and created["status"] == "working"
+    assert "tasks/get: status='working' statusMessage='researching tides: step" in out
+    assert "tasks/get: status='completed'" in out
+    final = json.loads(re.search(r"^<-- (\{\"taskId\".*\})$", out, re.MULTILINE).group(1))
+    assert final["taskId"] == created["taskId"] and final["status"] == "completed"
+    assert out.rstrip().endswith("Report on tides: all 5 steps done in 2 s.")
+    assert done.stderr == ""
+
+
+def test_client_answers_the_task_question_with_answer(proxy_url):
+    args = (proxy_url, "personal_report", '{"topic": "tides", "seconds": 1}', "--answer", '{"name": "Ada"}')
+    done = client(*args, "--poll-interval", "0.2")
+    assert done.returncode == 0, done.stderr
+    assert "tasks/get: status='input_required'" in done.stdout
+    assert "elicitation/create 'Who is this report for?'" in done.stdout
+    assert "tasks/update: answered" in done.stdout
+    assert done.stdout.rstrip().endswith("Dear Ada, here is your report on tides.")
+
+
+def test_client_without_answers_declares_no_elicitation_and_says_why_the_task_failed(proxy_url):
+    done = client(proxy_url, "personal_report", '{"topic": "tides"}', "--poll-interval", "0.2")
+    assert done.returncode == 1
+    line = one_line_error(done)
+    assert line.startswith("error: task ") and " failed: -32021 " in line, line
+    assert "give --answer JSON" in line
+
+
+def test_client_passes_a_plain_tool_through_and_reports_tool_errors(proxy_url):
+    done = client(proxy_url, "add", '{"a": 2, "b": 3}')
+    assert done.returncode == 0, done.stderr
+    assert "CreateTaskResult" not in done.stdout and done.stdout.rstrip().endswith("\n5")
+    done = client(proxy_url, "failing_job", "--poll-interval", "0.2")
+    assert done.returncode == 1
+    assert "<-- CreateTaskResult" in done.stdout and '"isError": true' in done.stdout
+    assert one_line_error(done) == "error: the tool reported an error (isError: true)"
+
+
+def test_client_timeout_cancels_the_task_it_leaves(proxy_url):
+    done = client(proxy_url, "slow_report", '{"topic": "volcanoes", "seconds": 30}', "--timeout", "1")
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    task_id = re.search(r'"taskId": "([^"]+)"', done.stdout).group(1)
+    assert f"error: task {task_id} did not finish within 1 s (status working)" in done.stderr
+    assert f"note: task {task_id} cancelled" in done.stderr
+    spec = importlib.util.spec_from_file_location("task_client", CLIENT)
+    task_client = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(task_client)
+    answer = task_client.rpc(
+        proxy_url, "tasks/get", {"taskId": task_id, "_meta": task_client.envelope()}, name=task_id, quiet=True
+    )
+    assert answer["result"]["status"] == "cancelled"
