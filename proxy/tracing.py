@@ -47,7 +47,12 @@ class Tracer:
         if "traceparent" not in headers:
             params = message.get("params")
             meta = params.get("_meta") if isinstance(params, dict) else None
-            carrier = {k: v for k, v in meta.items() if k in _TRACE_KEYS and isinstance(v, str)} if meta else {}
+            # A client's _meta may be anything: only an object's string trace keys are read.
+            carrier = (
+                {k: v for k, v in meta.items() if k in _TRACE_KEYS and isinstance(v, str)}
+                if isinstance(meta, dict)
+                else {}
+            )
         parent = self._propagate.extract(carrier)
         attributes: dict[str, Any] = {"mcp.method.name": method, "network.protocol.name": "http"}
         request_id = message.get("id")

@@ -188,3 +188,12 @@ async def test_spans_reach_an_otlp_http_receiver(mcp_upstream, tmp_path, aiohttp
     assert service == "proxy-under-test"
     assert SECRET.encode() not in b"".join(batch.SerializeToString() for batch in batches)
     assert '"tracing": "on (otlp)"' in log.read_text() or "tracing=on (otlp)" in log.read_text()
+
+
+async def test_a_malformed_meta_with_tracing_on_is_relayed_not_an_internal_error(make_proxy, mcp_upstream, spans):
+    proxy = await make_proxy(mcp_upstream)
+    for meta_value in ("x", [1], 3):
+        body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {"_meta": meta_value}}
+        reply = await proxy.client.post_raw(json.dumps(body), {"Content-Type": "application/json",
+                                            "Accept": "application/json, text/event-stream"})  # fmt: skip
+        assert b"Internal error in the proxy" not in reply.body, reply.body

@@ -122,8 +122,13 @@ def to_json(record: TaskRecord) -> bytes:
     return dumps(data)
 
 
+_FIELD_NAMES = frozenset(field.name for field in _FIELDS)
+
+
 def from_json(text: str | bytes) -> TaskRecord:
     data = loads(text)
+    if not _FIELD_NAMES.issuperset(data):  # written by a later version: its extra fields are not this one's
+        data = {key: value for key, value in data.items() if key in _FIELD_NAMES}
     data["created_at"] = datetime.fromisoformat(data["created_at"])
     data["last_updated_at"] = datetime.fromisoformat(data["last_updated_at"])
     data["status"] = TaskStatus(data["status"])

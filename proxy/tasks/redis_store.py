@@ -261,8 +261,11 @@ class RedisTaskStore:
         async with self._answering("shared_secret"):
             # No expiry: replicas started at any time later must find the same value. Written only if absent, so
             # the first replica's value wins and a Redis that lost it (restarted without persistence) gets it back.
-            await self._fast.execute("SET", key, candidate, "NX")
+            # GET first: a Redis refusing writes (maxmemory, read-only) still hands out a key that exists.
             stored = await self._fast.execute("GET", key)
+            if stored is None:
+                await self._fast.execute("SET", key, candidate, "NX")
+                stored = await self._fast.execute("GET", key)
             if not isinstance(stored, bytes) or not stored:
                 raise _Inconsistent(f"GET {key} answered no value right after SET NX")
         return stored.decode("utf-8", "replace")
