@@ -159,16 +159,22 @@ def quiet_proxy(policy: Path, upstream: str, port: int) -> Iterator[subprocess.P
         stop(process)
 
 
+def serve_script(python: str | Path, script: str, *flags: str, scheme: str = "http") -> Iterator[str]:
+    """tests/`script` run by `python` with a free loopback port as its first argument, until the generator closes;
+    yields its /mcp URL."""
+    port = free_port()
+    process = subprocess.Popen([str(python), str(ROOT / "tests" / script), str(port), *flags])
+    try:
+        wait_for_port(port, process)
+        yield f"{scheme}://127.0.0.1:{port}/mcp"
+    finally:
+        stop(process)
+
+
 @pytest.fixture(scope="session")
 def mcp_upstream() -> Iterator[str]:
     """The official-SDK server (tests/upstream_server.py) on a free loopback port; its /mcp URL."""
-    port = free_port()
-    process = subprocess.Popen([sys.executable, str(ROOT / "tests" / "upstream_server.py"), str(port)])
-    try:
-        wait_for_port(port, process)
-        yield f"http://127.0.0.1:{port}/mcp"
-    finally:
-        stop(process)
+    yield from serve_script(sys.executable, "upstream_server.py")
 
 
 LEGACY_VENV = ROOT / "tests" / ".legacy-venv"
@@ -198,14 +204,7 @@ _legacy_venv_failed: list[bool] = []
 
 
 def _legacy_server(*flags: str) -> Iterator[str]:
-    python = legacy_python()
-    port = free_port()
-    process = subprocess.Popen([str(python), str(ROOT / "tests" / "legacy_server.py"), str(port), *flags])
-    try:
-        wait_for_port(port, process)
-        yield f"http://127.0.0.1:{port}/mcp"
-    finally:
-        stop(process)
+    yield from serve_script(legacy_python(), "legacy_server.py", *flags)
 
 
 @pytest.fixture(scope="session")

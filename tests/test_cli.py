@@ -17,6 +17,12 @@ from tests.conftest import ROOT, free_port, stop, task_reaches, wait_for_port
 from tests.factories import McpClient
 
 
+def json_log(path) -> tuple[list[dict], list[str]]:
+    """The JSON lines of a proxy's log file, and their events in order."""
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+    return lines, [line["event"] for line in lines]
+
+
 def test_console_script_is_installed():
     path = shutil.which("mcp-tasks-proxy") or os.path.join(os.path.dirname(sys.executable), "mcp-tasks-proxy")
     done = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60)
@@ -51,8 +57,7 @@ async def test_runs_from_environment_alone_and_serves_a_task(mcp_upstream, tmp_p
             assert process.wait(timeout=30) == 0
         finally:
             stop(process)
-    lines = [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{")]
-    events = [line["event"] for line in lines]
+    lines, events = json_log(log_path)
     started = lines[events.index("proxy_started")]
     assert started["listen"] == f"http://127.0.0.1:{port}/mcp"
     assert started["upstream"] == mcp_upstream and started["rules"] == 1 and started["store"] == "memory"
@@ -136,8 +141,7 @@ async def test_start_and_stop_are_logged_and_health_finds_the_port(mcp_upstream,
             assert process.wait(timeout=30) == 0
         finally:
             stop(process)
-    lines = [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{")]
-    events = [line["event"] for line in lines]
+    lines, events = json_log(log_path)
     started = lines[events.index("proxy_started")]
     assert started["policy"] == str(policy) and started["upstream"] == mcp_upstream and started["store"] == "memory"
     stopping = events.index("proxy_stopping")

@@ -3,7 +3,6 @@ The upstream is the official SDK's server behind uvicorn's own TLS, with certifi
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -13,7 +12,7 @@ import pytest
 import trustme
 
 from proxy.config import ConfigError, parse_config
-from tests.conftest import ROOT, free_port, stop, task_reaches, wait_for_port
+from tests.conftest import serve_script, task_reaches
 
 
 @dataclass
@@ -41,14 +40,8 @@ def pki(tmp_path_factory) -> Pki:
 
 
 def https_upstream(pki: Pki, *, mtls: bool) -> Iterator[str]:
-    port = free_port()
     tls = [str(pki.ca.parent / "server.pem"), str(pki.ca.parent / "server.key")] + ([str(pki.ca)] if mtls else [])
-    process = subprocess.Popen([sys.executable, str(ROOT / "tests" / "upstream_server.py"), str(port), "--tls", *tls])
-    try:
-        wait_for_port(port, process)
-        yield f"https://127.0.0.1:{port}/mcp"
-    finally:
-        stop(process)
+    yield from serve_script(sys.executable, "upstream_server.py", "--tls", *tls, scheme="https")
 
 
 @pytest.fixture(scope="module")
