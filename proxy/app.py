@@ -20,6 +20,7 @@ from .config import ProxyConfig, TaskMode
 from .durable import DurableCalls, wants_event_stream
 from .envelope import (
     META_CLIENT_CAPABILITIES,
+    check_batch_routing_headers,
     check_modern_request,
     check_routing_headers,
     declares_tasks,
@@ -75,6 +76,7 @@ poll_guard_key = web.AppKey("poll_guard_key", PollGuard)
 durable_key = web.AppKey("durable_key", DurableCalls)
 tasks2025_key = web.AppKey("tasks2025_key", Tasks2025)
 tasks2026_key = web.AppKey("tasks2026_key", Tasks2026)
+principal_header_key = web.AppKey("principal_header_key", str)
 
 
 @dataclasses.dataclass(slots=True)
@@ -120,6 +122,9 @@ def create_app(
     app[metrics_key] = Metrics()
     app[store_key] = store if store is not None else build_store(config, timer=timer)
     app[identity_key] = identity = Identity(config.security, shared_store=app[store_key].shared)
+    app[principal_header_key] = (
+        config.security.principal_header.lower() if config.security.principal == "header" else ""
+    )
     app[metrics_key].watch(
         "mcp_tasks_proxy_store_errors", "Calls to the task store that failed, by operation (Redis unreachable, slow, "
         "refusing writes or answering garbage)", "operation", lambda: dict(app[store_key].failures), counter=True,
@@ -212,12 +217,18 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 async def request_context(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Bind a request id for every log line of this request, and write one line when it is done."""
     structlog.contextvars.clear_contextvars()
-    request_id = request.headers.get("X-Request-Id") or f"{_REQUEST_ID_PREFIX}{next(_request_numbers):x}"
+    unreadable = _unreadable_header(request)
+    client_id = request.headers.get("X-Request-Id") if unreadable is None else None
+    request_id = client_id if _usable_request_id(client_id) else f"{_REQUEST_ID_PREFIX}{next(_request_numbers):x}"
     structlog.contextvars.bind_contextvars(request_id=request_id)
     started = time.perf_counter()
     info = request[info_key] = RequestInfo()
     status = 500
     try:
+        if unreadable is not None:
+            status = 400
+            reason = f"Invalid request: the {unreadable} header holds bytes that are not UTF-8"
+            return _json_error(request, error_object(INVALID_REQUEST, reason), 400)
         response = await handler(request)
         status = 499 if request.get(client_gone_key) else response.status
         return response
@@ -238,7 +249,9 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
             if request.app[policy_key].config.logging.level in VERBOSE_LEVELS:  # spare the work when not logged
                 log.info(
                     "request_handled",
-                    principal=request.app[identity_key].logged_principal(request.headers),
+                    principal=request.app[identity_key].logged_principal(request.headers)
+                    if unreadable is None
+                    else None,
                     http_method=request.method,
                     path=request.path,
                     method=info.rpc_method,
@@ -249,6 +262,36 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
                     client_closed=bool(request.get(client_gone_key)),
                     duration_ms=round(elapsed_s * 1000, 2),
                 )
+
+
+_INTERPRETED_HEADERS = frozenset(
+    name.lower()
+    for name in (
+        "Authorization", "Mcp-Session-Id", "Mcp-Method", "Mcp-Name", "MCP-Protocol-Version", "Last-Event-ID",
+        "Accept", "Content-Type", "Host", "Origin", "traceparent", "tracestate",
+    )
+)  # fmt: skip
+"""Headers the proxy reads itself (the rest pass through byte for byte; the principal header is added per app)."""
+
+
+def _unreadable_header(request: web.Request) -> str | None:
+    """The first header the proxy reads whose value holds bytes that are not UTF-8 (aiohttp keeps them as lone
+    surrogates, which would fail wherever the value is hashed, logged or sent on); None when there is none."""
+    for name, value in request.headers.items():
+        if value.isascii():  # the common case: one C call per header
+            continue
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            lowered = name.lower()
+            if lowered in _INTERPRETED_HEADERS or lowered == request.app[principal_header_key]:
+                return name
+    return None
+
+
+def _usable_request_id(value: str | None) -> bool:
+    """A client's X-Request-Id goes into every log line of its request: only a short printable one."""
+    return value is not None and 0 < len(value) <= 128 and value.isascii() and value.isprintable()
 
 
 def _refused_by_guard(request: web.Request) -> web.Response | None:
@@ -364,8 +407,8 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
     body = await _read_body(request)
     try:
         message = loads(body)
-    except (ValueError, RecursionError):
-        raise JsonRpcError(PARSE_ERROR, "Parse error: the request body is not valid JSON") from None
+    except ValueError as exc:
+        raise JsonRpcError(PARSE_ERROR, f"Parse error: the request body is not valid JSON ({exc})") from None
     kind = classify(message)
     if kind == "invalid":
         if isinstance(message, dict) and is_valid_id(message.get("id")):
@@ -375,6 +418,11 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
             'Invalid request: expected a JSON-RPC 2.0 object with "jsonrpc": "2.0", a string method, '
             "object params and a string or integer id",
         )
+    if kind == "notification":
+        # Routing headers, a request's or not, must not say something the body does not: a gateway may route on them.
+        check_routing_headers(message, request.headers, required=False)
+    elif kind == "batch":
+        check_batch_routing_headers(message, request.headers)
     relay_to = request.app[gateway_key].relay
     if kind == "response":
         # A client's answer to a request a durable call's stream relayed is the proxy's; any other is the server's.
@@ -416,10 +464,9 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
             check_modern_request(message, request.headers)
             info.mode = "legacy"
             return await request.app[bridge_key].relay(request, message)
-        if not modern and request.app[gateway_key].known_era != "modern":
-            # Routing headers a legacy server ignores must still not say something the body does not (SEP-2243):
-            # a gateway in front may have routed on them.
-            check_routing_headers(message, request.headers, required=False)
+        # Routing headers must not say something the body does not (SEP-2243), in any copy: a gateway in front may
+        # have routed on any of them, and a server may check only the first (or, of 2025, none).
+        check_routing_headers(message, request.headers, required=False)
         return await relay_to.relay(request, body, message, request_id=message["id"])
 
     if not modern and method in _SEP1686_ANNOUNCED and await _serves_2025_tasks(request, method):

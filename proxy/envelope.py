@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import binascii
 import copy
 from typing import Any
 
@@ -86,30 +85,49 @@ def check_routing_headers(message: dict[str, Any], headers: MultiMapping[str], *
 def _check_header(
     headers: MultiMapping[str], name: str, body_value: Any, *, required: bool, encoded: bool = False
 ) -> None:
-    raw = headers.get(name)
-    if raw is None:
+    copies = headers.getall(name, ())
+    if not copies:
         if required:
             raise JsonRpcError(
                 HEADER_MISMATCH, f"Header mismatch: the {name} header is missing; the body's value is {body_value!r}"
             )
         return
-    value = decode_header_value(raw) if encoded else raw.strip()
-    if value != body_value:
-        raise JsonRpcError(
-            HEADER_MISMATCH,
-            f"Header mismatch: {name} header value {raw.strip()!r} does not match body value {body_value!r}",
-        )
+    # Every copy: a gateway in front may have routed on any of them (a true first copy and a lying second one).
+    for raw in copies:
+        value = decode_header_value(raw) if encoded else raw.strip()
+        if value is None:
+            raise JsonRpcError(
+                HEADER_MISMATCH, f"Header mismatch: {name} header value {raw.strip()!r} is not canonical Base64 UTF-8"
+            )
+        if value != body_value:
+            raise JsonRpcError(
+                HEADER_MISMATCH,
+                f"Header mismatch: {name} header value {raw.strip()!r} does not match body value {body_value!r}",
+            )
 
 
 def decode_header_value(value: str) -> str | None:
-    """Undo the `=?base64?...?=` encoding of Mcp-Name / Mcp-Param-* values; None when the Base64 is invalid."""
+    """Undo the `=?base64?...?=` encoding of Mcp-Name / Mcp-Param-* values; None when the Base64 is invalid or not
+    canonical (padding bits set, as in `YWJ=`: one name would have several spellings, as the reference SDK refuses)."""
     value = value.strip()
     if value.startswith("=?base64?") and value.endswith("?="):
+        payload = value[len("=?base64?") : -2]
         try:
-            return base64.b64decode(value[len("=?base64?") : -2], validate=True).decode("utf-8")
-        except (binascii.Error, UnicodeDecodeError):
+            decoded = base64.b64decode(payload, validate=True)
+            if base64.b64encode(decoded).decode() != payload:
+                return None
+            return decoded.decode("utf-8")
+        except ValueError:  # binascii.Error, UnicodeDecodeError, and a payload that is not ASCII
             return None
     return value
+
+
+def check_batch_routing_headers(messages: list[Any], headers: MultiMapping[str]) -> None:
+    """A batch (2025-03-26) under one set of headers: routing headers that are present must hold for every request
+    and notification in it, as they would for each alone."""
+    for message in messages:
+        if isinstance(message, dict) and isinstance(message.get("method"), str):
+            check_routing_headers(message, headers, required=False)
 
 
 def without_tasks_declaration(message: dict[str, Any]) -> dict[str, Any]:

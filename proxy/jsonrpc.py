@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import re
+import sys
 from typing import Any
 
 import orjson
@@ -76,19 +78,45 @@ def result_response(request_id: RequestId, result: dict[str, Any]) -> dict[str, 
 
 
 _LONG_INTEGER = re.compile(rb"\d{19}")
+_DOUBLE_MAX = sys.float_info.max
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"the number {text[:40]} overflows a double")
+    return value
+
+
+def _bounded_int(text: str) -> int:
+    value = int(text)
+    if abs(value) > _DOUBLE_MAX:  # what no peer that reads numbers as doubles (JavaScript, orjson) can read
+        raise ValueError(f"the number {text[:40]}... overflows a double")
+    return value
 
 
 def loads(body: bytes | str) -> Any:
-    """Parse JSON with orjson, unless a number is long enough for orjson to read it as a float (an id past 64 bits
-    must come back as the same integer), or it is something orjson refuses that the standard library accepts."""
+    """Parse strict JSON (RFC 8259): orjson, unless a number is long enough for orjson to read it as a float (an id
+    past 64 bits must come back as the same integer), or it is something orjson refuses that the standard library
+    may accept (escaped lone surrogates). Both refuse NaN, Infinity and numbers that overflow a double: they are
+    not JSON, and would be re-encoded as null. Raises ValueError for anything that is not JSON."""
     raw = body.encode() if isinstance(body, str) else body
     if _LONG_INTEGER.search(raw) is None:
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError:
             pass  # let the standard library decide, and raise its own error
-    # Strict UTF-8 (JSON text is UTF-8, RFC 8259): json.loads(bytes) would let encoded surrogates through.
-    return json.loads(raw.decode("utf-8"))
+    try:
+        # Strict UTF-8 (JSON text is UTF-8, RFC 8259): json.loads(bytes) would let encoded surrogates through.
+        return json.loads(
+            raw.decode("utf-8"), parse_constant=_not_json, parse_float=_finite_float, parse_int=_bounded_int
+        )
+    except RecursionError:
+        raise ValueError("nested too deeply") from None  # one exception type for every caller to catch
 
 
 def dumps(message: Any) -> bytes:

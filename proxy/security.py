@@ -75,7 +75,8 @@ class Identity:
         return self._hash("session:" + session) if session else ""
 
     def _hash(self, value: str) -> str:
-        return hmac.new(self._secret(), value.encode(), hashlib.sha256).hexdigest()[:32]
+        # surrogateescape: the bytes as sent, even those that are not UTF-8 (aiohttp keeps them as lone surrogates).
+        return hmac.new(self._secret(), value.encode("utf-8", "surrogateescape"), hashlib.sha256).hexdigest()[:32]
 
     def credential(self, headers: MultiMapping[str]) -> str:
         """The caller's credential (Authorization), hashed; "" without one. Keys legacy sessions and MRTR handles."""

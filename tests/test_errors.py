@@ -7,7 +7,9 @@ import base64
 import json
 
 import pytest
+import structlog
 from aiohttp import web
+from yarl import URL
 
 from tests.conftest import free_port, task_reaches
 from tests.factories import meta, request
@@ -33,6 +35,24 @@ async def test_malformed_json_is_parse_error(proxy):
             assert reply.error["code"] == -32700
             assert reply.message["id"] is None
             validate_error(reply.message, "ParseError")
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["NaN", "-Infinity", "Infinity", "1e999", "-1e400", "1" + "0" * 400],
+    ids=["nan", "minus-infinity", "infinity", "overflow", "negative-overflow", "huge-integer"],
+)
+async def test_numbers_that_are_not_json_are_a_parse_error_and_nothing_runs(make_proxy, fake_upstream, value):
+    fake = await fake_upstream(_call_handler(jsonrpc_error))
+    proxy = await make_proxy(fake.url, protocol="modern", tools=[{"match": "tasked"}])
+    for tool in ("tasked", "passed_through"):
+        message = request("tools/call", {"name": tool, "arguments": {"text": 1}, "_meta": meta()})
+        body = json.dumps(message).replace('{"text": 1}', '{"text": ' + value + "}")
+        reply = await proxy.client.post_raw(body, {**MODERN, "Mcp-Method": "tools/call", "Mcp-Name": tool})
+        assert reply.status == 400, reply.body
+        validate_error(reply.message, "ParseError")
+        assert "not valid JSON" in reply.error["message"]
+    assert not [seen for seen in fake.received if b"tools/call" in seen["body"]]
 
 
 @pytest.mark.parametrize(
@@ -217,6 +237,12 @@ async def no_result_object(request, body):
     return web.json_response({"jsonrpc": "2.0", "id": body["id"], "result": "done"})
 
 
+async def non_finite_number(request, body):
+    # Python's json writes NaN for float("nan"); it is not JSON, and must not come out of the proxy as null.
+    answer = {"jsonrpc": "2.0", "id": body["id"], "result": {"content": [], "structuredContent": {"x": float("nan")}}}
+    return web.Response(body=json.dumps(answer).encode(), content_type="application/json")
+
+
 @pytest.mark.parametrize(
     "behaviour, expected",
     [
@@ -226,8 +252,9 @@ async def no_result_object(request, body):
         (garbage, "without a JSON-RPC response"),
         (wrong_id, "different request id"),
         (no_result_object, "no result object"),
+        (non_finite_number, "without a JSON-RPC response"),
     ],
-    ids=["dies-mid-stream", "ends-without-answer", "html-500", "garbage", "wrong-id", "no-result"],
+    ids=["dies-mid-stream", "ends-without-answer", "html-500", "garbage", "wrong-id", "no-result", "nan"],
 )
 async def test_broken_upstream_fails_the_task_with_a_clear_message(make_proxy, fake_upstream, behaviour, expected):
     fake = await fake_upstream(_call_handler(behaviour))
@@ -335,3 +362,76 @@ async def test_a_stream_that_never_ends_is_cut_by_the_rule_timeout(make_proxy, f
     created = await proxy.client.call_tool("job")
     failed = await task_reaches(proxy.client, created.result["taskId"], "failed")
     assert "0.5 s limit (timeout_s)" in failed.result["statusMessage"]
+
+
+# --- header bytes ---------------------------------------------------------------------------------------------------
+
+
+async def raw_post(url: str, body: bytes, *header_lines: bytes) -> tuple[int, bytes]:
+    """POST with header bytes no HTTP client library would send (they are not UTF-8); the status and body."""
+    where = URL(url)
+    reader, writer = await asyncio.open_connection(where.host, where.port)
+    head = [
+        f"POST {where.path} HTTP/1.1".encode(),
+        f"Host: {where.host}:{where.port}".encode(),
+        b"Content-Type: application/json",
+        b"Accept: application/json, text/event-stream",
+        f"Content-Length: {len(body)}".encode(),
+        b"Connection: close",
+        *header_lines,
+    ]
+    writer.write(b"\r\n".join(head) + b"\r\n\r\n" + body)
+    answer = await reader.read()
+    writer.close()
+    status_line, _, rest = answer.partition(b"\r\n")
+    return int(status_line.split()[1]), rest.partition(b"\r\n\r\n")[2]
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        b"Authorization: Bearer \xff\xfe",
+        b"Mcp-Session-Id: \xc3\x28",
+        b"Mcp-Name: gat\xffed",
+        b"MCP-Protocol-Version: 2026-07-28\xff",
+        b"X-Forwarded-User: \xe9ric",
+    ],
+    ids=["authorization", "session", "name", "version", "principal-header"],
+)
+@pytest.mark.parametrize("era", ["2026", "2025-durable"])
+async def test_header_bytes_that_are_not_utf8_get_a_clear_400(make_proxy, mcp_upstream, header, era):
+    proxy = await make_proxy(
+        mcp_upstream,
+        tools=[{"match": "slow_*"}],
+        security={"principal": "header"} if header.startswith(b"X-Forwarded-User") else {},
+    )
+    if era == "2026":
+        message = request("tools/call", {"name": "slow_report", "arguments": {"topic": "t"}, "_meta": meta()})
+        lines = [b"MCP-Protocol-Version: 2026-07-28", b"Mcp-Method: tools/call", b"Mcp-Name: slow_report"]
+    else:
+        message = request("tools/call", {"name": "slow_report", "arguments": {"topic": "t"}})
+        lines = [b"MCP-Protocol-Version: 2025-11-25"]
+    name = header.partition(b":")[0]
+    lines = [line for line in lines if line.partition(b":")[0].lower() != name.lower()] + [header]
+    with structlog.testing.capture_logs() as logs:
+        status, body = await raw_post(proxy.url, json.dumps(message).encode(), *lines)
+    assert status == 400, body
+    answer = json.loads(body)
+    validate_error(answer, "InvalidRequestError")
+    assert answer["error"]["message"] == f"Invalid request: the {name.decode()} header holds bytes that are not UTF-8"
+    assert [line for line in logs if line["log_level"] in ("error", "critical") or "exc_info" in line] == []
+    assert [line["status"] for line in logs if line["event"] == "request_handled"] == [400]
+
+
+async def test_other_header_bytes_pass_through_as_sent(make_proxy, fake_upstream):
+    async def answer(request):
+        return web.json_response({"jsonrpc": "2.0", "id": 1, "result": {"tools": []}})
+
+    fake = await fake_upstream(answer)
+    proxy = await make_proxy(fake.url, protocol="legacy")
+    message = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
+    status, body = await raw_post(proxy.url, json.dumps(message).encode(), b"X-Note: caf\xe9 \xff")
+    assert status == 200, body
+    assert json.loads(body)["result"] == {"tools": []}
+    (seen,) = [seen for seen in fake.received if b"tools/list" in seen["body"]]
+    assert seen["headers"]["X-Note"].encode("utf-8", "surrogateescape") == b"caf\xe9 \xff"

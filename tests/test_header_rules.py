@@ -8,6 +8,8 @@ import json
 import secrets
 
 import pytest
+from aiohttp import web
+from multidict import CIMultiDict
 
 from tests.conftest import LegacyClient
 from tests.factories import headers_for, meta, request
@@ -123,3 +125,79 @@ async def test_a_legacy_clients_routing_headers_must_not_contradict_its_body(pro
     reply = await proxy.client.post_raw(json.dumps(truthful), {**client.headers, "Mcp-Method": "tools/call"})
     assert reply.status == 200 and reply.message["result"]["content"][0]["text"] == "4"
     assert await gate_state(proxy, legacy_upstream, tag) == "unknown"
+
+
+async def send_with_copies(proxy, message, name: str, *copies: str):
+    """The message with its usual headers, `name` replaced by several copies (as a client may send them)."""
+    headers = CIMultiDict(headers_for(message))
+    headers.popall(name, None)
+    for value in copies:
+        headers.add(name, value)
+    async with proxy.client.session.post(proxy.url, data=json.dumps(message), headers=headers) as response:
+        return response.status, await response.json()
+
+
+@pytest.mark.parametrize("tasks", [True, False], ids=["task", "synchronous"])
+@pytest.mark.parametrize(
+    ("name", "copies"),
+    [("Mcp-Method", ("tools/call", "tasks/get")), ("Mcp-Name", ("gated", "ask_name"))],
+    ids=["method", "name"],
+)
+async def test_a_true_first_copy_and_a_lying_second_one_run_nowhere(proxy, legacy_upstream, tasks, name, copies):
+    tag = secrets.token_hex(6)
+    message = request("tools/call", {"name": "gated", "arguments": {"tag": tag}, "_meta": meta(tasks=tasks)})
+    for order in (copies, copies[::-1]):
+        status, answer = await send_with_copies(proxy, message, name, *order)
+        assert status == 400, answer
+        validate_error(answer, "HeaderMismatchError")
+        assert repr(copies[1]) in answer["error"]["message"]
+    assert await gate_state(proxy, legacy_upstream, tag) == "unknown"
+    # Copies that agree with the body are no lie.
+    if tasks:
+        status, answer = await send_with_copies(proxy, message, name, copies[0], copies[0])
+        assert status == 200 and answer["result"]["status"] == "working", answer
+        assert (await proxy.client.cancel_task(answer["result"]["taskId"])).status == 200
+    else:
+        add = request("tools/call", {"name": "add", "arguments": {"a": 1, "b": 2}, "_meta": meta(tasks=False)})
+        value = headers_for(add)[name]
+        status, answer = await send_with_copies(proxy, add, name, value, value)
+        assert status == 200 and answer["result"]["content"][0]["text"] == "3", answer
+
+
+async def test_mcp_name_in_base64_must_be_canonical(proxy, legacy_upstream):
+    tag = secrets.token_hex(6)
+    message = request("tools/call", {"name": "gated", "arguments": {"tag": tag}, "_meta": meta()})
+    canonical = base64.b64encode(b"gated").decode()
+    assert canonical == "Z2F0ZWQ="
+    # "Z2F0ZWR=" decodes to the same bytes with a lenient decoder (its padding bits are set): another spelling.
+    for lenient in ("=?base64?Z2F0ZWR=?=", "=?base64?Z2F0ZWQ?=", "=?base64?Z2F0 ZWQ=?=", "=?base64?Z2F0ZWQ=é?="):
+        reply = await send(proxy, message, **{"Mcp-Name": lenient.encode().decode("latin-1")})
+        assert reply.status == 400, (lenient, reply.body)
+        validate_error(reply.message, "HeaderMismatchError")
+    assert await gate_state(proxy, legacy_upstream, tag) == "unknown"
+    created = await send(proxy, message, **{"Mcp-Name": f"=?base64?{canonical}?="})
+    assert created.status == 200 and created.result["status"] == "working", created.body
+    await proxy.client.cancel_task(created.result["taskId"])
+
+
+async def test_notifications_and_batches_are_checked_like_requests(make_proxy, fake_upstream):
+    async def answer(request):
+        return web.Response(status=202)
+
+    fake = await fake_upstream(answer)
+    proxy = await make_proxy(fake.url, protocol="legacy")
+    cancelled = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 1}}
+    progress = {"jsonrpc": "2.0", "method": "notifications/progress", "params": {"progressToken": 1, "progress": 1}}
+    headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+    for body, method in (
+        (cancelled, "tools/call"),
+        ([cancelled, progress], "notifications/cancelled"),
+        ([request("tools/list", {}), request("tools/call", {"name": "x"})], "tools/list"),
+    ):
+        reply = await proxy.client.post_raw(json.dumps(body), {**headers, "Mcp-Method": method})
+        assert reply.status == 400, reply.body
+        validate_error(reply.message, "HeaderMismatchError")
+    assert fake.received == []
+    truthful = await proxy.client.post_raw(json.dumps(cancelled), {**headers, "Mcp-Method": "notifications/cancelled"})
+    assert truthful.status == 202
+    assert [json.loads(seen["body"]) for seen in fake.received] == [cancelled]

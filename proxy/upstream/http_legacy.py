@@ -7,7 +7,6 @@ The era's rules (what to send, how to read it) are legacy.py's; this is only how
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +14,7 @@ import aiohttp
 import structlog
 from multidict import CIMultiDict, MultiMapping
 
-from ..jsonrpc import dumps
+from ..jsonrpc import dumps, loads
 from .events import UpstreamUnavailable
 from .http_client import CallResponse
 from .http_headers import session_headers, stream_headers
@@ -71,7 +70,7 @@ class HttpReply:
         if response.content_type != "text/event-stream":
             body = await response.read(max_bytes)
             try:
-                message = json.loads(body)
+                message = loads(body)
             except ValueError:
                 return
             if isinstance(message, dict):

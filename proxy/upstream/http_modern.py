@@ -7,7 +7,6 @@ as an async stream of events: Progress, then Finished or Failed. The task runner
 from __future__ import annotations
 
 import asyncio
-import json
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import Any, Literal
@@ -241,7 +240,7 @@ async def single_answer(response: aiohttp.ClientResponse, request_id: Any) -> di
 
 def _answer_in(data: str | bytes, request_id: Any) -> dict[str, Any] | None:
     try:
-        message = json.loads(data)
+        message = loads(data)
     except (ValueError, RecursionError):
         return None
     return message if isinstance(message, dict) and message.get("id") == request_id else None

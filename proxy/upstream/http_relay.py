@@ -8,7 +8,6 @@ short upstream is cut short for the client too (its connection is closed mid-bod
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
@@ -16,7 +15,7 @@ import aiohttp
 import structlog
 from aiohttp import web
 
-from ..jsonrpc import INTERNAL_ERROR, RequestId, UpstreamError, dumps, error_object, error_response
+from ..jsonrpc import INTERNAL_ERROR, RequestId, UpstreamError, dumps, error_object, error_response, loads
 from .http_client import BodyTooLarge, CallError
 from .http_headers import request_headers, response_headers
 from .http_modern import Upstream, read_bounded
@@ -203,7 +202,7 @@ def _answers(event: SseEvent, request_id: RequestId) -> bool:
     if '"method"' in event.data and '"result"' not in event.data and '"error"' not in event.data:
         return False  # fast path for the many progress notifications
     try:
-        message = json.loads(event.data)
+        message = loads(event.data)
     except ValueError:
         return False
     return isinstance(message, dict) and "method" not in message and message.get("id") == request_id
@@ -252,7 +251,7 @@ def _rewrite_message(message: Any, request_id: RequestId, rewrite: Callable[[dic
 
 def _rewrite_json(payload: bytes, request_id: RequestId, rewrite: Callable[[dict[str, Any]], None]) -> bytes:
     try:
-        message = json.loads(payload)
+        message = loads(payload)
     except ValueError:
         return payload
     return dumps(message) if _rewrite_message(message, request_id, rewrite) else payload
@@ -267,7 +266,7 @@ def _rewrite_sse(payload: bytes, request_id: RequestId, rewrite: Callable[[dict[
     for event in events:
         data = event.data
         try:
-            message = json.loads(data) if data else None
+            message = loads(data) if data else None
         except ValueError:
             message = None
         if message is not None and _rewrite_message(message, request_id, rewrite):

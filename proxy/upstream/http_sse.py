@@ -11,11 +11,11 @@ their parsers are private to clients this proxy does not use, and httpx-sse's is
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from collections.abc import AsyncIterable, AsyncIterator, Iterator
 from typing import Any
 
+from ..jsonrpc import loads
 from .events import AnswerTooLarge
 
 DEFAULT_MAX_EVENT_BYTES = 16 * 1024 * 1024
@@ -149,7 +149,7 @@ def json_message(event: SseEvent) -> dict[str, Any] | None:
     if not event.data:
         return None
     try:
-        message = json.loads(event.data)
+        message = loads(event.data)
     except (ValueError, RecursionError):
         return None
     return message if isinstance(message, dict) else None
