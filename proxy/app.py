@@ -700,6 +700,7 @@ async def _tools_call(
         capabilities=capabilities if isinstance(capabilities, dict) else {},
         principal=request.app[identity_key].principal(request.headers),
         credential=request.app[identity_key].credential(request.headers),
+        caller=request.app[identity_key].caller(request.headers, request.remote),
     )
     info.mode = "durable" if kept_alive else "task"
     with _refusals():

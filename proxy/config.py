@@ -72,10 +72,13 @@ class StdioConfig(_Strict):
     max_in_flight: PositiveInt = 10_000
     """Requests the child may have in flight at once; past it a call fails at once instead of queueing."""
     max_sessions: PositiveInt = 10_000
-    """2025-era client sessions the proxy keeps for the child (it answers their initialize itself); the least
-    recently used is ended past it (its client gets 404 and initializes again)."""
+    """2025-era client sessions the proxy keeps for the child (it answers their initialize itself). Past it the
+    least recently used idle one (no call in flight, no GET stream open) is ended: its client gets 404 and
+    initializes again. A busy session is never ended to make room; when all are busy, a new one is refused (503)."""
     max_sessions_per_principal: PositiveInt = 64
-    """Of those, one principal's; its own oldest is ended past it, so that one caller cannot end everyone's."""
+    """Of those, one caller's: a principal's, or an anonymous caller's network address (anonymous clients are not
+    one caller). Past it that caller's own least recently used idle session is ended, never another caller's; when
+    all of its sessions are busy, its new one is refused (503)."""
 
 
 class UpstreamTls(_Strict):
@@ -131,7 +134,9 @@ class UpstreamConfig(_Strict):
     connect_timeout_s: Annotated[float, Field(gt=0)] = 10.0
     """How long to wait for a TCP connection to the upstream before the call fails."""
     max_sessions: PositiveInt = 64
-    """Legacy upstreams: sessions the proxy keeps open (one per credential); the least recently used is ended."""
+    """Legacy upstreams: sessions the proxy keeps open (one per credential). Past it the least recently used idle
+    one is ended; one with a call in flight never is, and when all have one, a call that needs a new session fails
+    saying so."""
     input_wait_s: Annotated[float, Field(gt=0)] = 300.0
     """Legacy upstreams: how long a synchronous call that asked for input stays open for the client's MRTR retry."""
 
@@ -227,7 +232,8 @@ class LimitsConfig(_Strict):
     max_running_tasks: PositiveInt = 1000
     """Background calls running on this replica at once; a task past it is refused with an error."""
     max_tasks_per_principal: PositiveInt | None = None
-    """Background calls one principal may have running on this replica at once (None: no limit)."""
+    """Background calls one caller may have running on this replica at once (None: no limit). A caller is a
+    principal, or for anonymous requests their network address."""
     max_result_bytes: PositiveInt = 16 * 1024 * 1024
     """Largest result a task stores; a larger one fails the task with a message that says so."""
     min_poll_interval_ms: Annotated[int, Field(ge=0)] = 0

@@ -165,6 +165,7 @@ class DurableCalls:
             capabilities=ALL_INPUT_KINDS,
             principal=principal,
             credential=self._identity.credential(headers),
+            caller=self._identity.caller(headers, request.remote),
             task_id=task_id,
             stream=stream_of(message, headers, session_tag),
             client_session=client_session(headers, principal, on_status=_first(accepted)),

@@ -174,6 +174,7 @@ class Tasks2025:
             capabilities=ALL_INPUT_KINDS,
             principal=principal,
             credential=self._identity.credential(headers),
+            caller=self._identity.caller(headers, request.remote),
             stream=_stream_of(message, session_tag),
             client_session=client_session(headers, principal),
         )

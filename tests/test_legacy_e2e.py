@@ -321,3 +321,40 @@ async def test_a_server_that_keeps_asking_is_stopped_at_max_input_rounds(
         return await legacy_client.call_tool("gate_state", {"tag": f"asked-{times}"}) == "cancelled"
 
     await eventually(cancelled, what="the call being cancelled upstream")
+
+
+async def test_made_up_credentials_never_end_a_session_with_a_call_in_flight(make_proxy, legacy_upstream):
+    """Issue 25: the proxy's sessions with a 2025 server are one per credential, and credentials cost nothing to
+    make up: a flood of them ended the least recently used session, calls in flight and all."""
+    proxy = await make_proxy(legacy_upstream, tools=[{"match": "gated"}], upstream={"max_sessions": 2})
+    server = LegacyClient(proxy.client.session, legacy_upstream)
+    victim = {"Authorization": "Bearer victim"}
+    gate = secrets.token_hex(4)
+    created = await proxy.client.call_tool("gated", {"tag": gate}, headers=victim)
+    await eventually(lambda: _gate_is(server, gate, "started"), what="the victim's call upstream")
+    for n in range(6):
+        listed = await proxy.client.call("tools/list", headers={"Authorization": f"Bearer made-up-{n}"})
+        assert "result" in listed.message, listed.message
+    await server.call_tool("release", {"tag": gate})
+    done = await task_reaches(proxy.client, created.result["taskId"], "completed", "failed", headers=victim)
+    assert done.result["status"] == "completed", done.result
+    # With every session busy, a new credential is refused a session of its own, with the reason.
+    gates = {f"Bearer holder-{n}": secrets.token_hex(4) for n in range(2)}
+    held = {}
+    for credential, tag in gates.items():
+        held[credential] = await proxy.client.call_tool("gated", {"tag": tag}, headers={"Authorization": credential})
+        await eventually(lambda tag=tag: _gate_is(server, tag, "started"), what="a call holding a session")
+    late = {"Authorization": "Bearer late"}
+    refused = await proxy.client.call_tool("gated", {"tag": secrets.token_hex(4)}, headers=late)
+    failed = await task_reaches(proxy.client, refused.result["taskId"], "failed", headers=late)
+    reason = "cannot open another session with the upstream: all 2 sessions are busy (upstream.max_sessions)"
+    assert failed.result["statusMessage"] == reason, failed.result
+    for credential, tag in gates.items():
+        await server.call_tool("release", {"tag": tag})
+        await task_reaches(
+            proxy.client, held[credential].result["taskId"], "completed", headers={"Authorization": credential}
+        )
+
+
+async def _gate_is(server: LegacyClient, gate: str, state: str) -> bool:
+    return await server.call_tool("gate_state", {"tag": gate}) == state

@@ -6,6 +6,7 @@ import asyncio
 import json
 import secrets
 
+import aiohttp
 import pytest
 import redis.asyncio as redis_client
 import structlog
@@ -13,6 +14,7 @@ from aiohttp import web
 
 from proxy.tasks.redis_store import RedisTaskStore
 from tests.conftest import eventually, task_reaches
+from tests.factories import McpClient
 
 ALICE = {"Authorization": "Bearer alice-secret-token"}
 BOB = {"Authorization": "Bearer bob-secret-token"}
@@ -92,6 +94,27 @@ async def test_running_task_limits_refuse_with_clear_errors(make_proxy, mcp_upst
     refused = await total.client.call_tool("gated", {"tag": tag()})
     assert "limits.max_running_tasks" in refused.error["message"]
     await upstream_client.call_tool("release", {"tag": gate}, tasks=False)
+
+
+async def test_anonymous_callers_are_limited_each_by_their_address(make_proxy, mcp_upstream, upstream_client):
+    """Anonymous callers share no credential: one of them must not use up the others' max_tasks_per_principal."""
+    proxy = await make_proxy(mcp_upstream, tools=[{"match": "gated"}], limits={"max_tasks_per_principal": 1})
+    gates = [tag(), tag()]
+    async with (
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=("127.0.0.2", 0))) as first_session,
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=("127.0.0.3", 0))) as second_session,
+    ):
+        first, second = McpClient(first_session, proxy.url), McpClient(second_session, proxy.url)
+        running = await first.call_tool("gated", {"tag": gates[0]})
+        assert running.result["resultType"] == "task"
+        refused = await first.call_tool("gated", {"tag": tag()})
+        assert refused.error["data"] == {"limit": "max_tasks_per_principal"}
+        other = await second.call_tool("gated", {"tag": gates[1]})
+        assert other.result["resultType"] == "task", other.message
+        for gate in gates:
+            await upstream_client.call_tool("release", {"tag": gate}, tasks=False)
+        await task_reaches(first, running.result["taskId"], "completed")
+        await task_reaches(second, other.result["taskId"], "completed")
 
 
 async def test_per_tool_concurrency_queues_or_refuses_as_the_rule_says(make_proxy, mcp_upstream, upstream_client):

@@ -8,6 +8,7 @@ only injects faults.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import secrets
@@ -19,7 +20,7 @@ import aiohttp
 import pytest
 
 from tests.conftest import EVERYTHING, ROOT, eventually, everything_node, legacy_python, task_reaches
-from tests.factories import meta, request
+from tests.factories import McpClient, meta, request
 from tests.schemas import validate_response
 from tests.test_real_clients import sdk1_call
 
@@ -502,6 +503,59 @@ async def test_a_2025_clients_call_ends_when_cancelled_or_its_session_ends(make_
         await eventually(lambda gate=gate: _gate_is(legacy, gate, "cancelled"), what=f"the child told ({ending})")
 
 
+async def test_anonymous_clients_opening_sessions_never_end_another_clients_running_call(make_proxy):
+    """Issue 25: an anonymous client opening sessions past the per-caller bound ended another anonymous client's
+    session, and its running durable call with it ("the session ended", then "Session not found")."""
+    proxy = await stdio_proxy(make_proxy, legacy_command(), upstream={"stdio": {"max_sessions_per_principal": 4}})
+    session = proxy.client.session
+    victim = await open_2025_session(proxy)
+    gate = secrets.token_hex(4)
+    call = request("tools/call", {"name": "gated", "arguments": {"tag": gate}}, id=7)
+    pending = asyncio.ensure_future(session.post(proxy.url, json=call, headers=victim))
+    await eventually(lambda: _gate_is(proxy, gate, "started"), what="the victim's durable call in the child")
+    others = [await open_2025_session(proxy) for _ in range(12)]  # the same caller as far as anyone can tell
+    await tool_text(proxy, "release", {"tag": gate})
+    response = await asyncio.wait_for(pending, 30)
+    assert f"gate {gate} opened" in await response.text()
+    # The victim's session lives on; the flood's own idle sessions made room for the flood.
+    async with session.post(proxy.url, json=request("ping"), headers=victim) as answer:
+        assert answer.status == 200 and "result" in await answer.json()
+    async with session.post(proxy.url, json=request("ping"), headers=others[0]) as answer:
+        assert answer.status == 404
+
+
+async def test_a_caller_whose_sessions_are_all_busy_is_refused_a_new_one_and_others_are_not(make_proxy):
+    proxy = await stdio_proxy(make_proxy, legacy_command(), upstream={"stdio": {"max_sessions_per_principal": 2}})
+    streams = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=("127.0.0.2", 0))) as crowded:
+        for _ in range(2):  # each with its GET stream open: busy
+            headers = await open_2025_session(dataclasses.replace(proxy, client=McpClient(crowded, proxy.url)))
+            stream = await crowded.get(proxy.url, headers={**headers, "Accept": "text/event-stream"})
+            assert stream.status == 200
+            streams.append(stream)
+        init = request(
+            "initialize",
+            {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}},
+        )
+        async with crowded.post(proxy.url, json=init, headers=ACCEPT) as refused:
+            assert refused.status == 503
+            error = (await refused.json())["error"]
+        assert error["code"] == -32603
+        assert error["message"] == (
+            "Cannot open a session: this caller has 2 sessions, each with a call or stream open "
+            "(upstream.stdio.max_sessions_per_principal); end one (HTTP DELETE) or try again later"
+        )
+        # An anonymous client at another address is another caller; one with credentials is its principal.
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=("127.0.0.3", 0))) as elsewhere:
+            assert "Mcp-Session-Id" in await open_2025_session(
+                dataclasses.replace(proxy, client=McpClient(elsewhere, proxy.url))
+            )
+        async with crowded.post(proxy.url, json=init, headers={**ACCEPT, "Authorization": "Bearer b"}) as other:
+            assert other.status == 200 and "Mcp-Session-Id" in other.headers
+        for stream in streams:
+            stream.close()
+
+
 async def test_a_2025_session_is_only_its_principals_for_durable_calls_too(make_proxy):
     proxy = await stdio_proxy(make_proxy, legacy_command())
     alices = await open_2025_session(proxy, capabilities={"elicitation": {}}, Authorization="Bearer alice")
@@ -519,14 +573,44 @@ async def test_requests_past_max_in_flight_fail_at_once_even_in_a_burst(make_pro
     assert all("2 calls are in flight" in r.message["error"]["message"] for r in failed)
 
 
-def test_one_principal_ends_only_its_own_oldest_sessions():
+def test_a_caller_at_its_bound_ends_only_its_own_idle_sessions_and_is_refused_when_all_are_busy():
+    from proxy.upstream.session_table import SessionsFull
     from proxy.upstream.stdio_sessions import FrontSessions
 
-    sessions = FrontSessions(max_sessions=100, per_principal=2)
-    alice = sessions.create("alice", "2025-11-25", {})
-    mallorys = [sessions.create("mallory", "2025-11-25", {}) for _ in range(50)]
-    assert sessions.get(alice.id) is alice
+    sessions = FrontSessions(max_sessions=100, per_caller=2)
+    alice = sessions.create("alice", "alice", "2025-11-25", {})
+    alice.calls["durable"] = object()  # a call in flight
+    idle_neighbour = sessions.create("", "address:127.0.0.1", "2025-11-25", {})
+    mallorys = [sessions.create("mallory", "mallory", "2025-11-25", {}) for _ in range(50)]
+    assert sessions.get(alice.id) is alice and sessions.get(idle_neighbour.id) is idle_neighbour
     assert [s.id for s in mallorys if sessions.get(s.id)] == [mallorys[-2].id, mallorys[-1].id]
+    for session in mallorys[-2:]:
+        session.streams[object()] = None  # each with a GET stream open: busy
+    with pytest.raises(SessionsFull, match="max_sessions_per_principal"):
+        sessions.create("mallory", "mallory", "2025-11-25", {})
+    assert [s.id for s in mallorys if sessions.get(s.id)] == [mallorys[-2].id, mallorys[-1].id]
+    # The least recently used idle session of the caller goes first, not the oldest.
+    bob = [sessions.create("bob", "bob", "2025-11-25", {}) for _ in range(2)]
+    sessions.get(bob[0].id)
+    sessions.create("bob", "bob", "2025-11-25", {})
+    assert sessions.get(bob[0].id) is bob[0] and sessions.get(bob[1].id) is None
+
+
+def test_at_the_global_bound_an_idle_session_goes_and_a_busy_one_never():
+    from proxy.upstream.session_table import SessionsFull
+    from proxy.upstream.stdio_sessions import FrontSessions
+
+    sessions = FrontSessions(max_sessions=3, per_caller=64)
+    busy = [sessions.create(name, name, "2025-11-25", {}) for name in ("a", "b")]
+    for session in busy:
+        session.calls["call"] = object()
+    idle = sessions.create("c", "c", "2025-11-25", {})
+    newest = sessions.create("d", "d", "2025-11-25", {})  # the idle one makes room, though it is the newest
+    assert sessions.get(idle.id) is None and all(sessions.get(s.id) is s for s in busy)
+    newest.calls["call"] = object()
+    with pytest.raises(SessionsFull, match=r"all 3 sessions are busy \(upstream.stdio.max_sessions\)"):
+        sessions.create("e", "e", "2025-11-25", {})
+    assert len(sessions) == 3
 
 
 def test_a_malformed_response_of_the_child_reaches_a_client_as_the_proxys_error():
@@ -598,7 +682,7 @@ async def test_a_childs_notifications_reach_2025_sessions_as_they_subscribed():
     from proxy.upstream.stdio_sessions import FrontSessions
 
     sessions = FrontSessions(max_sessions=2)
-    first, second = sessions.create("a", "2025-11-25", {}), sessions.create("b", "2025-11-25", {})
+    first, second = sessions.create("a", "a", "2025-11-25", {}), sessions.create("b", "b", "2025-11-25", {})
     streams = first.open_stream(), second.open_stream()
     second.subscribed.add("file:///b")
     sessions.broadcast({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"})
@@ -606,7 +690,7 @@ async def test_a_childs_notifications_reach_2025_sessions_as_they_subscribed():
     assert [streams[0].get_nowait()["method"]] == ["notifications/tools/list_changed"] and streams[0].empty()
     got = [streams[1].get_nowait()["method"], streams[1].get_nowait()["params"]["uri"]]
     assert got == ["notifications/tools/list_changed", "file:///b"]
-    sessions.create("c", "2025-11-25", {})  # one more than max_sessions: the least recently used ends
+    assert sessions.end(first.id)  # DELETE
     assert sessions.get(first.id) is None and streams[0].get_nowait() is None  # its GET stream is told to end
 
 

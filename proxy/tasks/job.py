@@ -26,6 +26,8 @@ class ToolCall:
     """Who asked (a keyed hash): the task's owner."""
     credential: str = ""
     """The caller's credential (a keyed hash, whatever security.principal says): an MRTR handle is bound to it."""
+    caller: str = ""
+    """Who the call counts against for per-caller limits (security.Identity.caller)."""
     task_id: str | None = None
     """The task's id when the caller fixes it (a durable call's, derived from its request); else a random one."""
     stream: dict[str, Any] | None = None

@@ -273,7 +273,7 @@ class TaskRunner:
                 limit="max_running_tasks",
             )
         if limits.max_tasks_per_principal is not None:
-            mine = sum(1 for job in self._jobs.values() if job.call.principal == call.principal)
+            mine = sum(1 for job in self._jobs.values() if job.call.caller == call.caller)
             if mine >= limits.max_tasks_per_principal:
                 raise LimitReached(
                     f"this caller already has {mine} tasks running, the most allowed "

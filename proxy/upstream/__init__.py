@@ -73,7 +73,7 @@ async def _stdio_gateway(config: ProxyConfig, identity: Identity, limit: Callabl
     pool = StdioPool(
         spec, children=stdio.children, exclusive=stdio.dispatch == "exclusive", max_in_flight=stdio.max_in_flight
     )
-    sessions = FrontSessions(stdio.max_sessions, per_principal=stdio.max_sessions_per_principal)
+    sessions = FrontSessions(stdio.max_sessions, per_caller=stdio.max_sessions_per_principal)
     link = StdioLegacyLink(pool, sessions, start_timeout_s=stdio.start_timeout_s)
     legacy = LegacyUpstream(lambda spawn: link, max_sessions=upstream.max_sessions, identity=identity)
     modern = StdioModern(pool, start_timeout_s=stdio.start_timeout_s)

@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 import structlog
-from cachetools import LRUCache
 from multidict import MultiMapping
 
 from .. import PROTOCOL_VERSION, TASKS_EXTENSION, __version__
@@ -35,6 +34,7 @@ from .events import (
 )
 from .legacy_tasks import TASKED, TaskSupport, run_as_upstream_task, without_task_support
 from .routing import CallRoute
+from .session_table import SessionsFull, SessionTable
 
 log = structlog.get_logger(__name__)
 
@@ -227,7 +227,11 @@ class LegacyUpstream:
         self._identity = identity
         self._background: set[asyncio.Task[None]] = set()
         self.link = link(self.spawn)
-        self._sessions: LRUCache[str, LegacySession] = _SessionCache(maxsize=max_sessions, on_evict=self.link.end)
+        # One per caller's credential: one caller opening many (made-up credentials cost nothing) ends only idle
+        # ones, never a session with a call in flight.
+        self._sessions: SessionTable[str, LegacySession] = SessionTable(
+            max_sessions, is_busy=lambda session: bool(session.calls), on_end=lambda _, session: self.link.end(session)
+        )
         self._opening: dict[str, asyncio.Task[LegacySession]] = {}
         self.initialize_result: dict[str, Any] | None = None
         self.task_support = TaskSupport()
@@ -253,6 +257,10 @@ class LegacyUpstream:
         return await asyncio.shield(opening)
 
     async def _initialize(self, principal: str, client_headers: MultiMapping[str]) -> LegacySession:
+        try:
+            self._sessions.make_room(what="upstream.max_sessions")  # before the upstream makes one for nothing
+        except SessionsFull as exc:
+            raise _no_room(exc) from exc
         bare = LegacySession(session_id=None, protocol_version=LEGACY_VERSION, principal=principal)
         answer, session_id, status = await self.link.initialize(principal, client_headers, proxy_initialize(), bare)
         if answer is None or not isinstance(answer.get("result"), dict):
@@ -265,7 +273,11 @@ class LegacyUpstream:
             principal=principal,
         )
         await self.link.opened(self, session, client_headers)
-        self._sessions[principal] = session
+        try:
+            self._sessions.add(principal, session, what="upstream.max_sessions")
+        except SessionsFull as exc:  # filled up while this one opened
+            self.link.end(session)
+            raise _no_room(exc) from exc
         log.info("legacy_session_opened", protocol_version=session.protocol_version, has_session_id=bool(session_id))
         return session
 
@@ -273,7 +285,7 @@ class LegacyUpstream:
         """The upstream ended this session (404): the next request opens a new one."""
         self.link.stop_reading(session)
         if self._sessions.get(session.principal) is session:
-            del self._sessions[session.principal]
+            self._sessions.pop(session.principal)
 
     def spawn(self, coro: Awaitable[None]) -> None:
         """Run `coro` beside the calls; it is cancelled when the proxy stops."""
@@ -362,7 +374,7 @@ class LegacyUpstream:
         try:
             session = await self.session_for(client_headers)
         except (ConnectionError, OSError, UpstreamUnavailable) as exc:
-            yield proxy_failure(f"upstream unreachable ({exc})", self.url)
+            yield proxy_failure(_unreachable(exc), self.url)
             return
         route = CallRoute(capabilities, on_request)
         session.calls[legacy["id"]] = route  # for the whole call: an upstream task's follow-up requests included
@@ -411,7 +423,7 @@ class LegacyUpstream:
         try:
             session, response = await self.post(legacy, client_headers, session, route)
         except (ConnectionError, OSError, UpstreamUnavailable) as exc:
-            yield proxy_failure(f"upstream unreachable ({exc})", self.url)
+            yield proxy_failure(_unreachable(exc), self.url)
             return
         if session.on_status is not None:
             session.on_status(response.status)
@@ -523,14 +535,14 @@ class LegacyUpstream:
         return result
 
 
-class _SessionCache(LRUCache):
-    """An LRU of sessions that ends (DELETEs) the session it evicts."""
+class NoSessionRoom(UpstreamUnavailable):
+    """Every session the proxy may keep with the upstream has a call in flight: the upstream itself is fine."""
 
-    def __init__(self, maxsize: int, on_evict: Callable[[LegacySession], None]) -> None:
-        super().__init__(maxsize=maxsize)
-        self._on_evict = on_evict
 
-    def popitem(self) -> tuple[str, LegacySession]:
-        key, session = super().popitem()
-        self._on_evict(session)
-        return key, session
+def _no_room(exc: SessionsFull) -> NoSessionRoom:
+    log.warning("legacy_session_refused", reason=str(exc))
+    return NoSessionRoom(f"cannot open another session with the upstream: {exc}")
+
+
+def _unreachable(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, NoSessionRoom) else f"upstream unreachable ({exc})"

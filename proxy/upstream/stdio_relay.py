@@ -38,6 +38,7 @@ from .events import AnswerTooLarge, UpstreamUnavailable
 from .http_relay import client_gone_key
 from .legacy import declined_answer
 from .routing import CallRoute
+from .session_table import SessionsFull
 from .stdio_channel import ChildGone, Exchange
 from .stdio_legacy import StdioLegacyLink
 from .stdio_modern import StdioModern
@@ -234,9 +235,20 @@ class StdioRelay:
         asked = params.get("protocolVersion")
         version = asked if asked in VERSIONS_2025 else str(child.get("protocolVersion") or VERSIONS_2025[-1])
         capabilities = params.get("capabilities")
-        front = self.sessions.create(
-            self._identity.principal(request.headers), version, capabilities if isinstance(capabilities, dict) else {}
-        )
+        try:
+            front = self.sessions.create(
+                self._identity.principal(request.headers),
+                self._identity.caller(request.headers, request.remote),
+                version,
+                capabilities if isinstance(capabilities, dict) else {},
+            )
+        except SessionsFull as exc:
+            log.warning("stdio_session_refused", reason=str(exc))
+            raise JsonRpcError(
+                INTERNAL_ERROR,
+                f"Cannot open a session: {exc}; end one (HTTP DELETE) or try again later",
+                http_status=503,
+            ) from exc
         result = copy.deepcopy(child)
         result["protocolVersion"] = version
         if rewrite is not None:

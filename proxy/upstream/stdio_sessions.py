@@ -9,12 +9,14 @@ requests for its calls are checked against), its GET streams, the resources it s
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import secrets
 from typing import Any
 
 import structlog
-from cachetools import LRUCache
+
+from .session_table import SessionsFull, SessionTable
 
 log = structlog.get_logger(__name__)
 
@@ -36,6 +38,8 @@ class FrontSession:
     principal: str
     protocol_version: str
     capabilities: dict[str, Any]
+    caller: str = ""
+    """Who the session counts against for limits: its principal, or an anonymous caller's network address."""
     calls: dict[Any, Any] = dataclasses.field(default_factory=dict)
     """The client's requests in flight (its id → their Exchange), for its notifications/cancelled."""
     asked: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -46,6 +50,11 @@ class FrontSession:
     tasks: dict[str, int] = dataclasses.field(default_factory=dict)
     """The child's own SEP-1686 tasks this session made → the child (of the pool) that made each."""
 
+    @property
+    def busy(self) -> bool:
+        """A call in flight or a GET stream open: its client is using it now, and it is never ended to make room."""
+        return bool(self.calls or self.streams)
+
     def remember_task(self, task_id: str, child: int) -> None:
         if len(self.tasks) >= _MAX_TASKS:
             del self.tasks[next(iter(self.tasks))]  # the oldest: its polls then get "no such task"
@@ -55,7 +64,7 @@ class FrontSession:
         """A new GET stream's queue; past _MAX_STREAMS the oldest stream is ended."""
         if len(self.streams) >= _MAX_STREAMS:
             oldest = next(iter(self.streams))
-            self.streams.discard(oldest)
+            del self.streams[oldest]
             if oldest.full():
                 oldest.get_nowait()
             oldest.put_nowait(None)
@@ -77,44 +86,51 @@ class FrontSession:
 
 
 class FrontSessions:
-    """The sessions, least recently used ended first past `max_sessions`."""
+    """The sessions, within two bounds: `max_sessions` in all, and `per_caller` for one caller (a principal, or an
+    anonymous caller's network address, so that anonymous clients are not one caller). At a bound, the least
+    recently used idle session within it is ended (its client gets 404 and initializes again); a busy one never
+    is, and when every one is busy the new session is refused (SessionsFull)."""
 
-    def __init__(self, max_sessions: int, *, per_principal: int = 64) -> None:
-        self._sessions: LRUCache[str, FrontSession] = _Evicting(maxsize=max_sessions, on_evict=self._evicted)
-        self._per_principal = per_principal
-        self._of: dict[str, list[str]] = {}
-        """Each principal's session ids, oldest first."""
+    def __init__(self, max_sessions: int, *, per_caller: int = 64) -> None:
+        self._sessions: SessionTable[str, FrontSession] = SessionTable(
+            max_sessions, is_busy=lambda session: session.busy, on_end=self._ended
+        )
+        self._per_caller = per_caller
+        self._of: dict[str, collections.OrderedDict[str, None]] = {}
+        """Each caller's session ids, least recently used first."""
 
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def create(self, principal: str, protocol_version: str, capabilities: dict[str, Any]) -> FrontSession:
-        session = FrontSession(secrets.token_urlsafe(24), principal, protocol_version, capabilities)
-        mine = [sid for sid in self._of.get(principal, []) if sid in self._sessions]
-        while len(mine) >= self._per_principal:  # a caller's many sessions end its own oldest, not anyone else's
-            self.end(mine.pop(0))
-        mine.append(session.id)
-        self._of[principal] = mine
-        self._sessions[session.id] = session
+    def create(self, principal: str, caller: str, protocol_version: str, capabilities: dict[str, Any]) -> FrontSession:
+        mine = self._of.get(caller)
+        if mine is not None and len(mine) >= self._per_caller and not self._sessions.end_idlest(list(mine)):
+            raise SessionsFull(
+                f"this caller has {self._per_caller} sessions, each with a call or stream open "
+                "(upstream.stdio.max_sessions_per_principal)"
+            )
+        session = FrontSession(secrets.token_urlsafe(24), principal, protocol_version, capabilities, caller)
+        self._sessions.add(session.id, session, what="upstream.stdio.max_sessions")
+        self._of.setdefault(caller, collections.OrderedDict())[session.id] = None
         return session
 
     def get(self, session_id: str) -> FrontSession | None:
-        return self._sessions.get(session_id)
+        session = self._sessions.get(session_id)
+        if session is not None:
+            self._of[session.caller].move_to_end(session_id)
+        return session
 
     def end(self, session_id: str) -> bool:
-        session = self._sessions.pop(session_id, None)
-        if session is None:
-            return False
-        _close(session)
-        self._evicted(session)
-        return True
+        return self._sessions.end(session_id) is not None
 
-    def _evicted(self, session: FrontSession) -> None:
-        mine = self._of.get(session.principal)
-        if mine is not None and session.id in mine:
-            mine.remove(session.id)
-        if not mine:
-            self._of.pop(session.principal, None)  # principals are cheap to mint: none is kept for nothing
+    def _ended(self, session_id: str, session: FrontSession) -> None:
+        _close(session)
+        mine = self._of.get(session.caller)
+        if mine is not None:
+            mine.pop(session_id, None)
+            if not mine:
+                del self._of[session.caller]  # callers are cheap to mint: none is kept for nothing
+        log.info("stdio_session_ended", sessions=len(self._sessions))
 
     def broadcast(self, message: dict[str, Any]) -> None:
         """A notification of the child's that names no call: list changes reach every session, a resource's update
@@ -125,7 +141,7 @@ class FrontSessions:
             uri = params.get("uri") if isinstance(params, dict) else None
             if not isinstance(uri, str):
                 return
-        for session in list(self._sessions.values()):
+        for session in self._sessions.values():
             if uri is None or uri in session.subscribed:
                 session.push(message)
 
@@ -134,16 +150,3 @@ def _close(session: FrontSession) -> None:
     session.push(None)  # ends its GET streams
     for exchange in list(session.calls.values()):
         exchange.close("the session ended")
-
-
-class _Evicting(LRUCache):
-    def __init__(self, maxsize: int, on_evict: Any) -> None:
-        super().__init__(maxsize=maxsize)
-        self._on_evict = on_evict
-
-    def popitem(self) -> tuple[str, FrontSession]:
-        key, session = super().popitem()
-        _close(session)
-        self._on_evict(session)
-        log.info("stdio_session_evicted", reason="upstream.stdio.max_sessions")
-        return key, session
