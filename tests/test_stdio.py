@@ -705,3 +705,12 @@ async def test_a_response_whose_id_is_no_string_is_dropped_and_reading_goes_on()
     for bad_id in ([1], {"a": 1}, None, 3, True):  # the proxy's ids are strings: none of these is one of its
         channel._received(child, {"jsonrpc": "2.0", "id": bad_id, "result": {}}, 10)
     assert channel._refused == 5 and channel.in_flight == 0
+
+
+def test_a_fifth_get_stream_ends_the_oldest_of_its_session():
+    from proxy.upstream.stdio_sessions import FrontSessions
+
+    session = FrontSessions(max_sessions=2).create("a", "a", "2025-11-25", {})
+    queues = [session.open_stream() for _ in range(5)]
+    assert queues[0].get_nowait() is None  # told to end
+    assert list(session.streams) == queues[1:]
