@@ -4,7 +4,8 @@ The stdio transport frames one JSON-RPC message per `\\n`-terminated line. A lin
 discarded without being held (`readuntil`, then `readexactly` of what overran), so a flooding child costs at most
 about twice the limit; its head and tail are kept to tell which call it answered. stderr is always drained (a full
 pipe would stop the child), logged line by line, and its last lines kept for the failure of the calls that were
-running when the child died.
+running when the child died. The proxy owns the pipes and closes them when a run ends, whoever else holds their other
+ends.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ _LOGGED_LINES = 200
 """stderr or junk stdout lines logged one by one per child; past that one in a thousand (a flood must not flood)."""
 _EDGE_BYTES = 256
 """Of a discarded (too long) line, the head and tail kept: where its id is."""
+_LAST_OUTPUT_S = 2.0
+"""After the child exits, how long its pipes are still read for what it wrote last (a process it left behind may
+hold them open: no end of file ever comes)."""
 _HEALTHY_S = 60.0
 """A child that ran this long resets the restart backoff."""
 _MAX_UNREAD_BYTES = 16 * 1024 * 1024
@@ -94,6 +98,8 @@ class ChildProcess:
         self._on_message = on_message
         self._on_oversized = on_oversized
         self._process: asyncio.subprocess.Process | None = None
+        self._stdin: asyncio.StreamWriter | None = None
+        self._pipes: list[asyncio.BaseTransport] = []
         self._readers: list[asyncio.Task[None]] = []
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=_STDERR_TAIL)
         self._stderr_lines = 0
@@ -106,48 +112,100 @@ class ChildProcess:
 
     async def start(self) -> None:
         """Spawn the child; OSError (a missing program, a bad cwd) is the caller's to report."""
-        self._process = await asyncio.create_subprocess_exec(
-            *self.spec.argv,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env=self.spec.env,
-            cwd=self.spec.cwd,
-            limit=self.spec.max_line_bytes,
-            # Its own process group: a wrapper (sh, npx) and what it starts are stopped together (killpg).
-            start_new_session=True,
-        )
+        # The proxy makes the three pipes itself rather than ask for PIPE: asyncio's Process gives no public way to
+        # close its ends, and a process the child leaves behind in a session of its own (setsid, beyond killpg)
+        # holds the other ends open, so no end of file ever comes. Then asyncio's own loop never finishes wait()
+        # (it waits for the pipes too) and uvloop's keeps their descriptors, three more at every restart. Pipe
+        # transports from connect_read_pipe / connect_write_pipe are the proxy's to close, on either loop; the
+        # subprocess transport has no pipe left to wait for.
+        stdout = asyncio.StreamReader(limit=self.spec.max_line_bytes)
+        stderr = asyncio.StreamReader(limit=self.spec.max_line_bytes)
+        theirs: list[int] = []
+        try:
+            stdin_fd = await self._pipe(theirs, None)
+            stdout_fd = await self._pipe(theirs, stdout)
+            stderr_fd = await self._pipe(theirs, stderr)
+            self._process = await asyncio.create_subprocess_exec(
+                *self.spec.argv,
+                stdin=stdin_fd,
+                stdout=stdout_fd,
+                stderr=stderr_fd,
+                env=self.spec.env,
+                cwd=self.spec.cwd,
+                # Its own process group: a wrapper (sh, npx) and what it starts are stopped together (killpg).
+                start_new_session=True,
+            )
+        except BaseException:
+            self._close_pipes()
+            raise
+        finally:
+            for fd in theirs:  # the child has its copies: with ours closed, its exit (or its group's) ends the pipes
+                os.close(fd)
         self.started_at = time.monotonic()
         log.info("upstream_started", upstream=self.spec.name, pid=self._process.pid, generation=self.generation)
-        assert self._process.stdout is not None and self._process.stderr is not None
         self._readers = [
-            asyncio.ensure_future(self._read_stdout(self._process.stdout)),
-            asyncio.ensure_future(self._read_stderr(self._process.stderr)),
+            asyncio.ensure_future(self._read_stdout(stdout)),
+            asyncio.ensure_future(self._read_stderr(stderr)),
         ]
 
+    async def _pipe(self, theirs: list[int], reader: asyncio.StreamReader | None) -> int:
+        """One pipe: the proxy's end connected (read into `reader`, or written to as stdin when None), the child's
+        end returned (and added to `theirs`, to be closed here once the child has it)."""
+        loop = asyncio.get_running_loop()
+        read_fd, write_fd = os.pipe()
+        ours, child_end = (write_fd, read_fd) if reader is None else (read_fd, write_fd)
+        theirs.append(child_end)
+        pipe = os.fdopen(ours, "wb" if reader is None else "rb", buffering=0)  # the transport closes it
+        try:
+            if reader is None:
+                # StreamReaderProtocol for its flow control: StreamWriter.drain() needs a protocol that has it.
+                transport, protocol = await loop.connect_write_pipe(
+                    lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()), pipe
+                )
+                self._stdin = asyncio.StreamWriter(transport, protocol, None, loop)
+            else:
+                transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
+        except BaseException:
+            pipe.close()
+            raise
+        self._pipes.append(transport)
+        return child_end
+
+    def _close_pipes(self) -> None:
+        """Stop reading and close the proxy's ends of the pipes: whatever still holds the other ends (a process the
+        child left behind) writes into a closed pipe, and reaches no call of a later run."""
+        for reader in self._readers:
+            reader.cancel()
+        for transport in self._pipes:
+            if not isinstance(transport, asyncio.WriteTransport):
+                transport.close()
+            elif not transport.is_closing() or transport.get_write_buffer_size():
+                transport.abort()  # what the child did not read goes (stdin closed by stop() may still hold some)
+        self._pipes = []
+
     async def wait(self) -> int:
-        """The exit status, once the child has exited and its pipes are read to their end."""
+        """The exit status, once the child has exited and its pipes are read to their end (or for _LAST_OUTPUT_S,
+        when something it left behind holds them open); the pipes are closed then."""
         assert self._process is not None
         status = await self._process.wait()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.gather(*self._readers, return_exceptions=True), 2.0)
-        for reader in self._readers:
-            reader.cancel()
+            await asyncio.wait_for(asyncio.gather(*self._readers, return_exceptions=True), _LAST_OUTPUT_S)
+        self._close_pipes()
         return status
 
     async def write(self, line: bytes) -> None:
         """One message (a line with its newline) to the child's stdin. Raises ConnectionError when the child is
         gone or has not read its stdin for _WRITE_TIMEOUT_S."""
-        process = self._process
-        if process is None or process.stdin is None or process.returncode is not None:
+        process, stdin = self._process, self._stdin
+        if process is None or stdin is None or process.returncode is not None or stdin.transport.is_closing():
             raise ConnectionError("the stdio server is not running")
-        if process.stdin.transport.get_write_buffer_size() > _MAX_UNREAD_BYTES:
+        if stdin.transport.get_write_buffer_size() > _MAX_UNREAD_BYTES:
             # A child that does not read: each message would wait in memory until it does.
             raise ConnectionError(f"the stdio server has not read {_MAX_UNREAD_BYTES} bytes written to its stdin")
         try:
-            process.stdin.write(line)  # one write per message keeps the framing whole
+            stdin.write(line)  # one write per message keeps the framing whole
             async with asyncio.timeout(_WRITE_TIMEOUT_S):  # drain() has room for many waiters: no lock to queue on
-                await process.stdin.drain()
+                await stdin.drain()
         except TimeoutError:
             # Not reading for that long is a fault of the child's, like dying: it is stopped, and started again.
             log.warning("upstream_stdin_stuck", upstream=self.spec.name, pid=process.pid, wait_s=_WRITE_TIMEOUT_S)
@@ -170,9 +228,9 @@ class ChildProcess:
         process = self._process
         if process is None:
             return None
-        if process.returncode is None and process.stdin is not None:
+        if process.returncode is None and self._stdin is not None:
             with contextlib.suppress(OSError, RuntimeError):
-                process.stdin.close()
+                self._stdin.close()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(process.wait(), self.spec.stop_grace_s)
         for sig, grace in ((signal.SIGTERM, self.spec.term_grace_s), (signal.SIGKILL, 5.0)):
@@ -185,8 +243,7 @@ class ChildProcess:
         # What the group still holds (a wrapper's children that outlived it) goes too.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signal.SIGKILL)
-        for reader in self._readers:
-            reader.cancel()
+        self._close_pipes()
         return process.returncode
 
     async def _read_stdout(self, stdout: asyncio.StreamReader) -> None:
