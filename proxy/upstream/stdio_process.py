@@ -1,11 +1,12 @@
 """A stdio MCP server as a child process: started, read line by line, restarted with backoff, stopped in order.
 
-The stdio transport frames one JSON-RPC message per `\\n`-terminated line. A line longer than `max_line_bytes` is
-discarded without being held (`readuntil`, then `readexactly` of what overran), so a flooding child costs at most
-about twice the limit; its head and tail are kept to tell which call it answered. stderr is always drained (a full
-pipe would stop the child), logged line by line, and its last lines kept for the failure of the calls that were
-running when the child died. The proxy owns the pipes and closes them when a run ends, whoever else holds their other
-ends.
+The stdio transport frames one JSON-RPC message per `\\n`-terminated line, read with the proxy's strict JSON parser.
+A line that cannot be read as a message (too long, not UTF-8, not JSON, a number that is not finite, not a JSON-RPC
+message) is reported as Unreadable with what tells which call it answered: the ids a lenient reading finds, else its
+head and tail. A line longer than `max_line_bytes` is discarded without being held (`readuntil`, then `readexactly`
+of what overran), so a flooding child costs at most about twice the limit. stderr is always drained (a full pipe
+would stop the child), logged line by line, and its last lines kept for the failure of the calls that were running
+when the child died. The proxy owns the pipes and closes them when a run ends, whoever else holds their other ends.
 """
 
 from __future__ import annotations
@@ -15,14 +16,18 @@ import collections
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import structlog
+
+from ..jsonrpc import loads
 
 log = structlog.get_logger(__name__)
 
@@ -31,9 +36,9 @@ _STDERR_LINE_BYTES = 8 * 1024
 _STDERR_TAIL = 20
 """stderr lines kept for the failure of the calls a dying child leaves."""
 _LOGGED_LINES = 200
-"""stderr or junk stdout lines logged one by one per child; past that one in a thousand (a flood must not flood)."""
+"""stderr lines logged one by one per child; past that one in a thousand (a flood must not flood)."""
 _EDGE_BYTES = 256
-"""Of a discarded (too long) line, the head and tail kept: where its id is."""
+"""Of an unreadable line, the head and tail kept: where its id is when nothing else can tell."""
 _LAST_OUTPUT_S = 2.0
 """After the child exits, how long its pipes are still read for what it wrote last (a process it left behind may
 hold them open: no end of file ever comes)."""
@@ -70,25 +75,85 @@ def child_env(inherit: Sequence[str], extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Oversized:
-    """A stdout line over max_line_bytes, discarded: its first and last bytes, and how long it was."""
+UNREADABLE_REASONS = ("too_long", "invalid_utf8", "not_json", "non_finite_number", "not_jsonrpc")
+"""Why a line of the child's could not be read (the `reason` label of the unreadable-lines metric)."""
 
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Unreadable:
+    """A stdout line that is no message the proxy can take: why (`reason`, one of UNREADABLE_REASONS, and `detail`
+    in words), its first and last bytes, its size, and the ids of the responses in it when a lenient reading could
+    tell them (None when it could not: then only the edges can)."""
+
+    reason: str
+    detail: str
     head: bytes
     tail: bytes
     size: int
+    ids: tuple[Any, ...] | None = None
+
+
+def unreadable(text: bytes, exc: BaseException) -> Unreadable:
+    """What is wrong with a line the strict parser refused (`exc`), and whose answer it was, read leniently: invalid
+    UTF-8 replaced, NaN and overflowing numbers taken, so the id of an answer with one bad byte is still known."""
+    head, tail = text[:_EDGE_BYTES], text[-_EDGE_BYTES:]
+    try:
+        decoded = text.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        decoded = text.decode("utf-8", "replace")
+        reason, detail = "invalid_utf8", f"it is not valid UTF-8 (byte 0x{text[bad.start]:02x} at offset {bad.start})"
+    else:
+        reason, detail = "not_json", f"it is not JSON ({exc})"
+    if not text.startswith((b"{", b"[")):
+        return Unreadable(reason, detail, head, tail, len(text))  # a banner, a stray print: no answer of anyone's
+    numbers: list[str] = []  # what the strict parser refuses and this reading takes: NaN, 1e999, 400 digits
+
+    def constant(name: str) -> float:
+        numbers.append(f"a number that is not finite ({name})")
+        return float(name)
+
+    def floating(literal: str) -> float:
+        value = float(literal)
+        if math.isinf(value):
+            numbers.append(f"a number that is not finite ({literal[:32]})")
+        return value
+
+    def integer(literal: str) -> int:
+        value = int(literal)
+        if abs(value) > sys.float_info.max:
+            numbers.append(f"a number that overflows a double ({literal[:32]}...)")
+        return value
+
+    try:
+        message = json.loads(decoded, parse_constant=constant, parse_float=floating, parse_int=integer)
+    except (ValueError, RecursionError):
+        return Unreadable(reason, detail, head, tail, len(text))
+    if numbers and reason == "not_json":
+        reason, detail = "non_finite_number", f"it has {numbers[0]}"
+    return Unreadable(reason, detail, head, tail, len(text), response_ids(message))
+
+
+def response_ids(message: Any) -> tuple[Any, ...]:
+    """The ids of the responses a message holds: its own, or those of a batch's members (never a request's: the
+    child's own ids say nothing about the proxy's calls)."""
+    members = message if isinstance(message, list) else [message]
+    return tuple(
+        member["id"]
+        for member in members
+        if isinstance(member, dict) and "id" in member and not isinstance(member.get("method"), str)
+    )
 
 
 class ChildProcess:
-    """One run of the child: its pipes read until it exits. `on_message` gets each JSON message (with its size),
-    `on_oversized` each discarded line; both are called in the reader and must not block."""
+    """One run of the child: its pipes read until it exits. `on_message` gets each JSON-RPC message (with its size),
+    `on_unreadable` each line that is none; both are called in the reader and must not block."""
 
     def __init__(
         self,
         spec: ChildSpec,
         generation: int,
-        on_message: Callable[[Any, int], None],
-        on_oversized: Callable[[Oversized], None],
+        on_message: Callable[[dict[str, Any], int], None],
+        on_unreadable: Callable[[Unreadable], None],
         on_kill: Callable[[], None] = lambda: None,
     ) -> None:
         self.spec = spec
@@ -96,14 +161,13 @@ class ChildProcess:
         self.killed = False
         self._on_kill = on_kill
         self._on_message = on_message
-        self._on_oversized = on_oversized
+        self._on_unreadable = on_unreadable
         self._process: asyncio.subprocess.Process | None = None
         self._stdin: asyncio.StreamWriter | None = None
         self._pipes: list[asyncio.BaseTransport] = []
         self._readers: list[asyncio.Task[None]] = []
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=_STDERR_TAIL)
         self._stderr_lines = 0
-        self._junk_lines = 0
         self.started_at = 0.0
 
     @property
@@ -280,31 +344,34 @@ class ChildProcess:
             size += len(rest)
             tail = (tail + rest)[-_EDGE_BYTES:]
             break
-        log.warning("upstream_line_too_long", upstream=self.spec.name, bytes=size, limit=limit)
-        self._on_oversized(Oversized(head, tail, size))
+        detail = f"it is {size} bytes long, over upstream.stdio.max_line_bytes ({limit})"
+        self._report(self._on_unreadable, Unreadable("too_long", detail, head, tail, size))
 
     def _line(self, line: bytes) -> None:
         text = line.strip()
         if not text:
             return
         try:
-            message = json.loads(text)
-        except (ValueError, RecursionError):
-            message = None
-        if not isinstance(message, dict | list):
-            # Not MCP (a banner, a stray print): the transport forbids it, and servers do it anyway.
-            self._junk_lines += 1
-            if self._junk_lines <= _LOGGED_LINES or self._junk_lines % 1000 == 0:
-                log.warning(
-                    "upstream_stdout_not_json",
-                    upstream=self.spec.name,
-                    line=text[:200].decode("utf-8", "replace"),
-                    count=self._junk_lines,
-                )
+            message = loads(text)
+        except (ValueError, RecursionError) as exc:
+            # Not a message: a banner or a stray print (the transport forbids them, servers do it anyway), or an
+            # answer broken on the way (one bad byte). Either way whoever waits for it is told.
+            self._report(self._on_unreadable, unreadable(text, exc))
             return
+        if not isinstance(message, dict):
+            why = "it is a batch (stdio carries one message per line)" if isinstance(message, list) else None
+            detail = why or f"it is a JSON {type(message).__name__}, not a JSON-RPC message"
+            line = Unreadable(
+                "not_jsonrpc", detail, text[:_EDGE_BYTES], text[-_EDGE_BYTES:], len(text), response_ids(message)
+            )
+            self._report(self._on_unreadable, line)
+            return
+        self._report(self._on_message, message, len(text))
+
+    def _report(self, callback: Callable[..., None], *args: Any) -> None:
         try:
-            self._on_message(message, len(text))
-        except Exception:  # a fault of the proxy's own on one message must not stop the reading of the rest
+            callback(*args)
+        except Exception:  # a fault of the proxy's own on one line must not stop the reading of the rest
             log.exception("upstream_message_error", upstream=self.spec.name)
 
     async def _read_stderr(self, stderr: asyncio.StreamReader) -> None:
@@ -336,8 +403,8 @@ class Supervisor:
         *,
         on_start: Callable[[ChildProcess], None],
         on_exit: Callable[[ChildProcess, int], None],
-        on_message: Callable[[ChildProcess, Any, int], None],
-        on_oversized: Callable[[ChildProcess, Oversized], None],
+        on_message: Callable[[ChildProcess, dict[str, Any], int], None],
+        on_unreadable: Callable[[ChildProcess, Unreadable], None],
         on_kill: Callable[[ChildProcess], None] = lambda child: None,
     ) -> None:
         self.spec = spec
@@ -345,7 +412,7 @@ class Supervisor:
         self._on_kill = on_kill
         self._on_exit = on_exit
         self._on_message = on_message
-        self._on_oversized = on_oversized
+        self._on_unreadable = on_unreadable
         self.child: ChildProcess | None = None
         self.state = "starting"
         """For /readyz: "running", "starting", or why the child is not running."""
@@ -365,7 +432,7 @@ class Supervisor:
             self.spec,
             self._generation,
             lambda message, size: self._on_message(child, message, size),
-            lambda oversized: self._on_oversized(child, oversized),
+            lambda line: self._on_unreadable(child, line),
             lambda: self._killed(child),
         )
         await child.start()
