@@ -139,6 +139,8 @@ def create_app(
                 "mcp_tasks_proxy_legacy_sessions", "Open 2025-era sessions: upstream (the proxy's with a 2025 "
                 "server) and client (2025 clients' with the proxy, for a stdio server)", "side", gateway.session_counts,
             )  # fmt: skip
+            if gateway.unreadable_counts is not None:
+                app[metrics_key].watch_unreadable(gateway.unreadable_counts)
             legacy = gateway.legacy
             app[bridge_key] = SyncBridge(
                 legacy,

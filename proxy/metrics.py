@@ -104,6 +104,12 @@ class Metrics:
         self.watch("mcp_tasks_proxy_tasks_running", "Tasks whose upstream call runs on this replica, by status",
                    "status", lambda: {**defaults, **running_by_status()})  # fmt: skip
 
+    def watch_unreadable(self, unreadable_by_reason: Callable[[], dict[str, int]]) -> None:
+        """Report the lines a stdio server wrote that could not be read, by reason, at every scrape."""
+        self.watch("mcp_tasks_proxy_upstream_unreadable", "Lines a stdio server wrote that could not be read, by "
+                   "reason (too_long, invalid_utf8, not_json, non_finite_number, not_jsonrpc); each failed the call "
+                   "it answered when its id could be told", "reason", unreadable_by_reason, counter=True)  # fmt: skip
+
     def watch(self, name: str, documentation: str, label: str, read: Callable[[], dict[str, int]], *,
               counter: bool = False) -> None:  # fmt: skip
         """A gauge (or counter) with one label, read from `read` at every scrape."""

@@ -25,6 +25,12 @@ At stdin EOF it finishes the calls under way, then exits 0. MODE is one of:
 - ignores_eof_and_term: ignores SIGTERM and keeps running after stdin EOF (sleeps forever): only SIGKILL stops it.
 - exit_at_start: writes "fatal: bad config" on stderr and exits with status 2 at once.
 - stops_reading: echo "stop" is answered, and from then on stdin is never read again (the process lives on).
+- unreadable: echo's answer is broken as its text says (any other text is answered normally): "invalid_utf8" (one
+  byte 0xff in it), "truncated" (cut short: not JSON), "nan" (NaN in its result), "no_result" (neither result nor
+  error), "bad_method" (a method that is not a string), "batch" (the answer inside a JSON array); "stray" writes a
+  line with a byte 0xff that names no call ("id": "m999.1") and a banner, then answers normally.
+- leaves_a_grandchild: starts a process in a session of its own that inherits stdin, stdout and stderr, writes its
+  pid (a line) to the file named by the second argument and sleeps 10 minutes; then exits with status 1 at once.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 from typing import Any
@@ -48,6 +55,8 @@ MODES = (
     "ignores_eof_and_term",
     "exit_at_start",
     "stops_reading",
+    "unreadable",
+    "leaves_a_grandchild",
 )
 PROTOCOL_VERSION = "2025-11-25"
 LONG_LINE_BYTES = 100 * 1024 * 1024
@@ -137,6 +146,10 @@ class Server:
                 head = b'{"jsonrpc":"2.0","id":' + json.dumps(request_id).encode() + b',"result":{"content":'
                 await self.write(head + b'[{"type":"text","text":"' + b"x" * LONG_LINE_BYTES + b'"}]}}\n')
                 return None
+            if self.mode == "unreadable" and text in BROKEN:
+                await self.write(broken(text, request_id))
+                if text != "stray":
+                    return None
             if text == "stop" and self.mode == "stops_reading":
                 self.stop_reading.set()
             if text == "flood" and self.mode == "junk_lines":
@@ -184,10 +197,46 @@ def text_result(text: str) -> dict[str, Any]:
     return {"content": [{"type": "text", "text": text}], "isError": False}
 
 
+def answer(request_id: Any, **members: Any) -> bytes:
+    return json.dumps({"jsonrpc": "2.0", "id": request_id, **members}, separators=(",", ":")).encode()
+
+
+BROKEN = frozenset({"invalid_utf8", "truncated", "nan", "no_result", "bad_method", "batch", "stray"})
+
+
+def broken(how: str, request_id: Any) -> bytes:
+    """Mode `unreadable`'s answer to echo `how` (one of BROKEN), as written on stdout."""
+    match how:
+        case "invalid_utf8":
+            line = answer(request_id, result=text_result("one bad byte: *")).replace(b"*", b"\xff")
+        case "truncated":
+            line = answer(request_id, result=text_result("cut short"))[:-20]
+        case "nan":
+            line = answer(request_id, result={"content": [], "value": float("nan")})
+        case "no_result":
+            line = answer(request_id)
+        case "bad_method":
+            line = answer(request_id, method=5)
+        case "batch":
+            line = b"[" + answer(request_id, result=text_result("batched")) + b"]"
+        case _:  # stray
+            line = answer("m999.1", result=text_result("*")).replace(b"*", b"\xff") + b"\nnot a message"
+    return line + b"\n"
+
+
+def leave_a_grandchild(pid_file: str) -> None:
+    """A process out of the proxy's reach (a session of its own: killpg does not get it) that holds our pipes."""
+    script = f"echo $$ >> '{pid_file}'; exec sleep 600"
+    subprocess.Popen(["/bin/sh", "-c", script], start_new_session=True)  # inherits stdin, stdout and stderr
+
+
 def main() -> None:
     mode = sys.argv[1] if len(sys.argv) > 1 else "ok"
     if mode not in MODES:
         sys.exit(f"usage: stdio_hostile.py {{{','.join(MODES)}}}")
+    if mode == "leaves_a_grandchild":
+        leave_a_grandchild(sys.argv[2])
+        os._exit(1)
     if mode == "exit_at_start":
         sys.stderr.write("fatal: bad config\n")
         sys.stderr.flush()

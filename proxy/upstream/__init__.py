@@ -17,6 +17,7 @@ from .http_legacy import HttpLegacyLink
 from .http_modern import Upstream
 from .http_relay import HttpRelay
 from .legacy import LegacyUpstream
+from .stdio_channel import unreadable_counts
 from .stdio_legacy import StdioLegacyLink
 from .stdio_modern import StdioModern
 from .stdio_pool import StdioPool
@@ -86,7 +87,9 @@ async def _stdio_gateway(config: ProxyConfig, identity: Identity, limit: Callabl
     relay = StdioRelay(
         pool, link, modern, sessions, identity, era, lambda: gateway.known_era if gateway else None, max_bytes=limit
     )
-    gateway = Gateway(modern, legacy, relay, upstream.protocol, clients=sessions)
+    gateway = Gateway(
+        modern, legacy, relay, upstream.protocol, clients=sessions, unreadable=lambda: unreadable_counts(pool.channels)
+    )
     if upstream.cwd is not None and not os.path.isdir(upstream.cwd):
         raise UpstreamStartError(f"cannot start {spec.name}: upstream.cwd {upstream.cwd} is not a directory")
     try:

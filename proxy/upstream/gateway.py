@@ -75,12 +75,22 @@ class Gateway:
     each call sent the way that era expects, and everything else relayed."""
 
     def __init__(
-        self, modern: ModernUpstream, legacy: LegacyUpstream, relay: Relay, protocol: str, *, clients: Sized = ()
+        self,
+        modern: ModernUpstream,
+        legacy: LegacyUpstream,
+        relay: Relay,
+        protocol: str,
+        *,
+        clients: Sized = (),
+        unreadable: Callable[[], dict[str, int]] | None = None,
     ) -> None:
         self.modern = modern
         self.legacy = legacy
         self.relay = relay
         self._clients = clients
+        self.unreadable_counts = unreadable
+        """A stdio server's lines that could not be read, by reason (None over HTTP, where an answer that cannot be
+        read fails its request as an upstream error)."""
         self._era: Era | None = protocol if protocol in ("modern", "legacy") else None  # type: ignore[assignment]
         self._lock = asyncio.Lock()
 

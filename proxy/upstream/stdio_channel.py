@@ -5,7 +5,8 @@ and, when it asked for progress, a progress token of the same value; what the ch
 the response) is queued on it with the caller's own id and token put back. A request the child sends (elicitation,
 sampling, roots) names no call on stdio, so it is tied as on a legacy standalone stream (routing.py): its
 related-task, else the one call in flight. Everything is bounded: the calls in flight, the progress and requests
-queued per call, the line length (stdio_process.py).
+queued per call, the line length (stdio_process.py). A line the proxy cannot read fails the call it answered when its
+id can be told (`_unreadable`), and is counted by reason either way.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import asyncio
 import collections
 import itertools
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from typing import Any
 
 import structlog
@@ -22,7 +23,7 @@ import structlog
 from ..jsonrpc import INTERNAL_ERROR, dumps, error_object
 from .events import AnswerTooLarge
 from .routing import CallRoute, related_task_id
-from .stdio_process import ChildProcess, ChildSpec, Oversized, Supervisor
+from .stdio_process import UNREADABLE_REASONS, ChildProcess, ChildSpec, Supervisor, Unreadable
 
 log = structlog.get_logger(__name__)
 
@@ -31,6 +32,8 @@ _MAX_QUEUED_NOTIFICATIONS = 64
 _MAX_QUEUED_REQUESTS = 16
 """Server requests tied to one call and not yet taken; past it the child is refused at once."""
 _LOGGED_DROPS = 10
+_LOGGED_UNREADABLE = 200
+"""Unreadable lines logged one by one per channel; past that one in a thousand (a flood must not flood)."""
 _MAX_BACKGROUND_WRITES = 1024
 _QUIET_METHODS = frozenset(
     {
@@ -53,6 +56,7 @@ _QUIET_METHODS = frozenset(
 """Requests during which a server does not ask its client anything: never the call an untied request is for."""
 SUBSCRIPTION_ID = "io.modelcontextprotocol/subscriptionId"
 _ID_IN_LINE = re.compile(rb'"id"\s*:\s*"(m\d+\.\d+)"')
+"""An id of the proxy's in the raw bytes of a line nothing else can read (its head or tail)."""
 
 
 def may_ask(method: Any) -> bool:
@@ -170,6 +174,8 @@ class StdioChannel:
         self.on_forget: list[Callable[[Exchange], None]] = []
         """Told each exchange that ends (its answer read, or given up)."""
         self._refused = 0
+        self.unreadable: collections.Counter[str] = collections.Counter()
+        """Lines of the child's (all its runs) that could not be read, by reason (UNREADABLE_REASONS)."""
         self.on_notification: list[Callable[[dict[str, Any]], None]] = []
         """Told the child's notifications that concern every client: list changes, resource updates (any other that
         names no call is dropped: nothing says whose it is)."""
@@ -179,7 +185,7 @@ class StdioChannel:
             on_start=self._started,
             on_exit=self._exited,
             on_message=self._received,
-            on_oversized=self._oversized,
+            on_unreadable=self._unreadable,
             on_kill=lambda child: self._running.clear(),
         )
         self._running = asyncio.Event()
@@ -339,21 +345,19 @@ class StdioChannel:
         self._asked.clear()
         self._prepared.clear()
 
-    def _received(self, child: ChildProcess, message: Any, size: int) -> None:
-        if not isinstance(message, dict):
-            self._drop("a JSON-RPC batch (stdio carries one message per line)", message)
-            return
+    def _received(self, child: ChildProcess, message: dict[str, Any], size: int) -> None:
         method = message.get("method")
-        if method is None:
+        if not isinstance(method, str):  # no request of the child's: an answer, or nothing at all
+            why = _not_a_response(message)
+            if why is not None:  # the call it names, if any, would wait for an answer that has come and gone
+                self._unreadable(child, Unreadable("not_jsonrpc", why, b"", b"", size, (message.get("id"),)))
+                return
             child_id = message.get("id")  # the proxy's ids are strings: any other is no request of the proxy's
             exchange = self._pending.pop(child_id, None) if isinstance(child_id, str) else None
             if exchange is None:
                 self._drop("a response to no request in flight", message)
                 return
             exchange.deliver(message, size)
-            return
-        if not isinstance(method, str):
-            self._drop("a message whose method is not a string", message)
             return
         if "id" not in message:
             self._notification(message, size)
@@ -440,17 +444,45 @@ class StdioChannel:
         error = error_object(INTERNAL_ERROR, f"The proxy cannot relay this {message['method']} request: {why}")
         self._background(self._answer_child(child.generation, message["id"], {"error": error}))
 
-    def _oversized(self, child: ChildProcess, line: Oversized) -> None:
-        """A discarded line may have been a call's answer: the call whose id it shows fails, not waits."""
+    def _unreadable(self, child: ChildProcess, line: Unreadable) -> None:
+        """A line that is no message may have been a call's answer: the call it names fails at once (it would wait
+        for an answer that has come and gone); otherwise the line is only logged. Counted either way."""
+        self.unreadable[line.reason] += 1
+        failed = []
+        for exchange in self._answered_by(line):
+            del self._pending[exchange.child_id]
+            failed.append(exchange.child_id)
+            message = f"Upstream failure: the stdio server's answer could not be read: {line.detail}"
+            error = error_object(INTERNAL_ERROR, message, {"upstream": self.name, "reason": line.reason})
+            exchange.deliver({"jsonrpc": "2.0", "id": exchange.child_id, "error": error}, 0)
+        count = sum(self.unreadable.values())
+        if count <= _LOGGED_UNREADABLE or count % 1000 == 0:
+            # A line that looks like a message is an answer's, a tool result: never logged. A banner is shown.
+            shown = None if line.head.startswith((b"{", b"[")) else line.head[:200].decode("utf-8", "replace")
+            log.warning(
+                "upstream_line_unreadable",
+                upstream=self.name,
+                pid=child.pid,
+                reason=line.reason,
+                detail=line.detail,
+                bytes=line.size,
+                failed_calls=failed,
+                line=shown,
+                count=count,
+            )
+
+    def _answered_by(self, line: Unreadable) -> list[Exchange]:
+        """The calls in flight an unreadable line answered: those of the ids it was read with, else the first id of
+        the proxy's found in its head, then in its tail (where an answer's top-level id is, whatever the key order)."""
+        if line.ids is not None:
+            ids = {child_id for child_id in line.ids if isinstance(child_id, str)}
+            return [self._pending[child_id] for child_id in ids if child_id in self._pending]
         for edge in (line.head, line.tail):
             match = _ID_IN_LINE.search(edge)
-            exchange = self._pending.pop(match.group(1).decode(), None) if match else None
+            exchange = self._pending.get(match.group(1).decode()) if match else None
             if exchange is not None:
-                reason = f"the stdio server's answer ({line.size} bytes) exceeds upstream.stdio.max_line_bytes"
-                exchange.deliver(
-                    {"jsonrpc": "2.0", "id": exchange.child_id, "error": error_object(INTERNAL_ERROR, reason)}, 0
-                )
-                return
+                return [exchange]
+        return []
 
     def _background(self, write: Coroutine[Any, Any, Any]) -> None:
         """A write of the proxy's own (an answer to a ping, a refusal, a cancellation) beside the calls; at most
@@ -467,6 +499,25 @@ class StdioChannel:
         self._refused += 1
         if self._refused <= _LOGGED_DROPS or self._refused % 1000 == 0:
             log.warning("upstream_message_dropped", upstream=self.name, reason=what, count=self._refused)
+
+
+def _not_a_response(message: dict[str, Any]) -> str | None:
+    """Why a message that is no request is no JSON-RPC response either (None when it is one): exactly one of result
+    and error. What they hold is for whoever reads the answer to judge (a tool result, an error object)."""
+    if message.get("method") is not None:
+        return "its method is not a string"
+    if ("result" in message) == ("error" in message):
+        return "it has both a result and an error" if "result" in message else "it has neither a result nor an error"
+    return None
+
+
+def unreadable_counts(channels: Iterable[StdioChannel]) -> dict[str, int]:
+    """The lines these channels' children wrote that could not be read, by reason (every reason, zero included)."""
+    counts = dict.fromkeys(UNREADABLE_REASONS, 0)
+    for channel in channels:
+        for reason, count in channel.unreadable.items():
+            counts[reason] += count
+    return counts
 
 
 OWN_ANSWER_MAX_BYTES = 4 * 1024 * 1024

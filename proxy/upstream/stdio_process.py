@@ -1,10 +1,12 @@
 """A stdio MCP server as a child process: started, read line by line, restarted with backoff, stopped in order.
 
-The stdio transport frames one JSON-RPC message per `\\n`-terminated line. A line longer than `max_line_bytes` is
-discarded without being held (`readuntil`, then `readexactly` of what overran), so a flooding child costs at most
-about twice the limit; its head and tail are kept to tell which call it answered. stderr is always drained (a full
-pipe would stop the child), logged line by line, and its last lines kept for the failure of the calls that were
-running when the child died.
+The stdio transport frames one JSON-RPC message per `\\n`-terminated line, read with the proxy's strict JSON parser.
+A line that cannot be read as a message (too long, not UTF-8, not JSON, a number that is not finite, not a JSON-RPC
+message) is reported as Unreadable with what tells which call it answered: the ids a lenient reading finds, else its
+head and tail. A line longer than `max_line_bytes` is discarded without being held (`readuntil`, then `readexactly`
+of what overran), so a flooding child costs at most about twice the limit. stderr is always drained (a full pipe
+would stop the child), logged line by line, and its last lines kept for the failure of the calls that were running
+when the child died. The proxy owns the pipes and closes them when a run ends, whoever else holds their other ends.
 """
 
 from __future__ import annotations
@@ -14,14 +16,18 @@ import collections
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import structlog
+
+from ..jsonrpc import loads
 
 log = structlog.get_logger(__name__)
 
@@ -30,9 +36,12 @@ _STDERR_LINE_BYTES = 8 * 1024
 _STDERR_TAIL = 20
 """stderr lines kept for the failure of the calls a dying child leaves."""
 _LOGGED_LINES = 200
-"""stderr or junk stdout lines logged one by one per child; past that one in a thousand (a flood must not flood)."""
+"""stderr lines logged one by one per child; past that one in a thousand (a flood must not flood)."""
 _EDGE_BYTES = 256
-"""Of a discarded (too long) line, the head and tail kept: where its id is."""
+"""Of an unreadable line, the head and tail kept: where its id is when nothing else can tell."""
+_LAST_OUTPUT_S = 2.0
+"""After the child exits, how long its pipes are still read for what it wrote last (a process it left behind may
+hold them open: no end of file ever comes)."""
 _HEALTHY_S = 60.0
 """A child that ran this long resets the restart backoff."""
 _MAX_UNREAD_BYTES = 16 * 1024 * 1024
@@ -66,25 +75,85 @@ def child_env(inherit: Sequence[str], extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Oversized:
-    """A stdout line over max_line_bytes, discarded: its first and last bytes, and how long it was."""
+UNREADABLE_REASONS = ("too_long", "invalid_utf8", "not_json", "non_finite_number", "not_jsonrpc")
+"""Why a line of the child's could not be read (the `reason` label of the unreadable-lines metric)."""
 
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Unreadable:
+    """A stdout line that is no message the proxy can take: why (`reason`, one of UNREADABLE_REASONS, and `detail`
+    in words), its first and last bytes, its size, and the ids of the responses in it when a lenient reading could
+    tell them (None when it could not: then only the edges can)."""
+
+    reason: str
+    detail: str
     head: bytes
     tail: bytes
     size: int
+    ids: tuple[Any, ...] | None = None
+
+
+def unreadable(text: bytes, exc: BaseException) -> Unreadable:
+    """What is wrong with a line the strict parser refused (`exc`), and whose answer it was, read leniently: invalid
+    UTF-8 replaced, NaN and overflowing numbers taken, so the id of an answer with one bad byte is still known."""
+    head, tail = text[:_EDGE_BYTES], text[-_EDGE_BYTES:]
+    try:
+        decoded = text.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        decoded = text.decode("utf-8", "replace")
+        reason, detail = "invalid_utf8", f"it is not valid UTF-8 (byte 0x{text[bad.start]:02x} at offset {bad.start})"
+    else:
+        reason, detail = "not_json", f"it is not JSON ({exc})"
+    if not text.startswith((b"{", b"[")):
+        return Unreadable(reason, detail, head, tail, len(text))  # a banner, a stray print: no answer of anyone's
+    numbers: list[str] = []  # what the strict parser refuses and this reading takes: NaN, 1e999, 400 digits
+
+    def constant(name: str) -> float:
+        numbers.append(f"a number that is not finite ({name})")
+        return float(name)
+
+    def floating(literal: str) -> float:
+        value = float(literal)
+        if math.isinf(value):
+            numbers.append(f"a number that is not finite ({literal[:32]})")
+        return value
+
+    def integer(literal: str) -> int:
+        value = int(literal)
+        if abs(value) > sys.float_info.max:
+            numbers.append(f"a number that overflows a double ({literal[:32]}...)")
+        return value
+
+    try:
+        message = json.loads(decoded, parse_constant=constant, parse_float=floating, parse_int=integer)
+    except (ValueError, RecursionError):
+        return Unreadable(reason, detail, head, tail, len(text))
+    if numbers and reason == "not_json":
+        reason, detail = "non_finite_number", f"it has {numbers[0]}"
+    return Unreadable(reason, detail, head, tail, len(text), response_ids(message))
+
+
+def response_ids(message: Any) -> tuple[Any, ...]:
+    """The ids of the responses a message holds: its own, or those of a batch's members (never a request's: the
+    child's own ids say nothing about the proxy's calls)."""
+    members = message if isinstance(message, list) else [message]
+    return tuple(
+        member["id"]
+        for member in members
+        if isinstance(member, dict) and "id" in member and not isinstance(member.get("method"), str)
+    )
 
 
 class ChildProcess:
-    """One run of the child: its pipes read until it exits. `on_message` gets each JSON message (with its size),
-    `on_oversized` each discarded line; both are called in the reader and must not block."""
+    """One run of the child: its pipes read until it exits. `on_message` gets each JSON-RPC message (with its size),
+    `on_unreadable` each line that is none; both are called in the reader and must not block."""
 
     def __init__(
         self,
         spec: ChildSpec,
         generation: int,
-        on_message: Callable[[Any, int], None],
-        on_oversized: Callable[[Oversized], None],
+        on_message: Callable[[dict[str, Any], int], None],
+        on_unreadable: Callable[[Unreadable], None],
         on_kill: Callable[[], None] = lambda: None,
     ) -> None:
         self.spec = spec
@@ -92,12 +161,13 @@ class ChildProcess:
         self.killed = False
         self._on_kill = on_kill
         self._on_message = on_message
-        self._on_oversized = on_oversized
+        self._on_unreadable = on_unreadable
         self._process: asyncio.subprocess.Process | None = None
+        self._stdin: asyncio.StreamWriter | None = None
+        self._pipes: list[asyncio.BaseTransport] = []
         self._readers: list[asyncio.Task[None]] = []
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=_STDERR_TAIL)
         self._stderr_lines = 0
-        self._junk_lines = 0
         self.started_at = 0.0
 
     @property
@@ -106,48 +176,100 @@ class ChildProcess:
 
     async def start(self) -> None:
         """Spawn the child; OSError (a missing program, a bad cwd) is the caller's to report."""
-        self._process = await asyncio.create_subprocess_exec(
-            *self.spec.argv,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env=self.spec.env,
-            cwd=self.spec.cwd,
-            limit=self.spec.max_line_bytes,
-            # Its own process group: a wrapper (sh, npx) and what it starts are stopped together (killpg).
-            start_new_session=True,
-        )
+        # The proxy makes the three pipes itself rather than ask for PIPE: asyncio's Process gives no public way to
+        # close its ends, and a process the child leaves behind in a session of its own (setsid, beyond killpg)
+        # holds the other ends open, so no end of file ever comes. Then asyncio's own loop never finishes wait()
+        # (it waits for the pipes too) and uvloop's keeps their descriptors, three more at every restart. Pipe
+        # transports from connect_read_pipe / connect_write_pipe are the proxy's to close, on either loop; the
+        # subprocess transport has no pipe left to wait for.
+        stdout = asyncio.StreamReader(limit=self.spec.max_line_bytes)
+        stderr = asyncio.StreamReader(limit=self.spec.max_line_bytes)
+        theirs: list[int] = []
+        try:
+            stdin_fd = await self._pipe(theirs, None)
+            stdout_fd = await self._pipe(theirs, stdout)
+            stderr_fd = await self._pipe(theirs, stderr)
+            self._process = await asyncio.create_subprocess_exec(
+                *self.spec.argv,
+                stdin=stdin_fd,
+                stdout=stdout_fd,
+                stderr=stderr_fd,
+                env=self.spec.env,
+                cwd=self.spec.cwd,
+                # Its own process group: a wrapper (sh, npx) and what it starts are stopped together (killpg).
+                start_new_session=True,
+            )
+        except BaseException:
+            self._close_pipes()
+            raise
+        finally:
+            for fd in theirs:  # the child has its copies: with ours closed, its exit (or its group's) ends the pipes
+                os.close(fd)
         self.started_at = time.monotonic()
         log.info("upstream_started", upstream=self.spec.name, pid=self._process.pid, generation=self.generation)
-        assert self._process.stdout is not None and self._process.stderr is not None
         self._readers = [
-            asyncio.ensure_future(self._read_stdout(self._process.stdout)),
-            asyncio.ensure_future(self._read_stderr(self._process.stderr)),
+            asyncio.ensure_future(self._read_stdout(stdout)),
+            asyncio.ensure_future(self._read_stderr(stderr)),
         ]
 
+    async def _pipe(self, theirs: list[int], reader: asyncio.StreamReader | None) -> int:
+        """One pipe: the proxy's end connected (read into `reader`, or written to as stdin when None), the child's
+        end returned (and added to `theirs`, to be closed here once the child has it)."""
+        loop = asyncio.get_running_loop()
+        read_fd, write_fd = os.pipe()
+        ours, child_end = (write_fd, read_fd) if reader is None else (read_fd, write_fd)
+        theirs.append(child_end)
+        pipe = os.fdopen(ours, "wb" if reader is None else "rb", buffering=0)  # the transport closes it
+        try:
+            if reader is None:
+                # StreamReaderProtocol for its flow control: StreamWriter.drain() needs a protocol that has it.
+                transport, protocol = await loop.connect_write_pipe(
+                    lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()), pipe
+                )
+                self._stdin = asyncio.StreamWriter(transport, protocol, None, loop)
+            else:
+                transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
+        except BaseException:
+            pipe.close()
+            raise
+        self._pipes.append(transport)
+        return child_end
+
+    def _close_pipes(self) -> None:
+        """Stop reading and close the proxy's ends of the pipes: whatever still holds the other ends (a process the
+        child left behind) writes into a closed pipe, and reaches no call of a later run."""
+        for reader in self._readers:
+            reader.cancel()
+        for transport in self._pipes:
+            if not isinstance(transport, asyncio.WriteTransport):
+                transport.close()
+            elif not transport.is_closing() or transport.get_write_buffer_size():
+                transport.abort()  # what the child did not read goes (stdin closed by stop() may still hold some)
+        self._pipes = []
+
     async def wait(self) -> int:
-        """The exit status, once the child has exited and its pipes are read to their end."""
+        """The exit status, once the child has exited and its pipes are read to their end (or for _LAST_OUTPUT_S,
+        when something it left behind holds them open); the pipes are closed then."""
         assert self._process is not None
         status = await self._process.wait()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.gather(*self._readers, return_exceptions=True), 2.0)
-        for reader in self._readers:
-            reader.cancel()
+            await asyncio.wait_for(asyncio.gather(*self._readers, return_exceptions=True), _LAST_OUTPUT_S)
+        self._close_pipes()
         return status
 
     async def write(self, line: bytes) -> None:
         """One message (a line with its newline) to the child's stdin. Raises ConnectionError when the child is
         gone or has not read its stdin for _WRITE_TIMEOUT_S."""
-        process = self._process
-        if process is None or process.stdin is None or process.returncode is not None:
+        process, stdin = self._process, self._stdin
+        if process is None or stdin is None or process.returncode is not None or stdin.transport.is_closing():
             raise ConnectionError("the stdio server is not running")
-        if process.stdin.transport.get_write_buffer_size() > _MAX_UNREAD_BYTES:
+        if stdin.transport.get_write_buffer_size() > _MAX_UNREAD_BYTES:
             # A child that does not read: each message would wait in memory until it does.
             raise ConnectionError(f"the stdio server has not read {_MAX_UNREAD_BYTES} bytes written to its stdin")
         try:
-            process.stdin.write(line)  # one write per message keeps the framing whole
+            stdin.write(line)  # one write per message keeps the framing whole
             async with asyncio.timeout(_WRITE_TIMEOUT_S):  # drain() has room for many waiters: no lock to queue on
-                await process.stdin.drain()
+                await stdin.drain()
         except TimeoutError:
             # Not reading for that long is a fault of the child's, like dying: it is stopped, and started again.
             log.warning("upstream_stdin_stuck", upstream=self.spec.name, pid=process.pid, wait_s=_WRITE_TIMEOUT_S)
@@ -170,9 +292,9 @@ class ChildProcess:
         process = self._process
         if process is None:
             return None
-        if process.returncode is None and process.stdin is not None:
+        if process.returncode is None and self._stdin is not None:
             with contextlib.suppress(OSError, RuntimeError):
-                process.stdin.close()
+                self._stdin.close()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(process.wait(), self.spec.stop_grace_s)
         for sig, grace in ((signal.SIGTERM, self.spec.term_grace_s), (signal.SIGKILL, 5.0)):
@@ -185,8 +307,7 @@ class ChildProcess:
         # What the group still holds (a wrapper's children that outlived it) goes too.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signal.SIGKILL)
-        for reader in self._readers:
-            reader.cancel()
+        self._close_pipes()
         return process.returncode
 
     async def _read_stdout(self, stdout: asyncio.StreamReader) -> None:
@@ -223,31 +344,34 @@ class ChildProcess:
             size += len(rest)
             tail = (tail + rest)[-_EDGE_BYTES:]
             break
-        log.warning("upstream_line_too_long", upstream=self.spec.name, bytes=size, limit=limit)
-        self._on_oversized(Oversized(head, tail, size))
+        detail = f"it is {size} bytes long, over upstream.stdio.max_line_bytes ({limit})"
+        self._report(self._on_unreadable, Unreadable("too_long", detail, head, tail, size))
 
     def _line(self, line: bytes) -> None:
         text = line.strip()
         if not text:
             return
         try:
-            message = json.loads(text)
-        except (ValueError, RecursionError):
-            message = None
-        if not isinstance(message, dict | list):
-            # Not MCP (a banner, a stray print): the transport forbids it, and servers do it anyway.
-            self._junk_lines += 1
-            if self._junk_lines <= _LOGGED_LINES or self._junk_lines % 1000 == 0:
-                log.warning(
-                    "upstream_stdout_not_json",
-                    upstream=self.spec.name,
-                    line=text[:200].decode("utf-8", "replace"),
-                    count=self._junk_lines,
-                )
+            message = loads(text)
+        except (ValueError, RecursionError) as exc:
+            # Not a message: a banner or a stray print (the transport forbids them, servers do it anyway), or an
+            # answer broken on the way (one bad byte). Either way whoever waits for it is told.
+            self._report(self._on_unreadable, unreadable(text, exc))
             return
+        if not isinstance(message, dict):
+            why = "it is a batch (stdio carries one message per line)" if isinstance(message, list) else None
+            detail = why or f"it is a JSON {type(message).__name__}, not a JSON-RPC message"
+            line = Unreadable(
+                "not_jsonrpc", detail, text[:_EDGE_BYTES], text[-_EDGE_BYTES:], len(text), response_ids(message)
+            )
+            self._report(self._on_unreadable, line)
+            return
+        self._report(self._on_message, message, len(text))
+
+    def _report(self, callback: Callable[..., None], *args: Any) -> None:
         try:
-            self._on_message(message, len(text))
-        except Exception:  # a fault of the proxy's own on one message must not stop the reading of the rest
+            callback(*args)
+        except Exception:  # a fault of the proxy's own on one line must not stop the reading of the rest
             log.exception("upstream_message_error", upstream=self.spec.name)
 
     async def _read_stderr(self, stderr: asyncio.StreamReader) -> None:
@@ -279,8 +403,8 @@ class Supervisor:
         *,
         on_start: Callable[[ChildProcess], None],
         on_exit: Callable[[ChildProcess, int], None],
-        on_message: Callable[[ChildProcess, Any, int], None],
-        on_oversized: Callable[[ChildProcess, Oversized], None],
+        on_message: Callable[[ChildProcess, dict[str, Any], int], None],
+        on_unreadable: Callable[[ChildProcess, Unreadable], None],
         on_kill: Callable[[ChildProcess], None] = lambda child: None,
     ) -> None:
         self.spec = spec
@@ -288,7 +412,7 @@ class Supervisor:
         self._on_kill = on_kill
         self._on_exit = on_exit
         self._on_message = on_message
-        self._on_oversized = on_oversized
+        self._on_unreadable = on_unreadable
         self.child: ChildProcess | None = None
         self.state = "starting"
         """For /readyz: "running", "starting", or why the child is not running."""
@@ -308,7 +432,7 @@ class Supervisor:
             self.spec,
             self._generation,
             lambda message, size: self._on_message(child, message, size),
-            lambda oversized: self._on_oversized(child, oversized),
+            lambda line: self._on_unreadable(child, line),
             lambda: self._killed(child),
         )
         await child.start()
