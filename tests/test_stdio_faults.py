@@ -21,7 +21,6 @@ import structlog
 import uvloop
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.jsonrpc import loads
 from proxy.upstream import stdio_process
 from proxy.upstream.stdio_process import ChildSpec, Supervisor, unreadable
 from tests.conftest import ROOT, eventually, task_reaches
@@ -68,15 +67,6 @@ async def test_a_task_whose_answer_has_an_invalid_byte_fails_with_the_reason(mak
     assert error["data"]["reason"] == "invalid_utf8", error
 
 
-def loads_takes_nan() -> bool:
-    try:
-        loads(b"NaN")
-    except ValueError:
-        return False
-    return True
-
-
-@pytest.mark.xfail(loads_takes_nan(), reason="proxy.jsonrpc.loads takes NaN until strict JSON (issue 25 item 7)")
 async def test_an_answer_with_nan_fails_its_call(make_proxy):
     proxy = await stdio_proxy(make_proxy, hostile_command("unreadable"), tools=[])
     reply = await asyncio.wait_for(proxy.client.call_tool("echo", {"text": "nan"}, tasks=False), 30)
