@@ -155,6 +155,7 @@ def create_app(
             await app[bridge_key].aclose()
 
     async def store_ctx(app: web.Application) -> AsyncIterator[None]:
+        await app[store_key].eviction_risk()  # logs a store setting that would lose tasks, once at start
         yield
         await app[store_key].aclose()
 
@@ -377,7 +378,12 @@ async def readyz(request: web.Request) -> web.Response:
         checks["principal_key"] = "not loaded yet: the replicas' shared key is kept in the store"
     checks["upstream"] = await request.app[gateway_key].relay.readiness()
     ready = all(value == "ok" for value in checks.values())
-    return web.json_response({"status": "ready" if ready else "not ready", **checks}, status=200 if ready else 503)
+    body: dict[str, Any] = {"status": "ready" if ready else "not ready", **checks}
+    # A setting that puts tasks at risk is said, but takes no replica out of service: they all share it.
+    risk = await request.app[store_key].eviction_risk()
+    if risk is not None:
+        body["warnings"] = [risk]
+    return web.json_response(body, status=200 if ready else 503)
 
 
 def build_store(config: ProxyConfig, *, timer: Callable[[], float] = time.monotonic) -> TaskStore:

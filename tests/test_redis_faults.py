@@ -10,6 +10,7 @@ import secrets
 
 import pytest
 import redis.asyncio as redis
+import structlog
 
 from tests.conftest import RedisServer, eventually, task_reaches
 from tests.factories import McpClient, meta
@@ -394,3 +395,94 @@ async def test_a_replica_started_before_redis_answers_store_unavailable_until_th
             assert response.status == 200 and "principal_key" not in await response.json()
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize(
+    ("bad", "reason"),
+    [
+        ("", "is empty"),
+        ("short", "is not a key of the proxy's"),
+        (b"\xff" * 40, "is not a key of the proxy's"),
+        ("list", "holds a Redis list, not a string"),
+    ],
+    ids=["empty", "short", "binary", "wrong-type"],
+)
+async def test_an_unusable_shared_key_in_redis_is_replaced_once_and_disturbs_nobody(
+    make_proxy, mcp_upstream, redis_server, monkeypatch, bad, reason
+):
+    """Issue 25: an empty value under principal-key was read as a garbled reply; the shared connection was reset on
+    every retry, unrelated requests got 503, the replica never became ready, and the log named the wrong cause."""
+    monkeypatch.delenv("MCP_TASKS_PROXY_PRINCIPAL_KEY", raising=False)
+    server = redis_server()
+    prefix = f"bad-key-{secrets.token_hex(3)}:"
+    key = f"{prefix}principal-key"
+    admin = redis.Redis.from_url(server.url)
+    try:
+        if bad == "list":
+            await admin.rpush(key, "a", "b")
+        else:
+            await admin.set(key, bad)
+        with structlog.testing.capture_logs() as logs:
+            a = await keyless_replica(make_proxy, mcp_upstream, server.url, prefix)
+            b = await keyless_replica(make_proxy, mcp_upstream, server.url, prefix)
+            for replica_ in (a, b):
+                async with replica_.client.session.get(replica_.url.replace("/mcp", "/readyz")) as response:
+                    assert response.status == 200, await response.json()
+            created = await a.client.call_tool("slow_report", {"topic": "k", "seconds": 0}, headers=ALICE)
+            assert created.status == 200, created.message
+            done = await task_reaches(b.client, created.result["taskId"], "completed", headers=ALICE)
+            assert done.result["status"] == "completed"  # both replicas hash Alice alike: one key
+        stored = await admin.get(key)
+        assert stored is not None and re.fullmatch(rb"[0-9a-f]{64}", stored)
+    finally:
+        await admin.aclose()
+    invalid = [line for line in logs if line["event"] == "principal_key_invalid"]
+    assert invalid and all(line["key"] == key and reason in line["reason"] for line in invalid), invalid
+    assert len(invalid) <= 2  # once per replica at most: the first replacement is the one both keep
+    assert not [line for line in logs if line["event"] in ("store_unavailable", "store_record_corrupt")], logs
+
+
+async def readyz(proxy) -> tuple[int, dict]:
+    async with proxy.client.session.get(proxy.url.replace("/mcp", "/readyz")) as response:
+        return response.status, await response.json()
+
+
+async def test_an_evicting_maxmemory_policy_is_named_at_start_and_on_readyz(make_proxy, mcp_upstream, redis_server):
+    """Issue 25: with volatile-ttl (once the README's advice) Redis evicts running tasks' records and the replicas'
+    leases under memory pressure, and those tasks are lost while their calls go on."""
+    server = redis_server("--maxmemory-policy", "volatile-ttl")
+    with structlog.testing.capture_logs() as logs:
+        proxy = await replica(make_proxy, mcp_upstream, server.url, "policy:")
+        status, body = await readyz(proxy)
+    assert status == 200, body  # a shared setting takes no replica out of service
+    (warning,) = body["warnings"]
+    assert warning.startswith("Redis maxmemory-policy is volatile-ttl: under memory pressure it evicts keys with a TTL")
+    assert warning.endswith("set maxmemory-policy noeviction")
+    assert [line["policy"] for line in logs if line["event"] == "store_eviction_policy"] == ["volatile-ttl"]
+    admin = redis.Redis.from_url(server.url)
+    try:
+        await admin.config_set("maxmemory-policy", "noeviction")
+        assert "warnings" not in (await readyz(proxy))[1]
+        await admin.config_set("maxmemory-policy", "allkeys-lru")
+        assert "evicts any key" in (await readyz(proxy))[1]["warnings"][0]
+    finally:
+        await admin.aclose()
+
+
+async def test_a_policy_that_cannot_be_read_is_said_once(make_proxy, mcp_upstream, redis_server):
+    """Managed Redis services often disable CONFIG (and some INFO): the proxy says it cannot check, once."""
+    server = redis_server()
+    admin = redis.Redis.from_url(server.url)
+    try:
+        await admin.execute_command("ACL", "SETUSER", "tasks", "on", ">secret", "~*", "&*", "+@all", "-info", "-config")
+    finally:
+        await admin.aclose()
+    limited = server.url.replace("redis://", "redis://tasks:secret@")
+    with structlog.testing.capture_logs() as logs:
+        proxy = await replica(make_proxy, mcp_upstream, limited, "acl:")
+        for _ in range(3):
+            status, body = await readyz(proxy)
+            assert status == 200 and "warnings" not in body, body
+    unknown = [line for line in logs if line["event"] == "store_eviction_policy_unknown"]
+    assert len(unknown) == 1 and "INFO memory" in unknown[0]["reason"] and "CONFIG GET" in unknown[0]["reason"]
+    assert "noeviction" in unknown[0]["advice"]

@@ -21,6 +21,7 @@ import collections
 import contextlib
 import hashlib
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -28,7 +29,7 @@ from typing import Any
 
 import redis.asyncio as redis
 import structlog
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from .model import TaskRecord, from_json, to_json
 from .resp import DEFAULT_MAX_REPLY_BYTES, RespClient, RespError
@@ -56,6 +57,33 @@ _LEASE_RETRY_S = 0.5
 
 _INDEX_TIES = 64
 """Entries read past a page's end, for those that share the cursor's score (told apart by task id)."""
+
+
+_SECRET = re.compile(rb"[!-~]{32,1024}")
+"""A shared key as a replica could have written it: 32 to 1024 printable ASCII characters (they write 64 hex)."""
+
+# KEYS: the key. ARGV: the type read, the value read ("" unless a string), the replacement. Replaces only what was
+# read (a replica racing to replace it too finds another value and keeps it).
+_REPLACE_SECRET = b"""
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind ~= ARGV[1] then return 0 end
+if kind == 'string' and redis.call('GET', KEYS[1]) ~= ARGV[2] then return 0 end
+redis.call('DEL', KEYS[1])
+redis.call('SET', KEYS[1], ARGV[3])
+return 1
+"""
+
+
+def _secret_problem(stored: bytes | None, kind: str) -> str | None:
+    """What makes a stored shared key unusable, or None."""
+    if kind != "string":
+        return f"holds a Redis {kind}, not a string"
+    assert stored is not None
+    if not stored:
+        return "is empty"
+    if _SECRET.fullmatch(stored) is None:
+        return "is not a key of the proxy's (32 to 1024 printable ASCII characters)"
+    return None
 
 
 def _text(value: Any) -> str:
@@ -114,6 +142,8 @@ class RedisTaskStore:
         self._last_failure = time.monotonic()
         """When a Redis call last failed (or the store was made): the sweep waits a lease after it."""
         self.events_state = "not subscribed"
+        self._policy_said: str | None = None
+        self._policy_unknown_said = False
         self.failures: collections.Counter[str] = collections.Counter()
 
     def _key(self, task_id: str) -> str:
@@ -256,19 +286,88 @@ class RedisTaskStore:
             if await self._fast.execute("SET", f"{self._prefix}readyz", "1", "PX", 10_000) != b"OK":
                 raise _Inconsistent("SET was not answered with OK")
 
+    async def eviction_risk(self) -> str | None:
+        """Why this Redis may lose task records under memory pressure, or None. Every maxmemory-policy but
+        noeviction evicts keys (volatile-*: those with a TTL, which task records and replica leases all have), and a
+        running task whose record or whose owner's lease is evicted is lost while its call goes on. Read with INFO,
+        else CONFIG GET (managed services often disable CONFIG); when neither may be read, that is said once. A
+        Redis out of reach is no risk to report: ping says it."""
+        refused: list[str] = []
+        policy: Any = None
+        for what, read in (
+            ("INFO memory", lambda: self._redis.info("memory")),
+            ("CONFIG GET", lambda: self._redis.config_get("maxmemory-policy")),
+        ):
+            try:
+                answer = await asyncio.wait_for(read(), self._timeout_s)
+            except ResponseError as exc:
+                refused.append(f"{what}: {exc}")
+                continue
+            except (RedisError, OSError, TimeoutError):
+                return None
+            policy = (
+                answer.get("maxmemory_policy", answer.get("maxmemory-policy")) if isinstance(answer, dict) else None
+            )
+            if policy is not None:
+                break
+        if policy is None:
+            if not self._policy_unknown_said:
+                self._policy_unknown_said = True
+                log.warning(
+                    "store_eviction_policy_unknown",
+                    reason="; ".join(refused) or "neither INFO nor CONFIG GET names it",
+                    advice="make sure Redis runs with maxmemory-policy noeviction",
+                )
+            return None
+        policy = _text(policy)
+        if policy == "noeviction":
+            self._policy_said = policy
+            return None
+        evicts = "any key" if policy.startswith("allkeys") else "keys with a TTL"
+        risk = (
+            f"Redis maxmemory-policy is {policy}: under memory pressure it evicts {evicts}, task records and replica "
+            "leases included, and running tasks are lost; set maxmemory-policy noeviction"
+        )
+        if self._policy_said != policy:
+            self._policy_said = policy
+            log.warning("store_eviction_policy", policy=policy, risk=risk)
+        return risk
+
     async def shared_secret(self, name: str, candidate: str) -> str:
         key = f"{self._prefix}{name}"
         async with self._answering("shared_secret"):
             # No expiry: replicas started at any time later must find the same value. Written only if absent, so
             # the first replica's value wins and a Redis that lost it (restarted without persistence) gets it back.
             # GET first: a Redis refusing writes (maxmemory, read-only) still hands out a key that exists.
-            stored = await self._fast.execute("GET", key)
-            if stored is None:
+            stored, kind = await self._read_secret(key)
+            if kind == "none":
                 await self._fast.execute("SET", key, candidate, "NX")
-                stored = await self._fast.execute("GET", key)
-            if not isinstance(stored, bytes) or not stored:
-                raise _Inconsistent(f"GET {key} answered no value right after SET NX")
-        return stored.decode("utf-8", "replace")
+                stored, kind = await self._read_secret(key)
+            problem = _secret_problem(stored, kind)
+            if problem is not None:
+                # Not a key any replica wrote (emptied or overwritten by hand, another program's): replaced, only if
+                # it is still that same value, so that replicas racing to replace it converge on one key.
+                log.warning("principal_key_invalid", key=key, reason=problem, action="replaced")
+                await self._fast.execute("EVAL", _REPLACE_SECRET, 1, key, kind, stored or b"", candidate)
+                stored, kind = await self._read_secret(key)
+                problem = _secret_problem(stored, kind)
+                if problem is not None:  # something keeps writing there: refuse it rather than adopt it
+                    raise _Corrupt(f"{key} {problem}, again after it was replaced")
+        assert stored is not None
+        return stored.decode()
+
+    async def _read_secret(self, key: str) -> tuple[bytes | None, str]:
+        """The value under `key` and its Redis type ("none" when absent); a value of another type is not read."""
+        try:
+            stored = await self._fast.execute("GET", key)
+        except RespError as exc:
+            if not str(exc).startswith("WRONGTYPE"):
+                raise
+            kind = await self._fast.execute("TYPE", key)
+            return None, _text(kind)
+        if stored is not None and not isinstance(stored, bytes):
+            raise _Inconsistent("GET answered something that is not a string")
+        return stored, "none" if stored is None else "string"
 
     async def start(
         self, replica_id: str, on_event: EventHandler, on_resync: Callable[[], Awaitable[None]] | None = None

@@ -55,6 +55,9 @@ class TaskStore(Protocol):
         """The value of `name` that every replica sharing the store agrees on: the one stored, else `candidate`,
         stored now by whichever replica comes first."""
 
+    async def eviction_risk(self) -> str | None:
+        """Why the store may drop task records on its own (a setting of its server), or None."""
+
     async def start(
         self, replica_id: str, on_event: EventHandler, on_resync: Callable[[], Awaitable[None]] | None = None
     ) -> None:
@@ -151,6 +154,9 @@ class MemoryTaskStore:
 
     async def shared_secret(self, name: str, candidate: str) -> str:
         return candidate  # one process: nobody to agree with
+
+    async def eviction_risk(self) -> str | None:
+        return None  # it evicts only finished tasks, past tasks.max_tasks (task_evicted says so)
 
     async def start(
         self, replica_id: str, on_event: EventHandler, on_resync: Callable[[], Awaitable[None]] | None = None
