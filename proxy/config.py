@@ -64,11 +64,16 @@ class StdioConfig(_Strict):
     term_grace_s: Annotated[float, Field(ge=0)] = 2.0
     """After SIGTERM: how long before SIGKILL."""
     children: PositiveInt = 1
-    """How many copies of the server the proxy runs (each started, restarted and stopped alike)."""
+    """How many copies of the server the proxy starts (each restarted and stopped alike)."""
+    max_children: PositiveInt | None = None
+    """How many copies may run at most (default: 4, or children if more). Another is started when a call that may
+    be asked something finds every copy waiting on an open question of another caller's (shared dispatch) or busy
+    with an asking call (exclusive); copies started so stay. 1 with children 1: always one copy."""
     dispatch: Literal["shared", "exclusive"] = "shared"
-    """shared: each request goes to the child with the fewest in flight. exclusive: a call during which a 2025
-    server may ask something goes to a child with no other such call, waiting for one to be free; stdio ties a
-    server's question to no call, so with two such calls on one child the proxy must refuse it."""
+    """stdio ties a 2025 server's question to no call, so with two calls that may be asked something in flight on
+    one copy the proxy must refuse it. shared: each request goes to the copy with the fewest in flight, but never a
+    call that may be asked something to a copy waiting on an open question (another copy is started if need be, up
+    to max_children). exclusive: such a call goes to a copy with no other such call, waiting for one to be free."""
     max_in_flight: PositiveInt = 10_000
     """Requests the child may have in flight at once; past it a call fails at once instead of queueing."""
     max_sessions: PositiveInt = 10_000
@@ -79,6 +84,12 @@ class StdioConfig(_Strict):
     """Of those, one caller's: a principal's, or an anonymous caller's network address (anonymous clients are not
     one caller). Past it that caller's own least recently used idle session is ended, never another caller's; when
     all of its sessions are busy, its new one is refused (503)."""
+
+    @model_validator(mode="after")
+    def _children_within_max(self) -> StdioConfig:
+        if self.max_children is not None and self.max_children < self.children:
+            raise ValueError(f"max_children ({self.max_children}) is below children ({self.children})")
+        return self
 
 
 class UpstreamTls(_Strict):

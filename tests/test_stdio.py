@@ -19,6 +19,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from proxy.app import gateway_key
 from tests.conftest import EVERYTHING, ROOT, eventually, everything_node, legacy_python, task_reaches
 from tests.factories import McpClient, meta, request
 from tests.schemas import validate_response
@@ -229,12 +230,12 @@ async def test_two_calls_asking_at_once_on_one_shared_child_cannot_be_told_apart
 
 
 async def test_exclusive_dispatch_gives_each_asking_call_a_child_of_its_own(make_proxy):
-    proxy = await stdio_proxy(
-        make_proxy, legacy_command(), upstream={"stdio": {"children": 2, "dispatch": "exclusive"}}
-    )
+    stdio = {"children": 1, "max_children": 2, "dispatch": "exclusive"}
+    proxy = await stdio_proxy(make_proxy, legacy_command(), upstream={"stdio": stdio})
     asking = await _ask_two_at_once(proxy)
     assert [reply.result["status"] for reply in asking] == ["input_required", "input_required"]
-    # A third asking call waits for a free child instead of being refused.
+    assert len(proxy.app[gateway_key].relay.pool.channels) == 2  # the second started for the second asking call
+    # A third asking call, past max_children, waits for a free child instead of being refused.
     third = await proxy.client.call("tools/call", {"name": "ask_name", "arguments": {}, "_meta": meta(**ELICIT)})
     await asyncio.sleep(0.5)
     assert (await proxy.client.get_task(third.result["taskId"])).result["status"] == "working"

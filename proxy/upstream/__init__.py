@@ -72,7 +72,11 @@ async def _stdio_gateway(config: ProxyConfig, identity: Identity, limit: Callabl
         term_grace_s=stdio.term_grace_s,
     )
     pool = StdioPool(
-        spec, children=stdio.children, exclusive=stdio.dispatch == "exclusive", max_in_flight=stdio.max_in_flight
+        spec,
+        children=stdio.children,
+        max_children=stdio.max_children or max(stdio.children, 4),
+        exclusive=stdio.dispatch == "exclusive",
+        max_in_flight=stdio.max_in_flight,
     )
     sessions = FrontSessions(stdio.max_sessions, per_caller=stdio.max_sessions_per_principal)
     link = StdioLegacyLink(pool, sessions, start_timeout_s=stdio.start_timeout_s)

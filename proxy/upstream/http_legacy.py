@@ -210,7 +210,11 @@ class HttpLegacyLink:
             log.warning("legacy_answer_refused", status=response.status)
 
     async def ask(
-        self, session: LegacySession, client_headers: MultiMapping[str], message: dict[str, Any]
+        self,
+        session: LegacySession,
+        client_headers: MultiMapping[str],
+        message: dict[str, Any],
+        route: CallRoute | None = None,
     ) -> tuple[int, dict[str, Any] | None]:
         """A request of the proxy's own and its one answer, within ASK_TIMEOUT_S. Raises UpstreamUnavailable."""
         try:

@@ -210,7 +210,11 @@ class LegacyLink(Protocol):
     ) -> None: ...
 
     async def ask(
-        self, session: LegacySession, client_headers: MultiMapping[str], message: dict[str, Any]
+        self,
+        session: LegacySession,
+        client_headers: MultiMapping[str],
+        message: dict[str, Any],
+        route: CallRoute | None = None,
     ) -> tuple[int, dict[str, Any] | None]: ...
 
 
@@ -337,14 +341,16 @@ class LegacyUpstream:
         params: dict[str, Any],
         *,
         session: LegacySession | None = None,
+        route: CallRoute | None = None,
     ) -> dict[str, Any] | None:
         """A request of the proxy's own (tools/list, tasks/get, tasks/cancel) and its one answer, within
         ASK_TIMEOUT_S; None when the upstream gave none. On the caller's session, or on `session` when the request
-        only means something there (an upstream task belongs to its session). Raises UpstreamUnavailable."""
+        only means something there (an upstream task belongs to its session); as part of the call `route` is, when
+        given (on stdio it then reaches the child that took the call). Raises UpstreamUnavailable."""
         message = {"jsonrpc": "2.0", "id": f"mtp-{method}-{secrets.token_hex(6)}", "method": method, "params": params}
         for attempt in range(2):
             current = session or await self.session_for(client_headers)
-            status, answer = await self.link.ask(current, client_headers, message)
+            status, answer = await self.link.ask(current, client_headers, message, route)
             if status == 404 and current.session_id is not None and attempt == 0:
                 self.forget(current)
                 if session is None:

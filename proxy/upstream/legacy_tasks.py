@@ -213,7 +213,9 @@ async def run_as_upstream_task(
                 return
             await asyncio.sleep(_poll_s(task))
             try:
-                answer = await legacy.ask(client_headers, "tasks/get", {"taskId": task_id}, session=session)
+                answer = await legacy.ask(
+                    client_headers, "tasks/get", {"taskId": task_id}, session=session, route=route
+                )
             except UpstreamUnavailable as exc:
                 yield proxy_failure(f"the upstream's tasks/get failed ({exc})", legacy.url)
                 return
@@ -228,14 +230,14 @@ async def run_as_upstream_task(
             task = answer["result"]
     finally:
         if task_id is not None and not ended:
-            legacy.spawn(_cancel(legacy, session, client_headers, task_id))
+            legacy.spawn(_cancel(legacy, session, client_headers, task_id, route))
 
 
 async def _cancel(
-    legacy: LegacyUpstream, session: LegacySession, client_headers: MultiMapping[str], task_id: str
+    legacy: LegacyUpstream, session: LegacySession, client_headers: MultiMapping[str], task_id: str, route: CallRoute
 ) -> None:
     try:
-        answer = await legacy.ask(client_headers, "tasks/cancel", {"taskId": task_id}, session=session)
+        answer = await legacy.ask(client_headers, "tasks/cancel", {"taskId": task_id}, session=session, route=route)
     except UpstreamUnavailable as exc:
         log.warning("upstream_task_cancel_not_delivered", upstream_task_id=task_id, reason=str(exc))
         return

@@ -223,6 +223,11 @@ class StdioChannel:
         return child
 
     @property
+    def open_questions(self) -> int:
+        """Requests of the child's shown to a caller and not answered yet: the child waits on that caller."""
+        return len(self._asked)
+
+    @property
     def asking(self) -> int:
         """Exchanges in flight during which the child may ask something."""
         return sum(1 for exchange in self._pending.values() if exchange.may_ask)
@@ -532,11 +537,14 @@ async def own_answer(
     wait_s: float | None = None,
     prepared: bool = True,
     tell_child: bool = True,
+    route: CallRoute | None = None,
 ) -> dict[str, Any]:
     """The child's response to a request of the proxy's own, sent through `sender` (a StdioChannel or StdioPool;
     `wait_s`, default `timeout_s`, for a child that is restarting), read within `timeout_s`. Raises ChildGone,
     TimeoutError, or AnswerTooLarge past OWN_ANSWER_MAX_BYTES."""
-    exchange = await sender.request(message, wait_s=timeout_s if wait_s is None else wait_s, prepared=prepared)
+    exchange = await sender.request(
+        message, route=route, wait_s=timeout_s if wait_s is None else wait_s, prepared=prepared
+    )
     try:
         async with asyncio.timeout(timeout_s):
             async for answer in exchange.messages(OWN_ANSWER_MAX_BYTES):

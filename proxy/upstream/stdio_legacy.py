@@ -119,8 +119,7 @@ class StdioLegacyLink:
 
     @property
     def follows_tasks(self) -> bool:
-        # With several children a task's polls could reach one that never made it: the proxy makes its own tasks.
-        return len(self.pool.channels) == 1
+        return True  # a task's polls and cancel go with its call's route, to the child that made it
 
     def client_capabilities(self, session: LegacySession) -> dict[str, Any] | None:
         front = self._front(session) if session.session_id is not None else None
@@ -157,11 +156,17 @@ class StdioLegacyLink:
         await self.pool.respond(request_id, answer)
 
     async def ask(
-        self, session: LegacySession, client_headers: MultiMapping[str], message: dict[str, Any]
+        self,
+        session: LegacySession,
+        client_headers: MultiMapping[str],
+        message: dict[str, Any],
+        route: CallRoute | None = None,
     ) -> tuple[int, dict[str, Any] | None]:
         await self.ready()
         try:
-            return 200, await own_answer(self.pool, message, timeout_s=ASK_TIMEOUT_S, wait_s=self._start_timeout_s)
+            return 200, await own_answer(
+                self.pool, message, timeout_s=ASK_TIMEOUT_S, wait_s=self._start_timeout_s, route=route
+            )
         except ChildGone as exc:
             raise UpstreamUnavailable(f"{message['method']}: {exc}") from exc
         except TimeoutError as exc:
