@@ -76,7 +76,8 @@ poll_guard_key = web.AppKey("poll_guard_key", PollGuard)
 durable_key = web.AppKey("durable_key", DurableCalls)
 tasks2025_key = web.AppKey("tasks2025_key", Tasks2025)
 tasks2026_key = web.AppKey("tasks2026_key", Tasks2026)
-principal_header_key = web.AppKey("principal_header_key", str)
+read_headers_key = web.AppKey("read_headers_key", frozenset)
+"""The headers this app reads itself, lowercase: the fixed ones, and the principal header when it has one."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -122,9 +123,8 @@ def create_app(
     app[metrics_key] = Metrics()
     app[store_key] = store if store is not None else build_store(config, timer=timer)
     app[identity_key] = identity = Identity(config.security, shared_store=app[store_key].shared)
-    app[principal_header_key] = (
-        config.security.principal_header.lower() if config.security.principal == "header" else ""
-    )
+    principal_header = {config.security.principal_header.lower()} if config.security.principal == "header" else set()
+    app[read_headers_key] = _READ_HEADERS | principal_header
     app[metrics_key].watch(
         "mcp_tasks_proxy_store_errors", "Calls to the task store that failed, by operation (Redis unreachable, slow, "
         "refusing writes or answering garbage)", "operation", lambda: dict(app[store_key].failures), counter=True,
@@ -267,14 +267,14 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
                 )
 
 
-_INTERPRETED_HEADERS = frozenset(
+_READ_HEADERS = frozenset(
     name.lower()
     for name in (
         "Authorization", "Mcp-Session-Id", "Mcp-Method", "Mcp-Name", "MCP-Protocol-Version", "Last-Event-ID",
         "Accept", "Content-Type", "Host", "Origin", "traceparent", "tracestate",
     )
 )  # fmt: skip
-"""Headers the proxy reads itself (the rest pass through byte for byte; the principal header is added per app)."""
+"""Headers the proxy reads itself; the rest pass through byte for byte."""
 
 
 def _unreadable_header(request: web.Request) -> str | None:
@@ -286,8 +286,7 @@ def _unreadable_header(request: web.Request) -> str | None:
         try:
             value.encode()
         except UnicodeEncodeError:
-            lowered = name.lower()
-            if lowered in _INTERPRETED_HEADERS or lowered == request.app[principal_header_key]:
+            if name.lower() in request.app[read_headers_key]:
                 return name
     return None
 

@@ -29,7 +29,10 @@ def hostile_text(max_size: int) -> st.SearchStrategy[str]:
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(min_value=-(2**80), max_value=2**80) | st.floats(allow_nan=False)
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**80), max_value=2**80)
+    | st.floats(allow_nan=False, allow_infinity=False)  # JSON has neither
     | hostile_text(30),
     lambda children: st.lists(children, max_size=4) | st.dictionaries(hostile_text(12), children, max_size=4),
     max_leaves=20,
