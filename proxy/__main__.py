@@ -117,9 +117,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(2) from None
     args = build_parser().parse_args(argv)
     config_path = args.config or os.environ.get(f"{ENV_PREFIX}CONFIG")
+    defaults_path = args.defaults or os.environ.get(f"{ENV_PREFIX}DEFAULTS") or None
     loaded_stamp = file_stamp(config_path) if config_path else None  # before reading: see PolicyReloader
     try:
         config = resolve_config(args, os.environ, command, needs_upstream=not health)
+        defaults = load_config(None, defaults=defaults_path) if defaults_path else None
     except ConfigError as exc:
         print(f"mcp-tasks-proxy: config error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -147,6 +149,19 @@ def main(argv: Sequence[str] | None = None) -> None:
             tracing=traces,
             version=__version__,
         )
+        if defaults is not None and config.listen.is_loopback and not defaults.listen.is_loopback:
+            # An image's defaults file listens where other hosts can connect; a policy file (or the environment)
+            # narrowed that to loopback: nothing outside this container can connect, and its HEALTHCHECK, which
+            # asks from inside, still says healthy. Legitimate in a pod whose other containers are the clients,
+            # so a warning, not a refusal.
+            log.warning(
+                "listen_loopback_only",
+                listen=f"{config.listen.host}:{config.listen.port}",
+                defaults=defaults_path,
+                defaults_host=defaults.listen.host,
+                reason="only this container can connect: listen.host in the policy file, MCP_TASKS_PROXY_HOST "
+                "or --host overrides the defaults file's",
+            )
 
     async def reload_ctx(app: web.Application) -> AsyncIterator[None]:
         reloader = PolicyReloader(

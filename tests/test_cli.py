@@ -68,6 +68,33 @@ async def test_runs_from_environment_alone_and_serves_a_task(mcp_upstream, tmp_p
     assert {"method", "status", "duration_ms", "request_id", "mode"} <= handled[0].keys()
     # Tool arguments and results never reach the log by default.
     assert "zebra-topic-7" not in log_path.read_text()
+    assert "listen_loopback_only" not in events  # no defaults file asked for another address
+
+
+def test_a_policy_that_narrows_the_images_listen_address_to_loopback_is_warned_about(mcp_upstream, tmp_path):
+    """In a container, the image's defaults file listens on 0.0.0.0; a mounted policy's listen.host: 127.0.0.1 wins,
+    and nothing outside the container can connect (while the HEALTHCHECK, from inside, says healthy): one warning."""
+    port = free_port()
+    defaults = tmp_path / "defaults.yaml"
+    defaults.write_text("listen:\n  host: 0.0.0.0\n  port: 8080\n")
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(f"listen:\n  host: 127.0.0.1\n  port: {port}\n")
+    env = {"MCP_TASKS_PROXY_DEFAULTS": str(defaults), "MCP_TASKS_PROXY_CONFIG": str(policy),
+           "MCP_TASKS_PROXY_UPSTREAM": mcp_upstream, "MCP_TASKS_PROXY_LOG_FORMAT": "json"}  # fmt: skip
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MCP_TASKS_PROXY_")}
+    log_path = tmp_path / "proxy.log"
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen([sys.executable, "-m", "proxy"], env=clean | env, stderr=log_file, cwd=ROOT)
+        try:
+            wait_for_port(port, process)
+        finally:
+            stop(process)
+    lines, events = json_log(log_path)
+    assert events.count("listen_loopback_only") == 1
+    warning = lines[events.index("listen_loopback_only")]
+    assert warning["level"] == "warning"
+    assert warning["listen"] == f"127.0.0.1:{port}" and warning["defaults_host"] == "0.0.0.0"
+    assert warning["defaults"] == str(defaults)
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
