@@ -18,7 +18,7 @@ from .config import ENV_PREFIX, ConfigError, ProxyConfig, apply_overrides, load_
 from .log import configure_logging
 from .security import Identity
 from .upstream import build_gateway
-from .upstream.events import Failed, Finished, UpstreamStartError, UpstreamUnavailable
+from .upstream.events import CredentialsNeeded, Failed, Finished, NotMcp, UpstreamStartError, UpstreamUnavailable
 
 
 def check_main(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> int:
@@ -49,10 +49,14 @@ def check_main(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> 
             return 0
         try:
             names = asyncio.run(list_tools(config))
+        except NotMcp as exc:
+            print(f"mcp-tasks-proxy check: {config.upstream_name}: {exc}; or name the tools to check", file=sys.stderr)
+            return 1
         except (UpstreamUnavailable, UpstreamStartError, ConnectionError, aiohttp.ClientError, OSError) as exc:
+            fix = "name" if isinstance(exc, CredentialsNeeded) else "start it, or name"
             print(
                 f"mcp-tasks-proxy check: the upstream {config.upstream_name} could not be asked for its tools ({exc}); "
-                "start it, or name the tools to check",
+                f"{fix} the tools to check",
                 file=sys.stderr,
             )
             return 1
@@ -81,6 +85,7 @@ def print_rules(config: ProxyConfig, names: Sequence[str]) -> None:
 async def list_tools(config: ProxyConfig) -> list[str]:
     """Every tool name the upstream lists (following pagination), whichever era it speaks."""
     async with build_gateway(config, Identity(config.security)) as gateway:
+        await gateway.era()  # what it found, as it is (NotMcp: the URL answers, but not as MCP), not as a failed call
         names: list[str] = []
         cursor = None
         for page in itertools.count():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import secrets
@@ -12,6 +13,7 @@ import subprocess
 import sys
 
 import aiohttp
+from aiohttp import web
 
 from tests.conftest import ROOT, free_port, stop, task_reaches, wait_for_port
 from tests.factories import McpClient
@@ -123,6 +125,28 @@ def test_check_needs_no_file_and_fails_when_the_upstream_cannot_be_asked(mcp_ups
     unreachable = run_cli("check", "config/example.yaml", "--upstream", f"http://127.0.0.1:{free_port()}/mcp")
     assert unreachable.returncode == 1
     assert "could not be asked for its tools" in unreachable.stderr and "Traceback" not in unreachable.stderr
+
+
+async def test_check_says_what_an_upstream_that_is_not_mcp_answered(fake_upstream):
+    """A wrong path answers 404: `check` says so (it said "could not be asked ...; start it")."""
+
+    async def not_found(request: web.Request) -> web.Response:
+        return web.Response(status=404, text="Not Found")
+
+    fake = await fake_upstream(not_found)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MCP_TASKS_PROXY_")}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", "check", "--upstream", fake.url,
+        cwd=ROOT, env=clean, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    _, stderr = await process.communicate()  # async: this loop serves the fake upstream meanwhile
+    assert process.returncode == 1
+    said = stderr.decode()
+    assert (
+        f"{fake.url}: the upstream answered neither MCP era: server/discover got HTTP 404, initialize got HTTP 404"
+        in said
+    )
+    assert "(is upstream.url's path right?)" in said and "start it" not in said and "Traceback" not in said
 
 
 def test_start_up_failures_are_one_line_and_exit_2(tmp_path, mcp_upstream):
