@@ -1,5 +1,5 @@
 """Command line: `mcp-tasks-proxy [--config FILE] [--upstream URL] [--host H] [--port P] [--store S] [-- COMMAND ...]`,
-`mcp-tasks-proxy check [FILE] [TOOL ...]` and `mcp-tasks-proxy health`.
+`mcp-tasks-proxy check [FILE] [TOOL ...] [--strict]` and `mcp-tasks-proxy health`.
 
 Where a setting comes from, the later winning: the embedded defaults, the defaults file (`--defaults`, a container
 image's), the policy file, the environment (MCP_TASKS_PROXY_*), the flags (and a command after --)."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import os
 import sys
@@ -18,8 +19,8 @@ import structlog
 from aiohttp import web
 
 from . import __version__, tracing
-from .app import MCP_PATH, create_app, metrics_key, policy_key
-from .check import check_main
+from .app import MCP_PATH, create_app, gateway_key, metrics_key, policy_key
+from .check import check_main, warn_unmatched_rules
 from .config import ENV_PREFIX, ConfigError, ProxyConfig, apply_overrides, load_config
 from .log import configure_logging
 from .policy import PolicyReloader, file_stamp
@@ -40,7 +41,8 @@ OVERRIDES = (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mcp-tasks-proxy",
-        usage="%(prog)s [options] [-- COMMAND ARGS...]\n       %(prog)s check [FILE] [TOOL ...] [--upstream URL]\n"
+        usage="%(prog)s [options] [-- COMMAND ARGS...]\n"
+        "       %(prog)s check [FILE] [TOOL ...] [--upstream URL] [--strict]\n"
         "       %(prog)s health [options]",
         description="Reverse proxy that adds the MCP tasks extension (SEP-2663) in front of an MCP server: an HTTP "
         "one (--upstream URL) or a stdio one it starts (the command after --).",
@@ -171,9 +173,24 @@ def main(argv: Sequence[str] | None = None) -> None:
         yield
         await reloader.stop()
 
+    async def rules_ctx(app: web.Application) -> AsyncIterator[None]:
+        # In the background: start-up and readiness never wait for the upstream's tools.
+        policy = app[policy_key]
+        checking = asyncio.ensure_future(
+            warn_unmatched_rules(
+                app[gateway_key], lambda: policy.config.tools, max_bytes=config.limits.max_result_bytes
+            )
+        )
+        yield
+        checking.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await checking
+
     app.on_startup.append(_quieter_gc)
     if config_path:
         app.cleanup_ctx.append(reload_ctx)
+    if config.tools:
+        app.cleanup_ctx.append(rules_ctx)
     refused = app[metrics_key].connections_refused
     loop = _event_loop()
     try:
