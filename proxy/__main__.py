@@ -1,5 +1,5 @@
 """Command line: `mcp-tasks-proxy [--config FILE] [--upstream URL] [--host H] [--port P] [--store S] [-- COMMAND ...]`,
-`mcp-tasks-proxy check [FILE] [TOOL ...]` and `mcp-tasks-proxy health`.
+`mcp-tasks-proxy check [FILE] [TOOL ...] [--strict]` and `mcp-tasks-proxy health`.
 
 Where a setting comes from, the later winning: the embedded defaults, the defaults file (`--defaults`, a container
 image's), the policy file, the environment (MCP_TASKS_PROXY_*), the flags (and a command after --)."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import os
 import sys
@@ -18,8 +19,8 @@ import structlog
 from aiohttp import web
 
 from . import __version__, tracing
-from .app import MCP_PATH, create_app, metrics_key, policy_key
-from .check import check_main
+from .app import MCP_PATH, create_app, gateway_key, metrics_key, policy_key
+from .check import check_main, warn_unmatched_rules
 from .config import ENV_PREFIX, ConfigError, ProxyConfig, apply_overrides, load_config
 from .log import configure_logging
 from .policy import PolicyReloader, file_stamp
@@ -40,7 +41,8 @@ OVERRIDES = (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mcp-tasks-proxy",
-        usage="%(prog)s [options] [-- COMMAND ARGS...]\n       %(prog)s check [FILE] [TOOL ...] [--upstream URL]\n"
+        usage="%(prog)s [options] [-- COMMAND ARGS...]\n"
+        "       %(prog)s check [FILE] [TOOL ...] [--upstream URL] [--strict]\n"
         "       %(prog)s health [options]",
         description="Reverse proxy that adds the MCP tasks extension (SEP-2663) in front of an MCP server: an HTTP "
         "one (--upstream URL) or a stdio one it starts (the command after --).",
@@ -117,9 +119,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(2) from None
     args = build_parser().parse_args(argv)
     config_path = args.config or os.environ.get(f"{ENV_PREFIX}CONFIG")
+    defaults_path = args.defaults or os.environ.get(f"{ENV_PREFIX}DEFAULTS") or None
     loaded_stamp = file_stamp(config_path) if config_path else None  # before reading: see PolicyReloader
     try:
         config = resolve_config(args, os.environ, command, needs_upstream=not health)
+        defaults = load_config(None, defaults=defaults_path) if defaults_path else None
     except ConfigError as exc:
         print(f"mcp-tasks-proxy: config error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -147,6 +151,19 @@ def main(argv: Sequence[str] | None = None) -> None:
             tracing=traces,
             version=__version__,
         )
+        if defaults is not None and config.listen.is_loopback and not defaults.listen.is_loopback:
+            # An image's defaults file listens where other hosts can connect; a policy file (or the environment)
+            # narrowed that to loopback: nothing outside this container can connect, and its HEALTHCHECK, which
+            # asks from inside, still says healthy. Legitimate in a pod whose other containers are the clients,
+            # so a warning, not a refusal.
+            log.warning(
+                "listen_loopback_only",
+                listen=f"{config.listen.host}:{config.listen.port}",
+                defaults=defaults_path,
+                defaults_host=defaults.listen.host,
+                reason="only this container can connect: listen.host in the policy file, MCP_TASKS_PROXY_HOST "
+                "or --host overrides the defaults file's",
+            )
 
     async def reload_ctx(app: web.Application) -> AsyncIterator[None]:
         reloader = PolicyReloader(
@@ -156,9 +173,24 @@ def main(argv: Sequence[str] | None = None) -> None:
         yield
         await reloader.stop()
 
+    async def rules_ctx(app: web.Application) -> AsyncIterator[None]:
+        # In the background: start-up and readiness never wait for the upstream's tools.
+        policy = app[policy_key]
+        checking = asyncio.ensure_future(
+            warn_unmatched_rules(
+                app[gateway_key], lambda: policy.config.tools, max_bytes=config.limits.max_result_bytes
+            )
+        )
+        yield
+        checking.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await checking
+
     app.on_startup.append(_quieter_gc)
     if config_path:
         app.cleanup_ctx.append(reload_ctx)
+    if config.tools:
+        app.cleanup_ctx.append(rules_ctx)
     refused = app[metrics_key].connections_refused
     loop = _event_loop()
     try:

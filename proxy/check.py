@@ -1,38 +1,55 @@
-"""`mcp-tasks-proxy check [FILE] [TOOL ...] [--upstream URL]`: validate a policy and show the rule each tool gets."""
+"""`mcp-tasks-proxy check [FILE] [TOOL ...] [--upstream URL] [--strict]`: validate a policy and show the rule each tool
+gets; and the rules against the upstream's tools, for `check` and for the proxy at start-up (a rule that matches no
+tool lets the slow tool it meant pass through untasked)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
+import difflib
+import fnmatch
 import os
+import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import aiohttp
+import structlog
 from multidict import CIMultiDict
 
 from . import PROTOCOL_VERSION
-from .config import ENV_PREFIX, ConfigError, ProxyConfig, apply_overrides, load_config
+from .config import ENV_PREFIX, ConfigError, ProxyConfig, ToolRule, apply_overrides, load_config
 from .log import configure_logging
 from .security import Identity
 from .upstream import build_gateway
-from .upstream.events import Failed, Finished, UpstreamStartError, UpstreamUnavailable
+from .upstream.events import CredentialsNeeded, Failed, Finished, NotMcp, UpstreamStartError, UpstreamUnavailable
+from .upstream.gateway import Gateway
+
+log = structlog.get_logger(__name__)
+
+MAX_TOOL_PAGES = 100
+"""tools/list pages followed at most (nextCursor): a server whose cursors never end cannot hold the check."""
+RULES_RETRY_MIN_S = 1.0
+RULES_RETRY_MAX_S = 60.0
 
 
 def check_main(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> int:
-    """0: the policy is valid (and the upstream answered, when asked); 1: the upstream could not be asked;
-    2: the policy or the command line is wrong."""
+    """0: the policy is valid (and the upstream answered, when asked; a rule that matches none of its tools is a
+    warning); 1: the upstream could not be asked, or with --strict a rule matches none of its tools; 2: the policy
+    or the command line is wrong."""
     parser = argparse.ArgumentParser(
         prog="mcp-tasks-proxy check",
-        usage="mcp-tasks-proxy check [-h] [FILE] [TOOL ...] [--upstream URL]",
+        usage="mcp-tasks-proxy check [-h] [FILE] [TOOL ...] [--upstream URL] [--strict]",
         description="Validate a policy file and print the effective rule for each tool: those the upstream lists "
         "(when it is reachable), or the names given. Without FILE: MCP_TASKS_PROXY_CONFIG, else the embedded defaults.",
     )
     parser.add_argument("names", nargs="*", metavar="FILE TOOL", help="the YAML policy file (a .yaml/.yml path), "
                         "then tool names to check instead of asking the upstream")  # fmt: skip
     parser.add_argument("--upstream", metavar="URL", help="ask this upstream instead of the file's upstream.url")
+    parser.add_argument(
+        "--strict", action="store_true", help="exit 1 when a rule matches none of the tools the upstream lists"
+    )
     args = parser.parse_args(list(argv))
     names = list(args.names)
     path = names.pop(0) if names and _is_policy_path(names[0]) else environ.get(f"{ENV_PREFIX}CONFIG") or None
@@ -49,14 +66,25 @@ def check_main(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> 
             return 0
         try:
             names = asyncio.run(list_tools(config))
+        except NotMcp as exc:
+            print(f"mcp-tasks-proxy check: {config.upstream_name}: {exc}; or name the tools to check", file=sys.stderr)
+            return 1
         except (UpstreamUnavailable, UpstreamStartError, ConnectionError, aiohttp.ClientError, OSError) as exc:
+            fix = "name" if isinstance(exc, CredentialsNeeded) else "start it, or name"
             print(
                 f"mcp-tasks-proxy check: the upstream {config.upstream_name} could not be asked for its tools ({exc}); "
-                "start it, or name the tools to check",
+                f"{fix} the tools to check",
                 file=sys.stderr,
             )
             return 1
         print(f"the upstream {config.upstream_name} lists {len(names)} tool(s)")
+        print_rules(config, names)
+        unmatched = unmatched_rules(config.tools, names)
+        for rule, suggestion in unmatched:
+            hint = f" (did you mean {suggestion!r}?)" if suggestion else ""
+            print(f"mcp-tasks-proxy check: warning: the rule {rule.match!r} matches no tool of the upstream{hint}",
+                  file=sys.stderr)  # fmt: skip
+        return 1 if unmatched and args.strict else 0
     print_rules(config, names)
     return 0
 
@@ -79,31 +107,85 @@ def print_rules(config: ProxyConfig, names: Sequence[str]) -> None:
 
 
 async def list_tools(config: ProxyConfig) -> list[str]:
-    """Every tool name the upstream lists (following pagination), whichever era it speaks."""
+    """Every tool name the upstream lists, whichever era it speaks."""
     async with build_gateway(config, Identity(config.security)) as gateway:
-        names: list[str] = []
-        cursor = None
-        for page in itertools.count():
-            params: dict = {
-                "_meta": {
-                    "io.modelcontextprotocol/protocolVersion": PROTOCOL_VERSION,
-                    "io.modelcontextprotocol/clientCapabilities": {},
-                }
+        return await tool_names(gateway, max_bytes=config.limits.max_result_bytes)
+
+
+async def tool_names(gateway: Gateway, *, max_bytes: int) -> list[str]:
+    """Every tool name the upstream lists, following nextCursor for MAX_TOOL_PAGES pages at most. Raises
+    UpstreamUnavailable (NotMcp, CredentialsNeeded: what the era probe found, as it is, not as a failed call)."""
+    await gateway.era()
+    names: list[str] = []
+    cursor = None
+    for page in range(MAX_TOOL_PAGES):
+        params: dict = {
+            "_meta": {
+                "io.modelcontextprotocol/protocolVersion": PROTOCOL_VERSION,
+                "io.modelcontextprotocol/clientCapabilities": {},
             }
-            if cursor is not None:
-                params["cursor"] = cursor
-            message = {"jsonrpc": "2.0", "id": f"check-{page}", "method": "tools/list", "params": params}
-            headers = CIMultiDict({"MCP-Protocol-Version": PROTOCOL_VERSION, "Mcp-Method": "tools/list"})
-            result = None
-            async for event in gateway.call_tool(message, headers, {}, max_bytes=config.limits.max_result_bytes):
-                if isinstance(event, Finished):
-                    result = event.result
-                elif isinstance(event, Failed):
-                    raise UpstreamUnavailable(event.status_message)
-            if result is None:
-                raise UpstreamUnavailable("no tools/list result")
-            names.extend(tool["name"] for tool in result.get("tools", []) if isinstance(tool, dict))
-            cursor = result.get("nextCursor")
-            if not cursor or page > 100:
-                return names
-        return names
+        }
+        if cursor is not None:
+            params["cursor"] = cursor
+        message = {"jsonrpc": "2.0", "id": f"check-{page}", "method": "tools/list", "params": params}
+        headers = CIMultiDict({"MCP-Protocol-Version": PROTOCOL_VERSION, "Mcp-Method": "tools/list"})
+        result = None
+        async for event in gateway.call_tool(message, headers, {}, max_bytes=max_bytes):
+            if isinstance(event, Finished):
+                result = event.result
+            elif isinstance(event, Failed):
+                raise UpstreamUnavailable(event.status_message)
+        if result is None:
+            raise UpstreamUnavailable("no tools/list result")
+        names.extend(tool["name"] for tool in result.get("tools", []) if isinstance(tool, dict))
+        cursor = result.get("nextCursor")
+        if not cursor:
+            return names
+    log.warning("tools_list_truncated", pages=MAX_TOOL_PAGES, tools=len(names))
+    return names
+
+
+def unmatched_rules(rules: Sequence[ToolRule], names: Sequence[str]) -> list[tuple[ToolRule, str | None]]:
+    """The rules that match none of the tools `names`, each with a close pattern that would match one, if any."""
+    return [(rule, _suggestion(rule.match, names)) for rule in rules if not any(rule.matches(n) for n in names)]
+
+
+def _suggestion(pattern: str, names: Sequence[str]) -> str | None:
+    literal = re.split(r"[*?\[]", pattern, maxsplit=1)[0]
+    if literal == pattern:  # a tool's name: the closest name the upstream lists
+        close = difflib.get_close_matches(pattern, names, n=1)
+        return close[0] if close else None
+    if not literal:
+        return None
+    # A glob: its literal start fitted to each tool's name ("slwo_*" becomes "slow_*" for slow_report), kept when
+    # that tool matches it, and the candidate closest to the pattern as written.
+    rest = pattern[len(literal) :]
+    fitted = {name[: len(literal)] + rest: name for name in names}
+    candidates = sorted(candidate for candidate, name in fitted.items() if fnmatch.fnmatchcase(name, candidate))
+    close = difflib.get_close_matches(pattern, candidates, n=1)
+    return close[0] if close else None
+
+
+async def warn_unmatched_rules(gateway: Gateway, rules: Callable[[], Sequence[ToolRule]], *, max_bytes: int) -> None:
+    """The proxy's start-up check: once the upstream's tools are known, one `rule_matches_no_tool` warning per rule
+    that matches none of them. Asked again, backing off, while the upstream cannot be listed (still starting, not
+    reachable, no MCP endpoint yet); never while it wants credentials, which only clients bring."""
+    delay_s = RULES_RETRY_MIN_S
+    while True:
+        try:
+            names = await tool_names(gateway, max_bytes=max_bytes)
+            break
+        except CredentialsNeeded as exc:
+            log.info("rules_not_checked", reason=str(exc))
+            return
+        except UpstreamUnavailable as exc:
+            log.debug("rules_check_deferred", reason=str(exc), retry_s=delay_s)
+        await asyncio.sleep(delay_s)
+        delay_s = min(delay_s * 2, RULES_RETRY_MAX_S)
+    for rule, suggestion in unmatched_rules(rules(), names):
+        log.warning(
+            "rule_matches_no_tool",
+            pattern=rule.match,
+            tools=len(names),
+            **({"suggestion": suggestion} if suggestion else {}),
+        )

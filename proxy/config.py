@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import ipaddress
 import os
 import ssl
 from collections.abc import Mapping
@@ -43,6 +44,16 @@ class ListenConfig(_Strict):
     """How long a client may take to send a request's body; past it the request gets HTTP 408."""
     max_connections: PositiveInt = 4096
     """Open client connections at most; past it a new connection is answered HTTP 503 and closed."""
+
+    @property
+    def is_loopback(self) -> bool:
+        """Whether only this host (this container, this pod) can connect: 127.0.0.0/8, ::1 or localhost."""
+        if self.host.lower() == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host.strip("[]")).is_loopback
+        except ValueError:
+            return False  # a host name other than localhost, or every address ("", "0.0.0.0", "::")
 
 
 class StdioConfig(_Strict):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import secrets
@@ -10,10 +11,12 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import aiohttp
+from aiohttp import web
 
-from tests.conftest import ROOT, free_port, stop, task_reaches, wait_for_port
+from tests.conftest import ROOT, eventually, free_port, stop, task_reaches, wait_for_port
 from tests.factories import McpClient
 
 
@@ -68,6 +71,36 @@ async def test_runs_from_environment_alone_and_serves_a_task(mcp_upstream, tmp_p
     assert {"method", "status", "duration_ms", "request_id", "mode"} <= handled[0].keys()
     # Tool arguments and results never reach the log by default.
     assert "zebra-topic-7" not in log_path.read_text()
+    assert "listen_loopback_only" not in events  # no defaults file asked for another address
+
+
+def test_a_policy_that_narrows_the_images_listen_address_to_loopback_is_warned_about(mcp_upstream, tmp_path):
+    """In a container, the image's defaults file listens on 0.0.0.0; a mounted policy's listen.host: 127.0.0.1 wins,
+    and nothing outside the container can connect (while the HEALTHCHECK, from inside, says healthy): one warning."""
+    port = free_port()
+    defaults = tmp_path / "defaults.yaml"
+    defaults.write_text("listen:\n  host: 0.0.0.0\n  port: 8080\n")
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(f"listen:\n  host: 127.0.0.1\n  port: {port}\n")
+    env = {"MCP_TASKS_PROXY_DEFAULTS": str(defaults), "MCP_TASKS_PROXY_CONFIG": str(policy),
+           "MCP_TASKS_PROXY_UPSTREAM": mcp_upstream, "MCP_TASKS_PROXY_LOG_FORMAT": "json"}  # fmt: skip
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MCP_TASKS_PROXY_")}
+    log_path = tmp_path / "proxy.log"
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen([sys.executable, "-m", "proxy"], env=clean | env, stderr=log_file, cwd=ROOT)
+        try:
+            wait_for_port(port, process)
+            deadline = time.monotonic() + 30  # logged once serving: the port may open a moment before
+            while "proxy_started" not in log_path.read_text() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            stop(process)
+    lines, events = json_log(log_path)
+    assert events.count("listen_loopback_only") == 1
+    warning = lines[events.index("listen_loopback_only")]
+    assert warning["level"] == "warning"
+    assert warning["listen"] == f"127.0.0.1:{port}" and warning["defaults_host"] == "0.0.0.0"
+    assert warning["defaults"] == str(defaults)
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -96,6 +129,85 @@ def test_check_needs_no_file_and_fails_when_the_upstream_cannot_be_asked(mcp_ups
     unreachable = run_cli("check", "config/example.yaml", "--upstream", f"http://127.0.0.1:{free_port()}/mcp")
     assert unreachable.returncode == 1
     assert "could not be asked for its tools" in unreachable.stderr and "Traceback" not in unreachable.stderr
+
+
+async def test_check_says_what_an_upstream_that_is_not_mcp_answered(fake_upstream):
+    """A wrong path answers 404: `check` says so (it said "could not be asked ...; start it")."""
+
+    async def not_found(request: web.Request) -> web.Response:
+        return web.Response(status=404, text="Not Found")
+
+    fake = await fake_upstream(not_found)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MCP_TASKS_PROXY_")}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", "check", "--upstream", fake.url,
+        cwd=ROOT, env=clean, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    _, stderr = await process.communicate()  # async: this loop serves the fake upstream meanwhile
+    assert process.returncode == 1
+    said = stderr.decode()
+    assert (
+        f"{fake.url}: the upstream answered neither MCP era: server/discover got HTTP 404, initialize got HTTP 404"
+        in said
+    )
+    assert "(is upstream.url's path right?)" in said and "start it" not in said and "Traceback" not in said
+
+
+def test_check_warns_of_each_rule_that_matches_no_tool_and_strict_makes_it_fail(mcp_upstream, tmp_path):
+    """A typo in match: let the slow tool pass through untasked, and `check` said the policy was fine."""
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("tools:\n  - match: slow_reprot\n  - match: gated\n  - match: 'slwo_*'\n")
+    warned = run_cli("check", str(typo), "--upstream", mcp_upstream)
+    assert warned.returncode == 0, warned.stderr
+    assert warned.stderr.splitlines() == [
+        "mcp-tasks-proxy check: warning: the rule 'slow_reprot' matches no tool of the upstream "
+        "(did you mean 'slow_report'?)",
+        "mcp-tasks-proxy check: warning: the rule 'slwo_*' matches no tool of the upstream (did you mean 'slow_*'?)",
+    ]
+    assert any(line.split()[:3] == ["gated", "gated", "optional"] for line in warned.stdout.splitlines())
+    strict = run_cli("check", str(typo), "--upstream", mcp_upstream, "--strict")
+    assert strict.returncode == 1 and strict.stderr == warned.stderr
+    fine = run_cli("check", "config/example.yaml", "--upstream", mcp_upstream, "--strict")
+    assert fine.returncode == 0 and fine.stderr == "", fine.stderr  # every rule of the quick start matches a tool
+
+
+async def test_the_proxy_names_rules_that_match_no_tool_once_the_upstream_first_answers(tmp_path):
+    """Start-up does not wait for the upstream: the proxy serves (not ready) while it is down, and the rules are
+    checked when it first answers; one warning per rule that matches none of its tools."""
+    port, upstream_port = free_port(), free_port()
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(f"listen:\n  port: {port}\ntools:\n  - match: slow_reprot\n  - match: gated\n")
+    env = {"MCP_TASKS_PROXY_CONFIG": str(policy), "MCP_TASKS_PROXY_LOG_FORMAT": "json",
+           "MCP_TASKS_PROXY_UPSTREAM": f"http://127.0.0.1:{upstream_port}/mcp"}  # fmt: skip
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MCP_TASKS_PROXY_")}
+    log_path = tmp_path / "proxy.log"
+    upstream = None
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen([sys.executable, "-m", "proxy"], env=clean | env, stderr=log_file, cwd=ROOT)
+        try:
+            wait_for_port(port, process)
+            async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{port}/readyz") as response:
+                assert response.status == 503  # serving, the upstream not there yet
+            assert "rule_matches_no_tool" not in json_log(log_path)[1]
+            upstream = subprocess.Popen(
+                [sys.executable, str(ROOT / "tests" / "upstream_server.py"), str(upstream_port)]
+            )
+            wait_for_port(upstream_port, upstream)
+
+            async def warned():
+                return "rule_matches_no_tool" in json_log(log_path)[1]
+
+            await eventually(warned, what="the rules checked once the upstream answered")
+        finally:
+            stop(process)
+            if upstream is not None:
+                stop(upstream)
+    lines, events = json_log(log_path)
+    warnings = [line for line in lines if line["event"] == "rule_matches_no_tool"]
+    assert len(warnings) == 1
+    assert warnings[0]["level"] == "warning" and warnings[0]["pattern"] == "slow_reprot"
+    assert warnings[0]["suggestion"] == "slow_report" and warnings[0]["tools"] > 1
+    assert events.index("proxy_started") < events.index("rule_matches_no_tool")
 
 
 def test_start_up_failures_are_one_line_and_exit_2(tmp_path, mcp_upstream):

@@ -15,7 +15,8 @@ import aiohttp
 import pytest
 import yaml
 
-from proxy.config import load_config, parse_config
+from proxy.__main__ import build_parser, resolve_config
+from proxy.config import ProxyConfig, load_config, parse_config
 from tests.conftest import ROOT, free_port, stop, task_reaches, wait_for_port
 from tests.factories import McpClient
 
@@ -143,6 +144,76 @@ def test_compose_file_wires_proxy_server_and_redis():
 
 def compose_services() -> dict:
     return yaml.safe_load((ROOT / "examples" / "compose" / "compose.yaml").read_text())["services"]
+
+
+def in_the_image(environment: dict[str, str], mounts: dict[str, Path]) -> ProxyConfig:
+    """The configuration the proxy resolves inside the image, as it does at start: the image's defaults file and ENV,
+    the files mounted (container path -> where they are here), the container's environment."""
+    env = {k: v for k, v in image_env().items() if k != "PATH"} | environment
+    for key, value in env.items():
+        for inside, here in mounts.items():
+            if value.startswith(inside):
+                env[key] = str(here) + value[len(inside) :]
+    return resolve_config(build_parser().parse_args([]), env, needs_upstream=False)
+
+
+def container_deployments(tmp_path: Path) -> dict[str, ProxyConfig]:
+    """Every place the repository runs the image with a policy: the compose file's proxies, the Kubernetes pod's
+    sidecar (its ConfigMap mounted), the README's `docker run`."""
+    found = {}
+    compose_dir = ROOT / "examples" / "compose"
+    for name, service in compose_services().items():
+        build = service.get("build")
+        if not build or build.get("dockerfile", "Dockerfile") != "Dockerfile":
+            continue  # not the proxy's image (an image of its own, or another Dockerfile)
+        mounts = {}
+        for volume in service.get("volumes", []):
+            host_file, inside = volume.split(":")[:2]
+            mounts[inside] = (compose_dir / host_file).resolve()
+        found[f"compose {name}"] = in_the_image(service.get("environment", {}), mounts)
+    docs = kubernetes_documents()
+    maps = {doc["metadata"]["name"]: doc["data"] for doc in docs if doc["kind"] == "ConfigMap"}
+    for doc in (doc for doc in docs if doc["kind"] == "Deployment"):
+        pod = doc["spec"]["template"]["spec"]
+        volumes = {volume["name"]: maps[volume["configMap"]["name"]] for volume in pod["volumes"]}
+        for container in pod["containers"]:
+            if "mcp-tasks-proxy" not in container["image"]:
+                continue
+            mounts = {}
+            for mount in container.get("volumeMounts", []):
+                where = tmp_path / mount["name"]
+                where.mkdir()
+                for file_name, text in volumes[mount["name"]].items():
+                    (where / file_name).write_text(text)
+                mounts[mount["mountPath"]] = where
+            environment = {e["name"]: e["value"] for e in container.get("env", [])}
+            found[f"kubernetes {container['name']}"] = in_the_image(environment, mounts)
+    readme = (ROOT / "README.md").read_text()
+    for command in re.findall(r"^docker run .*?(?<!\\)$", readme, flags=re.MULTILINE | re.DOTALL):
+        argv = shlex.split(command.replace("\\\n", " ").replace("$PWD", str(ROOT)))
+        environment, mounts = {}, {}
+        for flag, value in zip(argv, argv[1:], strict=False):
+            if flag == "-e":
+                key, _, val = value.partition("=")
+                environment[key] = val
+            elif flag == "-v":
+                host_file, inside = value.split(":")[:2]
+                mounts[inside] = Path(host_file)
+        found[f"README: {argv[-1]} with {', '.join(map(str, mounts.values()))}"] = in_the_image(environment, mounts)
+    return found
+
+
+def test_every_container_the_repository_runs_listens_where_clients_can_connect(tmp_path):
+    """The image's defaults file listens on 0.0.0.0; a mounted policy (or the environment) that says 127.0.0.1 wins
+    over it, and then no client outside the container can connect, while the HEALTHCHECK, which asks from inside,
+    still says healthy. So for every place an example runs the image: the effective listen address, as the proxy
+    resolves it there (defaults file, mounted policy, environment), is not loopback."""
+    deployments = container_deployments(tmp_path)
+    assert {"compose proxy-a", "compose proxy-b", "kubernetes mcp-tasks-proxy"} <= deployments.keys()
+    assert any(name.startswith("README: ") for name in deployments)
+    for name, config in deployments.items():
+        assert not config.listen.is_loopback, f"{name}: listens on {config.listen.host}, unreachable from outside"
+        assert config.listen.port == 8080, name  # the port the compose file and the Service publish
 
 
 async def test_the_compose_file_and_the_scale_out_one_liner_start_as_written(tmp_path, redis_url):

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import structlog
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
@@ -92,6 +93,107 @@ async def test_readiness_reports_an_unreachable_upstream(make_proxy):
         body = await response.json()
     assert body["status"] == "not ready" and body["store"] == "ok"
     assert "upstream unreachable" in body["upstream"]
+
+
+async def not_found(request: web.Request) -> web.Response:
+    return web.Response(status=404, text="404: Not Found")
+
+
+async def web_page(request: web.Request) -> web.Response:
+    return web.Response(text="<!doctype html><title>Welcome</title>", content_type="text/html")
+
+
+async def json_api(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok", "items": []})
+
+
+async def get_only(request: web.Request) -> web.Response:
+    return web.Response(status=405, headers={"Allow": "GET"}) if request.method == "POST" else web.Response(text="hi")
+
+
+@pytest.mark.parametrize(
+    ("handler", "got"),
+    [
+        (not_found, "server/discover got HTTP 404, initialize got HTTP 404"),
+        (web_page, "server/discover got HTTP 200 text/html, initialize got HTTP 200 text/html"),
+        (json_api, "got HTTP 200 application/json that is not JSON-RPC, initialize got HTTP 200 application/json"),
+        (get_only, "server/discover got HTTP 405, initialize got HTTP 405"),
+    ],
+    ids=["404", "web-page", "json-api", "405-on-post"],
+)
+async def test_an_upstream_that_answers_neither_mcp_era_is_not_ready_and_calls_say_why(
+    make_proxy, fake_upstream, handler, got
+):
+    """A wrong upstream path, or a server that is not MCP, was taken for a 2025 server: /readyz said ready and calls
+    failed as "unreachable". Now /readyz says what the era probe found, and calls fail with that."""
+    fake = await fake_upstream(handler)
+    proxy = await make_proxy(fake.url, tools=[{"match": "slow"}])
+    async with proxy.client.session.get(proxy.url.replace("/mcp", "/readyz")) as response:
+        body = await response.json()
+        assert response.status == 503, body
+    assert body["upstream"].startswith("the upstream answered neither MCP era: ") and got in body["upstream"]
+    assert body["upstream"].endswith("(is upstream.url's path right?)")
+    passed = await proxy.client.call_tool("add", {"a": 1, "b": 2})
+    assert "answered neither MCP era" in passed.message["error"]["message"]
+    created = await proxy.client.call_tool("slow")
+    failed = await task_reaches(proxy.client, created.result["taskId"], "failed")
+    assert "answered neither MCP era" in failed.result["statusMessage"]
+    assert "unreachable" not in failed.result["statusMessage"] + passed.message["error"]["message"]
+
+
+class Scripted2025:
+    """A 2025 server as some are: server/discover answered with no JSON-RPC at all (a 404, or a plain-text 400
+    "missing session"), optionally behind credentials; it answers initialize."""
+
+    def __init__(self, discover_status: int, *, token: str | None = None) -> None:
+        self.discover_status = discover_status
+        self.token = token
+        self.deleted: list[str | None] = []
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        if self.token is not None and request.headers.get("Authorization") != f"Bearer {self.token}":
+            return web.Response(status=401, headers={"WWW-Authenticate": 'Bearer resource_metadata="x"'})
+        if request.method == "DELETE":
+            self.deleted.append(request.headers.get("Mcp-Session-Id"))
+            return web.Response(status=200)
+        message = await request.json()
+        if message.get("method") == "initialize":
+            result = {"protocolVersion": "2025-06-18", "capabilities": {"tools": {}}, "serverInfo": {"name": "s"}}
+            return web.json_response(
+                {"jsonrpc": "2.0", "id": message["id"], "result": result}, headers={"Mcp-Session-Id": "s1"}
+            )
+        if "Mcp-Session-Id" not in request.headers:
+            return web.Response(status=self.discover_status, text="missing session")
+        if "id" not in message:
+            return web.Response(status=202)
+        answer = {"content": [{"type": "text", "text": "3"}], "isError": False}
+        return web.json_response({"jsonrpc": "2.0", "id": message["id"], "result": answer})
+
+
+@pytest.mark.parametrize("discover_status", [404, 400])
+async def test_a_2025_server_that_answers_only_initialize_is_still_detected(make_proxy, fake_upstream, discover_status):
+    server = Scripted2025(discover_status)
+    fake = await fake_upstream(server.handle)
+    proxy = await make_proxy(fake.url)
+    async with proxy.client.session.get(proxy.url.replace("/mcp", "/readyz")) as response:
+        assert response.status == 200, await response.text()
+    assert server.deleted == ["s1"]  # the probe's own session, ended
+    reply = await proxy.client.call_tool("add", {"a": 1, "b": 2}, tasks=False)
+    assert reply.result["content"][0]["text"] == "3"
+
+
+async def test_a_2025_server_behind_credentials_is_ready_and_learnt_with_a_clients_credentials(
+    make_proxy, fake_upstream
+):
+    server = Scripted2025(404, token="secret")
+    fake = await fake_upstream(server.handle)
+    proxy = await make_proxy(fake.url)
+    async with proxy.client.session.get(proxy.url.replace("/mcp", "/readyz")) as response:
+        assert response.status == 200, await response.text()  # an MCP server: it wants credentials (401)
+    reply = await proxy.client.call_tool(
+        "add", {"a": 1, "b": 2}, tasks=False, headers={"Authorization": "Bearer secret"}
+    )
+    assert reply.result["content"][0]["text"] == "3"
 
 
 async def test_upstream_errors_and_legacy_sessions_are_exported(make_proxy, legacy_upstream):

@@ -51,9 +51,18 @@ async def build_gateway(
             max_sessions=config.upstream.max_sessions,
             identity=identity,
         )
+        gateway: Gateway | None = None
+
+        async def era() -> str:
+            assert gateway is not None
+            return await gateway.era()
+
+        relay = HttpRelay(upstream, era)
+        gateway = Gateway(upstream, legacy, relay, config.upstream.protocol)
         try:
-            yield Gateway(upstream, legacy, HttpRelay(upstream), config.upstream.protocol)
+            yield gateway
         finally:
+            relay.close()
             await legacy.aclose()
 
 

@@ -22,6 +22,16 @@ class UpstreamUnavailable(Exception):
     """The upstream could not be reached or refused the proxy's own handshake."""
 
 
+class NotMcp(UpstreamUnavailable):
+    """The upstream answers, but as no MCP server of either era would: a wrong path (404), a web page, another API.
+    The message says what each probe got."""
+
+
+class CredentialsNeeded(UpstreamUnavailable):
+    """The upstream wants credentials even to say which era it speaks (HTTP 401/403): an MCP server all the same,
+    whose era a client's request, with its credentials, tells."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Progress:
     message: str | None

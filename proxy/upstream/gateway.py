@@ -107,9 +107,11 @@ class Gateway:
         return self._era
 
     async def era(self, client_headers: MultiMapping[str] | None = None) -> Era:
-        """The era, probing once: server/discover first; anything but a 2026 answer means initialize (legacy).
+        """The era, probing until it is known: a DiscoverResult means 2026-07-28, an MCP answer of another kind
+        (to server/discover, else to initialize) means 2025 (the transport's `probe` says what counts).
 
-        Raises UpstreamUnavailable while the upstream cannot be reached; the next request probes again.
+        Raises UpstreamUnavailable while the upstream cannot be reached, NotMcp when it answers as no MCP server
+        does, CredentialsNeeded when it wants credentials to answer at all; the next request probes again.
         """
         if self._era is not None:
             return self._era

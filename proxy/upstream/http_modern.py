@@ -7,6 +7,8 @@ as an async stream of events: Progress, then Finished or Failed. The task runner
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import Any, Literal
@@ -18,11 +20,12 @@ from multidict import MultiMapping
 
 from .. import PROTOCOL_VERSION
 from ..jsonrpc import dumps, loads
-from .events import Event, Progress, UpstreamUnavailable, proxy_failure, too_large
+from .events import CredentialsNeeded, Event, NotMcp, Progress, UpstreamUnavailable, proxy_failure, too_large
 from .http_client import BodyTooLarge, CallClient, CallError, CallResponse
 from .http_headers import own_request_headers
 from .http_sse import SseLimitError, SseParser, iter_events
-from .modern import PROBE_ID, discover_probe, interpret, is_discover_result
+from .legacy import LEGACY_VERSION, proxy_initialize
+from .modern import discover_probe, interpret, is_discover_result
 
 log = structlog.get_logger(__name__)
 
@@ -96,22 +99,76 @@ class Upstream:
         return self._calls.post(headers, body, query=query, relay=relay)
 
     async def probe(self, client_headers: MultiMapping[str]) -> Literal["modern", "legacy"]:
-        """The era, by server/discover: a DiscoverResult means 2026-07-28, anything else 2025 (initialize)."""
+        """The era: a DiscoverResult to server/discover means 2026-07-28; any other answer only an MCP server gives
+        (a JSON-RPC message, an MCP session) means 2025. Anything else (a 404, a web page, JSON of another API) may
+        still be a 2025 server that answers nothing but initialize, so initialize decides: an MCP answer to it means
+        2025, and without one the upstream is no MCP server at this URL (NotMcp, with what each probe got).
+
+        Raises CredentialsNeeded on HTTP 401/403 (the era stays unknown until a client's request carries
+        credentials), UpstreamUnavailable while the upstream cannot be reached or does not answer in time."""
+        discover = await self._era_answer(discover_probe(), client_headers)
+        if is_discover_result(discover.answer):
+            return "modern"
+        discover.raise_for_credentials()
+        if discover.is_mcp:
+            return "legacy"
+        initialize = await self._era_answer(proxy_initialize(), client_headers)
+        initialize.raise_for_credentials()
+        if initialize.is_mcp:
+            if initialize.session_id is not None:
+                await self._end_probe_session(initialize, client_headers)
+            return "legacy"
+        raise NotMcp(
+            f"the upstream answered neither MCP era: server/discover got {discover.describe()}, initialize got "
+            f"{initialize.describe()} (is upstream.url's path right?)"
+        )
+
+    async def _era_answer(self, message: dict[str, Any], client_headers: MultiMapping[str]) -> EraAnswer:
+        method = message["method"]
         headers = own_request_headers(client_headers, drop_mcp_headers=True)
-        headers.update({"MCP-Protocol-Version": PROTOCOL_VERSION, "Mcp-Method": "server/discover"})
+        if method == "server/discover":
+            headers.update({"MCP-Protocol-Version": PROTOCOL_VERSION, "Mcp-Method": method})
         try:
-            response = await self.request("POST", self.url, headers, dumps(discover_probe()))
-            async with response:
-                answer = await single_answer(response, PROBE_ID)
-                status = response.status
+            # Bounded: the probe holds the gateway's era lock, which every request waits on until the era is known.
+            async with asyncio.timeout(PROBE_TIMEOUT_S):
+                response = await self.request("POST", self.url, headers, dumps(message))
+                async with response:
+                    answer, is_jsonrpc = None, False
+                    async with contextlib.aclosing(_messages(response)) as messages:
+                        async for each in messages:
+                            is_jsonrpc = is_jsonrpc or (isinstance(each, dict) and each.get("jsonrpc") == "2.0")
+                            if isinstance(each, dict) and each.get("id") == message["id"]:
+                                answer = each
+                                break
+        except TimeoutError as exc:
+            raise UpstreamUnavailable(f"the upstream did not answer {method} within {PROBE_TIMEOUT_S:g} s") from exc
         except (ConnectionError, aiohttp.ClientError, OSError) as exc:
             raise UpstreamUnavailable(f"upstream unreachable ({exc})") from exc
-        if is_discover_result(answer):
-            return "modern"
-        if status in (401, 403):
-            # Credentials are needed even to ask; the era stays unknown until a client's request carries them.
-            raise UpstreamUnavailable(f"the upstream refused the era probe (HTTP {status})")
-        return "legacy"
+        return EraAnswer(
+            method=method,
+            status=response.status,
+            content_type=response.headers.get("Content-Type", "").split(";")[0].strip().lower(),
+            is_empty=response.content_length == 0,
+            location=response.headers.get("Location"),
+            session_id=response.headers.get("Mcp-Session-Id"),
+            answer=answer,
+            is_jsonrpc=is_jsonrpc,
+        )
+
+    async def _end_probe_session(self, initialize: EraAnswer, client_headers: MultiMapping[str]) -> None:
+        """A 2025 server opened a session for the probe's initialize: end it (DELETE), as a client would."""
+        assert initialize.session_id is not None
+        result = (initialize.answer or {}).get("result")
+        version = result.get("protocolVersion") if isinstance(result, dict) else None
+        headers = own_request_headers(client_headers, drop_mcp_headers=True)
+        headers["Mcp-Session-Id"] = initialize.session_id
+        headers["MCP-Protocol-Version"] = str(version or LEGACY_VERSION)
+        try:
+            async with asyncio.timeout(PROBE_TIMEOUT_S):
+                response = await self.request("DELETE", self.url, headers, None)
+                response.release()
+        except (ConnectionError, aiohttp.ClientError, OSError):  # TimeoutError included
+            pass  # the server ends an idle session itself in time
 
     async def call_tool(
         self,
@@ -211,36 +268,85 @@ def _loads(data: str | bytes) -> Any:
 
 HANDSHAKE_MAX_BYTES = 4 * 1024 * 1024
 """The largest answer to a request of the proxy's own (initialize, discover, tools/list, tasks/get) it reads."""
+PROBE_TIMEOUT_S = 10.0
+"""How long each request of the era probe (server/discover, then maybe initialize) may take."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EraAnswer:
+    """What the upstream answered one request of the era probe, and whether that answer proves an MCP server."""
+
+    method: str
+    status: int
+    content_type: str
+    is_empty: bool
+    location: str | None
+    session_id: str | None
+    answer: dict[str, Any] | None
+    """The JSON-RPC response to the probe's own id, if the body held one."""
+    is_jsonrpc: bool
+    """The body held a JSON-RPC message (whatever its id: a 2025 server refuses a request without a session with
+    an error of id null, or of an id of its own)."""
+
+    @property
+    def is_mcp(self) -> bool:
+        # A JSON-RPC body or an MCP session: what only an MCP server answers. A 404, a 405 to POST, a redirect, a
+        # web page, JSON of another API, an empty 200: what any HTTP server answers at a path that is not MCP.
+        return self.is_jsonrpc or self.session_id is not None
+
+    def raise_for_credentials(self) -> None:
+        # 401/403, with or without WWW-Authenticate: nothing more can be learnt without credentials, and calling a
+        # server that wants them "no MCP server" would take a working deployment out of service.
+        if self.status in (401, 403):
+            raise CredentialsNeeded(f"the upstream refused {self.method} without credentials (HTTP {self.status})")
+
+    def describe(self) -> str:
+        """As a reason names it: "HTTP 404", "HTTP 307 to /mcp/", "HTTP 200 text/html"."""
+        if 300 <= self.status < 400 and self.location:
+            return f"HTTP {self.status} to {self.location}"
+        if self.status >= 300:
+            return f"HTTP {self.status}"
+        if self.is_empty:
+            return f"HTTP {self.status} with an empty body"
+        if not self.content_type:
+            return f"HTTP {self.status} without a Content-Type"
+        if "json" in self.content_type:
+            return f"HTTP {self.status} {self.content_type} that is not JSON-RPC"
+        return f"HTTP {self.status} {self.content_type}"
 
 
 async def single_answer(response: aiohttp.ClientResponse, request_id: Any) -> dict[str, Any] | None:
     """The response to `request_id` in a body that is JSON or an event stream, read only until that answer (a server
     may keep the stream open after it); None when it has none, or past HANDSHAKE_MAX_BYTES."""
+    async with contextlib.aclosing(_messages(response)) as messages:
+        async for message in messages:
+            if isinstance(message, dict) and message.get("id") == request_id:
+                return message
+    return None
+
+
+async def _messages(response: aiohttp.ClientResponse) -> AsyncIterator[Any]:
+    """Each JSON value of a body that is JSON or an event stream (one per event), as they come; what does not parse
+    is skipped. Read no further than HANDSHAKE_MAX_BYTES."""
     content_type = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
     try:
         if content_type != "text/event-stream":
-            return _answer_in(await read_bounded(response, HANDSHAKE_MAX_BYTES), request_id)
+            message = _loads(await read_bounded(response, HANDSHAKE_MAX_BYTES))
+            if message is not None:
+                yield message
+            return
         parser, seen = SseParser(HANDSHAKE_MAX_BYTES), 0
         async for chunk in response.content.iter_any():
             seen += len(chunk)
             if seen > HANDSHAKE_MAX_BYTES:
                 raise BodyTooLarge(HANDSHAKE_MAX_BYTES)
             for event in parser.feed(chunk):
-                message = _answer_in(event.data, request_id) if event.data else None
+                message = _loads(event.data) if event.data else None
                 if message is not None:
-                    return message
+                    yield message
         for event in parser.feed(b"\n\n"):  # a last event without its blank line
-            message = _answer_in(event.data, request_id) if event.data else None
+            message = _loads(event.data) if event.data else None
             if message is not None:
-                return message
+                yield message
     except (BodyTooLarge, SseLimitError):
         log.warning("upstream_answer_too_large", limit=HANDSHAKE_MAX_BYTES)
-    return None
-
-
-def _answer_in(data: str | bytes, request_id: Any) -> dict[str, Any] | None:
-    try:
-        message = loads(data)
-    except (ValueError, RecursionError):
-        return None
-    return message if isinstance(message, dict) and message.get("id") == request_id else None

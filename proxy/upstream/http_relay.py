@@ -7,8 +7,9 @@ short upstream is cut short for the client too (its connection is closed mid-bod
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -16,6 +17,7 @@ import structlog
 from aiohttp import web
 
 from ..jsonrpc import INTERNAL_ERROR, RequestId, UpstreamError, dumps, error_object, error_response, loads
+from .events import CredentialsNeeded, NotMcp, UpstreamUnavailable
 from .http_client import BodyTooLarge, CallError
 from .http_headers import request_headers, response_headers
 from .http_modern import Upstream, read_bounded
@@ -28,6 +30,8 @@ client_gone_key = web.RequestKey("client_gone_key", bool)
 """Set on a request whose client went away before its answer was written: logged and counted as 499, not 500."""
 _READ_WHOLE_BYTES = 256 * 1024
 """Bodies up to this size (by Content-Length) are read whole and sent in one write; larger ones are streamed."""
+READINESS_WAIT_S = 2.0
+"""How long /readyz waits for the era probe; a slower probe goes on, and a later /readyz sees how it ended."""
 
 
 async def open_upstream(
@@ -282,11 +286,38 @@ def _rewrite_sse(payload: bytes, request_id: RequestId, rewrite: Callable[[dict[
 class HttpRelay:
     """The relay to a Streamable HTTP server: bytes as they are, every path, every method."""
 
-    def __init__(self, upstream: Upstream) -> None:
+    def __init__(self, upstream: Upstream, era: Callable[[], Awaitable[str]] | None = None) -> None:
         self.upstream = upstream
+        self._era = era
+        self._probing: asyncio.Future[str] | None = None
 
     async def readiness(self) -> str:
-        return await self.upstream.reachable()
+        """ "ok" when the upstream accepts connections and answers as an MCP server (its era is known, or it wants
+        credentials to say); otherwise why not."""
+        reachable = await self.upstream.reachable()
+        if reachable != "ok" or self._era is None:
+            return reachable
+        # Accepting connections is not answering MCP: a wrong path (404), a web page or another API does too, and
+        # only the era probe tells them apart. Probed here, not only by requests: a replica that is not ready gets
+        # none, and must still see the upstream come right. One probe at a time, which may outlast this check.
+        if self._probing is None or self._probing.done():
+            self._probing = asyncio.ensure_future(self._era())
+            self._probing.add_done_callback(_retrieve)
+        try:
+            await asyncio.wait_for(asyncio.shield(self._probing), READINESS_WAIT_S)
+        except TimeoutError:
+            return f"the upstream has not answered the era probe yet ({READINESS_WAIT_S:g} s)"
+        except NotMcp as exc:
+            return str(exc)
+        except CredentialsNeeded:
+            pass  # an MCP server; a client's request, with its credentials, tells the era
+        except UpstreamUnavailable as exc:
+            return str(exc)
+        return "ok"
+
+    def close(self) -> None:
+        if self._probing is not None:
+            self._probing.cancel()
 
     async def relay(
         self, request: web.Request, body: bytes, message: Any, *, request_id: RequestId = None
@@ -331,3 +362,10 @@ async def _listen_messages(response: aiohttp.ClientResponse, *, limit: int) -> A
         log.info("upstream_subscription_ended", reason=str(exc) or type(exc).__name__)
     finally:
         response.close()
+
+
+def _retrieve(probe: asyncio.Future[str]) -> None:
+    # The outcome is read by whichever readiness check waits for it; one that waited no more must not leave it
+    # "never retrieved".
+    if not probe.cancelled():
+        probe.exception()
