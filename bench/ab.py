@@ -1,0 +1,202 @@
+"""A/B: the proxy of a commit against the work tree's, interleaved in one run, by CPU time per request.
+
+    python bench/ab.py                    # the work tree against HEAD
+    python bench/ab.py --base 1d897d4     # against any commit
+    python bench/ab.py --quick            # 2 s runs, 3 repeats: a smoke test, not a figure
+
+Both proxies stand in front of one fast upstream (bench/fast_upstream.py), beside the bare aiohttp forwarder
+(bench/minimal_forwarder.py) and, when it is installed, nginx, for an upstream of each era (the proxy translates a
+2026 client's calls for a 2025 one). For each concurrency every repeat runs each target once, in an order that
+rotates, with wrk posting the same pass-through tools/call; the figure is the CPU time (utime + stime from /proc)
+the target's process spent per request served. On a shared, noisy machine that moves far less than throughput, and
+each target sees the same noise. Medians, with the spread (min-max) of the repeats.
+
+The base commit is installed once into a virtual environment of its own under bench/.ab/ (from `git archive`, so
+the work tree is untouched); the work tree runs from this interpreter (an editable install).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+CACHE = HERE / ".ab"
+sys.path.insert(0, str(HERE))
+from run import free_port, process, wait_ready  # noqa: E402  (bench/ is a folder of scripts, not a package)
+
+WORK = Path(tempfile.mkdtemp(prefix="mcp-tasks-proxy-ab-"))
+TICKS = os.sysconf("SC_CLK_TCK")
+META = {"io.modelcontextprotocol/protocolVersion": "2026-07-28", "io.modelcontextprotocol/clientCapabilities": {}}
+HEADERS = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream",
+           "MCP-Protocol-Version": "2026-07-28", "Mcp-Method": "tools/call", "Mcp-Name": "plain"}  # fmt: skip
+
+
+def package_of(tree: Path) -> str:
+    """The import name of the proxy in a tree (it was `proxy` before it had one of its own)."""
+    return "mcp_tasks_proxy" if (tree / "mcp_tasks_proxy" / "__init__.py").exists() else "proxy"
+
+
+def base_python(commit: str) -> tuple[Path, str]:
+    """The interpreter of a virtual environment holding `commit`'s proxy (made once, then reused), and the name
+    its package imports as."""
+    sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", commit], capture_output=True, text=True, check=True)
+    sha_text = sha.stdout.strip()
+    home = CACHE / sha_text[:12]
+    python = home / "venv" / "bin" / "python"
+    source = home / "src"
+    if not python.exists():
+        shutil.rmtree(home, ignore_errors=True)
+        source.mkdir(parents=True)
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", sha_text], capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", str(source)], input=archive.stdout, check=True)
+        subprocess.run([sys.executable, "-m", "venv", str(home / "venv")], check=True)
+        print(f"installing {sha_text[:12]} into {home / 'venv'} ...", file=sys.stderr)
+        subprocess.run([str(python), "-m", "pip", "install", "--quiet", str(source)], check=True)
+    return python, package_of(source)
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def wrk_total(url: str, connections: int, seconds: int) -> int:
+    """Requests wrk completed against `url` (every one a 2xx, or the run is void)."""
+    body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                       "params": {"name": "plain", "arguments": {}, "_meta": META}})  # fmt: skip
+    script = WORK / "passthrough.lua"
+    lines = ['wrk.method = "POST"', f"wrk.body = {json.dumps(body)}"]
+    lines += [f'wrk.headers["{key}"] = "{value}"' for key, value in HEADERS.items()]
+    script.write_text("\n".join(lines) + "\n")
+    done = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "-s", str(script), url],
+                          capture_output=True, text=True)  # fmt: skip
+    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", done.stdout)
+    if done.returncode != 0 or errors:
+        raise SystemExit(f"wrk failed against {url}:\n{done.stdout}{done.stderr}")
+    return int(re.search(r"(\d+) requests in", done.stdout).group(1))
+
+
+@contextmanager
+def proxy(python: Path | str, package: str, upstream: str, protocol: str) -> Iterator[tuple[str, int]]:
+    port = free_port()
+    policy = {
+        "upstream": {"url": upstream, "protocol": protocol},
+        "tools": [{"match": "echo", "task": "optional"}],  # a policy as deployed; the measured call is not in it
+        "security": {"principal_key": "bench"},
+        "logging": {"level": "warning", "format": "json"},
+    }
+    path = WORK / f"policy-{port}.json"
+    path.write_text(json.dumps(policy))
+    with process(str(python), "-m", package, "--config", str(path), "--port", str(port), port=port) as proc:
+        wait_ready(port)
+        yield f"http://127.0.0.1:{port}/mcp", proc.pid
+
+
+@contextmanager
+def nginx(upstream_port: int) -> Iterator[tuple[str, int] | None]:
+    """nginx as a plain reverse proxy (one process, kept-alive upstream connections), when it is installed."""
+    binary = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+    if binary is None:
+        yield None
+        return
+    port = free_port()
+    home = WORK / f"nginx-{port}"
+    (home / "logs").mkdir(parents=True)
+    (home / "nginx.conf").write_text(f"""
+daemon off; master_process off; worker_processes 1; error_log stderr error; pid {home}/nginx.pid;
+events {{ worker_connections 1024; }}
+http {{
+  access_log off;
+  client_body_temp_path {home}/body; proxy_temp_path {home}/proxy;
+  fastcgi_temp_path {home}/fcgi; uwsgi_temp_path {home}/uwsgi; scgi_temp_path {home}/scgi;
+  upstream mcp {{ server 127.0.0.1:{upstream_port}; keepalive 64; }}
+  server {{
+    listen 127.0.0.1:{port};
+    location / {{ proxy_pass http://mcp; proxy_http_version 1.1; proxy_set_header Connection ""; }}
+  }}
+}}
+""")
+    with process(binary, "-p", str(home), "-c", str(home / "nginx.conf"), port=port) as proc:
+        yield f"http://127.0.0.1:{port}/mcp", proc.pid
+
+
+def summary(runs: list[float]) -> str:
+    return f"{statistics.median(runs):.0f} ({min(runs):.0f}-{max(runs):.0f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", default="HEAD", help="the commit to compare the work tree with (default: HEAD)")
+    parser.add_argument("--connections", default="1,16,64", help="comma-separated wrk connection counts")
+    parser.add_argument("--eras", default="modern,legacy", help="the upstream's era: modern, legacy or both")
+    parser.add_argument("--seconds", type=int, default=4, help="length of each wrk run")
+    parser.add_argument("--repeats", type=int, default=7, help="runs of each target per concurrency")
+    parser.add_argument("--quick", action="store_true", help="2 s runs, 3 repeats")
+    args = parser.parse_args()
+    seconds, repeats = (2, 3) if args.quick else (args.seconds, args.repeats)
+    if shutil.which("wrk") is None:
+        raise SystemExit("wrk is needed: apt-get install wrk")
+    base, base_package = base_python(args.base)
+    head = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True)
+    print(f"# A/B: {args.base} (A) against the work tree {head.stdout.strip()} (B) · {os.cpu_count()} cores · "
+          f"wrk -t1, {seconds} s runs, {repeats} repeats, interleaved · CPU µs/request, median (min-max)")  # fmt: skip
+    upstream_port = free_port()
+    upstream = f"http://127.0.0.1:{upstream_port}/mcp"
+    with ExitStack() as stack:
+        stack.enter_context(process(sys.executable, str(HERE / "fast_upstream.py"), str(upstream_port),
+                                    port=upstream_port))  # fmt: skip
+        forwarder_port = free_port()
+        forwarder = stack.enter_context(process(sys.executable, str(HERE / "minimal_forwarder.py"),
+                                                str(forwarder_port), upstream, port=forwarder_port))  # fmt: skip
+        fixed = {"forwarder": (f"http://127.0.0.1:{forwarder_port}/mcp", forwarder.pid)}
+        web = stack.enter_context(nginx(upstream_port))
+        if web is not None:
+            fixed["nginx"] = web
+        rows = []
+        for era in args.eras.split(","):
+            with (
+                proxy(base, base_package, upstream, era) as a,
+                proxy(sys.executable, package_of(ROOT), upstream, era) as b,
+            ):
+                targets = {"A": a, "B": b, **fixed}
+                for connections in (int(c) for c in args.connections.split(",")):
+                    cpu: dict[str, list[float]] = {name: [] for name in targets}
+                    rate: dict[str, list[float]] = {name: [] for name in targets}
+                    names = list(targets)
+                    for repeat in range(repeats):
+                        turn = repeat % len(names)
+                        for name in names[turn:] + names[:turn]:  # each target first in turn
+                            url, pid = targets[name]
+                            before = cpu_s(pid)
+                            total = wrk_total(url, connections, seconds)
+                            cpu[name].append((cpu_s(pid) - before) / total * 1e6)
+                            rate[name].append(total / seconds)
+                    median = {name: statistics.median(values) for name, values in cpu.items()}
+                    rows.append([era, str(connections)] + [summary(cpu[name]) for name in names] + [
+                        f"{median['B'] / median['A']:.3f}", f"{median['B'] / median['forwarder']:.2f}",
+                        f"{statistics.median(rate['B']) / statistics.median(rate['nginx']):.2f}" if "nginx" in rate
+                        else "-",
+                    ])  # fmt: skip
+                    print(f"  {era} c={connections}: B/A {median['B'] / median['A']:.3f}", file=sys.stderr)
+        header = ["upstream", "c", *(f"{name} µs/req" for name in ("A", "B", *fixed)), "B/A", "B/forwarder",
+                  "B/nginx req/s"]  # fmt: skip
+        print("| " + " | ".join(header) + " |")
+        print("|" + "---|" * len(header))
+        for row in rows:
+            print("| " + " | ".join(row) + " |")
+
+
+if __name__ == "__main__":
+    main()
