@@ -60,7 +60,7 @@ from .upstream import build_gateway
 from .upstream.bridge import SyncBridge
 from .upstream.events import UpstreamUnavailable
 from .upstream.gateway import Gateway
-from .upstream.http_relay import client_gone_key
+from .upstream.http.relay import client_gone_key
 
 log = structlog.get_logger(__name__)
 

@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from proxy.durable_stream import parse_event_id
-from proxy.upstream.http_sse import SseParser
+from proxy.upstream.http.sse import SseParser
 from tests.conftest import eventually
 
 VERSION = "2025-11-25"

@@ -10,7 +10,7 @@ import pytest
 
 from proxy import listen
 from proxy.app import runner_key
-from proxy.upstream.http_sse import SseParser
+from proxy.upstream.http.sse import SseParser
 from tests.conftest import eventually
 from tests.factories import headers_for, meta, request
 from tests.schemas import validate

@@ -9,7 +9,7 @@ import secrets
 import aiohttp
 from aiohttp import web
 
-from proxy.upstream.http_sse import SseParser
+from proxy.upstream.http.sse import SseParser
 from tests.conftest import eventually
 from tests.factories import TASKS, headers_for, meta, parse_body, request
 

@@ -35,7 +35,7 @@ from ..metrics import Metrics
 from ..upstream.events import Finished, InputNeeded, Progress
 
 if TYPE_CHECKING:
-    from ..gateway import Gateway
+    from ..upstream.gateway import Gateway
 from .job import DirectOutcome, Job, RoundLimit, ToolCall
 from .model import TaskRecord, TaskStateError, TaskStatus, new_task_id, stamp_after, transition, utc_now
 from .store import StoreUnavailable, TaskIdTaken, TaskStore

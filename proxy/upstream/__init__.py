@@ -13,17 +13,17 @@ import structlog
 
 from .events import UpstreamStartError, UpstreamUnavailable
 from .gateway import Gateway
-from .http_legacy import HttpLegacyLink
-from .http_modern import Upstream
-from .http_relay import HttpRelay
+from .http.legacy import HttpLegacyLink
+from .http.modern import Upstream
+from .http.relay import HttpRelay
 from .legacy import LegacyUpstream
-from .stdio_channel import unreadable_counts
-from .stdio_legacy import StdioLegacyLink
-from .stdio_modern import StdioModern
-from .stdio_pool import StdioPool
-from .stdio_process import ChildSpec, child_env
-from .stdio_relay import StdioRelay
-from .stdio_sessions import FrontSessions
+from .stdio.channel import unreadable_counts
+from .stdio.legacy import StdioLegacyLink
+from .stdio.modern import StdioModern
+from .stdio.pool import StdioPool
+from .stdio.process import ChildSpec, child_env
+from .stdio.relay import StdioRelay
+from .stdio.sessions import FrontSessions
 
 if TYPE_CHECKING:
     from ..config import ProxyConfig

@@ -21,7 +21,7 @@ Era = Literal["modern", "legacy"]
 
 
 class ModernUpstream(Protocol):
-    """A 2026-07-28 server, however reached: http_modern.Upstream, stdio_modern.StdioModern."""
+    """A 2026-07-28 server, however reached: http.modern.Upstream, stdio.modern.StdioModern."""
 
     @property
     def url(self) -> str: ...
@@ -44,7 +44,7 @@ Rewrite = Callable[[dict[str, Any]], None]
 
 
 class Relay(Protocol):
-    """What the proxy does not own, carried to the server and back: http_relay.HttpRelay, stdio_relay.StdioRelay."""
+    """What the proxy does not own, carried to the server and back: http.relay.HttpRelay, stdio.relay.StdioRelay."""
 
     async def readiness(self) -> str: ...
 

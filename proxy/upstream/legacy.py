@@ -9,7 +9,6 @@ same events the runner reads from a modern upstream.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
@@ -33,7 +32,7 @@ from .events import (
     too_large,
 )
 from .legacy_tasks import TASKED, TaskSupport, run_as_upstream_task, without_task_support
-from .routing import CallRoute
+from .routing import CallRoute, LegacySession
 from .session_table import SessionsFull, SessionTable
 
 log = structlog.get_logger(__name__)
@@ -55,21 +54,6 @@ ERROR_ANSWER = "io.github.mcp-tasks-proxy/error"
 # Everything the proxy can relay, declared once per session (NOTES §8): what a modern client did not declare for
 # its own request is declined per request.
 _PROXY_CAPABILITIES = {"elicitation": {"form": {}, "url": {}}, "sampling": {}, "roots": {"listChanged": False}}
-
-
-@dataclasses.dataclass(slots=True)
-class LegacySession:
-    session_id: str | None
-    protocol_version: str
-    principal: str
-    calls: dict[Any, CallRoute] = dataclasses.field(default_factory=dict)
-    """The calls in flight, by upstream request id: where a request on the standalone stream may belong."""
-    reader: asyncio.Task[None] | None = None
-    """Reads the session's standalone stream (upstream/http_standalone.py)."""
-    refused: int = 0
-    """Requests on the standalone stream the proxy could not relay (their log lines are thinned past a few)."""
-    on_status: Callable[[int], None] | None = None
-    """A client's own session (a durable call's): told the HTTP status the server answers each POST with."""
 
 
 def to_legacy(message: dict[str, Any]) -> dict[str, Any]:
@@ -173,7 +157,7 @@ class LegacyReply(Protocol):
 
 
 class LegacyLink(Protocol):
-    """How a 2025-era server is reached: http_legacy.HttpLegacyLink, stdio_legacy.StdioLegacyLink."""
+    """How a 2025-era server is reached: http.legacy.HttpLegacyLink, stdio.legacy.StdioLegacyLink."""
 
     @property
     def url(self) -> str: ...
@@ -373,7 +357,7 @@ class LegacyUpstream:
 
         A server request the client may answer is yielded as InputNeeded whose `reply` posts the answer back; the
         stream is read on meanwhile. `ping` is answered here; a request the client did not declare is declined here.
-        A request for this call on the session's standalone stream goes to `on_request` instead (http_standalone.py).
+        A request for this call on the session's standalone stream goes to `on_request` instead (http/standalone.py).
         Ending early (cancel, timeout, shutdown) posts notifications/cancelled for the request.
         """
         legacy = to_legacy(message)

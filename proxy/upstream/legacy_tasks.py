@@ -13,18 +13,15 @@ import asyncio
 import itertools
 import math
 import time
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, Protocol
 
 import structlog
 from multidict import MultiMapping
 
 from ..jsonrpc import INTERNAL_ERROR, error_object
 from .events import Event, Failed, Finished, Progress, UpstreamUnavailable, proxy_failure
-from .routing import RELATED_TASK, CallRoute
-
-if TYPE_CHECKING:
-    from .legacy import LegacySession, LegacyUpstream
+from .routing import RELATED_TASK, CallRoute, LegacySession
 
 log = structlog.get_logger(__name__)
 
@@ -39,6 +36,38 @@ _MAX_TOOLS = 10_000
 _MAX_TASK_ID_CHARS = 1024
 """Longer upstream task ids are refused: they are logged and sent back on every tasks/get."""
 _ids = itertools.count(1)
+
+
+class LegacyUpstream(Protocol):
+    """What a followed task needs of the 2025 upstream it runs on (legacy.LegacyUpstream, which imports this)."""
+
+    initialize_result: dict[str, Any] | None
+
+    @property
+    def url(self) -> str: ...
+
+    def spawn(self, coro: Awaitable[None]) -> None: ...
+
+    async def ask(
+        self,
+        client_headers: MultiMapping[str],
+        method: str,
+        params: dict[str, Any],
+        *,
+        session: LegacySession | None = None,
+        route: CallRoute | None = None,
+    ) -> dict[str, Any] | None: ...
+
+    def exchange(
+        self,
+        legacy: dict[str, Any],
+        client_headers: MultiMapping[str],
+        capabilities: dict[str, Any],
+        *,
+        max_bytes: int,
+        route: CallRoute | None = None,
+        session: LegacySession | None = None,
+    ) -> AsyncIterator[Event]: ...
 
 
 class TaskSupport:

@@ -7,14 +7,12 @@ that call's. Anything else cannot be told, and the proxy refuses the request wit
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 from .events import InputNeeded
-
-if TYPE_CHECKING:
-    from .legacy import LegacySession
 
 RELATED_TASK = "io.modelcontextprotocol/related-task"
 
@@ -34,6 +32,23 @@ class CallRoute:
     """stdio: the child (of a pool) that took the call's first request, where the rest of it goes too."""
 
 
+@dataclasses.dataclass(slots=True)
+class LegacySession:
+    """A 2025-era session as the proxy holds it: with a 2025 server (its own, one per caller), or a 2025 client's."""
+
+    session_id: str | None
+    protocol_version: str
+    principal: str
+    calls: dict[Any, CallRoute] = dataclasses.field(default_factory=dict)
+    """The calls in flight, by upstream request id: where a request on the standalone stream may belong."""
+    reader: asyncio.Task[None] | None = None
+    """Reads the session's standalone stream (upstream/http/standalone.py)."""
+    refused: int = 0
+    """Requests on the standalone stream the proxy could not relay (their log lines are thinned past a few)."""
+    on_status: Callable[[int], None] | None = None
+    """A client's own session (a durable call's): told the HTTP status the server answers each POST with."""
+
+
 def related_task_id(message: dict[str, Any]) -> str | None:
     params = message.get("params")
     meta = params.get("_meta") if isinstance(params, dict) else None
@@ -42,9 +57,10 @@ def related_task_id(message: dict[str, Any]) -> str | None:
     return task_id if isinstance(task_id, str) else None
 
 
-def route_for(session: LegacySession, message: dict[str, Any]) -> tuple[CallRoute | None, str]:
-    """The call a standalone request belongs to, or None and the reason it cannot be told."""
-    calls = list({id(route): route for route in session.calls.values()}.values())  # a call may have several POSTs
+def route_for(in_flight: Iterable[CallRoute], message: dict[str, Any]) -> tuple[CallRoute | None, str]:
+    """The call (of a session's `in_flight`) a standalone request belongs to, or None and the reason it cannot be
+    told."""
+    calls = list({id(route): route for route in in_flight}.values())  # a call may have several POSTs
     task_id = related_task_id(message)
     if task_id is not None:
         for route in calls:

@@ -17,14 +17,14 @@ import aiohttp
 import structlog
 from multidict import MultiMapping
 
-from ..jsonrpc import INTERNAL_ERROR, error_object
-from .http_headers import stream_headers
-from .http_sse import SseLimitError, SseParser, StreamPosition
-from .routing import route_for
+from ...jsonrpc import INTERNAL_ERROR, error_object
+from ..routing import route_for
+from .headers import stream_headers
+from .sse import SseLimitError, SseParser, StreamPosition
 
 if TYPE_CHECKING:
-    from .http_legacy import HttpLegacyLink
-    from .legacy import LegacySession, LegacyUpstream
+    from ..legacy import LegacySession, LegacyUpstream
+    from .modern import Upstream
 
 log = structlog.get_logger(__name__)
 
@@ -41,11 +41,11 @@ _LOGGED_REFUSALS = 10
 
 
 async def open_stream(
-    legacy: LegacyUpstream, link: HttpLegacyLink, session: LegacySession, client_headers: MultiMapping[str]
+    legacy: LegacyUpstream, upstream: Upstream, session: LegacySession, client_headers: MultiMapping[str]
 ) -> None:
     """Start reading the session's standalone stream; returns once it is open (or known to be unavailable)."""
     ready = asyncio.Event()
-    session.reader = asyncio.ensure_future(_read(legacy, link, session, client_headers, ready))
+    session.reader = asyncio.ensure_future(_read(legacy, upstream, session, client_headers, ready))
     try:
         await asyncio.wait_for(ready.wait(), timeout=_READY_WAIT_S)
     except TimeoutError:
@@ -54,7 +54,7 @@ async def open_stream(
 
 async def _read(
     legacy: LegacyUpstream,
-    link: HttpLegacyLink,
+    upstream: Upstream,
     session: LegacySession,
     client_headers: MultiMapping[str],
     ready: asyncio.Event,
@@ -66,7 +66,7 @@ async def _read(
             headers = stream_headers(session, client_headers, position.last_event_id)
             try:
                 async with asyncio.timeout(_HEADERS_WAIT_S):  # a server that never answers the GET is a failure
-                    response = await link.upstream.request("GET", link.url, headers, None)
+                    response = await upstream.request("GET", upstream.url, headers, None)
             except (ConnectionError, aiohttp.ClientError, OSError, TimeoutError):
                 ready.set()  # no stream to wait for: the session goes on without one for now
                 failures += 1
@@ -118,7 +118,7 @@ async def _on_message(
     method = message.get("method")
     if not isinstance(method, str) or "id" not in message:
         return  # notifications and stray responses: nothing of the proxy's own sessions waits on them
-    route, why = route_for(session, message)
+    route, why = route_for(session.calls.values(), message)
     if method == "ping":
         await legacy.respond(session, client_headers, message["id"], {"result": {}})
         return

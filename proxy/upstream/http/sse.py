@@ -15,8 +15,8 @@ import re
 from collections.abc import AsyncIterable, AsyncIterator, Iterator
 from typing import Any
 
-from ..jsonrpc import loads
-from .events import AnswerTooLarge
+from ...jsonrpc import loads
+from ..events import AnswerTooLarge
 
 DEFAULT_MAX_EVENT_BYTES = 16 * 1024 * 1024
 MAX_RETRY_MS = 30_000

@@ -5,7 +5,7 @@ and, when it asked for progress, a progress token of the same value; what the ch
 the response) is queued on it with the caller's own id and token put back. A request the child sends (elicitation,
 sampling, roots) names no call on stdio, so it is tied as on a legacy standalone stream (routing.py): its
 related-task, else the one call in flight. Everything is bounded: the calls in flight, the progress and requests
-queued per call, the line length (stdio_process.py). A line the proxy cannot read fails the call it answered when its
+queued per call, the line length (stdio/process.py). A line the proxy cannot read fails the call it answered when its
 id can be told (`_unreadable`), and is counted by reason either way.
 """
 
@@ -20,10 +20,10 @@ from typing import Any
 
 import structlog
 
-from ..jsonrpc import INTERNAL_ERROR, dumps, error_object
-from .events import AnswerTooLarge
-from .routing import CallRoute, related_task_id
-from .stdio_process import UNREADABLE_REASONS, ChildProcess, ChildSpec, Supervisor, Unreadable
+from ...jsonrpc import INTERNAL_ERROR, dumps, error_object
+from ..events import AnswerTooLarge
+from ..routing import CallRoute, related_task_id
+from .process import UNREADABLE_REASONS, ChildProcess, ChildSpec, Supervisor, Unreadable
 
 log = structlog.get_logger(__name__)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import structlog
 
-from .session_table import SessionsFull, SessionTable
+from ..session_table import SessionsFull, SessionTable
 
 log = structlog.get_logger(__name__)
 

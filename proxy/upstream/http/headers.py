@@ -6,10 +6,10 @@ from typing import TYPE_CHECKING
 
 from multidict import CIMultiDict, MultiMapping
 
-from .. import tracing
+from ... import tracing
 
 if TYPE_CHECKING:
-    from .legacy import LegacySession
+    from ..routing import LegacySession
 
 # RFC 9110 §7.6.1 hop-by-hop fields, plus those the proxy recomputes for the body it sends.
 HOP_BY_HOP = frozenset(

@@ -24,9 +24,9 @@ from typing import Any
 
 import structlog
 
-from .routing import CallRoute
-from .stdio_channel import ChildGone, Exchange, StdioChannel, may_ask
-from .stdio_process import ChildSpec
+from ..routing import CallRoute
+from .channel import ChildGone, Exchange, StdioChannel, may_ask
+from .process import ChildSpec
 
 log = structlog.get_logger(__name__)
 

@@ -2,7 +2,7 @@
 answer written back as JSON (or as an event stream when progress, a log line or a request of the child's comes
 first), the way a Streamable HTTP server would answer it.
 
-2025-era clients of a 2025-era child get sessions of the proxy's (stdio_sessions.py): the proxy answers their
+2025-era clients of a 2025-era child get sessions of the proxy's (stdio/sessions.py): the proxy answers their
 `initialize` from the child's, `ping` itself, and their GET streams and DELETE; a request of the child's for one of
 their calls is shown to them under an id of the proxy's, and their answer goes back under the child's.
 """
@@ -18,8 +18,8 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from ..envelope import check_modern_request, is_modern, params_of
-from ..jsonrpc import (
+from ...envelope import check_modern_request, is_modern, params_of
+from ...jsonrpc import (
     ERROR_HTTP_STATUS,
     INTERNAL_ERROR,
     INVALID_PARAMS,
@@ -33,17 +33,17 @@ from ..jsonrpc import (
     loads,
     result_response,
 )
-from ..security import Identity
-from .events import AnswerTooLarge, UpstreamUnavailable
-from .http_relay import client_gone_key
-from .legacy import declined_answer
-from .routing import CallRoute
-from .session_table import SessionsFull
-from .stdio_channel import ChildGone, Exchange
-from .stdio_legacy import StdioLegacyLink
-from .stdio_modern import StdioModern
-from .stdio_pool import StdioPool
-from .stdio_sessions import _MAX_SUBSCRIBED, FrontSession, FrontSessions
+from ...security import Identity
+from ..events import AnswerTooLarge, UpstreamUnavailable
+from ..http.relay import client_gone_key
+from ..legacy import declined_answer
+from ..routing import CallRoute
+from ..session_table import SessionsFull
+from .channel import ChildGone, Exchange
+from .legacy import StdioLegacyLink
+from .modern import StdioModern
+from .pool import StdioPool
+from .sessions import _MAX_SUBSCRIBED, FrontSession, FrontSessions
 
 log = structlog.get_logger(__name__)
 

@@ -16,12 +16,12 @@ import aiohttp
 import structlog
 from aiohttp import web
 
-from ..jsonrpc import INTERNAL_ERROR, RequestId, UpstreamError, dumps, error_object, error_response, loads
-from .events import CredentialsNeeded, NotMcp, UpstreamUnavailable
-from .http_client import BodyTooLarge, CallError
-from .http_headers import request_headers, response_headers
-from .http_modern import Upstream, read_bounded
-from .http_sse import DEFAULT_MAX_EVENT_BYTES, SseEvent, SseLimitError, SseParser, iter_events, json_message
+from ...jsonrpc import INTERNAL_ERROR, RequestId, UpstreamError, dumps, error_object, error_response, loads
+from ..events import CredentialsNeeded, NotMcp, UpstreamUnavailable
+from .client import BodyTooLarge, CallError
+from .headers import request_headers, response_headers
+from .modern import Upstream, read_bounded
+from .sse import DEFAULT_MAX_EVENT_BYTES, SseEvent, SseLimitError, SseParser, iter_events, json_message
 
 log = structlog.get_logger(__name__)
 

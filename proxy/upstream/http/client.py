@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 import httptools
 from multidict import CIMultiDict
 
-from .events import AnswerTooLarge
+from ..events import AnswerTooLarge
 
 MAX_HEAD_BYTES = 64 * 1024
 """Status line and headers of one response, whatever pieces they arrive in."""

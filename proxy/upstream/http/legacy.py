@@ -14,17 +14,17 @@ import aiohttp
 import structlog
 from multidict import CIMultiDict, MultiMapping
 
-from ..jsonrpc import dumps, loads
-from .events import UpstreamUnavailable
-from .http_client import CallResponse
-from .http_headers import session_headers, stream_headers
-from .http_modern import Upstream, single_answer
-from .http_sse import SseParser, StreamPosition
-from .http_standalone import open_stream
-from .routing import CallRoute
+from ...jsonrpc import dumps, loads
+from ..events import UpstreamUnavailable
+from ..routing import CallRoute
+from .client import CallResponse
+from .headers import session_headers, stream_headers
+from .modern import Upstream, single_answer
+from .sse import SseParser, StreamPosition
+from .standalone import open_stream
 
 if TYPE_CHECKING:
-    from .legacy import LegacySession, LegacyUpstream
+    from ..legacy import LegacySession, LegacyUpstream
 
 log = structlog.get_logger(__name__)
 
@@ -95,7 +95,7 @@ class HttpReply:
             if position.last_event_id is None or resumes >= _MAX_RESUMES:
                 return
             resumes += 1
-            await asyncio.sleep(position.retry_ms / 1000)  # at most http_sse.MAX_RETRY_MS
+            await asyncio.sleep(position.retry_ms / 1000)  # at most http.sse.MAX_RETRY_MS
             headers = stream_headers(self._session, self._client_headers, position.last_event_id)
             try:
                 current = await self._link.upstream.request("GET", self._link.url, headers, None)
@@ -145,7 +145,7 @@ class HttpLegacyLink:
         notified.release()
         if session.session_id is not None:
             # Before any call: a server may send a call's request there (server-everything's roots/list).
-            await open_stream(legacy, self, session, client_headers)
+            await open_stream(legacy, self.upstream, session, client_headers)
 
     def end(self, session: LegacySession) -> None:
         if session.reader is not None:

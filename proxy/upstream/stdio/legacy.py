@@ -3,7 +3,7 @@ initialize would replace the capabilities the child holds for everyone), then re
 
 Every principal shares the child's one session, so the LegacyUpstream sessions all name it; what keeps callers apart
 is the channel (ids the proxy owns, server requests tied to their call). A 2025-era client's own session (a durable
-call's) is one the proxy made for it (stdio_sessions.py): 404 once ended, as an HTTP server says.
+call's) is one the proxy made for it (stdio/sessions.py): 404 once ended, as an HTTP server says.
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from multidict import MultiMapping
 
-from .events import AnswerTooLarge, UpstreamUnavailable
-from .legacy import LEGACY_VERSION, LegacySession, proxy_initialize
-from .routing import CallRoute
-from .stdio_channel import OWN_ANSWER_MAX_BYTES, ChildGone, Exchange, StdioChannel, own_answer
-from .stdio_pool import StdioPool
+from ..events import AnswerTooLarge, UpstreamUnavailable
+from ..legacy import LEGACY_VERSION, LegacySession, proxy_initialize
+from ..routing import CallRoute
+from .channel import OWN_ANSWER_MAX_BYTES, ChildGone, Exchange, StdioChannel, own_answer
+from .pool import StdioPool
 
 if TYPE_CHECKING:
-    from .legacy import LegacyUpstream
-    from .stdio_sessions import FrontSession, FrontSessions
+    from ..legacy import LegacyUpstream
+    from .sessions import FrontSession, FrontSessions
 
 log = structlog.get_logger(__name__)
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import structlog
 
-from ..jsonrpc import loads
+from ...jsonrpc import loads
 
 log = structlog.get_logger(__name__)
 

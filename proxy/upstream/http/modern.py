@@ -18,14 +18,14 @@ import aiohttp
 import structlog
 from multidict import MultiMapping
 
-from .. import PROTOCOL_VERSION
-from ..jsonrpc import dumps, loads
-from .events import CredentialsNeeded, Event, NotMcp, Progress, UpstreamUnavailable, proxy_failure, too_large
-from .http_client import BodyTooLarge, CallClient, CallError, CallResponse
-from .http_headers import own_request_headers
-from .http_sse import SseLimitError, SseParser, iter_events
-from .legacy import LEGACY_VERSION, proxy_initialize
-from .modern import discover_probe, interpret, is_discover_result
+from ... import PROTOCOL_VERSION
+from ...jsonrpc import dumps, loads
+from ..events import CredentialsNeeded, Event, NotMcp, Progress, UpstreamUnavailable, proxy_failure, too_large
+from ..legacy import LEGACY_VERSION, proxy_initialize
+from ..modern import discover_probe, interpret, is_discover_result
+from .client import BodyTooLarge, CallClient, CallError, CallResponse
+from .headers import own_request_headers
+from .sse import SseLimitError, SseParser, iter_events
 
 log = structlog.get_logger(__name__)
 
@@ -91,7 +91,7 @@ class Upstream:
     def post(
         self, headers: Mapping[str, str], body: bytes, *, query: str = "", relay: bool = False
     ) -> Awaitable[CallResponse]:
-        """A POST to the MCP endpoint through the lean client; `relay` keeps the response as sent (see http_client.py).
+        """A POST to the MCP endpoint through the lean client; `relay` keeps the response as sent (see http/client.py).
 
         Not a coroutine of its own on purpose: a frame here would hold `body` for as long as the call waits for its
         answer (the whole run of a working task), where CallClient.post lets go of it once sent.
