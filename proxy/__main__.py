@@ -19,9 +19,10 @@ import structlog
 from aiohttp import web
 
 from . import __version__, tracing
-from .app import MCP_PATH, create_app, gateway_key, metrics_key, policy_key
+from .app import create_app
 from .check import check_main, warn_unmatched_rules
 from .config import ENV_PREFIX, ConfigError, ProxyConfig, apply_overrides, load_config
+from .context import MCP_PATH, gateway_key, metrics_key, policy_key
 from .log import configure_logging
 from .policy import PolicyReloader, file_stamp
 from .serve import BindError, bind, serve

@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 
 from proxy import listen
-from proxy.app import runner_key
+from proxy.context import runner_key
 from proxy.upstream.http.sse import SseParser
 from tests.conftest import eventually
 from tests.factories import headers_for, meta, request
@@ -158,7 +158,7 @@ async def test_a_record_that_changed_hands_is_never_sent_to_the_listener(proxy, 
     out."""
     import dataclasses
 
-    from proxy.app import store_key
+    from proxy.context import store_key
 
     gate = secrets.token_hex(6)
     me = {"Authorization": "Bearer me"}

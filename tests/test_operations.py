@@ -14,8 +14,8 @@ import structlog
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.app import policy_key
 from proxy.config import load_config
+from proxy.context import policy_key
 from proxy.policy import PolicyReloader
 from tests.conftest import ROOT, eventually, free_port, stop, task_reaches, wait_for_port
 from tests.factories import headers_for, meta

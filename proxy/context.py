@@ -1,0 +1,62 @@
+"""What the application and its request handlers share: the AppKeys of the app's resources, what a request's log
+line reports (RequestInfo), the MCP endpoint's path, and a JSON reply."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from aiohttp import web
+
+from .durable import DurableCalls
+from .jsonrpc import dumps
+from .metrics import Metrics
+from .policy import LivePolicy
+from .security import HostGuard, Identity, PollGuard
+from .tasks.runner import TaskRunner
+from .tasks.store import TaskStore
+from .tasks2025 import Tasks2025
+from .tasks2026 import Tasks2026
+from .upstream.bridge import SyncBridge
+from .upstream.gateway import Gateway
+
+policy_key = web.AppKey("policy_key", LivePolicy)
+store_key = web.AppKey("store_key", TaskStore)
+runner_key = web.AppKey("runner_key", TaskRunner)
+gateway_key = web.AppKey("gateway_key", Gateway)
+bridge_key = web.AppKey("bridge_key", SyncBridge)
+metrics_key = web.AppKey("metrics_key", Metrics)
+identity_key = web.AppKey("identity_key", Identity)
+guard_key = web.AppKey("guard_key", HostGuard)
+poll_guard_key = web.AppKey("poll_guard_key", PollGuard)
+durable_key = web.AppKey("durable_key", DurableCalls)
+tasks2025_key = web.AppKey("tasks2025_key", Tasks2025)
+tasks2026_key = web.AppKey("tasks2026_key", Tasks2026)
+read_headers_key = web.AppKey("read_headers_key", frozenset)
+"""The headers this app reads itself, lowercase: the fixed ones, and the principal header when it has one."""
+
+
+@dataclasses.dataclass(slots=True)
+class RequestInfo:
+    """What the request log line reports, filled in as dispatch learns it."""
+
+    jsonrpc_id: Any = None
+    rpc_method: str | None = None
+    tool: str | None = None
+    task_id: str | None = None
+    mode: str = "passthrough"
+    answers_2025: bool = False
+    """The proxy answers a 2025-era client itself: every error goes on HTTP 200, as that era's clients expect."""
+    task_trace: str | None = None
+    """The traceparent of the task this request is about, for its span to link to."""
+    trace: Any = None
+    """The request's span and context token while tracing is on (proxy/tracing.py)."""
+
+
+info_key = web.RequestKey("info_key", RequestInfo)
+
+MCP_PATH = "/mcp"
+
+
+def json_reply(message: dict[str, Any], *, status: int = 200) -> web.Response:
+    return web.Response(body=dumps(message), status=status, content_type="application/json")
