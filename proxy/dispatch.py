@@ -56,6 +56,7 @@ from .jsonrpc import (
     loads,
     result_response,
 )
+from .security import caller_of
 from .tasks.job import DirectOutcome, ToolCall
 from .tasks.model import TaskRecord
 from .tasks.runner import LimitReached
@@ -361,14 +362,15 @@ async def _tools_call(
         raise JsonRpcError(INVALID_PARAMS, "Invalid params: arguments must be an object")
     forwarded = without_tasks_declaration(message)
     capabilities = meta_of(forwarded).get(META_CLIENT_CAPABILITIES)
+    principal = request.app[identity_key].principal(request.headers)
     call = ToolCall(
         tool=name,
         message=forwarded,
         headers=request.headers.copy(),
         capabilities=capabilities if isinstance(capabilities, dict) else {},
-        principal=request.app[identity_key].principal(request.headers),
+        principal=principal,
         credential=request.app[identity_key].credential(request.headers),
-        caller=request.app[identity_key].caller(request.headers, request.remote),
+        caller=caller_of(principal, request.remote),
     )
     info.mode = "durable" if kept_alive else "task"
     with _refusals():

@@ -45,7 +45,7 @@ from .jsonrpc import (
     error_response,
     result_response,
 )
-from .security import Identity
+from .security import Identity, caller_of
 from .tasks.job import DirectOutcome, ToolCall
 from .tasks.model import TaskRecord, is_task_id, new_task_id
 from .tasks.runner import TaskRunner
@@ -165,7 +165,7 @@ class DurableCalls:
             capabilities=ALL_INPUT_KINDS,
             principal=principal,
             credential=self._identity.credential(headers),
-            caller=self._identity.caller(headers, request.remote),
+            caller=caller_of(principal, request.remote),
             task_id=task_id,
             stream=stream_of(message, headers, session_tag),
             client_session=client_session(headers, principal, on_status=_first(accepted)),

@@ -92,11 +92,6 @@ class Identity:
             return self._hash("header:" + value) if value else ""
         return self.credential(headers)
 
-    def caller(self, headers: MultiMapping[str], remote: str | None) -> str:
-        """Who a request counts against for per-caller limits: its principal; for an anonymous request (no credential
-        tells one such client from another), its network address, which a client cannot share or forge."""
-        return self.principal(headers) or f"address:{remote or 'unknown'}"
-
     def logged_principal(self, headers: MultiMapping[str]) -> str | None:
         """The principal for a log line: None when anonymous, or while the key is not loaded yet."""
         return (self.principal(headers) or None) if self._key is not None else None
@@ -115,6 +110,12 @@ async def keep_shared_key(identity: Identity, store: TaskStore, *, interval_s: f
             await identity.agree(store)
         except StoreUnavailable:
             continue  # the store's own log line says why; the key this replica holds stays valid meanwhile
+
+
+def caller_of(principal: str, remote: str | None) -> str:
+    """Who a request counts against for per-caller limits: its principal; for an anonymous request (no credential
+    tells one such client from another), its network address, which a client cannot share or forge."""
+    return principal or f"address:{remote or 'unknown'}"
 
 
 class HostGuard:

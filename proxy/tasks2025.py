@@ -34,7 +34,7 @@ from .jsonrpc import (
     error_response,
     result_response,
 )
-from .security import Identity, PollGuard
+from .security import Identity, PollGuard, caller_of
 from .tasks.job import ToolCall
 from .tasks.model import TaskRecord, TaskStatus, format_time, is_task_id
 from .tasks.runner import TaskRunner
@@ -174,7 +174,7 @@ class Tasks2025:
             capabilities=ALL_INPUT_KINDS,
             principal=principal,
             credential=self._identity.credential(headers),
-            caller=self._identity.caller(headers, request.remote),
+            caller=caller_of(principal, request.remote),
             stream=_stream_of(message, session_tag),
             client_session=client_session(headers, principal),
         )

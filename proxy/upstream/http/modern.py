@@ -262,7 +262,7 @@ async def read_bounded(response: aiohttp.ClientResponse, limit: int) -> bytes:
 def _loads(data: str | bytes) -> Any:
     try:
         return loads(data)
-    except (ValueError, RecursionError):
+    except ValueError:
         return None
 
 

@@ -150,7 +150,7 @@ def json_message(event: SseEvent) -> dict[str, Any] | None:
         return None
     try:
         message = loads(event.data)
-    except (ValueError, RecursionError):
+    except ValueError:
         return None
     return message if isinstance(message, dict) else None
 

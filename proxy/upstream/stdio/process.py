@@ -353,7 +353,7 @@ class ChildProcess:
             return
         try:
             message = loads(text)
-        except (ValueError, RecursionError) as exc:
+        except ValueError as exc:
             # Not a message: a banner or a stray print (the transport forbids them, servers do it anyway), or an
             # answer broken on the way (one bad byte). Either way whoever waits for it is told.
             self._report(self._on_unreadable, unreadable(text, exc))

@@ -33,7 +33,7 @@ from ...jsonrpc import (
     loads,
     result_response,
 )
-from ...security import Identity
+from ...security import Identity, caller_of
 from ..events import AnswerTooLarge, UpstreamUnavailable
 from ..http.relay import client_gone_key
 from ..legacy import declined_answer
@@ -235,10 +235,11 @@ class StdioRelay:
         asked = params.get("protocolVersion")
         version = asked if asked in VERSIONS_2025 else str(child.get("protocolVersion") or VERSIONS_2025[-1])
         capabilities = params.get("capabilities")
+        principal = self._identity.principal(request.headers)
         try:
             front = self.sessions.create(
-                self._identity.principal(request.headers),
-                self._identity.caller(request.headers, request.remote),
+                principal,
+                caller_of(principal, request.remote),
                 version,
                 capabilities if isinstance(capabilities, dict) else {},
             )
