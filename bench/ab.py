@@ -67,6 +67,13 @@ def base_python(commit: str) -> tuple[Path, str]:
     return python, package_of(source)
 
 
+def imported_from(python: Path | str, package: str) -> Path:
+    """Where `python -P -m package` imports the proxy from, exactly as the measured process will."""
+    done = subprocess.run([str(python), "-P", "-c", f"import {package}; print({package}.__file__)"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    return Path(done.stdout.strip()).resolve().parent
+
+
 def cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICKS
@@ -99,7 +106,8 @@ def proxy(python: Path | str, package: str, upstream: str, protocol: str) -> Ite
     }
     path = WORK / f"policy-{port}.json"
     path.write_text(json.dumps(policy))
-    with process(str(python), "-m", package, "--config", str(path), "--port", str(port), port=port) as proc:
+    # -P: the working directory (the repository) must not shadow the interpreter's own install of the proxy.
+    with process(str(python), "-P", "-m", package, "--config", str(path), "--port", str(port), port=port) as proc:
         wait_ready(port)
         yield f"http://127.0.0.1:{port}/mcp", proc.pid
 
@@ -149,6 +157,10 @@ def main() -> None:
     if shutil.which("wrk") is None:
         raise SystemExit("wrk is needed: apt-get install wrk")
     base, base_package = base_python(args.base)
+    # A comparison of a tree with itself reads as "no change": make sure A and B are the trees they claim to be.
+    a_tree, b_tree = imported_from(base, base_package), imported_from(sys.executable, package_of(ROOT))
+    if not a_tree.is_relative_to(CACHE.resolve()) or b_tree != (ROOT / package_of(ROOT)).resolve():
+        raise SystemExit(f"A imports the proxy from {a_tree} and B from {b_tree}: not the two trees to compare")
     head = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True)
     print(f"# A/B: {args.base} (A) against the work tree {head.stdout.strip()} (B) · {os.cpu_count()} cores · "
           f"wrk -t1, {seconds} s runs, {repeats} repeats, interleaved · CPU µs/request, median (min-max)")  # fmt: skip

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import fnmatch
+import functools
 import ipaddress
 import os
+import re
 import ssl
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -217,7 +219,17 @@ class ToolRule(_Strict):
     connection may stay open."""
 
     def matches(self, tool_name: str) -> bool:
-        return fnmatch.fnmatchcase(tool_name, self.match)
+        return _matcher(self.match)(tool_name)
+
+
+@functools.cache
+def _matcher(pattern: str) -> Callable[[str], bool]:
+    """A rule's glob compiled once (every tools/call asks every rule before the one that matches); a plain name is
+    compared as it is. Cached by pattern: patterns come from the policy file, a bounded set."""
+    if not any(char in pattern for char in "*?["):
+        return pattern.__eq__
+    match = re.compile(fnmatch.translate(pattern)).match
+    return lambda name: match(name) is not None
 
 
 class StoreConfig(_Strict):

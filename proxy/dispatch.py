@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Iterator
 from typing import Any
 
 import structlog
@@ -81,7 +81,9 @@ async def handle_other(request: web.Request) -> web.StreamResponse:
 
 
 async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
-    body = await _read_body(request)
+    app = request.app
+    info = request[info_key]
+    body = await _read_body(request, app)
     try:
         message = loads(body)
     except ValueError as exc:
@@ -89,34 +91,15 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
     kind = classify(message)
     if kind == "invalid":
         if isinstance(message, dict) and is_valid_id(message.get("id")):
-            request[info_key].jsonrpc_id = message["id"]
+            info.jsonrpc_id = message["id"]
         raise JsonRpcError(
             INVALID_REQUEST,
             'Invalid request: expected a JSON-RPC 2.0 object with "jsonrpc": "2.0", a string method, '
             "object params and a string or integer id",
         )
-    if kind == "notification":
-        # Routing headers, a request's or not, must not say something the body does not: a gateway may route on them.
-        check_routing_headers(message, request.headers, required=False)
-    elif kind == "batch":
-        check_batch_routing_headers(message, request.headers)
-    relay_to = request.app[gateway_key].relay
-    if kind == "response":
-        # A client's answer to a request a durable call's stream relayed is the proxy's; any other is the server's.
-        request[info_key].answers_2025 = not is_modern(message, request.headers)
-        answered = await request.app[durable_key].answer(request, message)
-        request[info_key].answers_2025 = False  # answered, or not the proxy's to answer: it goes to the server
-        if answered is not None:
-            request[info_key].mode = "durable"
-            return answered
-    elif _is_legacy_cancel(kind, message, request) and await request.app[durable_key].cancelled(request, message):
-        request[info_key].mode = "durable"
-        return web.Response(status=202)
     if kind != "request":
-        # Notifications, responses to a legacy server's requests, and legacy batches are not the proxy's.
-        return await relay_to.relay(request, body, message)
+        return await _not_a_request(request, kind, message, body)
     method = message["method"]
-    info = request[info_key]
     info.jsonrpc_id = message["id"]
     info.rpc_method = method
     if tracing.TRACER.enabled:
@@ -128,62 +111,90 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
     modern = is_modern(message, request.headers)
     if method.startswith("tasks/") and modern:
         info.mode = "local"
-        answer = await request.app[tasks2026_key].handle(request, message, info)
+        answer = await app[tasks2026_key].handle(request, message, info)
         return json_reply(result_response(message["id"], answer))
     if modern and (declares_tasks(message) or "task" in params_of(message)):
         # Tasks are the proxy's: the upstream never sees the declaration nor a legacy params.task opt-in.
         body = dumps(without_tasks_declaration(message))
-
-    async def relay() -> web.StreamResponse:
-        """Carry the request synchronously, the way the upstream's era needs."""
-        if modern and await _era(request) == "legacy":
-            # The proxy reads this body to translate it; a legacy upstream cannot check the 2026 headers itself.
-            check_modern_request(message, request.headers)
-            info.mode = "legacy"
-            return await request.app[bridge_key].relay(request, message)
-        # Routing headers must not say something the body does not (SEP-2243), in any copy: a gateway in front may
-        # have routed on any of them, and a server may check only the first (or, of 2025, none).
-        check_routing_headers(message, request.headers, required=False)
-        return await relay_to.relay(request, body, message, request_id=message["id"])
-
+    if method == "tools/call":
+        # The era is not needed up front: a task learns it in the background, a pass-through call in _relay.
+        return await _tools_call(request, message, body, modern=modern)
     if not modern and method in _SEP1686_ANNOUNCED and await _serves_2025_tasks(request, method):
-        # SEP-1686 for 2025-era clients, for the tools the policy names: the proxy's tasks, and what announces them.
-        config = request.app[policy_key].config
-        limit = config.limits.max_result_bytes
-        if method == "initialize":
-            # Without credentials and without a session, callers cannot be told apart: no tasks/list for them.
-            anonymous = [not request.app[identity_key].principal(request.headers)]
-
-            def sessions(headers: Any) -> None:
-                anonymous[0] = anonymous[0] and "Mcp-Session-Id" not in headers
-
-            def advertise(result: dict[str, Any]) -> None:
-                tasks2025.advertise(result, anonymous=anonymous[0])
-
-            return await relay_to.relay_rewritten(
-                request, body, message["id"], advertise, limit=limit, on_headers=sessions
-            )
-        if method == "tools/list":
-
-            def mark(result: dict[str, Any]) -> None:
-                tasks2025.mark_tools(result, config.rule_for)
-
-            return await relay_to.relay_rewritten(request, body, message["id"], mark, limit=limit)
-        if method in tasks2025.METHODS:
-            info.mode = "sep1686"
-            info.answers_2025 = True
-            return await request.app[tasks2025_key].handle(request, message, config.rule_for)
+        return await _sep1686(request, message, body, method)
     if method == "subscriptions/listen" and modern:
         return await _listen(request, message)
-    if method == "tools/call":
-        # The era is not needed up front: a task learns it in the background, a pass-through call in relay().
-        return await _tools_call(request, message, relay, modern=modern)
     if method == "server/discover":
         if modern and await _era(request) == "legacy":
             return await _discover_from_legacy(request, message)
-        limit = request.app[policy_key].config.limits.max_result_bytes
-        return await relay_to.relay_rewritten(request, body, message["id"], _advertise_tasks, limit=limit)
-    return await relay()
+        limit = app[policy_key].config.limits.max_result_bytes
+        return await app[gateway_key].relay.relay_rewritten(request, body, message["id"], _advertise_tasks, limit=limit)
+    return await _relay(request, message, body, modern=modern)
+
+
+async def _relay(request: web.Request, message: dict[str, Any], body: bytes, *, modern: bool) -> web.StreamResponse:
+    """Carry a request the proxy does not own synchronously, the way the upstream's era needs."""
+    if modern and await _era(request) == "legacy":
+        # The proxy reads this body to translate it; a legacy upstream cannot check the 2026 headers itself.
+        check_modern_request(message, request.headers)
+        request[info_key].mode = "legacy"
+        return await request.app[bridge_key].relay(request, message)
+    # Routing headers must not say something the body does not (SEP-2243), in any copy: a gateway in front may
+    # have routed on any of them, and a server may check only the first (or, of 2025, none).
+    check_routing_headers(message, request.headers, required=False)
+    return await request.app[gateway_key].relay.relay(request, body, message, request_id=message["id"])
+
+
+async def _not_a_request(request: web.Request, kind: str, message: Any, body: bytes) -> web.StreamResponse:
+    """Notifications, responses and batches: the proxy's when they answer or cancel what it relayed, else the
+    server's."""
+    app = request.app
+    if kind == "notification":
+        # Routing headers, a request's or not, must not say something the body does not: a gateway may route on them.
+        check_routing_headers(message, request.headers, required=False)
+    elif kind == "batch":
+        check_batch_routing_headers(message, request.headers)
+    if kind == "response":
+        # A client's answer to a request a durable call's stream relayed is the proxy's; any other is the server's.
+        info = request[info_key]
+        info.answers_2025 = not is_modern(message, request.headers)
+        answered = await app[durable_key].answer(request, message)
+        info.answers_2025 = False  # answered, or not the proxy's to answer: it goes to the server
+        if answered is not None:
+            info.mode = "durable"
+            return answered
+    elif _is_legacy_cancel(kind, message, request) and await app[durable_key].cancelled(request, message):
+        request[info_key].mode = "durable"
+        return web.Response(status=202)
+    # Notifications, responses to a legacy server's requests, and legacy batches are not the proxy's.
+    return await app[gateway_key].relay.relay(request, body, message)
+
+
+async def _sep1686(request: web.Request, message: dict[str, Any], body: bytes, method: str) -> web.StreamResponse:
+    """SEP-1686 for 2025-era clients, for the tools the policy names: the proxy's tasks, and what announces them."""
+    config = request.app[policy_key].config
+    relay_to = request.app[gateway_key].relay
+    limit = config.limits.max_result_bytes
+    if method == "initialize":
+        # Without credentials and without a session, callers cannot be told apart: no tasks/list for them.
+        anonymous = [not request.app[identity_key].principal(request.headers)]
+
+        def sessions(headers: Any) -> None:
+            anonymous[0] = anonymous[0] and "Mcp-Session-Id" not in headers
+
+        def advertise(result: dict[str, Any]) -> None:
+            tasks2025.advertise(result, anonymous=anonymous[0])
+
+        return await relay_to.relay_rewritten(request, body, message["id"], advertise, limit=limit, on_headers=sessions)
+    if method == "tools/list":
+
+        def mark(result: dict[str, Any]) -> None:
+            tasks2025.mark_tools(result, config.rule_for)
+
+        return await relay_to.relay_rewritten(request, body, message["id"], mark, limit=limit)
+    info = request[info_key]
+    info.mode = "sep1686"
+    info.answers_2025 = True
+    return await request.app[tasks2025_key].handle(request, message, config.rule_for)
 
 
 def _is_legacy_cancel(kind: str, message: Any, request: web.Request) -> bool:
@@ -253,8 +264,12 @@ async def _serves_2025_tasks(request: web.Request, method: str) -> bool:
 
 
 async def _era(request: web.Request) -> str:
+    gateway = request.app[gateway_key]
+    known = gateway.known_era
+    if known is not None:
+        return known  # once learnt, it stays: no probe, no lock
     try:
-        return await request.app[gateway_key].era(request.headers)
+        return await gateway.era(request.headers)
     except UpstreamUnavailable as exc:
         raise UpstreamError(exc.args[0], upstream=request.app[gateway_key].url) from exc
 
@@ -271,10 +286,12 @@ async def _discover_from_legacy(request: web.Request, message: dict[str, Any]) -
     return json_reply(result_response(message["id"], legacy.discover_result()))
 
 
-async def _read_body(request: web.Request) -> bytes:
-    config = request.app[policy_key].config
+async def _read_body(request: web.Request, app: web.Application | None = None) -> bytes:
+    config = (app or request.app)[policy_key].config
     limit = config.limits.max_body_bytes
     try:
+        if request.content.is_eof():
+            return await request.read()  # all of it arrived with the head (most requests): nothing to wait for
         async with asyncio.timeout(config.listen.body_timeout_s):
             return await request.read()
     except TimeoutError:
@@ -307,17 +324,21 @@ def _advertise_tasks(result: dict[str, Any]) -> None:
 async def _tools_call(
     request: web.Request,
     message: dict[str, Any],
-    relay: Callable[[], Awaitable[web.StreamResponse]],
+    body: bytes,
     *,
     modern: bool,
 ) -> web.StreamResponse:
-    """A tools/call: a task when its rule and the request say so, else `relay` carries it synchronously."""
+    """A tools/call: a task when its rule and the request say so, else relayed synchronously."""
     config = request.app[policy_key].config
     params = params_of(message)
     name = params.get("name")
     rule = config.rule_for(name) if isinstance(name, str) else None
     info = request[info_key]
     info.tool = name if isinstance(name, str) else None
+
+    def relay() -> Awaitable[web.StreamResponse]:
+        return _relay(request, message, body, modern=modern)
+
     if rule is None or rule.task is TaskMode.NEVER:
         return await relay()
     if not modern and "task" in params:

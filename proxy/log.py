@@ -7,14 +7,38 @@ input response or a credential.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import secrets
 import sys
+from contextvars import ContextVar
 from typing import Any
 
 import structlog
 from structlog.tracebacks import ExceptionDictTransformer
 
 _frames_only = ExceptionDictTransformer(show_locals=False)
+
+# Request ids: unique per process and cheap (no random bytes per request); the prefix tells processes apart.
+_REQUEST_ID_PREFIX = f"{secrets.token_hex(4)}-"
+_request_numbers = itertools.count(1)
+_request_id: ContextVar[str | int | None] = ContextVar("request_id", default=None)
+
+
+def bind_request_id(client_id: str | None) -> None:
+    """Name the current request in every log line written while it runs (and by what it starts): the client's own
+    X-Request-Id, else a number of this process's. One context variable set per request, the id formatted only
+    when a line is written: most requests write none."""
+    _request_id.set(client_id if client_id is not None else next(_request_numbers))
+
+
+def _add_request_id(logger: Any, method: str, event: dict[str, Any]) -> dict[str, Any]:
+    request_id = _request_id.get()
+    if request_id is not None:
+        event.setdefault(
+            "request_id", request_id if isinstance(request_id, str) else f"{_REQUEST_ID_PREFIX}{request_id:x}"
+        )
+    return event
 
 
 def _trace(exc_info: Any) -> list[dict[str, Any]]:
@@ -52,6 +76,7 @@ def configure_logging(*, level: str = "info", format: str = "auto") -> None:
     use_console = format == "console" or (format == "auto" and sys.stderr.isatty())
     shared: list[structlog.typing.Processor] = [
         structlog.contextvars.merge_contextvars,
+        _add_request_id,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]

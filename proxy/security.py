@@ -125,29 +125,35 @@ class HostGuard:
         loopback = config.listen.host in LOOPBACK_NAMES
         hosts = config.security.allowed_hosts
         origins = config.security.allowed_origins
-        self._hosts = hosts if hosts is not None else (["127.0.0.1", "localhost", "[::1]"] if loopback else ["*"])
-        self._origins = (
+        self._hosts = _Patterns(
+            hosts if hosts is not None else (["127.0.0.1", "localhost", "[::1]"] if loopback else ["*"])
+        )
+        self._origins = _Patterns(
             origins
             if origins is not None
             else (["http://127.0.0.1", "http://localhost", "http://[::1]"] if loopback else [])
         )
 
     def host_allowed(self, host: str | None) -> bool:
-        return host is not None and _matches(host.lower(), self._hosts)
+        return host is not None and self._hosts.match(host.lower())
 
     def origin_allowed(self, origin: str | None) -> bool:
-        return origin is None or _matches(origin.lower(), self._origins)
+        return origin is None or self._origins.match(origin.lower())
 
 
-def _matches(value: str, patterns: list[str]) -> bool:
-    """`pattern` matches itself with any port, or exactly with its own port; "*" matches anything."""
-    for pattern in patterns:
-        pattern = pattern.lower()
-        if pattern == "*" or value == pattern:
+class _Patterns:
+    """Allowed values: a pattern matches itself with any port, or exactly with its own port; "*" matches anything.
+    Set lookups, as every request is checked."""
+
+    def __init__(self, patterns: list[str]) -> None:
+        self._any = "*" in patterns
+        self._exact = frozenset(pattern.lower() for pattern in patterns)
+
+    def match(self, value: str) -> bool:
+        if self._any or value in self._exact:
             return True
-        if value.startswith(pattern + ":") and value[len(pattern) + 1 :].isdigit():
-            return True
-    return False
+        base, colon, port = value.rpartition(":")
+        return bool(colon) and port.isdigit() and base in self._exact
 
 
 class PollGuard:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -36,6 +37,10 @@ from .legacy import LegacyUpstream
 log = structlog.get_logger(__name__)
 
 _TOKEN_PREFIX = "mtp1"
+# The ids of the proxy's requests on its shared session: unique per process (the random part tells processes
+# apart), without drawing random bytes for every call.
+_ID_PREFIX = f"mtp-{secrets.token_hex(4)}-"
+_call_numbers = itertools.count(1)
 _GATHER_S = 0.05
 """After a first server request, how long to wait for the ones sent with it, so they go out in one round."""
 
@@ -143,7 +148,7 @@ class SyncBridge:
             capabilities = meta_of(message).get(META_CLIENT_CAPABILITIES)
             upstream_message = {
                 "jsonrpc": "2.0",
-                "id": f"mtp-{secrets.token_hex(8)}",  # unique on the shared session, whatever id the client chose
+                "id": f"{_ID_PREFIX}{next(_call_numbers):x}",  # unique on the shared session, whatever the client's
                 "method": message["method"],
                 "params": params,
             }
@@ -155,7 +160,7 @@ class SyncBridge:
                 max_bytes=self._max_bytes(),
                 on_request=feed.put,  # a request for this call on the standalone stream joins its round
             )
-            call = _Call(feed=feed, pump=asyncio.ensure_future(_pump(events, feed)))
+            call = _Call(feed=feed, pump=asyncio.get_running_loop().create_task(_pump(events, feed)))
         return await self._follow(request, message, call)
 
     async def _follow(self, request: web.Request, message: dict[str, Any], call: _Call) -> web.StreamResponse:

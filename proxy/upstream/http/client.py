@@ -28,6 +28,7 @@ import httptools
 from multidict import CIMultiDict
 
 from ..events import AnswerTooLarge
+from .headers import RESPONSE_SKIP, connection_listed
 
 MAX_HEAD_BYTES = 64 * 1024
 """Status line and headers of one response, whatever pieces they arrive in."""
@@ -203,21 +204,24 @@ class _Connection(asyncio.Protocol):
         response = self.response
         assert response is not None
         headers: dict[str, str] = {}
-        raw: CIMultiDict[str] | None = CIMultiDict() if response.raw_headers is not None else None
+        relayed: CIMultiDict[str] | None = CIMultiDict() if response.relayed_headers is not None else None
         for name_bytes, value_bytes in zip(self._names, self._values, strict=True):
             name, value = name_bytes.decode("latin-1"), value_bytes.decode("latin-1").strip()
-            if raw is not None:
-                raw.add(name, value)
-            name = name.lower()
-            headers[name] = f"{headers[name]}, {value}" if name in headers else value
+            lower = name.lower()
+            if relayed is not None and lower not in RESPONSE_SKIP:
+                relayed.add(name, value)
+            headers[lower] = f"{headers[lower]}, {value}" if lower in headers else value
         # The raw fields are not needed past this point; an open call may wait for hours, so they are not kept.
         self._names.clear()
         self._values.clear()
         response.status, response.headers = status, headers
         response.reason = self._reason.decode("latin-1")
         self._reason = b""
-        if raw is not None:
-            response.raw_headers = raw
+        if relayed is not None:
+            listed = connection_listed(headers.get("connection"))
+            response.relayed_headers = (
+                relayed if not listed else CIMultiDict((k, v) for k, v in relayed.items() if k.lower() not in listed)
+            )
         self.reusable = parser.should_keep_alive()
         encoding = headers.get("content-encoding", "identity").strip().lower() if self._decode else "identity"
         if encoding in ("gzip", "x-gzip"):
@@ -386,14 +390,15 @@ class _ExtraResponse(Exception):
 class CallResponse:
     """The answer to one call: status, headers (lower-case names), then the body read whole or in chunks."""
 
-    __slots__ = ("status", "reason", "headers", "raw_headers", "_connection", "_client")
+    __slots__ = ("status", "reason", "headers", "relayed_headers", "_connection", "_client")
 
-    def __init__(self, connection: _Connection, client: CallClient, *, raw_headers: bool = False) -> None:
+    def __init__(self, connection: _Connection, client: CallClient, *, relay: bool = False) -> None:
         self.status = 0
         self.reason = ""
         self.headers: dict[str, str] = {}
-        self.raw_headers: CIMultiDict[str] | None = CIMultiDict() if raw_headers else None
-        """As received (case, order, repeats), when asked for: what a relay passes on."""
+        self.relayed_headers: CIMultiDict[str] | None = CIMultiDict() if relay else None
+        """When asked for: the end-to-end fields as received (case, order, repeats; hop-by-hop ones and those the
+        Connection header names dropped), what a relay passes on."""
         self._connection: _Connection | None = connection
         self._client = client
 
@@ -466,24 +471,28 @@ class CallClient:
         self._idle_s = idle_s
 
     async def post(
-        self, headers: Mapping[str, str], body: bytes, *, query: str = "", relay: bool = False
+        self, headers: Mapping[str, str] | bytes, body: bytes, *, query: str = "", relay: bool = False
     ) -> CallResponse:
         """Send the request and wait for the response head; the caller reads the body and closes the response.
 
-        `query` is appended to the URL's path; `relay` keeps the body as sent (no decompression) and the headers as
-        received, for passing the response on.
+        `headers` is a mapping, or the header lines already serialized and checked (`relayed_request_fields`).
+        `query` is appended to the URL's path; `relay` keeps the body as sent (no
+        decompression) and the end-to-end headers as received, for passing the response on.
         """
         head = [self._request_line if not query else self._request_line_with(query)]
-        for name, value in headers.items():
-            if "\r" in value or "\n" in value or "\r" in name or "\n" in name or ":" in name:
-                raise CallError(f"header {name!r} cannot be sent")
-            head.append(f"{name}: {value}\r\n".encode("utf-8", "surrogateescape"))
+        if isinstance(headers, bytes):
+            head.append(headers)
+        else:
+            for name, value in headers.items():
+                if "\r" in value or "\n" in value or "\r" in name or "\n" in name or ":" in name:
+                    raise CallError(f"header {name!r} cannot be sent")
+                head.append(f"{name}: {value}\r\n".encode("utf-8", "surrogateescape"))
         head.append(b"Content-Length: %d\r\n\r\n" % len(body))
         head.append(body)
         request = b"".join(head)
         del head, body  # a working task waits here for the whole call: hold nothing it no longer needs
         connection = self._reuse() or await self._connect()
-        response = CallResponse(connection, self, raw_headers=relay)
+        response = CallResponse(connection, self, relay=relay)
         answered = connection.send(request, response, decode=not relay)
         del request
         try:

@@ -26,20 +26,21 @@ HOP_BY_HOP = frozenset(
     }
 )
 _REQUEST_SKIP = HOP_BY_HOP | {"host", "content-length"}
-_RESPONSE_SKIP = HOP_BY_HOP | {"content-length"}
+RESPONSE_SKIP = HOP_BY_HOP | {"content-length"}
 TASK_CALL_SKIP = _REQUEST_SKIP | {"accept-encoding", "accept", "content-type", "last-event-id"}
+_REQUEST_SKIP_BYTES = frozenset(name.encode() for name in _REQUEST_SKIP)
 
 
-def _connection_listed(headers: MultiMapping[str]) -> set[str]:
-    listed: set[str] = set()
-    for value in headers.getall("Connection", ()):
-        listed.update(token.strip().lower() for token in value.split(",") if token.strip())
-    return listed
+def connection_listed(value: str | None) -> set[str]:
+    """The header names a Connection field value lists (lowercase): hop-by-hop for this connection only."""
+    if not value:
+        return set()
+    return {token.strip().lower() for token in value.split(",") if token.strip()}
 
 
 def end_to_end_headers(headers: MultiMapping[str], skip: frozenset[str] | set[str]) -> CIMultiDict[str]:
     """Copy the headers an intermediary must pass on: all but hop-by-hop ones and those named in Connection."""
-    drop = skip | _connection_listed(headers)
+    drop = skip.union(*(connection_listed(value) for value in headers.getall("Connection", ())))
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in headers.items():
         if name.lower() not in drop:
@@ -54,18 +55,40 @@ def request_headers(headers: MultiMapping[str]) -> CIMultiDict[str]:
     return out
 
 
+def relayed_request_fields(
+    raw_headers: tuple[tuple[bytes, bytes], ...], headers: MultiMapping[str]
+) -> bytes | CIMultiDict[str]:
+    """A relayed request's end-to-end header lines for the upstream, serialized from the bytes as received (the
+    pass-through path: nothing decoded, nothing re-encoded); a mapping instead when tracing adds its own header.
+    `headers` is the same request's decoded view."""
+    if tracing.TRACER.enabled:
+        return request_headers(headers)
+    drop = _REQUEST_SKIP_BYTES
+    if "Connection" in headers:  # rare: headers named hop-by-hop for this connection only go no further either
+        listed = connection_listed(", ".join(headers.getall("Connection")))
+        drop = drop.union(name.encode("utf-8", "surrogateescape") for name in listed)
+    lines = [b"%s: %s\r\n" % field for field in raw_headers if field[0].lower() not in drop]
+    fields = b"".join(lines)
+    # The parser refuses CR and LF inside a field; never trusted alone, as one would end the line early upstream.
+    if fields.count(b"\n") != len(lines) or fields.count(b"\r") != len(lines):
+        raise ValueError("a header holds CR or LF and cannot be sent")
+    return fields
+
+
 def response_headers(headers: MultiMapping[str]) -> CIMultiDict[str]:
-    return end_to_end_headers(headers, _RESPONSE_SKIP)
+    return end_to_end_headers(headers, RESPONSE_SKIP)
 
 
 def own_request_headers(client_headers: MultiMapping[str], *, drop_mcp_headers: bool = False) -> CIMultiDict[str]:
     """Headers for a JSON-RPC POST the proxy makes for a client: the client's end-to-end headers (credentials
     included), JSON in, JSON or an event stream out. `drop_mcp_headers` removes every Mcp-* header (MCP-Protocol-
     Version included), for requests whose routing headers the proxy sets itself."""
-    headers = end_to_end_headers(client_headers, TASK_CALL_SKIP)
-    if drop_mcp_headers:
-        for name in {name for name in headers if name.lower().startswith("mcp-")}:
-            headers.popall(name, None)
+    drop = TASK_CALL_SKIP.union(*(connection_listed(value) for value in client_headers.getall("Connection", ())))
+    headers: CIMultiDict[str] = CIMultiDict()
+    for name, value in client_headers.items():
+        lower = name.lower()
+        if lower not in drop and not (drop_mcp_headers and lower.startswith("mcp-")):
+            headers.add(name, value)
     headers["Content-Type"] = "application/json"
     headers["Accept"] = "application/json, text/event-stream"
     if tracing.TRACER.enabled:

@@ -89,7 +89,7 @@ class Upstream:
             raise ConnectionError(f"cannot connect to {self.url}: {exc.os_error.strerror or exc}") from exc
 
     def post(
-        self, headers: Mapping[str, str], body: bytes, *, query: str = "", relay: bool = False
+        self, headers: Mapping[str, str] | bytes, body: bytes, *, query: str = "", relay: bool = False
     ) -> Awaitable[CallResponse]:
         """A POST to the MCP endpoint through the lean client; `relay` keeps the response as sent (see http/client.py).
 

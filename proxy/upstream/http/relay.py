@@ -19,7 +19,7 @@ from aiohttp import web
 from ...jsonrpc import INTERNAL_ERROR, RequestId, UpstreamError, dumps, error_object, error_response, loads
 from ..events import CredentialsNeeded, NotMcp, UpstreamUnavailable
 from .client import BodyTooLarge, CallError
-from .headers import request_headers, response_headers
+from .headers import relayed_request_fields, request_headers, response_headers
 from .modern import Upstream, read_bounded
 from .sse import DEFAULT_MAX_EVENT_BYTES, SseEvent, SseLimitError, SseParser, iter_events, json_message
 
@@ -89,14 +89,13 @@ async def _forward_post(
 ) -> web.StreamResponse:
     """A POST to the MCP endpoint (most of the traffic) goes through the lean client, its answer relayed as sent."""
     try:
-        response = await upstream.post(
-            request_headers(request.headers), body, query=request.rel_url.raw_query_string, relay=True
-        )
-    except OSError as exc:  # CallError included
+        fields = relayed_request_fields(request.raw_headers, request.headers)
+        response = await upstream.post(fields, body, query=request.rel_url.raw_query_string, relay=True)
+    except (OSError, ValueError) as exc:  # CallError included; ValueError: a header that cannot be sent
         raise UpstreamError(f"upstream unreachable ({exc})", upstream=upstream.url) from exc
     with contextlib.closing(response):  # pooled when read to its end, else closed: the upstream sees a cancel
-        assert response.raw_headers is not None
-        headers = response_headers(response.raw_headers)
+        headers = response.relayed_headers
+        assert headers is not None
         content_type = response.content_type
         length = _content_length(response.headers.get("content-length")) if response.status not in (204, 304) else 0
         if content_type in _STREAM_TYPES or length is None or length > _READ_WHOLE_BYTES:
@@ -322,6 +321,8 @@ class HttpRelay:
     async def relay(
         self, request: web.Request, body: bytes, message: Any, *, request_id: RequestId = None
     ) -> web.StreamResponse:
+        if request.method == "POST":
+            return await _forward_post(self.upstream, request, body, request_id)  # the hot path: one frame fewer
         return await forward(self.upstream, request, body, is_mcp=True, request_id=request_id)
 
     async def relay_rewritten(
