@@ -49,9 +49,10 @@ from .log import bind_request_id
 from .metrics import Metrics, method_label
 from .policy import LivePolicy
 from .security import HostGuard, Identity, PollGuard, keep_shared_key
+from .tasks.admission import ShuttingDown
 from .tasks.model import utc_now
 from .tasks.redis_store import RedisTaskStore
-from .tasks.runner import ShuttingDown, TaskRunner
+from .tasks.runner import TaskRunner
 from .tasks.store import MemoryTaskStore, StoreUnavailable, TaskStore
 from .tasks2025 import Tasks2025
 from .tasks2026 import Tasks2026

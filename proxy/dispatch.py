@@ -57,9 +57,9 @@ from .jsonrpc import (
     result_response,
 )
 from .security import caller_of
+from .tasks.admission import LimitReached
 from .tasks.job import DirectOutcome, ToolCall
 from .tasks.model import TaskRecord
-from .tasks.runner import LimitReached
 from .tasks.store import StoreFullError
 from .tasks2026 import missing_tasks_capability
 from .upstream.events import UpstreamUnavailable

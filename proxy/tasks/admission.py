@@ -1,0 +1,206 @@
+"""A new call's way in: the policy's concurrency limits, its job, its sync window (the outcome if it comes inside,
+else a task stored before anyone hears of it), an MRTR retry resuming a parked call, and the job's end."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+
+from .. import tracing
+from ..config import LimitsConfig, TaskDefaults, ToolRule
+from .attempts import Attempts, retry_message
+from .job import DirectOutcome, Job, ToolCall
+from .model import TaskRecord, TaskStatus, new_task_id
+from .runner_state import RunnerState
+from .store import TaskIdTaken
+from .sync_rounds import SyncRounds
+
+log = structlog.get_logger(__name__)
+
+
+class ShuttingDown(Exception):
+    """The proxy is stopping: it finishes what runs and takes no new task."""
+
+
+class LimitReached(Exception):
+    """A concurrency limit of the policy refuses this task; the message names the limit."""
+
+    def __init__(self, message: str, **data: Any) -> None:
+        super().__init__(message)
+        self.data = data or None
+
+
+class Admission:
+    """Admits calls within the policy's limits and starts them; forgets each job when its call ends."""
+
+    def __init__(
+        self,
+        state: RunnerState,
+        attempts: Attempts,
+        rounds: SyncRounds,
+        defaults: Callable[[], TaskDefaults],
+        limits: Callable[[], LimitsConfig],
+    ) -> None:
+        self._state = state
+        self._attempts = attempts
+        self._rounds = rounds
+        self._defaults = defaults
+        self._limits = limits
+        self._slots: dict[tuple[str, int], asyncio.Semaphore] = {}
+
+    async def submit(self, call: ToolCall, rule: ToolRule) -> TaskRecord | DirectOutcome:
+        """Start the call; return the stored task, or the outcome if it came inside the rule's sync window."""
+        if not self._state.accepting:
+            raise ShuttingDown("the proxy is shutting down and takes no new tasks")
+        resumed = await self.resume(call)
+        if resumed is not None:
+            return resumed
+        defaults = self._defaults()  # the policy in force now; the job keeps these values through any reload
+        limits = self._limits()
+        slots = self._admit(call, rule, limits)
+        holds_slot = False
+        if slots is not None and rule.on_limit == "refuse":
+            # Taken now, in the same step as the check (acquire returns at once when a slot is free), so that a
+            # burst cannot be admitted past the limit before the first of its calls starts.
+            await slots.acquire()
+            holds_slot = True
+        job = Job(
+            task_id=call.task_id or new_task_id(),
+            call=call,
+            rule=rule,
+            ttl_ms=rule.ttl_ms or defaults.ttl_ms,
+            poll_interval_ms=rule.poll_interval_ms or defaults.poll_interval_ms,
+            started_s=self._state.timer(),
+            max_input_rounds=rule.max_input_rounds or defaults.max_input_rounds,
+            max_result_bytes=limits.max_result_bytes,
+            slots=slots,
+            holds_slot=holds_slot,
+        )
+        if job.task_id in self._state.jobs:  # a caller-fixed id (a durable call's) whose call runs here already
+            if job.holds_slot and job.slots is not None:
+                job.slots.release()
+            raise TaskIdTaken(job.task_id)
+        call.message = retry_message(call.message, None, None, keep_client_round=True)
+        # Known before its record exists, so that no lost-replica sweep takes a task being created for a stray.
+        self._state.jobs[job.task_id] = job
+        if rule.sync_window_ms == 0:
+            try:
+                record = await self._create_record(job)  # durable before anyone hears of it (SEP-2663)
+            except BaseException:
+                self._forget(job)
+                raise
+            self._spawn(job)
+            return record
+        self._spawn(job)
+        return await self._within_window(job)
+
+    async def _within_window(self, job: Job) -> TaskRecord | DirectOutcome:
+        """Wait out the rule's sync window: the outcome if it comes inside (an answer, or an MRTR round for the
+        client), else the call becomes a task, stored before anyone hears of it."""
+        if job.final is not None:
+            return job.final
+        job.outcome = asyncio.get_running_loop().create_future()
+        if job.sync_requests:  # asked while the client's retry was on its way: this is the next round
+            job.outcome.set_result(self._rounds.offer(job))
+        try:
+            await asyncio.wait([job.outcome], timeout=job.rule.sync_window_ms / 1000)
+        except asyncio.CancelledError:
+            # The client closed its request inside the window: as for any 2026 call, that cancels the upstream work.
+            job.cancel_reason = "the client closed its request"
+            job.outcome = None  # a question being gathered now finds no window to answer
+            job.runner.cancel()  # type: ignore[union-attr]
+            raise
+        if job.outcome.done():
+            return job.outcome.result()
+        job.outcome = None
+        if job.sync_requests:  # asked inside the window, while the questions sent with it were being gathered
+            return self._rounds.offer(job)
+        try:
+            return await self._create_record(job)
+        except BaseException:
+            job.cancel_reason = "the task could not be stored"
+            job.runner.cancel()  # type: ignore[union-attr]
+            raise
+
+    async def resume(self, call: ToolCall) -> TaskRecord | DirectOutcome | None:
+        """An MRTR retry that names a call parked inside its sync window: the answers go upstream on the open
+        call, then the window runs again. None when it names none (the call is a new one)."""
+        job = self._rounds.claim(call, legacy_upstream=self._state.upstream.known_era == "legacy")
+        if job is None:
+            return None
+        if job.final is not None:
+            return job.final
+        await self._rounds.answer(job, call)
+        if job.sync_requests:  # some are still unanswered: ask for those again (SEP-2322 SHOULD)
+            return self._rounds.offer(job)
+        return await self._within_window(job)
+
+    def _admit(self, call: ToolCall, rule: ToolRule, limits: LimitsConfig) -> asyncio.Semaphore | None:
+        """Apply the policy's concurrency limits to a new task; returns the tool's slots when it has a limit."""
+        if len(self._state.jobs) >= limits.max_running_tasks:
+            raise LimitReached(
+                f"this proxy replica already runs {limits.max_running_tasks} background calls "
+                "(limits.max_running_tasks); try again later",
+                limit="max_running_tasks",
+            )
+        if limits.max_tasks_per_principal is not None:
+            mine = sum(1 for job in self._state.jobs.values() if job.call.caller == call.caller)
+            if mine >= limits.max_tasks_per_principal:
+                raise LimitReached(
+                    f"this caller already has {mine} tasks running, the most allowed "
+                    "(limits.max_tasks_per_principal); wait for one to finish",
+                    limit="max_tasks_per_principal",
+                )
+        if rule.max_concurrency is None:
+            return None
+        slots = self._slots.setdefault((call.tool, rule.max_concurrency), asyncio.Semaphore(rule.max_concurrency))
+        if rule.on_limit == "refuse" and slots.locked():
+            raise LimitReached(
+                f"tool {call.tool!r} runs at most {rule.max_concurrency} calls at once (max_concurrency), and this "
+                "policy refuses more instead of queueing them (on_limit: refuse); try again later",
+                limit="max_concurrency",
+            )
+        return slots
+
+    async def _create_record(self, job: Job) -> TaskRecord:
+        now = self._state.now()
+        record = TaskRecord(
+            task_id=job.task_id,
+            tool=job.call.tool,
+            status=TaskStatus.WORKING,
+            created_at=now,
+            last_updated_at=now,
+            ttl_ms=job.ttl_ms,
+            poll_interval_ms=job.poll_interval_ms,
+            status_message=job.last_message,
+            owner=self._state.replica_id,
+            principal=job.call.principal,
+            stream=job.call.stream,
+        )
+        if tracing.TRACER.enabled:
+            job.span = tracing.TRACER.start_task(job.task_id, job.call.tool)
+            record = dataclasses.replace(record, trace=tracing.TRACER.traceparent(job.span))
+        job.is_task = True
+        await self._state.store.create(record)
+        job.mark_stored()
+        self._state.metrics.tasks_created.labels(job.call.tool).inc()
+        log.info("task_transition", task_id=job.task_id, tool=job.call.tool, to=record.status.value, duration_ms=0)
+        return record
+
+    def _spawn(self, job: Job) -> None:
+        job.runner = asyncio.create_task(self._attempts.run(job), name=f"mcp-task:{job.task_id}")
+        job.runner.add_done_callback(lambda _: self._forget(job))
+
+    def _forget(self, job: Job) -> None:
+        if job.span is not None:  # the call ended without this replica writing a terminal status
+            tracing.TRACER.end_task(job.span, "ended elsewhere")  # type: ignore[union-attr]
+            job.span = None
+        if self._state.jobs.get(job.task_id) is job:  # never another job under the same id
+            del self._state.jobs[job.task_id]
+        if job.holds_slot and job.slots is not None:
+            job.holds_slot = False
+            job.slots.release()

@@ -1,0 +1,184 @@
+"""A job's call against the gateway: its upstream attempts (one per MRTR round), their events followed, the outcome
+handed to settlement; and how a stopped call ends (cancelled upstream, or failed at shutdown)."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from typing import Any
+
+import structlog
+
+from .. import tracing
+from ..jsonrpc import INTERNAL_ERROR, dumps, error_object
+from ..upstream.events import Finished, InputNeeded, Progress
+from .input_rounds import InputRounds
+from .job import Job, RoundLimit
+from .model import TaskStatus
+from .runner_state import RunnerState
+from .settlement import Settlement
+
+log = structlog.get_logger(__name__)
+
+SHUTDOWN = "the proxy shut down before the upstream call finished"
+"""The cancel reason of the calls still running when the grace period of shutdown ends: their tasks fail."""
+
+
+class Attempts:
+    """Runs a job's upstream call, one attempt per round, until one ends it."""
+
+    def __init__(self, state: RunnerState, settlement: Settlement, input_rounds: InputRounds) -> None:
+        self._state = state
+        self._settlement = settlement
+        self._input_rounds = input_rounds
+
+    async def run(self, job: Job) -> None:
+        """The job's own asyncio task: the call (in one of its tool's slots when the rule limits them); stopped, it
+        is cancelled upstream, or its task fails when the proxy shuts down."""
+        structlog.contextvars.bind_contextvars(task_id=job.task_id, tool=job.call.tool)
+        try:
+            if job.slots is None or job.holds_slot:
+                await self._drive(job)
+            else:
+                if job.slots.locked():
+                    await self._settlement.progress(
+                        job, Progress(f"queued: {job.call.tool} runs a limited number of calls at once")
+                    )
+                async with job.slots:
+                    await self._drive(job)
+        except asyncio.CancelledError:
+            if job.cancel_reason == SHUTDOWN:
+                if job.unwritten is not None:  # the outcome was in hand; only its write was interrupted
+                    status, fields = job.unwritten
+                    await self._settlement.settle(job, status, **fields)
+                else:
+                    error = error_object(INTERNAL_ERROR, f"Proxy failure: {SHUTDOWN}")
+                    await self._settlement.settle(job, TaskStatus.FAILED, error=error, status_message=SHUTDOWN)
+            elif job.cancel_reason is None:
+                raise
+            elif job.upstream_busy and job.call.client_session is None:
+                # (A call on a client's own session posts its cancellation itself as its stream closes.)
+                await self._state.upstream.notify_cancelled(job.upstream_id, job.call.headers, job.cancel_reason)
+        except Exception:
+            log.exception("task_runner_error")
+            error = error_object(INTERNAL_ERROR, "Proxy failure: internal error while following the upstream call")
+            await self._settlement.settle(job, TaskStatus.FAILED, error=error, status_message="internal proxy error")
+
+    async def _drive(self, job: Job) -> None:
+        """Run upstream attempts until one ends the call; MRTR input_required answers start the next round."""
+        message = job.call.message
+        input_rounds = 0
+        while True:
+            needed = await self._attempt(job, message)
+            if needed is None:
+                return  # the attempt settled the call
+            if not job.is_task:
+                # Inside the sync window, before any task exists: the client answers the MRTR round itself.
+                await self._settlement.settle(job, TaskStatus.COMPLETED, result=needed.result)
+                return
+            input_rounds += 1
+            if input_rounds > job.max_input_rounds:
+                reason = f"the upstream asked for input more than {job.max_input_rounds} times (max_input_rounds)"
+                data = {"upstream": self._state.upstream.url}
+                error = error_object(INTERNAL_ERROR, f"Upstream failure: {reason}", data)
+                await self._settlement.settle(job, TaskStatus.FAILED, error=error, status_message=reason)
+                return
+            if needed.input_requests:
+                responses = await self._input_rounds.ask_client(job, needed.input_requests)
+                if responses is None:
+                    return
+            else:
+                # A state-only round (load shedding, SEP-2322): retry at once, after a short backoff.
+                responses = None
+                await asyncio.sleep(min(0.05 * 2 ** (input_rounds - 1), 0.25))
+            message = retry_message(job.call.message, responses, needed.request_state)
+
+    async def _attempt(self, job: Job, message: dict[str, Any]) -> InputNeeded | None:
+        """One upstream call; None once the outcome is settled, the InputNeeded when the upstream wants input."""
+        if not tracing.TRACER.enabled:
+            return await self._call_upstream(job, message)
+        with tracing.TRACER.upstream_call(job.span, job.call.tool):
+            return await self._call_upstream(job, message)
+
+    async def _call_upstream(self, job: Job, message: dict[str, Any]) -> InputNeeded | None:
+        job.upstream_id = message["id"]
+        job.upstream_busy = True
+        events = self._state.upstream.call_tool(
+            message,
+            job.call.headers,
+            job.call.capabilities,
+            max_bytes=job.max_result_bytes,
+            on_request=lambda needed: self._input_rounds.open_questions(job, needed),
+            session=job.call.client_session,
+        )
+        started_s = self._state.timer()
+        outcome = "cancelled"
+        settle: tuple[TaskStatus, dict[str, Any]] | None = None
+        try:
+            async with asyncio.timeout(job.rule.timeout_s):
+                async for event in events:
+                    if isinstance(event, Progress):
+                        await self._settlement.progress(job, event)
+                    elif isinstance(event, InputNeeded):
+                        if event.reply is None:
+                            outcome = "input_required"
+                            return event  # a modern upstream: the next round is a new attempt
+                        await self._input_rounds.open_questions(job, event)  # a legacy one waits on this very stream
+                    elif isinstance(event, Finished):
+                        outcome = "completed"
+                        size = event.size or len(dumps(event.result))
+                        if size > job.max_result_bytes:
+                            reason = (
+                                f"the result of {size} bytes exceeds limits.max_result_bytes ({job.max_result_bytes})"
+                            )
+                            error = error_object(INTERNAL_ERROR, f"Proxy failure: {reason}")
+                            settle = (TaskStatus.FAILED, {"error": error, "status_message": reason})
+                        else:
+                            settle = (TaskStatus.COMPLETED, {"result": event.result})
+                        break
+                    else:
+                        outcome = "failed"
+                        if event.unread:  # unreachable, or the stream cut: the upstream failed, not the tool
+                            self._state.metrics.upstream_errors.labels("task").inc()
+                        settle = (TaskStatus.FAILED, {"error": event.error, "status_message": event.status_message})
+                        break
+        except RoundLimit:
+            outcome = "failed"  # already written; closing the events cancels the call upstream
+        except TimeoutError:
+            outcome = "timeout"
+            self._state.metrics.upstream_errors.labels("task").inc()
+            reason = f"the upstream call exceeded its {job.rule.timeout_s:g} s limit (timeout_s)"
+            error = error_object(INTERNAL_ERROR, f"Upstream failure: {reason}", {"upstream": self._state.upstream.url})
+            settle = (TaskStatus.FAILED, {"error": error, "status_message": reason})
+        finally:
+            job.upstream_busy = False
+            self._state.metrics.upstream_seconds.labels(job.call.tool, outcome).observe(self._state.timer() - started_s)
+            await events.aclose()
+        if settle is not None:
+            # Outside the call's timeout: an outcome in hand is written however long the store takes (it is retried
+            # until the TTL), never turned into a timeout failure.
+            status, fields = settle
+            await self._settlement.settle(job, status, **fields)
+        return None
+
+
+def retry_message(
+    original: dict[str, Any], responses: dict[str, Any] | None, state: str | None, *, keep_client_round: bool = False
+) -> dict[str, Any]:
+    """The tools/call for the next upstream attempt: a new id, the same name, arguments and _meta.
+
+    `keep_client_round` keeps the inputResponses/requestState a client sent itself (an MRTR retry before any
+    task existed); later rounds carry the proxy's answers and the upstream's requestState byte for byte.
+    """
+    params = dict(original["params"])
+    if not keep_client_round:
+        params.pop("inputResponses", None)
+        params.pop("requestState", None)
+        if responses is not None:
+            params["inputResponses"] = responses
+        if state is not None:
+            params["requestState"] = state
+    upstream_id = f"mtp-{secrets.token_hex(8)}"
+    # The proxy's own progress token: progress feeds statusMessage and must not be mistaken across attempts.
+    params["_meta"] = {**(params.get("_meta") or {}), "progressToken": upstream_id}
+    return {"jsonrpc": "2.0", "id": upstream_id, "method": "tools/call", "params": params}

@@ -1,0 +1,31 @@
+"""What the runner's parts share: the jobs running on this replica, the store their records go to, and the clocks."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+from ..metrics import Metrics
+from .job import Job
+from .store import TaskStore
+from .watchers import TaskWatchers
+
+if TYPE_CHECKING:
+    from ..upstream.gateway import Gateway
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class RunnerState:
+    store: TaskStore
+    upstream: Gateway
+    metrics: Metrics
+    now: Callable[[], datetime]
+    timer: Callable[[], float]
+    replica_id: str
+    watchers: TaskWatchers = dataclasses.field(default_factory=TaskWatchers)
+    jobs: dict[str, Job] = dataclasses.field(default_factory=dict)
+    """The calls this replica runs, by task id, from admission until their asyncio task ends."""
+    accepting: bool = True
+    """False once shutdown began: no new task is taken."""

@@ -1,0 +1,196 @@
+"""How a task's changes become durable: status transitions and progress written to the store (an outcome retried
+while the store is unavailable), the task's metrics and span closed, and every replica's listeners told."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import structlog
+from tenacity import (
+    AsyncRetrying,
+    RetryError,
+    retry_if_exception_type,
+    stop_after_delay,
+    wait_exponential,
+    wait_random,
+)
+
+from .. import tracing
+from ..upstream.events import Progress
+from .job import DirectOutcome, Job
+from .model import TaskRecord, TaskStateError, TaskStatus, transition
+from .runner_state import RunnerState
+from .store import StoreUnavailable
+
+log = structlog.get_logger(__name__)
+
+_SHUTDOWN_WRITE_S = 5.0
+"""On shutdown, how long a task's last write may wait for an unavailable store."""
+
+
+class NotTheOwner(Exception):
+    """The task belongs to another principal: for its caller, it does not exist."""
+
+
+class _AlreadyMade(Exception):
+    """A retried change finds the record already changed: it is left as it is."""
+
+    def __init__(self, record: TaskRecord) -> None:
+        self.record = record
+
+
+def owned(record: TaskRecord, principal: str | None) -> TaskRecord:
+    if principal is not None and record.principal != principal:
+        raise NotTheOwner
+    return record
+
+
+class Settlement:
+    """Records each transition of a task exactly once, and the outcome of a call however long the store takes."""
+
+    def __init__(self, state: RunnerState) -> None:
+        self._state = state
+
+    async def progress(self, job: Job, event: Progress) -> None:
+        if job.call.on_progress is not None:
+            job.call.on_progress(event)
+        message = event.describe()
+        if message is None:
+            return
+        job.last_message = message
+        if job.is_task and job.stored:
+
+            def apply(record: TaskRecord) -> TaskRecord:
+                if record.status is not TaskStatus.WORKING:
+                    return record
+                return transition(record, TaskStatus.WORKING, now=self._state.now(), status_message=message)
+
+            # Best effort (a failure is logged by the store): a later message or the outcome replaces it anyway.
+            with contextlib.suppress(StoreUnavailable):
+                if await self.update_live(job, apply) is not None:
+                    # Streams on this replica (a durable call's progress) see it now, not at their next tick; no
+                    # publish: other replicas' listeners read it at theirs, which spares Redis a message per step.
+                    self._state.watchers.progressed(job.task_id)
+
+    async def update_live(self, job: Job, apply: Callable[[TaskRecord], TaskRecord]) -> TaskRecord | None:
+        """Update a running job's record; None when it ended meanwhile (the job is stopped if the record is gone)."""
+        try:
+            record = await self._state.store.update(job.task_id, apply)
+        except TaskStateError:
+            return None
+        if record is None:
+            self.abandon(job)
+        return record
+
+    async def settle(self, job: Job, status: TaskStatus, **fields: Any) -> None:
+        if not job.is_task:
+            outcome = DirectOutcome(result=fields.get("result"), error=fields.get("error"))
+            if job.outcome is not None and not job.outcome.done():
+                job.outcome.set_result(outcome)
+            else:  # parked for an MRTR round: the client's retry gets it
+                job.final = outcome
+            return
+        await job.wait_stored()
+        job.settled = True  # from here the call is over: a late cancel or reconciliation must not stop this write
+        job.unwritten = (status, fields)
+        written = await self.until_stored(job, lambda: self.transition(job.task_id, status, job=job, **fields))
+        job.unwritten = None
+        if written is None:
+            log.info("task_outcome_dropped", task_id=job.task_id, outcome=status.value)
+
+    def remaining_s(self, job: Job) -> float:
+        """Time left before the task's record expires (its TTL runs from creation)."""
+        return job.started_s + job.ttl_ms / 1000 - self._state.timer()
+
+    async def until_stored(self, job: Job, write: Callable[[], Awaitable[Any]]) -> Any:
+        """A store call the task cannot go on without (its outcome, an input round): retried with backoff while the
+        store is unavailable, until the task's TTL ends (then nobody could read it anyway, and None is returned).
+        The job stays in this replica's table meanwhile, and its lease is renewed on its own: no sweep fails it."""
+        try:
+            return await write()  # the usual case, without the retry machinery (it costs allocations per call)
+        except StoreUnavailable:
+            pass
+        limit_s = max(self.remaining_s(job), 0)
+        if not self._state.accepting:
+            limit_s = min(limit_s, _SHUTDOWN_WRITE_S)  # shutting down: a bounded wait, then it is lost with the store
+        retrying = AsyncRetrying(
+            retry=retry_if_exception_type(StoreUnavailable),
+            wait=wait_exponential(multiplier=0.2, max=5.0) + wait_random(0, 0.2),
+            stop=stop_after_delay(limit_s),
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    return await write()
+        except RetryError:
+            log.warning("task_store_write_abandoned", task_id=job.task_id, reason="the task's TTL ended")
+        return None
+
+    def abandon(self, job: Job) -> None:
+        # The record expired or was evicted while the call ran: nobody can read the outcome any more.
+        log.warning("task_record_gone", task_id=job.task_id)
+        job.cancel_reason = "the task record is gone"
+        if job.runner is not None:
+            job.runner.cancel()
+
+    async def transition(
+        self,
+        task_id: str,
+        to: TaskStatus,
+        *,
+        job: Job | None = None,
+        principal: str | None = None,
+        unless: Callable[[TaskRecord], bool] | None = None,
+        **fields: Any,
+    ) -> TaskRecord | None:
+        """Apply one status change; None when the task is gone or already terminal (then it stays as it is).
+
+        With `principal`, another principal's task raises NotTheOwner and is left unchanged. With `unless`, a record
+        for which it is true is left as it is (the change was already made) and returned."""
+        previous: list[TaskStatus] = []
+
+        def apply(record: TaskRecord) -> TaskRecord:
+            owned(record, principal)
+            if unless is not None and unless(record):
+                raise _AlreadyMade(record)
+            previous.append(record.status)
+            return transition(record, to, now=self._state.now(), **fields)
+
+        try:
+            record = await self._state.store.update(task_id, apply)
+        except TaskStateError:
+            return None
+        except _AlreadyMade as made:
+            return made.record
+        if record is None:
+            return None
+        job = job or self._state.jobs.get(task_id)
+        duration_ms = round((self._state.timer() - job.started_s) * 1000, 1) if job is not None else None
+        if record.is_terminal:
+            metrics = self._state.metrics
+            if job is not None and job.span is not None:
+                code = record.error.get("code") if record.error else None
+                tracing.TRACER.end_task(job.span, to.value, error_code=code)  # type: ignore[union-attr]
+                job.span = None
+            metrics.tasks_finished.labels(record.tool, to.value).inc()
+            if duration_ms is not None:
+                metrics.task_seconds.labels(record.tool, to.value).observe(duration_ms / 1000)
+            if record.error is not None:
+                metrics.errors.labels(str(record.error.get("code"))).inc()
+        log.info(
+            "task_transition",
+            task_id=task_id,
+            tool=record.tool,
+            **{"from": previous[-1].value},
+            to=to.value,
+            duration_ms=duration_ms,
+        )
+        await self.announce(task_id)
+        return record
+
+    async def announce(self, task_id: str) -> None:
+        """Tell every replica's listeners (subscriptions/listen) that the task changed."""
+        with contextlib.suppress(StoreUnavailable):  # a missed notification is caught up by polling
+            await self._state.store.publish({"type": "changed", "taskId": task_id})
