@@ -255,9 +255,13 @@ async def test_exclusive_dispatch_gives_each_asking_call_a_child_of_its_own(make
 async def test_a_killed_child_fails_its_calls_then_comes_back(make_proxy):
     proxy = await stdio_proxy(make_proxy, legacy_command(), upstream={"stdio": {"restart_min_s": 0.2}})
     pid = int(await tool_text(proxy, "pid"))
-    created = await proxy.client.call_tool("gated", {"tag": secrets.token_hex(4)})
+    gate = secrets.token_hex(4)
+    created = await proxy.client.call_tool("gated", {"tag": gate})
     task_id = created.result["taskId"]
     await task_reaches(proxy.client, task_id, "working")
+    # A task is working from its creation, before its call reaches the child: killed earlier, the call would find
+    # no child to write to (another failure, "not running"), not lose the one it runs in.
+    await eventually(lambda: _gate_is(proxy, gate, "started"), what="the call running in the child")
     os.kill(pid, signal.SIGKILL)
     failed = await task_reaches(proxy.client, task_id, "failed")
     error = failed.result["error"]
