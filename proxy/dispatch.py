@@ -63,6 +63,7 @@ from .tasks.model import TaskRecord
 from .tasks.store import StoreFullError
 from .tasks2026 import missing_tasks_capability
 from .upstream.events import UpstreamUnavailable
+from .upstream.legacy import discover_result
 
 log = structlog.get_logger(__name__)
 
@@ -283,7 +284,7 @@ async def _discover_from_legacy(request: web.Request, message: dict[str, Any]) -
         await legacy.session_for(request.headers)
     except (UpstreamUnavailable, ConnectionError, OSError) as exc:
         raise UpstreamError(f"cannot open a session upstream ({exc})", upstream=legacy.url) from exc
-    return json_reply(result_response(message["id"], legacy.discover_result()))
+    return json_reply(result_response(message["id"], discover_result(legacy.initialize_result)))
 
 
 async def _read_body(request: web.Request, app: web.Application | None = None) -> bytes:

@@ -443,20 +443,7 @@ class LegacyUpstream:
                     or (response.status >= 400 and upstream_message.get("id") is None and "error" in upstream_message)
                 ):
                     finished = True
-                    if isinstance(upstream_message.get("error"), dict):
-                        error = upstream_message["error"] if verbatim else to_modern_error(upstream_message["error"])
-                        yield Failed(error, f"the upstream answered with JSON-RPC error {error.get('code')}")
-                    elif isinstance(upstream_message.get("result"), dict) and verbatim:
-                        yield Finished(upstream_message["result"])
-                    elif isinstance(upstream_message.get("result"), dict):
-                        result = upstream_message["result"]
-                        if legacy["method"] == "tools/list":
-                            self.task_support.learn(result)
-                            result = without_task_support(result)
-                        result = to_modern_result(legacy["method"], result)
-                        yield Finished(result, len(dumps(result)))
-                    else:
-                        yield proxy_failure("the upstream's response has no result object", self.url)
+                    yield self._answer(legacy["method"], upstream_message, verbatim=verbatim)
                     return
             finished = True
             yield proxy_failure("the upstream closed its event stream before answering the call", self.url)
@@ -468,6 +455,23 @@ class LegacyUpstream:
             response.close()
             if not finished:
                 response.cancel("cancelled by the client")
+
+    def _answer(self, method: str, answer: dict[str, Any], *, verbatim: bool) -> Event:
+        """The event of the upstream's answer to a request: as it is for a 2025-era client's own session (verbatim),
+        else translated for a modern one."""
+        if isinstance(answer.get("error"), dict):
+            error = answer["error"] if verbatim else to_modern_error(answer["error"])
+            return Failed(error, f"the upstream answered with JSON-RPC error {error.get('code')}")
+        result = answer.get("result")
+        if not isinstance(result, dict):
+            return proxy_failure("the upstream's response has no result object", self.url)
+        if verbatim:
+            return Finished(result)
+        if method == "tools/list":
+            self.task_support.learn(result)
+            result = without_task_support(result)
+        result = to_modern_result(method, result)
+        return Finished(result, len(dumps(result)))
 
     async def server_request(
         self,
@@ -504,26 +508,6 @@ class LegacyUpstream:
         result = {"resultType": "input_required", "inputRequests": {key: question}}
         return InputNeeded(result, reply)
 
-    def discover_result(self) -> dict[str, Any]:
-        """server/discover for a modern client, answered from the upstream's initialize result."""
-        init = self.initialize_result or {}
-        capabilities = dict(init.get("capabilities") or {})
-        capabilities.pop("tasks", None)
-        extensions = capabilities.get("extensions")
-        capabilities["extensions"] = {**(extensions if isinstance(extensions, dict) else {}), TASKS_EXTENSION: {}}
-        result: dict[str, Any] = {
-            "resultType": "complete",
-            "supportedVersions": [PROTOCOL_VERSION],
-            "capabilities": capabilities,
-            "ttlMs": 0,
-            "cacheScope": "private",
-        }
-        if isinstance(init.get("instructions"), str):
-            result["instructions"] = init["instructions"]
-        if isinstance(init.get("serverInfo"), dict):
-            result["_meta"] = {"io.modelcontextprotocol/serverInfo": init["serverInfo"]}
-        return result
-
 
 class NoSessionRoom(UpstreamUnavailable):
     """Every session the proxy may keep with the upstream has a call in flight: the upstream itself is fine."""
@@ -536,3 +520,24 @@ def _no_room(exc: SessionsFull) -> NoSessionRoom:
 
 def _unreachable(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, NoSessionRoom) else f"upstream unreachable ({exc})"
+
+
+def discover_result(initialize_result: dict[str, Any] | None) -> dict[str, Any]:
+    """server/discover for a modern client, answered from a legacy upstream's initialize result."""
+    init = initialize_result or {}
+    capabilities = dict(init.get("capabilities") or {})
+    capabilities.pop("tasks", None)
+    extensions = capabilities.get("extensions")
+    capabilities["extensions"] = {**(extensions if isinstance(extensions, dict) else {}), TASKS_EXTENSION: {}}
+    result: dict[str, Any] = {
+        "resultType": "complete",
+        "supportedVersions": [PROTOCOL_VERSION],
+        "capabilities": capabilities,
+        "ttlMs": 0,
+        "cacheScope": "private",
+    }
+    if isinstance(init.get("instructions"), str):
+        result["instructions"] = init["instructions"]
+    if isinstance(init.get("serverInfo"), dict):
+        result["_meta"] = {"io.modelcontextprotocol/serverInfo": init["serverInfo"]}
+    return result

@@ -20,7 +20,6 @@ import asyncio
 import collections
 import ssl
 import time
-import zlib
 from collections.abc import AsyncIterator, Mapping
 from urllib.parse import urlsplit
 
@@ -29,15 +28,13 @@ from multidict import CIMultiDict
 
 from ..events import AnswerTooLarge
 from .headers import RESPONSE_SKIP, connection_listed
+from .inflate import Inflater
 
 MAX_HEAD_BYTES = 64 * 1024
 """Status line and headers of one response, whatever pieces they arrive in."""
 _MAX_HEADERS = 200
 _HIGH_WATER = 1024 * 1024
 """Buffered body bytes above which the socket stops being read until the consumer catches up."""
-_INFLATE_IN = 16 * 1024
-_INFLATE_OUT = 256 * 1024
-"""A compressed body is inflated this many bytes in (and at most out) per step."""
 _IDLE_S = 4.0
 """How long a finished connection waits for reuse: below uvicorn's 5 s keep-alive, the usual MCP server's, so
 that a request is rarely sent on a connection the server is closing at that moment."""
@@ -70,15 +67,13 @@ class _Connection(asyncio.Protocol):
         "_names",
         "_values",
         "_ready",
-        "_compressed",
-        "_tail",
         "_state",
         "_until_close",
         "_waiter",
         "_closed",
         "_error",
         "_paused",
-        "_decoder",
+        "_inflater",
         "_decode",
         "response",
         "reusable",
@@ -98,16 +93,14 @@ class _Connection(asyncio.Protocol):
         self._names: list[bytes] = []
         self._values: list[bytes] = []
         self._ready = bytearray()
-        self._compressed = bytearray()
-        """Compressed body bytes not inflated yet (only while `_decoder` is set)."""
-        self._tail = b""
         self._state = "idle"  # idle | head | body | complete (parsed to its end) | done (handed over) | failed
         self._until_close = False
         self._waiter: asyncio.Future[None] | None = None
         self._closed = False
         self._error: str | None = None
         self._paused = False
-        self._decoder: zlib._Decompress | None = None
+        self._inflater: Inflater | None = None
+        """While a compressed body is read (and only when the reader asked for it decoded)."""
         self._decode = True
         self.response: CallResponse | None = None
         self.reusable = False
@@ -223,13 +216,8 @@ class _Connection(asyncio.Protocol):
                 relayed if not listed else CIMultiDict((k, v) for k, v in relayed.items() if k.lower() not in listed)
             )
         self.reusable = parser.should_keep_alive()
-        encoding = headers.get("content-encoding", "identity").strip().lower() if self._decode else "identity"
-        if encoding in ("gzip", "x-gzip"):
-            self._decoder = zlib.decompressobj(16 + zlib.MAX_WBITS)
-        elif encoding == "deflate":
-            self._decoder = zlib.decompressobj()
-        elif encoding != "identity":
-            raise ValueError(f"unsupported content-encoding {encoding!r}")
+        if self._decode:
+            self._inflater = Inflater.for_encoding(headers.get("content-encoding", "identity").strip().lower())
         # llhttp's framing rules, restated to know whether the end of the connection ends the body.
         transfer = headers.get("transfer-encoding")
         if transfer is not None:
@@ -243,11 +231,11 @@ class _Connection(asyncio.Protocol):
             self._head.set_result(None)
 
     def on_body(self, body: bytes) -> None:
-        if self._decoder is None:
+        if self._inflater is None:
             self._ready += body
         else:
-            self._compressed += body
-            self._inflate()
+            self._inflater.feed(body)
+            self._inflater.inflate_into(self._ready, _HIGH_WATER)
         self._flow()
         self._wake()
 
@@ -260,37 +248,11 @@ class _Connection(asyncio.Protocol):
 
     # body delivery
 
-    def _inflate(self) -> None:
-        """Inflate pending compressed bytes while the reader's buffer has room; the rest waits for `next_chunk`."""
-        decoder = self._decoder
-        assert decoder is not None
-        taken = 0
-        while len(self._ready) < _HIGH_WATER:
-            if decoder.eof:
-                # Bytes past the compressed stream's end would pile up in the decoder (it keeps them all, copying
-                # them at every call) and never count toward a read limit: the body is broken.
-                if decoder.unused_data or self._tail or taken < len(self._compressed):
-                    raise ValueError("bytes after the end of the compressed body")
-                break
-            if self._tail:
-                data, self._tail = self._tail, b""
-            elif taken < len(self._compressed):
-                data = bytes(self._compressed[taken : taken + _INFLATE_IN])
-                taken += len(data)
-            else:
-                break
-            try:
-                self._ready += decoder.decompress(data, _INFLATE_OUT)
-            except zlib.error as exc:
-                raise ValueError(f"undecodable compressed body ({exc})") from exc
-            self._tail = decoder.unconsumed_tail
-        del self._compressed[:taken]
-
     def _pending(self) -> bool:
-        return bool(self._tail or self._compressed)
+        return self._inflater is not None and self._inflater.pending()
 
     def _flow(self) -> None:
-        buffered = len(self._ready) + len(self._compressed)
+        buffered = len(self._ready) + (self._inflater.waiting_bytes if self._inflater is not None else 0)
         if buffered > _HIGH_WATER and not self._paused and self.transport is not None:
             self._paused = True
             self.transport.pause_reading()
@@ -300,9 +262,7 @@ class _Connection(asyncio.Protocol):
             self._error = reason
         self._state = "failed"
         self.reusable = False
-        self._compressed.clear()
-        self._tail = b""
-        self._decoder = None
+        self._inflater = None
         if self._head is not None and not self._head.done():
             self._head.set_exception(CallError(reason))
         self._wake()
@@ -323,11 +283,9 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None
         self.response = response
         self._decode = decode
-        self._decoder = None
+        self._inflater = None
         self._state, self._error, self._until_close, self._head_bytes = "head", None, False, 0
         self._ready.clear()
-        self._compressed.clear()
-        self._tail = b""
         self._parser = None  # made when the first byte arrives: a call that waits holds none (about 1 KB each)
         if self._paused:
             self._paused = False
@@ -341,21 +299,22 @@ class _Connection(asyncio.Protocol):
         while not self._ready:
             if self._error is not None:
                 raise CallError(self._error)
-            if self._decoder is not None and self._pending():
+            if self._inflater is not None and self._inflater.pending():
                 try:
-                    self._inflate()
+                    self._inflater.inflate_into(self._ready, _HIGH_WATER)
                 except ValueError as exc:
                     self._fail(f"the upstream sent a malformed HTTP response ({exc})")
                 await asyncio.sleep(0)  # a long compressed body must not hold the event loop
                 continue
             if self._state == "complete":
                 self._state = "done"
-                if self._decoder is not None:
-                    decoder, self._decoder = self._decoder, None
-                    if not decoder.eof:
-                        self._fail("the upstream's compressed body ends before its compressed stream does")
-                        raise CallError(self._error or "")
-                    self._ready += decoder.flush()
+                if self._inflater is not None:
+                    inflater, self._inflater = self._inflater, None
+                    try:
+                        self._ready += inflater.finish()
+                    except ValueError as exc:
+                        self._fail(str(exc))
+                        raise CallError(self._error or "") from None
                 continue
             if self._state == "done":
                 return b""
