@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime
@@ -176,17 +177,12 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def served(handler: Handler) -> Handler:
-    """`handler` behind the request context and the error boundary. One wrapper rather than two aiohttp middlewares:
-    with no middleware at all aiohttp calls the handler directly, sparing a partial and two frames per request."""
-
-    async def serve(request: web.Request) -> web.StreamResponse:
-        return await _in_context(request, handler)
-
-    serve.__name__ = handler.__name__
-    return serve
+    """`handler` behind the request context, the Host/Origin guard and the error boundary, in one coroutine: with no
+    aiohttp middleware aiohttp calls it directly, sparing a partial and two frames per request."""
+    return functools.partial(_in_context, handler)
 
 
-async def _in_context(request: web.Request, handler: Handler) -> web.StreamResponse:
+async def _in_context(handler: Handler, request: web.Request) -> web.StreamResponse:
     """Bind a request id for every log line of this request, and write one line when it is done."""
     unreadable = _unreadable_header(request)
     client_id = request.headers.get("X-Request-Id") if unreadable is None else None
@@ -200,7 +196,12 @@ async def _in_context(request: web.Request, handler: Handler) -> web.StreamRespo
             status = 400
             reason = f"Invalid request: the {unreadable} header holds bytes that are not UTF-8"
             return _json_error(request, error_object(INVALID_REQUEST, reason), 400)
-        response = await _error_boundary(request, handler)
+        response = _refused_by_guard(request)
+        if response is None:
+            try:
+                response = await handler(request)
+            except Exception as exc:  # the one place exceptions become wire errors: no request sees a traceback
+                response = _error_answer(request, exc)
         status = 499 if request[client_gone_key] else response.status
         return response
     except asyncio.CancelledError:
@@ -274,35 +275,27 @@ def _refused_by_guard(request: web.Request) -> web.Response | None:
     return None
 
 
-async def _error_boundary(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """The Host/Origin guard, then the one place exceptions become wire errors: no request sees a traceback."""
-    refused = _refused_by_guard(request)
-    if refused is not None:
-        return refused
-    try:
-        return await handler(request)
-    except JsonRpcError as exc:
+def _error_answer(request: web.Request, exc: Exception) -> web.StreamResponse:
+    """The answer to a request whose handler raised `exc`; aiohttp's own HTTP exceptions are raised on."""
+    if isinstance(exc, JsonRpcError):
         return _json_error(request, exc.to_error(), exc.http_status)
-    except UpstreamError as exc:
+    if isinstance(exc, UpstreamError):
         log.warning("upstream_error", reason=exc.reason)
         request.app[metrics_key].upstream_errors.labels("request").inc()
         return _json_error(request, exc.to_error(), exc.http_status)
-    except StoreUnavailable as exc:
+    if isinstance(exc, StoreUnavailable):
         return _json_error(request, error_object(INTERNAL_ERROR, f"Task store unavailable: {exc}"), 503)
-    except ShuttingDown as exc:
+    if isinstance(exc, ShuttingDown):
         return _json_error(request, error_object(INTERNAL_ERROR, f"Cannot create a task: {exc}"), 503)
-    except web.HTTPException:
-        raise
-    except ConnectionResetError:
-        if request.transport is not None and not request.transport.is_closing():
-            log.exception("unhandled_error")  # not the client's connection: a fault of the proxy's own
-            return _json_error(request, error_object(INTERNAL_ERROR, "Internal error in the proxy"), 200)
+    if isinstance(exc, web.HTTPException):
+        raise exc
+    if isinstance(exc, ConnectionResetError) and (request.transport is None or request.transport.is_closing()):
         # A write to a client that has gone away (a relayed event stream): nobody is left to answer.
         request[client_gone_key] = True
         return web.Response(status=499)
-    except Exception:
-        log.exception("unhandled_error")
-        return _json_error(request, error_object(INTERNAL_ERROR, "Internal error in the proxy"), 200)
+    # A ConnectionResetError on a connection still open is not the client's: a fault of the proxy's own.
+    log.exception("unhandled_error", exc_info=exc)
+    return _json_error(request, error_object(INTERNAL_ERROR, "Internal error in the proxy"), 200)
 
 
 def _json_error(request: web.Request, error: dict[str, Any], status: int) -> web.Response:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Callable, Iterable
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 # Method labels come from clients; only known MCP methods are kept, so a client cannot grow the label set.
 KNOWN_METHODS = frozenset(
@@ -46,14 +48,8 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter(
-            "mcp_tasks_proxy_requests", "HTTP requests handled, by JSON-RPC method, mode and HTTP status",
-            ["method", "mode", "status"], registry=r,
-        )  # fmt: skip
-        self.request_seconds = Histogram(
-            "mcp_tasks_proxy_request_seconds", "Time to answer a request (to its last byte for streams)",
-            ["method", "mode"], buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+        self._requests = _RequestStats()
+        r.register(self._requests)
         self.errors = Counter(
             "mcp_tasks_proxy_errors", "JSON-RPC errors the proxy answered or recorded in a failed task, by code",
             ["code"], registry=r,
@@ -84,19 +80,9 @@ class Metrics:
             registry=r,
         )  # fmt: skip
 
-        self._per_request: dict[tuple[str, str, str], tuple[Any, Any]] = {}
-
     def observe_request(self, method: str, mode: str, status: int, seconds: float) -> None:
-        """Count one answered request. Label children are looked up once per label set: this runs per request."""
-        key = (method, mode, str(status))
-        children = self._per_request.get(key)
-        if children is None:
-            children = self._per_request[key] = (
-                self.requests.labels(method, mode, key[2]),
-                self.request_seconds.labels(method, mode),
-            )
-        children[0].inc()
-        children[1].observe(seconds)
+        """Count one answered request (this runs for every request)."""
+        self._requests.observe(method, mode, status, seconds)
 
     def watch_running(self, running_by_status: Callable[[], dict[str, int]]) -> None:
         """Report the tasks whose calls run on this replica, by status, at every scrape."""
@@ -132,3 +118,42 @@ class _ReadAtScrape(Collector):
         for value, count in sorted(self._read().items()):
             family.add_metric([value], count)
         yield family
+
+
+class _RequestStats(Collector):
+    """The requests counter and the request latency histogram, kept as plain numbers and exposed at each scrape.
+    Counting a request is a dict lookup and a bisect, with no lock (the event loop is one thread), where
+    prometheus_client's labelled children cost about 2.5 µs a request on the pass-through path."""
+
+    def __init__(self) -> None:
+        self._counts: dict[tuple[str, str, int], int] = {}
+        self._latency: dict[tuple[str, str], list[float]] = {}
+        """Per (method, mode): the count in each bucket (not cumulative), the count past the last bound, the sum."""
+
+    def observe(self, method: str, mode: str, status: int, seconds: float) -> None:
+        key = (method, mode, status)
+        self._counts[key] = self._counts.get(key, 0) + 1
+        latency = self._latency.get((method, mode))
+        if latency is None:
+            latency = self._latency[(method, mode)] = [0] * (len(_LATENCY_BUCKETS) + 2)
+        latency[bisect.bisect_left(_LATENCY_BUCKETS, seconds)] += 1  # le: the first bound at or above
+        latency[-1] += seconds
+
+    def collect(self) -> Iterable[CounterMetricFamily | HistogramMetricFamily]:
+        requests = CounterMetricFamily(
+            "mcp_tasks_proxy_requests", "HTTP requests handled, by JSON-RPC method, mode and HTTP status",
+            labels=["method", "mode", "status"],
+        )  # fmt: skip
+        for (method, mode, status), count in sorted(self._counts.items()):
+            requests.add_metric([method, mode, str(status)], count)
+        yield requests
+        latency = HistogramMetricFamily(
+            "mcp_tasks_proxy_request_seconds", "Time to answer a request (to its last byte for streams)",
+            labels=["method", "mode"],
+        )  # fmt: skip
+        for labels, counts in sorted(self._latency.items()):
+            cumulative = list(itertools.accumulate(counts[:-1]))  # one count per bound, then the +Inf one
+            bounds = [floatToGoString(bound) for bound in _LATENCY_BUCKETS] + ["+Inf"]
+            buckets = list(zip(bounds, cumulative, strict=True))
+            latency.add_metric(list(labels), buckets, sum_value=counts[-1])
+        yield latency
