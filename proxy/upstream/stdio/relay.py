@@ -39,7 +39,7 @@ from ..http.relay import client_gone_key
 from ..legacy import declined_answer
 from ..routing import CallRoute
 from ..session_table import SessionsFull
-from .channel import ChildGone, Exchange
+from .exchange import ChildGone, Exchange
 from .legacy import StdioLegacyLink
 from .modern import StdioModern
 from .pool import StdioPool
