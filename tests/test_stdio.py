@@ -619,7 +619,7 @@ def test_at_the_global_bound_an_idle_session_goes_and_a_busy_one_never():
 
 
 def test_a_malformed_response_of_the_child_reaches_a_client_as_the_proxys_error():
-    from proxy.upstream.stdio.relay import _well_formed
+    from proxy.upstream.stdio.responses import _well_formed
 
     for bad in ({"id": 2}, {"id": 2, "result": 5}, {"id": 2, "result": {}, "error": {}}, {"id": 2, "error": "boom"}):
         answer = _well_formed({"jsonrpc": "2.0", **bad}, "stdio:x")

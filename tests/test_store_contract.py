@@ -34,8 +34,8 @@ def record(ttl_ms: int = 60_000, **fields) -> TaskRecord:
     )
 
 
-def redis_store(url: str) -> RedisTaskStore:
-    return RedisTaskStore(url, key_prefix=f"test-{secrets.token_hex(4)}:", lease_s=2, timeout_s=2)
+def redis_store(url: str, key_prefix: str | None = None) -> RedisTaskStore:
+    return RedisTaskStore(url, key_prefix=key_prefix or f"test-{secrets.token_hex(4)}:", lease_s=2, timeout_s=2)
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -112,7 +112,7 @@ async def test_redis_ttl_is_fixed_at_creation(redis_url):
         rec = record(ttl_ms=60_000)
         await store.create(rec)
         raw = redis_client.Redis.from_url(redis_url)
-        key = f"{store._prefix}task:{rec.task_id}"
+        key = store._keys.task(rec.task_id)
         before = await raw.pttl(key)
         await asyncio.sleep(0.05)
         await store.update(rec.task_id, lambda r: transition(r, TaskStatus.WORKING, now=T0, status_message="x"))
@@ -132,9 +132,8 @@ async def test_redis_ttl_is_fixed_at_creation(redis_url):
 
 
 async def test_two_replicas_racing_leave_exactly_one_terminal_state(redis_url):
-    first, second = redis_store(redis_url), redis_store(redis_url)
-    second._prefix = first._prefix
-    second._running_key = first._running_key
+    prefix = f"test-{secrets.token_hex(4)}:"
+    first, second = redis_store(redis_url, prefix), redis_store(redis_url, prefix)
     try:
         for _ in range(10):
             rec = record()

@@ -1,12 +1,11 @@
 """Many callers on one stdio child: the proxy owns the child's id space, and routes what the child writes back.
 
-Each request sent is an Exchange with an id of the proxy's (`m<generation>.<n>`, so callers' ids never collide)
-and, when it asked for progress, a progress token of the same value; what the child writes for it (progress,
-the response) is queued on it with the caller's own id and token put back. A request the child sends (elicitation,
-sampling, roots) names no call on stdio, so it is tied as on a legacy standalone stream (routing.py): its
-related-task, else the one call in flight. Everything is bounded: the calls in flight, the progress and requests
-queued per call, the line length (stdio/process.py). A line the proxy cannot read fails the call it answered when its
-id can be told (`_unreadable`), and is counted by reason either way.
+Each request sent is an Exchange (stdio/exchange.py) with an id of the proxy's (`m<generation>.<n>`, so callers' ids
+never collide) and, when it asked for progress, a progress token of the same value; the child's response goes back
+to it. What the child sends on its own (its requests, notifications) is tied to a call by stdio/child_initiated.py.
+Everything is bounded: the calls in flight, the progress and requests queued per call, the line length
+(stdio/process.py). A line the proxy cannot read fails the call it answered when its id can be told (`_unreadable`),
+and is counted by reason either way.
 """
 
 from __future__ import annotations
@@ -15,139 +14,25 @@ import asyncio
 import collections
 import itertools
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any
 
 import structlog
 
 from ...jsonrpc import INTERNAL_ERROR, dumps, error_object
-from ..events import AnswerTooLarge
-from ..routing import CallRoute, related_task_id
+from ..routing import CallRoute
+from .child_initiated import ChildInitiated
+from .exchange import ChildGone, Exchange
 from .process import UNREADABLE_REASONS, ChildProcess, ChildSpec, Supervisor, Unreadable
 
 log = structlog.get_logger(__name__)
 
-_MAX_QUEUED_NOTIFICATIONS = 64
-"""Notifications (progress, logs) of one call not yet read; past it the oldest is dropped."""
-_MAX_QUEUED_REQUESTS = 16
-"""Server requests tied to one call and not yet taken; past it the child is refused at once."""
 _LOGGED_DROPS = 10
 _LOGGED_UNREADABLE = 200
 """Unreadable lines logged one by one per channel; past that one in a thousand (a flood must not flood)."""
 _MAX_BACKGROUND_WRITES = 1024
-_QUIET_METHODS = frozenset(
-    {
-        "initialize",
-        "ping",
-        "tools/list",
-        "prompts/list",
-        "resources/list",
-        "resources/templates/list",
-        "logging/setLevel",
-        "resources/subscribe",
-        "resources/unsubscribe",
-        "tasks/get",
-        "tasks/list",
-        "tasks/cancel",
-        "server/discover",
-        "subscriptions/listen",
-    }
-)
-"""Requests during which a server does not ask its client anything: never the call an untied request is for."""
-SUBSCRIPTION_ID = "io.modelcontextprotocol/subscriptionId"
 _ID_IN_LINE = re.compile(rb'"id"\s*:\s*"(m\d+\.\d+)"')
 """An id of the proxy's in the raw bytes of a line nothing else can read (its head or tail)."""
-
-
-def may_ask(method: Any) -> bool:
-    """Whether a server may ask its client something while it answers this request."""
-    return method not in _QUIET_METHODS
-
-
-class ChildGone(ConnectionError):
-    """The child exited (or could not be written to) while a call waited on it."""
-
-
-class Exchange:
-    """One request to the child and what comes back for it, up to its response."""
-
-    def __init__(self, channel: StdioChannel, child_id: str, request: dict[str, Any], route: CallRoute | None) -> None:
-        self._channel = channel
-        self.channel_index = channel.index
-        self.child_id = child_id
-        self.caller_id = request.get("id")
-        self.method = request.get("method")
-        self.route = route
-        self.token: Any = None
-        """The caller's progress token, when it asked for progress (the child sees `child_id` instead)."""
-        self.may_ask = may_ask(self.method)
-        self._items: collections.deque[tuple[dict[str, Any], int]] = collections.deque()
-        self._notifications = 0
-        self._requests = 0
-        self.last_size = 0
-        """The size of the last message read, as the child wrote it."""
-        self._ready = asyncio.Event()
-        self.answered = False
-        self.closed = False
-        self.on_close: Callable[[], Any] | None = None
-        self.asked: list[str] = []
-        """The child's requests delivered to this call (by shown id): refused at its end if still unanswered."""
-
-    def deliver(self, message: dict[str, Any], size: int) -> bool:
-        """Queue what the child wrote for this call; False when the bound refuses a request of the child's."""
-        method = message.get("method")
-        if method is None:
-            message = {**message, "id": self.caller_id}
-            self.answered = True
-        elif "id" in message:
-            if self._requests >= _MAX_QUEUED_REQUESTS:
-                return False
-            self._requests += 1
-            self.asked.append(message["id"])
-        else:
-            if self._notifications >= _MAX_QUEUED_NOTIFICATIONS:
-                for index, (queued, _) in enumerate(self._items):
-                    if queued.get("method") is not None and "id" not in queued:
-                        del self._items[index]
-                        self._notifications -= 1
-                        break
-            self._notifications += 1
-        self._items.append((message, size))
-        self._ready.set()
-        return True
-
-    async def messages(self, max_bytes: int) -> AsyncIterator[dict[str, Any]]:
-        """What the child wrote for this call, the response last; AnswerTooLarge for one over `max_bytes`."""
-        while True:
-            while not self._items:
-                self._ready.clear()
-                await self._ready.wait()
-            message, size = self._items.popleft()
-            method = message.get("method")
-            if method is not None and "id" in message:
-                self._requests -= 1
-            elif method is not None:
-                self._notifications -= 1
-            if size > max_bytes:
-                raise AnswerTooLarge(f"a message over {max_bytes} bytes")
-            self.last_size = size
-            yield message
-            if method is None:
-                return
-
-    def close(self, reason: str = "cancelled by the client", *, tell_child: bool = True) -> None:
-        """Done with it: when its response has not come, the child is told to stop (notifications/cancelled),
-        unless `tell_child` is False (initialize, which MCP forbids to cancel)."""
-        if self.closed:
-            return
-        self.closed = True
-        if self.on_close is not None:
-            self.on_close()
-        unanswered = not self.answered
-        self._channel.forget(self, cancel_reason=reason if unanswered and tell_child else None)
-        if unanswered:  # closed by someone else (a cancel, an ended session): whoever still reads it is done too
-            error = error_object(INTERNAL_ERROR, f"Request cancelled: {reason}")
-            self.deliver({"jsonrpc": "2.0", "id": self.child_id, "error": error}, 0)
 
 
 class StdioChannel:
@@ -160,9 +45,6 @@ class StdioChannel:
         self._max_in_flight = max_in_flight
         self._numbers = itertools.count(1)
         self._pending: dict[str, Exchange] = {}
-        self._asked: dict[str, tuple[int, Any]] = {}
-        """The child's own requests not yet answered: the id they are shown under → (generation, the child's id)."""
-        self._asked_numbers = itertools.count(1)
         self.prepare: Callable[[StdioChannel], Awaitable[Any]] | None = None
         """Run once per run of the child before any request of a caller's (a 2025 child's initialize)."""
         self._prepared: dict[int, asyncio.Task[Any]] = {}
@@ -176,9 +58,6 @@ class StdioChannel:
         self._refused = 0
         self.unreadable: collections.Counter[str] = collections.Counter()
         """Lines of the child's (all its runs) that could not be read, by reason (UNREADABLE_REASONS)."""
-        self.on_notification: list[Callable[[dict[str, Any]], None]] = []
-        """Told the child's notifications that concern every client: list changes, resource updates (any other that
-        names no call is dropped: nothing says whose it is)."""
         self.on_start: list[Callable[[ChildProcess], None]] = []
         self.supervisor = Supervisor(
             spec,
@@ -189,6 +68,9 @@ class StdioChannel:
             on_kill=lambda child: self._running.clear(),
         )
         self._running = asyncio.Event()
+        self._initiated = ChildInitiated(self.name, index, self._pending, lambda: self.supervisor.child)
+        self.on_notification = self._initiated.on_notification
+        """Told the child's notifications that concern every client: list changes, resource updates."""
 
     @property
     def generation(self) -> int:
@@ -225,7 +107,7 @@ class StdioChannel:
     @property
     def open_questions(self) -> int:
         """Requests of the child's shown to a caller and not answered yet: the child waits on that caller."""
-        return len(self._asked)
+        return self._initiated.open_questions
 
     @property
     def asking(self) -> int:
@@ -287,35 +169,16 @@ class StdioChannel:
             log.info("upstream_notification_not_delivered", upstream=self.name, reason=str(exc))
 
     def owns(self, shown_id: Any) -> bool:
-        return isinstance(shown_id, str) and shown_id in self._asked
+        return self._initiated.owns(shown_id)
 
     async def respond(self, shown_id: Any, answer: dict[str, Any]) -> bool:
-        """Answer a request of the child's, by the id it was shown under (once; never one that a previous run of the
-        child sent). False when dropped."""
-        asked = self._asked.pop(shown_id, None) if isinstance(shown_id, str) else None
-        if asked is None:
-            return False
-        return await self._answer_child(asked[0], asked[1], answer)
-
-    async def _answer_child(self, generation: int, request_id: Any, answer: dict[str, Any]) -> bool:
-        child = self.supervisor.child
-        if child is None or generation != child.generation:
-            return False
-        try:
-            await child.write(dumps({"jsonrpc": "2.0", "id": request_id, **answer}) + b"\n")
-        except ConnectionError as exc:
-            log.warning("upstream_answer_not_delivered", upstream=self.name, reason=str(exc))
-            return False
-        return True
+        return await self._initiated.respond(shown_id, answer)
 
     def forget(self, exchange: Exchange, *, cancel_reason: str | None) -> None:
         for callback in self.on_forget:
             callback(exchange)
-        for shown_id in exchange.asked:
-            asked = self._asked.pop(shown_id, None)
-            if asked is not None:  # the call ended with the child's question open: the child must not wait on it
-                error = error_object(INTERNAL_ERROR, "The request's call has ended at the proxy")
-                self._background(self._answer_child(asked[0], asked[1], {"error": error}))
+        for answer in self._initiated.abandon(exchange):
+            self._background(answer)
         if self._pending.get(exchange.child_id) is exchange:
             del self._pending[exchange.child_id]
             if cancel_reason is not None:
@@ -344,10 +207,11 @@ class StdioChannel:
         if child is not None:
             data["stderr"] = list(child.stderr_tail)
         error = error_object(INTERNAL_ERROR, f"Upstream failure: {reason}", data)
-        pending, self._pending = self._pending, {}
-        for exchange in pending.values():
+        pending = list(self._pending.values())
+        self._pending.clear()  # cleared, not replaced: the ChildInitiated reads the same dict
+        for exchange in pending:
             exchange.deliver({"jsonrpc": "2.0", "id": exchange.child_id, "error": error}, 0)
-        self._asked.clear()
+        self._initiated.clear()
         self._prepared.clear()
 
     def _received(self, child: ChildProcess, message: dict[str, Any], size: int) -> None:
@@ -365,76 +229,16 @@ class StdioChannel:
             exchange.deliver(message, size)
             return
         if "id" not in message:
-            self._notification(message, size)
+            dropped = self._initiated.notification(message, size)
+            if dropped is not None:
+                self._drop(dropped, message)
             return
         if method == "ping":
-            self._background(self._answer_child(child.generation, message["id"], {"result": {}}))
+            self._background(self._initiated.answer(child.generation, message["id"], {"result": {}}))
             return
-        exchange, why = self._route(message)
-        # Shown under an id of the proxy's: the ids of several children (or of two runs of one) never meet.
-        shown_id = f"c{self.index}.{next(self._asked_numbers)}"
-        if exchange is not None and exchange.deliver({**message, "id": shown_id}, size):
-            self._asked[shown_id] = (child.generation, message["id"])
-            return
-        why = why or f"its call has {_MAX_QUEUED_REQUESTS} requests waiting already"
-        self._refuse(child, message, why)
-
-    def _notification(self, message: dict[str, Any], size: int) -> None:
-        if message["method"] == "notifications/progress":
-            params = message.get("params")
-            token = params.get("progressToken") if isinstance(params, dict) else None
-            exchange = self._pending.get(token) if isinstance(token, str) else None
-            if exchange is not None and exchange.token is not None:
-                exchange.deliver({**message, "params": {**params, "progressToken": exchange.token}}, size)
-            return
-        if message["method"] == "notifications/cancelled":
-            return  # the child gave up a request of its own: its answer, if any, will be dropped
-        params = message.get("params")
-        meta = params.get("_meta") if isinstance(params, dict) else None
-        subscription = meta.get(SUBSCRIPTION_ID) if isinstance(meta, dict) else None
-        if isinstance(subscription, str) and subscription in self._pending:
-            exchange = self._pending[subscription]  # a 2026 subscriptions/listen stream's notification
-            meta = {**meta, SUBSCRIPTION_ID: exchange.caller_id}
-            exchange.deliver({**message, "params": {**params, "_meta": meta}}, size)
-            return
-        if message["method"] == "notifications/message":
-            # A log line may say something about one caller's call, and on stdio nothing says whose: it reaches a
-            # client only when its related-task names the call; otherwise it is dropped, never guessed.
-            exchange, _ = self._route(message) if related_task_id(message) is not None else (None, "")
-            if exchange is not None:
-                exchange.deliver(message, size)
-            return
-        if message["method"].endswith("/list_changed") or message["method"] == "notifications/resources/updated":
-            for callback in list(self.on_notification):
-                callback(message)
-            return
-        self._drop(f"a {message['method']} notification that names no call", message)
-
-    def _route(self, message: dict[str, Any]) -> tuple[Exchange | None, str]:
-        """The open call a request of the child's is for (the newest exchange of it), or None and why not."""
-        groups: dict[int, list[Exchange]] = {}
-        for exchange in self._pending.values():
-            if exchange.may_ask:
-                key = id(exchange.route) if exchange.route is not None else id(exchange)
-                groups.setdefault(key, []).append(exchange)
-        task_id = related_task_id(message)
-        if task_id is not None:
-            for exchanges in groups.values():
-                route = exchanges[0].route
-                if route is not None and route.upstream_task_id == task_id:
-                    return exchanges[-1], ""
-            if len(groups) == 1:
-                # The one call in flight, when it is a server task being made: its id is not known yet. Any other
-                # call (another caller's, on the one child) must never get a question that names some task.
-                route = next(iter(groups.values()))[0].route
-                if route is not None and route.upstream_task and route.upstream_task_id is None:
-                    return next(iter(groups.values()))[-1], ""
-            return None, f"it names task {task_id!r}, which no call in flight follows"
-        if len(groups) == 1:
-            return next(iter(groups.values()))[-1], ""
-        if not groups:
-            return None, "no call is in flight on the stdio server"
-        return None, f"{len(groups)} calls are in flight on the stdio server and the request names none of them"
+        refused = self._initiated.request(child, message, size)
+        if refused is not None:
+            self._refuse(child, message, refused)
 
     def _refuse(self, child: ChildProcess, message: dict[str, Any], why: str) -> None:
         self._refused += 1
@@ -447,7 +251,7 @@ class StdioChannel:
                 count=self._refused,
             )
         error = error_object(INTERNAL_ERROR, f"The proxy cannot relay this {message['method']} request: {why}")
-        self._background(self._answer_child(child.generation, message["id"], {"error": error}))
+        self._background(self._initiated.answer(child.generation, message["id"], {"error": error}))
 
     def _unreadable(self, child: ChildProcess, line: Unreadable) -> None:
         """A line that is no message may have been a call's answer: the call it names fails at once (it would wait
@@ -523,33 +327,3 @@ def unreadable_counts(channels: Iterable[StdioChannel]) -> dict[str, int]:
         for reason, count in channel.unreadable.items():
             counts[reason] += count
     return counts
-
-
-OWN_ANSWER_MAX_BYTES = 4 * 1024 * 1024
-"""The largest answer to a request of the proxy's own (initialize, discover, ping, tools/list, tasks/get) it reads."""
-
-
-async def own_answer(
-    sender: Any,
-    message: dict[str, Any],
-    *,
-    timeout_s: float,
-    wait_s: float | None = None,
-    prepared: bool = True,
-    tell_child: bool = True,
-    route: CallRoute | None = None,
-) -> dict[str, Any]:
-    """The child's response to a request of the proxy's own, sent through `sender` (a StdioChannel or StdioPool;
-    `wait_s`, default `timeout_s`, for a child that is restarting), read within `timeout_s`. Raises ChildGone,
-    TimeoutError, or AnswerTooLarge past OWN_ANSWER_MAX_BYTES."""
-    exchange = await sender.request(
-        message, route=route, wait_s=timeout_s if wait_s is None else wait_s, prepared=prepared
-    )
-    try:
-        async with asyncio.timeout(timeout_s):
-            async for answer in exchange.messages(OWN_ANSWER_MAX_BYTES):
-                if answer.get("method") is None:
-                    return answer
-    finally:
-        exchange.close(tell_child=tell_child)
-    raise ChildGone("the stdio server gave no answer")  # pragma: no cover - messages() ends with the answer

@@ -17,7 +17,8 @@ from multidict import MultiMapping
 from ..events import AnswerTooLarge, UpstreamUnavailable
 from ..legacy import LEGACY_VERSION, LegacySession, proxy_initialize
 from ..routing import CallRoute
-from .channel import OWN_ANSWER_MAX_BYTES, ChildGone, Exchange, StdioChannel, own_answer
+from .channel import StdioChannel
+from .exchange import OWN_ANSWER_MAX_BYTES, ChildGone, Exchange, own_answer
 from .pool import StdioPool
 
 if TYPE_CHECKING:

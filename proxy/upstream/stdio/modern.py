@@ -12,7 +12,7 @@ from multidict import MultiMapping
 
 from ..events import AnswerTooLarge, Event, Progress, UpstreamUnavailable, proxy_failure, too_large
 from ..modern import discover_probe, interpret, is_discover_result
-from .channel import ChildGone, own_answer
+from .exchange import ChildGone, own_answer
 from .pool import StdioPool
 
 log = structlog.get_logger(__name__)

@@ -25,7 +25,8 @@ from typing import Any
 import structlog
 
 from ..routing import CallRoute
-from .channel import ChildGone, Exchange, StdioChannel, may_ask
+from .channel import StdioChannel
+from .exchange import ChildGone, Exchange, may_ask
 from .process import ChildSpec
 
 log = structlog.get_logger(__name__)

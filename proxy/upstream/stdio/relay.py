@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import itertools
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
@@ -20,37 +19,41 @@ from aiohttp import web
 
 from ...envelope import check_modern_request, is_modern, params_of
 from ...jsonrpc import (
-    ERROR_HTTP_STATUS,
     INTERNAL_ERROR,
     INVALID_PARAMS,
     INVALID_REQUEST,
     JsonRpcError,
     RequestId,
     classify,
-    dumps,
     error_object,
     error_response,
     loads,
     result_response,
 )
 from ...security import Identity, caller_of
-from ..events import AnswerTooLarge, UpstreamUnavailable
+from ..events import UpstreamUnavailable
 from ..http.relay import client_gone_key
-from ..legacy import declined_answer
 from ..routing import CallRoute
 from ..session_table import SessionsFull
-from .channel import ChildGone, Exchange
+from .exchange import ChildGone, Exchange
 from .legacy import StdioLegacyLink
 from .modern import StdioModern
 from .pool import StdioPool
+from .responses import (
+    SSE_HEADERS,
+    ResponseWriter,
+    Rewrite,
+    json_response,
+    listen_messages,
+    upstream_failure,
+    write_event,
+)
 from .sessions import _MAX_SUBSCRIBED, FrontSession, FrontSessions
 
 log = structlog.get_logger(__name__)
 
 VERSIONS_2025 = ("2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25")
 _KEEPALIVE_S = 15.0
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-Rewrite = Callable[[dict[str, Any]], None]
 
 
 class StdioRelay:
@@ -73,8 +76,7 @@ class StdioRelay:
         self._identity = identity
         self._era = era
         self._known_era = known_era
-        self._max_bytes = max_bytes
-        self._shown_ids = itertools.count(1)
+        self._responses = ResponseWriter(pool, max_bytes=max_bytes)
         pool.on_notification(sessions.broadcast)
 
     async def readiness(self) -> str:
@@ -137,7 +139,7 @@ class StdioRelay:
             # The headers stop here (stdio has none): what a 2026-07-28 server checks of them, the proxy checks.
             check_modern_request(message, request.headers)
             exchange = await self._send(message, None)
-            return await self._answer(request, exchange, None, {}, rewrite=rewrite, modern=True)
+            return await self._responses.response(request, exchange, None, {}, rewrite=rewrite, modern=True)
         if kind == "notification":
             if message["method"] != "notifications/cancelled":  # a 2026 client cancels by closing its stream
                 await self.pool.notify(message)
@@ -177,19 +179,19 @@ class StdioRelay:
             return web.Response(status=202)
         method = message["method"]
         if method == "ping":
-            return _json(result_response(message["id"], {}))
+            return json_response(result_response(message["id"], {}))
         params = params_of(message)
         if method == "resources/subscribe" and isinstance(params.get("uri"), str):
             if len(front.subscribed) >= _MAX_SUBSCRIBED and params["uri"] not in front.subscribed:
                 error = error_object(INVALID_REQUEST, f"At most {_MAX_SUBSCRIBED} subscriptions per session")
-                return _json(error_response(message["id"], error))
+                return json_response(error_response(message["id"], error))
             front.subscribed.add(params["uri"])
         elif method == "resources/unsubscribe" and isinstance(params.get("uri"), str):
             front.subscribed.discard(params["uri"])
         try:
             await self._link.ready()
         except UpstreamUnavailable as exc:
-            return _json(error_response(message["id"], _failure(str(exc), self.pool.name)))
+            return json_response(error_response(message["id"], upstream_failure(str(exc), self.pool.name)))
         route = CallRoute(front.capabilities, None)
         observe: Rewrite | None = None
         if method in _SERVER_TASK_METHODS:
@@ -198,7 +200,7 @@ class StdioRelay:
             task_id = params.get("taskId")
             if not isinstance(task_id, str) or task_id not in front.tasks:
                 error = error_object(INVALID_PARAMS, "Invalid params: no such task in this session")
-                return _json(error_response(message["id"], error))
+                return json_response(error_response(message["id"], error))
             route.affinity = front.tasks[task_id]
         elif method == "tasks/list":
             rewrite = _only_tasks_of(front, rewrite)
@@ -207,13 +209,13 @@ class StdioRelay:
         try:
             exchange = await self._send(message, route)
         except JsonRpcError as exc:
-            return _json(error_response(message["id"], exc.to_error()))  # a 2025 client ends its session on 5xx
+            return json_response(error_response(message["id"], exc.to_error()))  # a 2025 client ends its session on 5xx
         if self.sessions.get(front.id) is not front:  # ended while the request waited for the child
             exchange.close("the session ended")
             raise JsonRpcError(INVALID_REQUEST, "Session not found: initialize again", http_status=404)
         front.calls[_key(message["id"])] = exchange
         try:
-            return await self._answer(
+            return await self._responses.response(
                 request, exchange, front, front.capabilities, rewrite=rewrite, modern=False, observe=observe
             )
         finally:
@@ -258,7 +260,7 @@ class StdioRelay:
         if on_headers is not None:
             on_headers(headers)
         log.info("stdio_session_opened", protocol_version=version, sessions=len(self.sessions))
-        return _json(result_response(message["id"], result), headers=headers)
+        return json_response(result_response(message["id"], result), headers=headers)
 
     def _front(self, request: web.Request) -> FrontSession:
         session_id = request.headers.get("Mcp-Session-Id")
@@ -274,87 +276,6 @@ class StdioRelay:
             return await self.pool.request(message, route=route)
         except ChildGone as exc:
             raise JsonRpcError(INTERNAL_ERROR, f"Upstream failure: {exc}", {"upstream": self.pool.name}) from exc
-
-    async def _answer(
-        self,
-        request: web.Request,
-        exchange: Exchange,
-        front: FrontSession | None,
-        capabilities: dict[str, Any],
-        *,
-        rewrite: Rewrite | None,
-        modern: bool,
-        observe: Callable[[dict[str, Any], Exchange], None] | None = None,
-    ) -> web.StreamResponse:
-        """What the child writes for one request, as JSON when its answer comes first, else as an event stream.
-        `observe` sees the answer (with the exchange it came on) before the client does."""
-        streams = "text/event-stream" in request.headers.get("Accept", "") and rewrite is None
-        stream: web.StreamResponse | None = None
-        shown: list[str] = []
-        try:
-            async for message in exchange.messages(self._max_bytes()):
-                method = message.get("method")
-                if method is None:
-                    message = _well_formed(message, self.pool.name)
-                    if observe is not None:
-                        observe(message, exchange)
-                    if rewrite is not None and isinstance(message.get("result"), dict):
-                        rewrite(message["result"])
-                    if stream is None:
-                        return _json(message, status=_status(message) if modern else 200)
-                    await _write(request, stream, message)
-                    await stream.write_eof()
-                    return stream
-                if "id" in message:
-                    message = await self._child_request(message, front, capabilities, streams, shown)
-                    if message is None:
-                        continue
-                elif not streams:
-                    continue  # a JSON answer has no room for notifications
-                if stream is None:
-                    stream = web.StreamResponse(headers=_SSE_HEADERS)
-                    await stream.prepare(request)
-                if not await _write(request, stream, message):
-                    return stream
-        except AnswerTooLarge:
-            reason = f"the stdio server's answer exceeds limits.max_result_bytes ({self._max_bytes()})"
-            error = error_response(exchange.caller_id, error_object(INTERNAL_ERROR, f"Proxy failure: {reason}"))
-            if stream is None:
-                return _json(error, status=500 if modern else 200)
-            await _write(request, stream, error)
-            return stream
-        finally:
-            exchange.close()
-            if front is not None:
-                for shown_id in shown:
-                    front.asked.pop(shown_id, None)
-        return stream or web.Response(status=502)  # pragma: no cover - messages() ends with the answer
-
-    async def _child_request(
-        self,
-        message: dict[str, Any],
-        front: FrontSession | None,
-        capabilities: dict[str, Any],
-        streams: bool,
-        shown: list[str],
-    ) -> dict[str, Any] | None:
-        """A request of the child's for this call: shown to the client under an id of the proxy's, or answered here
-        (declined) when the client cannot take it. None when answered here."""
-        method, params = message["method"], params_of(message)
-        answer = declined_answer(method, capabilities, params) if front is not None else None
-        if front is None:
-            reason = "a 2026-07-28 server asks for input with input_required, never with a request"
-            answer = {"error": error_object(INTERNAL_ERROR, f"The proxy cannot relay this {method} request: {reason}")}
-        elif answer is None and not streams:
-            answer = declined_answer(method, {}, params)  # a JSON answer cannot carry the question
-        shown_id = f"mtp-s{next(self._shown_ids)}"
-        if answer is None and front is not None and not front.remember_asked(shown_id, message["id"]):
-            answer = {"error": error_object(INTERNAL_ERROR, "The proxy cannot relay this request: too many pending")}
-        if answer is not None:
-            await self.pool.respond(message["id"], answer)
-            return None
-        shown.append(shown_id)
-        return {**message, "id": shown_id}
 
     # --- GET, DELETE, other paths --------------------------------------------------------------------------------
 
@@ -372,7 +293,7 @@ class StdioRelay:
     async def _standalone(self, request: web.Request, front: FrontSession) -> web.StreamResponse:
         """The session's GET stream: list changes, and updates of the resources it subscribed to."""
         queue = front.open_stream()
-        stream = web.StreamResponse(headers=_SSE_HEADERS)
+        stream = web.StreamResponse(headers=SSE_HEADERS)
         try:
             await stream.prepare(request)
             while True:
@@ -383,7 +304,7 @@ class StdioRelay:
                     continue
                 if message is None:
                     break
-                if not await _write(request, stream, message):
+                if not await write_event(request, stream, message):
                     return stream
             await stream.write_eof()
         except ConnectionResetError:
@@ -397,32 +318,7 @@ class StdioRelay:
     ) -> AsyncGenerator[dict[str, Any], None] | None:
         """The child's part of a subscriptions/listen (a 2026-07-28 child): its notifications, until it ends."""
         exchange = await self._send(loads(body), None)
-        return _listen_messages(exchange, limit)
-
-
-async def _listen_messages(exchange: Exchange, limit: int) -> AsyncGenerator[dict[str, Any], None]:
-    try:
-        async for message in exchange.messages(limit):
-            if message.get("method") is None:
-                return
-            yield message
-    except AnswerTooLarge:
-        log.info("upstream_subscription_ended", reason="a notification over limits.max_result_bytes")
-    finally:
-        exchange.close()
-
-
-async def _write(request: web.Request, stream: web.StreamResponse, message: dict[str, Any]) -> bool:
-    try:
-        await stream.write(b"event: message\ndata: " + dumps(message) + b"\n\n")
-    except ConnectionResetError:
-        request[client_gone_key] = True
-        return False
-    return True
-
-
-def _json(message: dict[str, Any], *, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(body=dumps(message), status=status, content_type="application/json", headers=headers)
+        return listen_messages(exchange, limit)
 
 
 _SERVER_TASK_METHODS = frozenset({"tasks/get", "tasks/result", "tasks/cancel"})
@@ -447,28 +343,6 @@ def _only_tasks_of(front: FrontSession, then: Rewrite | None) -> Rewrite:
             then(result)
 
     return only
-
-
-def _well_formed(message: dict[str, Any], upstream: str) -> dict[str, Any]:
-    """The child's response as a client may take it: a result object, or an error with an integer code and a
-    message; anything else becomes the proxy's -32603 saying so."""
-    error, result = message.get("error"), message.get("result")
-    if "error" in message and "result" not in message and isinstance(error, dict):
-        code = error.get("code")
-        if isinstance(code, int) and not isinstance(code, bool) and isinstance(error.get("message"), str):
-            return message
-    elif "result" in message and "error" not in message and isinstance(result, dict):
-        return message
-    return error_response(message.get("id"), _failure("the stdio server's response is malformed", upstream))
-
-
-def _status(message: dict[str, Any]) -> int:
-    error = message.get("error")
-    return ERROR_HTTP_STATUS.get(error.get("code"), 200) if isinstance(error, dict) else 200
-
-
-def _failure(reason: str, upstream: str) -> dict[str, Any]:
-    return error_object(INTERNAL_ERROR, f"Upstream failure: {reason}", {"upstream": upstream})
 
 
 def _unavailable(exc: Exception) -> JsonRpcError:

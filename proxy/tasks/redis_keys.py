@@ -1,0 +1,39 @@
+"""Where the Redis store keeps what, all under one prefix (several deployments may share one Redis)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TASK_KEY_PREFIX = "mcp-tasks-proxy:"
+
+
+@dataclass(frozen=True)
+class RedisKeys:
+    prefix: str = TASK_KEY_PREFIX
+
+    @property
+    def running(self) -> str:
+        """A set of the ids of unfinished tasks, for finding those of a replica whose lease lapsed."""
+        return f"{self.prefix}running"
+
+    @property
+    def events(self) -> str:
+        """The pub/sub channel between replicas."""
+        return f"{self.prefix}events"
+
+    @property
+    def readyz(self) -> str:
+        return f"{self.prefix}readyz"
+
+    def task(self, task_id: str) -> str:
+        return f"{self.prefix}task:{task_id}"
+
+    def lease(self, replica_id: str) -> str:
+        return f"{self.prefix}replica:{replica_id}"
+
+    def index(self, name: str) -> str:
+        return f"{self.prefix}index:{name}"
+
+    def shared(self, name: str) -> str:
+        """A value every replica agrees on (the principal key)."""
+        return f"{self.prefix}{name}"

@@ -1,0 +1,94 @@
+"""The Redis store's two connections and what their failures become.
+
+The per-task commands go over one pipelining connection (resp.py); leases, the sweep and pub/sub use redis-py.
+Every reply is checked for the shape its command gives: one that cannot be right (a record of another task, a
+script result out of range) drops the connection, so that a desynchronised stream answers nobody else.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import redis.asyncio as redis
+import structlog
+from redis.exceptions import RedisError
+
+from .resp import RespClient, RespError
+from .store import StoreUnavailable
+
+log = structlog.get_logger(__name__)
+
+
+class Inconsistent(Exception):
+    """A reply that its command cannot give: the connection's replies may be shifted."""
+
+
+class Corrupt(Exception):
+    """A stored value that is not what the proxy writes there (hand-edited, or written by an incompatible version)."""
+
+
+def text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def reason(exc: BaseException, timeout_s: float) -> str:
+    """What went wrong, in words an operator can act on (never a credential: Redis errors do not echo them)."""
+    if isinstance(exc, TimeoutError):
+        return f"Redis did not answer within {timeout_s:g} s (store.timeout_s)"
+    if isinstance(exc, Inconsistent):
+        return f"Redis sent a reply that cannot be right ({exc}); the connection was reset"
+    said = str(exc).strip() or type(exc).__name__
+    if said.startswith("OOM"):
+        return f"Redis refused the write: it is out of memory (maxmemory): {said}"
+    if said.startswith(("WRONGPASS", "NOAUTH", "NOPERM")) or isinstance(exc, redis.AuthenticationError):
+        return f"Redis refused the credentials of store.url: {said}"
+    return said
+
+
+class RedisLink:
+    def __init__(self, url: str, *, timeout_s: float, max_reply_bytes: int) -> None:
+        self.timeout_s = timeout_s
+        self.redis = redis.Redis.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry_on_timeout=False,
+            health_check_interval=30,
+        )
+        self.fast = RespClient(url, timeout_s=timeout_s, max_reply_bytes=max_reply_bytes)
+        self._last_failure = time.monotonic()
+        """When a Redis call last failed (or the store was made): the sweep waits a lease after it."""
+        self.failures: collections.Counter[str] = collections.Counter()
+
+    def failed(self) -> None:
+        self._last_failure = time.monotonic()
+
+    def healthy_for(self) -> float:
+        """Seconds since a Redis call last failed on this replica."""
+        return time.monotonic() - self._last_failure
+
+    @asynccontextmanager
+    async def answering(self, what: str) -> AsyncIterator[None]:
+        """One place where Redis failures become StoreUnavailable, with the cause logged once."""
+        try:
+            yield
+        except Corrupt as exc:
+            self.failures[what] += 1
+            log.error("store_record_corrupt", operation=what, reason=str(exc))
+            raise StoreUnavailable(str(exc)) from exc
+        except (TimeoutError, RedisError, RespError, OSError, Inconsistent) as exc:
+            self.failed()
+            self.failures[what] += 1
+            if isinstance(exc, Inconsistent):
+                self.fast.reset(str(exc))
+            said = reason(exc, self.timeout_s)
+            log.warning("store_unavailable", operation=what, reason=said)
+            raise StoreUnavailable(said) from exc
+
+    async def aclose(self) -> None:
+        await self.fast.aclose()
+        await self.redis.aclose()
