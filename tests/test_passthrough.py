@@ -7,6 +7,7 @@ import json
 import secrets
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from proxy.upstream.http.sse import SseParser
@@ -277,3 +278,23 @@ async def test_a_post_answer_is_relayed_as_sent_compressed_chunked_and_with_repe
     assert fake.received[0]["path"] == "/mcp?shape=gzip&x=%20y"
     assert fake.received[0]["headers"]["Accept-Encoding"] == "gzip"
     assert fake.received[0]["body"] == call
+
+
+def test_relayed_request_headers_are_the_bytes_received_without_hop_by_hop_ones_and_never_carry_cr_or_lf():
+    from multidict import CIMultiDict, CIMultiDictProxy
+
+    from proxy.upstream.http.headers import relayed_request_fields
+
+    raw = (
+        (b"Host", b"proxy:8080"),
+        (b"Connection", b"keep-alive, X-Hop"),
+        (b"X-Hop", b"1"),
+        (b"Content-Length", b"2"),
+        (b"X-Name", b"caf\xc3\xa9 \xff"),  # not re-encoded: the upstream gets the very bytes
+        (b"mcp-method", b"tools/call"),
+    )
+    decoded = CIMultiDictProxy(CIMultiDict((k.decode(), v.decode("utf-8", "surrogateescape")) for k, v in raw))
+    assert relayed_request_fields(raw, decoded) == b"X-Name: caf\xc3\xa9 \xff\r\nmcp-method: tools/call\r\n"
+    for value in (b"a\r\nX-Smuggled: 1", b"a\nb", b"a\rb"):
+        with pytest.raises(ValueError, match="CR or LF"):
+            relayed_request_fields(((b"X-Bad", value),), CIMultiDictProxy(CIMultiDict()))

@@ -38,12 +38,16 @@ def connection_listed(value: str | None) -> set[str]:
     return {token.strip().lower() for token in value.split(",") if token.strip()}
 
 
-def end_to_end_headers(headers: MultiMapping[str], skip: frozenset[str] | set[str]) -> CIMultiDict[str]:
-    """Copy the headers an intermediary must pass on: all but hop-by-hop ones and those named in Connection."""
+def end_to_end_headers(
+    headers: MultiMapping[str], skip: frozenset[str] | set[str], *, drop_prefix: str | None = None
+) -> CIMultiDict[str]:
+    """Copy the headers an intermediary must pass on: all but hop-by-hop ones and those named in Connection (and,
+    with `drop_prefix`, those whose lowercase name starts with it)."""
     drop = skip.union(*(connection_listed(value) for value in headers.getall("Connection", ())))
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in headers.items():
-        if name.lower() not in drop:
+        lower = name.lower()
+        if lower not in drop and not (drop_prefix is not None and lower.startswith(drop_prefix)):
             out.add(name, value)
     return out
 
@@ -83,12 +87,7 @@ def own_request_headers(client_headers: MultiMapping[str], *, drop_mcp_headers: 
     """Headers for a JSON-RPC POST the proxy makes for a client: the client's end-to-end headers (credentials
     included), JSON in, JSON or an event stream out. `drop_mcp_headers` removes every Mcp-* header (MCP-Protocol-
     Version included), for requests whose routing headers the proxy sets itself."""
-    drop = TASK_CALL_SKIP.union(*(connection_listed(value) for value in client_headers.getall("Connection", ())))
-    headers: CIMultiDict[str] = CIMultiDict()
-    for name, value in client_headers.items():
-        lower = name.lower()
-        if lower not in drop and not (drop_mcp_headers and lower.startswith("mcp-")):
-            headers.add(name, value)
+    headers = end_to_end_headers(client_headers, TASK_CALL_SKIP, drop_prefix="mcp-" if drop_mcp_headers else None)
     headers["Content-Type"] = "application/json"
     headers["Accept"] = "application/json, text/event-stream"
     if tracing.TRACER.enabled:
