@@ -63,6 +63,7 @@ from .tasks.model import TaskRecord
 from .tasks.store import StoreFullError
 from .tasks2026 import missing_tasks_capability
 from .upstream.events import UpstreamUnavailable
+from .upstream.http.headers import call_headers
 from .upstream.legacy import discover_result
 
 log = structlog.get_logger(__name__)
@@ -384,14 +385,15 @@ async def _tools_call(
         raise JsonRpcError(INVALID_PARAMS, "Invalid params: arguments must be an object")
     forwarded = without_tasks_declaration(message)
     capabilities = meta_of(forwarded).get(META_CLIENT_CAPABILITIES)
-    principal = request.app[identity_key].principal(request.headers)
+    identity = request.app[identity_key]
+    principal = identity.principal(request.headers)
     call = ToolCall(
         tool=name,
         message=forwarded,
-        headers=request.headers.copy(),
+        headers=call_headers(request.headers, identity.principal_header),
         capabilities=capabilities if isinstance(capabilities, dict) else {},
         principal=principal,
-        credential=request.app[identity_key].credential(request.headers),
+        credential=identity.credential(request.headers),
         caller=caller_of(principal, request.remote),
     )
     info.mode = "durable" if kept_alive else "task"

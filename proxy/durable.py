@@ -51,6 +51,7 @@ from .tasks.model import TaskRecord, is_task_id, new_task_id
 from .tasks.runner import TaskRunner
 from .tasks.store import StoreUnavailable, TaskIdTaken, TaskStore
 from .upstream.events import Progress
+from .upstream.http.headers import call_headers
 from .upstream.legacy import ERROR_ANSWER, LegacySession
 
 log = structlog.get_logger(__name__)
@@ -161,7 +162,7 @@ class DurableCalls:
         call = ToolCall(
             tool=params_of(message)["name"],
             message=message,
-            headers=headers.copy(),
+            headers=call_headers(headers, self._identity.principal_header),
             capabilities=ALL_INPUT_KINDS,
             principal=principal,
             credential=self._identity.credential(headers),

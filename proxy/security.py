@@ -41,6 +41,11 @@ class Identity:
         self._header = config.principal_header
 
     @property
+    def principal_header(self) -> str | None:
+        """The header that names the caller when security.principal is "header"; else None."""
+        return self._header if self._mode == "header" else None
+
+    @property
     def keyed(self) -> bool:
         return self._key is not None
 

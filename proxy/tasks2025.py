@@ -39,6 +39,7 @@ from .tasks.job import ToolCall
 from .tasks.model import TaskRecord, TaskStatus, format_time, is_task_id
 from .tasks.runner import TaskRunner
 from .tasks.store import TaskStore
+from .upstream.http.headers import call_headers
 
 log = structlog.get_logger(__name__)
 
@@ -170,7 +171,7 @@ class Tasks2025:
         call = ToolCall(
             tool=params["name"],
             message={**message, "params": params},  # the server never sees params.task: the task is the proxy's
-            headers=headers.copy(),
+            headers=call_headers(headers, self._identity.principal_header),
             capabilities=ALL_INPUT_KINDS,
             principal=principal,
             credential=self._identity.credential(headers),

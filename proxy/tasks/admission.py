@@ -4,6 +4,7 @@ else a task stored before anyone hears of it), an MRTR retry resuming a parked c
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +21,11 @@ from .store import TaskIdTaken
 from .sync_rounds import SyncRounds
 
 log = structlog.get_logger(__name__)
+
+_RUNNER_PREFIX = "mcp-task:"
+"""A job's asyncio task is named by it and the task id: the job is found again from the task alone."""
+_DONE_CONTEXT = contextvars.Context()
+"""The context the jobs' done callbacks run in (they log nothing): one for all, not a copy each."""
 
 
 class ShuttingDown(Exception):
@@ -51,6 +57,7 @@ class Admission:
         self._defaults = defaults
         self._limits = limits
         self._slots: dict[tuple[str, int], asyncio.Semaphore] = {}
+        self._on_runner_done = self._runner_done
 
     async def submit(self, call: ToolCall, rule: ToolRule) -> TaskRecord | DirectOutcome:
         """Start the call; return the stored task, or the outcome if it came inside the rule's sync window."""
@@ -192,8 +199,15 @@ class Admission:
         return record
 
     def _spawn(self, job: Job) -> None:
-        job.runner = asyncio.create_task(self._attempts.run(job), name=f"mcp-task:{job.task_id}")
-        job.runner.add_done_callback(lambda _: self._forget(job))
+        job.runner = asyncio.create_task(self._attempts.run(job), name=f"{_RUNNER_PREFIX}{job.task_id}")
+        # One bound method and one context for every job: a closure and a copied context each cost 300 bytes
+        # for as long as the call runs.
+        job.runner.add_done_callback(self._on_runner_done, context=_DONE_CONTEXT)
+
+    def _runner_done(self, runner: asyncio.Task[None]) -> None:
+        job = self._state.jobs.get(runner.get_name()[len(_RUNNER_PREFIX) :])
+        if job is not None and job.runner is runner:
+            self._forget(job)
 
     def _forget(self, job: Job) -> None:
         if job.span is not None:  # the call ended without this replica writing a terminal status

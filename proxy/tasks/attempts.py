@@ -4,7 +4,9 @@ handed to settlement; and how a stopped call ends (cancelled upstream, or failed
 from __future__ import annotations
 
 import asyncio
+import functools
 import secrets
+from collections.abc import Awaitable
 from typing import Any
 
 import structlog
@@ -93,10 +95,14 @@ class Attempts:
                 await asyncio.sleep(min(0.05 * 2 ** (input_rounds - 1), 0.25))
             message = retry_message(job.call.message, responses, needed.request_state)
 
-    async def _attempt(self, job: Job, message: dict[str, Any]) -> InputNeeded | None:
-        """One upstream call; None once the outcome is settled, the InputNeeded when the upstream wants input."""
+    def _attempt(self, job: Job, message: dict[str, Any]) -> Awaitable[InputNeeded | None]:
+        """One upstream call; None once the outcome is settled, the InputNeeded when the upstream wants input.
+        (No coroutine of its own without tracing: each frame is held for as long as the call runs.)"""
         if not tracing.TRACER.enabled:
-            return await self._call_upstream(job, message)
+            return self._call_upstream(job, message)
+        return self._traced_call(job, message)
+
+    async def _traced_call(self, job: Job, message: dict[str, Any]) -> InputNeeded | None:
         with tracing.TRACER.upstream_call(job.span, job.call.tool):
             return await self._call_upstream(job, message)
 
@@ -108,14 +114,14 @@ class Attempts:
             job.call.headers,
             job.call.capabilities,
             max_bytes=job.max_result_bytes,
-            on_request=lambda needed: self._input_rounds.open_questions(job, needed),
+            on_request=functools.partial(self._input_rounds.open_questions, job),
             session=job.call.client_session,
         )
         started_s = self._state.timer()
         outcome = "cancelled"
         settle: tuple[TaskStatus, dict[str, Any]] | None = None
         try:
-            async with asyncio.timeout(job.rule.timeout_s):
+            with self._state.deadlines.limit(job.rule.timeout_s):
                 async for event in events:
                     if isinstance(event, Progress):
                         await self._settlement.progress(job, event)

@@ -8,6 +8,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 
 from ..metrics import Metrics
+from .deadlines import Deadlines
 from .job import Job
 from .store import TaskStore
 from .watchers import TaskWatchers
@@ -27,5 +28,7 @@ class RunnerState:
     watchers: TaskWatchers = dataclasses.field(default_factory=TaskWatchers)
     jobs: dict[str, Job] = dataclasses.field(default_factory=dict)
     """The calls this replica runs, by task id, from admission until their asyncio task ends."""
+    deadlines: Deadlines = dataclasses.field(default_factory=Deadlines)
+    """The calls' time limits (timeout_s)."""
     accepting: bool = True
     """False once shutdown began: no new task is taken."""

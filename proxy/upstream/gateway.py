@@ -121,7 +121,7 @@ class Gateway:
                 log.info("upstream_era", era=self._era, upstream=self.url)
         return self._era
 
-    async def call_tool(
+    def call_tool(
         self,
         message: dict[str, Any],
         client_headers: MultiMapping[str],
@@ -133,24 +133,32 @@ class Gateway:
     ) -> AsyncIterator[Event]:
         """The call's events; a legacy server's request for it outside its stream goes to `on_request`.
 
-        With `session` (a 2025-era client's own), the 2025 request goes there as it is, whatever the era."""
+        With `session` (a 2025-era client's own), the 2025 request goes there as it is, whatever the era. Once the
+        era is known, the era's own generator is returned as it is: no frame in between for as long as the call
+        runs, and one step less for each event."""
         if session is not None:
-            events = self.legacy.exchange(message, client_headers, capabilities, max_bytes=max_bytes, session=session)
-            try:
-                async for event in events:
-                    yield event
-            finally:
-                await events.aclose()
-            return
+            return self.legacy.exchange(message, client_headers, capabilities, max_bytes=max_bytes, session=session)
+        if self._era == "modern":
+            return self.modern.call_tool(message, client_headers, capabilities, max_bytes=max_bytes)
+        if self._era == "legacy":
+            return self.legacy.call(message, client_headers, capabilities, max_bytes=max_bytes, on_request=on_request)
+        return self._call_once_known(message, client_headers, capabilities, max_bytes=max_bytes, on_request=on_request)
+
+    async def _call_once_known(
+        self,
+        message: dict[str, Any],
+        client_headers: MultiMapping[str],
+        capabilities: dict[str, Any],
+        *,
+        max_bytes: int,
+        on_request: Callable[[InputNeeded], Awaitable[None]] | None,
+    ) -> AsyncIterator[Event]:
         try:
-            era = await self.era(client_headers)
+            await self.era(client_headers)
         except UpstreamUnavailable as exc:
             yield proxy_failure(str(exc), self.url)
             return
-        if era == "legacy":
-            events = self.legacy.call(message, client_headers, capabilities, max_bytes=max_bytes, on_request=on_request)
-        else:
-            events = self.modern.call_tool(message, client_headers, capabilities, max_bytes=max_bytes)
+        events = self.call_tool(message, client_headers, capabilities, max_bytes=max_bytes, on_request=on_request)
         try:
             async for event in events:
                 yield event

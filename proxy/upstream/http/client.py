@@ -449,7 +449,7 @@ class CallClient:
         head.append(b"Content-Length: %d\r\n\r\n" % len(body))
         head.append(body)
         request = b"".join(head)
-        del head, body  # a working task waits here for the whole call: hold nothing it no longer needs
+        del head, body, headers  # a working task waits here for the whole call: hold nothing it no longer needs
         connection = self._reuse() or await self._connect()
         response = CallResponse(connection, self, relay=relay)
         answered = connection.send(request, response, decode=not relay)

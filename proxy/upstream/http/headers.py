@@ -52,6 +52,14 @@ def end_to_end_headers(
     return out
 
 
+def call_headers(headers: MultiMapping[str], keep: str | None = None) -> CIMultiDict[str]:
+    """The client's headers a task keeps for the upstream requests it makes later: what own_request_headers passes
+    on, and `keep` (the header that names the caller, whichever it is). No more: ten thousand working tasks each
+    hold theirs for as long as they run."""
+    skip = TASK_CALL_SKIP if keep is None else TASK_CALL_SKIP - {keep.lower()}
+    return end_to_end_headers(headers, skip)
+
+
 def request_headers(headers: MultiMapping[str]) -> CIMultiDict[str]:
     out = end_to_end_headers(headers, _REQUEST_SKIP)
     if tracing.TRACER.enabled:

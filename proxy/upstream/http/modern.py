@@ -183,9 +183,9 @@ class Upstream:
         Closing the generator early closes the upstream response, which is how 2026-07-28 HTTP cancels. A body or
         event longer than `max_bytes` is not read on: the call fails (limits.max_result_bytes).
         """
-        headers = own_request_headers(client_headers)
         try:
-            response = await self.post(headers, dumps(message))
+            # No local for the headers or the body: this frame waits as long as the call runs.
+            response = await self.post(own_request_headers(client_headers), dumps(message))
         except OSError as exc:  # CallError included
             yield proxy_failure(f"upstream unreachable ({exc})", self.url)
             return
