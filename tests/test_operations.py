@@ -349,3 +349,22 @@ async def test_a_stream_the_client_closes_is_counted_and_logged_as_client_closed
     handled = [line for line in logs if line["event"] == "request_handled"]
     assert [(line["status"], line["client_closed"]) for line in handled] == [(499, True), (499, True)]
     assert not [line for line in logs if line["log_level"] in ("error", "critical") or "exception" in line]
+
+
+async def test_tool_names_from_clients_cannot_grow_the_metrics(make_proxy, mcp_upstream, monkeypatch):
+    # A glob rule matches any name a client sends: past the bound, names count together as "_other".
+    monkeypatch.setattr("proxy.metrics.MAX_LABEL_VALUES", 3)
+    proxy = await make_proxy(mcp_upstream, tools=[{"match": "*", "task": "required"}])
+    names = [f"no_such_tool_{n}" for n in range(6)]
+    for name in names:
+        created = await proxy.client.call_tool(name, {})
+        await task_reaches(proxy.client, created.result["taskId"], "completed", "failed")
+    samples = await scrape(proxy)
+    created_by_tool = {
+        dict(labels)["tool"]: count
+        for (metric, labels), count in samples.items()
+        if metric == "mcp_tasks_proxy_tasks_created_total"
+    }
+    assert created_by_tool == {**dict.fromkeys(names[:3], 1.0), "_other": 3.0}
+    finished = [dict(labels)["tool"] for metric, labels in samples if metric == "mcp_tasks_proxy_tasks_finished_total"]
+    assert sorted(finished) == sorted([*names[:3], "_other"])

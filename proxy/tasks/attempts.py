@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import secrets
 from collections.abc import Awaitable
 from typing import Any
@@ -21,6 +22,11 @@ from .runner_state import RunnerState
 from .settlement import Settlement
 
 log = structlog.get_logger(__name__)
+
+_UPSTREAM_ID_PREFIX = f"mtp-{secrets.token_hex(4)}-"
+_upstream_numbers = itertools.count(1)
+"""The ids of the proxy's upstream attempts: unique per process (the random part tells replicas apart), without
+drawing random bytes for every call. (Task ids, bearer handles, stay 128 random bits each.)"""
 
 SHUTDOWN = "the proxy shut down before the upstream call finished"
 """The cancel reason of the calls still running when the grace period of shutdown ends: their tasks fail."""
@@ -184,7 +190,7 @@ def retry_message(
             params["inputResponses"] = responses
         if state is not None:
             params["requestState"] = state
-    upstream_id = f"mtp-{secrets.token_hex(8)}"
+    upstream_id = f"{_UPSTREAM_ID_PREFIX}{next(_upstream_numbers):x}"
     # The proxy's own progress token: progress feeds statusMessage and must not be mistaken across attempts.
     params["_meta"] = {**(params.get("_meta") or {}), "progressToken": upstream_id}
     return {"jsonrpc": "2.0", "id": upstream_id, "method": "tools/call", "params": params}
