@@ -12,7 +12,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from . import TASKS_EXTENSION, listen, tasks2025, tracing
+from . import TASKS_EXTENSION, idempotency, listen, tasks2025, tracing
 from .config import TaskMode
 from .context import (
     MCP_PATH,
@@ -383,7 +383,8 @@ async def _tools_call(
     arguments = params.get("arguments")
     if arguments is not None and not isinstance(arguments, dict):
         raise JsonRpcError(INVALID_PARAMS, "Invalid params: arguments must be an object")
-    forwarded = without_tasks_declaration(message)
+    key = idempotency.key_of(message, request.headers) if not kept_alive else None
+    forwarded = without_tasks_declaration(message if key is None else idempotency.without_key(message))
     capabilities = meta_of(forwarded).get(META_CLIENT_CAPABILITIES)
     identity = request.app[identity_key]
     principal = identity.principal(request.headers)
@@ -400,7 +401,12 @@ async def _tools_call(
     with _refusals():
         if kept_alive:
             return await request.app[durable_key].kept_alive(request, message["id"], call, rule)
-        outcome = await request.app[runner_key].submit(call, rule)
+        if key is not None:
+            call.task_id = identity.keyed_task_id(principal, name, key)
+            call.fingerprint = idempotency.fingerprint(name, arguments)
+            outcome = await request.app[runner_key].submit_keyed(call, rule, key)
+        else:
+            outcome = await request.app[runner_key].submit(call, rule)
     if isinstance(outcome, TaskRecord):
         info.task_id = outcome.task_id
         return json_reply(result_response(message["id"], {**outcome.to_wire(), "resultType": "task"}))

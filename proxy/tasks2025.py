@@ -21,6 +21,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from . import idempotency
 from .config import TaskMode, ToolRule
 from .durable import ALL_INPUT_KINDS, SEP1686_KIND, client_session, progress_token
 from .durable_stream import DurableStream, related_task_meta
@@ -179,7 +180,15 @@ class Tasks2025:
             stream=_stream_of(message, session_tag),
             client_session=client_session(headers, principal),
         )
-        record = await self._runner.submit(call, rule.model_copy(update={"sync_window_ms": 0, "ttl_ms": ttl_ms}))
+        key = idempotency.key_of(message, headers)
+        rule = rule.model_copy(update={"sync_window_ms": 0, "ttl_ms": ttl_ms})
+        if key is not None:  # the same task for the same key (the record's own TTL, whatever this one asks)
+            call.message = idempotency.without_key(call.message)
+            call.task_id = self._identity.keyed_task_id(principal, call.tool, key)
+            call.fingerprint = idempotency.fingerprint(call.tool, params.get("arguments"))
+            record = await self._runner.submit_keyed(call, rule, key)
+        else:
+            record = await self._runner.submit(call, rule)
         assert isinstance(record, TaskRecord)
         if principal or session_tag:  # an anonymous caller without a session has no list of its own
             await self._store.index_add(self._index(principal, session_tag), record.task_id, _score(record), ttl_ms)

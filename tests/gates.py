@@ -9,11 +9,13 @@ import asyncio
 
 _gates: dict[str, asyncio.Event] = {}
 _states: dict[str, str] = {}
+_arrivals: dict[str, int] = {}
 
 
 async def wait_at(tag: str) -> None:
     """Wait for release(tag); the state says started, then released or cancelled."""
     _states[tag] = "started"
+    _arrivals[tag] = _arrivals.get(tag, 0) + 1
     try:
         await _gates.setdefault(tag, asyncio.Event()).wait()
     except asyncio.CancelledError:
@@ -28,6 +30,11 @@ def release(tag: str) -> None:
 
 def state(tag: str) -> str:
     return _states.get(tag, "unknown")
+
+
+def arrivals(tag: str) -> int:
+    """How many calls have come to this gate: how many times the server ran the tool with this tag."""
+    return _arrivals.get(tag, 0)
 
 
 def mark(tag: str, state: str) -> None:

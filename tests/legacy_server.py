@@ -202,6 +202,12 @@ async def gate_state(tag: str) -> str:
 
 
 @server.tool()
+async def gate_arrivals(tag: str) -> str:
+    """How many times a gated call with this tag ran."""
+    return str(gates.arrivals(tag))
+
+
+@server.tool()
 async def pid() -> str:
     """This server's process id, so that a test can kill it (the child process of a stdio proxy)."""
     return str(os.getpid())

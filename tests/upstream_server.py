@@ -71,6 +71,12 @@ async def gate_state(tag: str) -> str:
 
 
 @server.tool()
+async def gate_arrivals(tag: str) -> str:
+    """How many calls have waited at this gate: how many times the server ran a gated call with this tag."""
+    return str(gates.arrivals(tag))
+
+
+@server.tool()
 async def pid() -> str:
     """This server's process id, so that a test can kill it (the child process of a stdio proxy)."""
     return str(os.getpid())

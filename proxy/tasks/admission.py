@@ -187,6 +187,7 @@ class Admission:
             owner=self._state.replica_id,
             principal=job.call.principal,
             stream=job.call.stream,
+            fingerprint=job.call.fingerprint,
         )
         if tracing.TRACER.enabled:
             job.span = tracing.TRACER.start_task(job.task_id, job.call.tool)
@@ -210,6 +211,8 @@ class Admission:
             self._forget(job)
 
     def _forget(self, job: Job) -> None:
+        if job.stored_event is not None and not job.stored:
+            job.stored_event.set()  # its creation failed: whoever waits for the record finds none
         if job.span is not None:  # the call ended without this replica writing a terminal status
             tracing.TRACER.end_task(job.span, "ended elsewhere")  # type: ignore[union-attr]
             job.span = None

@@ -81,6 +81,8 @@ class TaskRecord:
     """A durable call's client (proxy/durable.py): its request id, session and progress token. Never on the wire."""
     trace: str | None = None
     """The W3C traceparent of the task's span (proxy/tracing.py), for requests about it to link to; not on the wire."""
+    fingerprint: str | None = None
+    """With an idempotency key: the request's tool and arguments, hashed (proxy/idempotency.py). Not on the wire."""
 
     @property
     def is_terminal(self) -> bool:
@@ -117,8 +119,11 @@ def to_json(record: TaskRecord) -> bytes:
     data["created_at"] = record.created_at.isoformat()
     data["last_updated_at"] = record.last_updated_at.isoformat()
     data["status"] = record.status.value
+    # Records stay as replicas of an earlier version read them, unless tracing or a key is used.
     if record.trace is None:
-        del data["trace"]  # records stay as replicas of an earlier version read them, unless tracing is on
+        del data["trace"]
+    if record.fingerprint is None:
+        del data["fingerprint"]
     return dumps(data)
 
 

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from ..config import LimitsConfig, TaskDefaults, ToolRule
+from ..idempotency import key_reused
+from ..jsonrpc import INTERNAL_ERROR, JsonRpcError
 from ..metrics import Metrics
 from .admission import Admission
 from .attempts import SHUTDOWN, Attempts
@@ -28,7 +30,7 @@ from .model import TaskRecord, TaskStatus, utc_now
 from .recovery import CANCELLED_BY_CLIENT, Recovery
 from .runner_state import RunnerState
 from .settlement import NotTheOwner, Settlement
-from .store import TaskStore
+from .store import TaskIdTaken, TaskStore
 from .sync_rounds import SyncRounds
 
 if TYPE_CHECKING:
@@ -107,6 +109,40 @@ class TaskRunner:
     async def submit(self, call: ToolCall, rule: ToolRule) -> TaskRecord | DirectOutcome:
         """Start the call; return the stored task, or the outcome if it came inside the rule's sync window."""
         return await self._admission.submit(call, rule)
+
+    async def submit_keyed(self, call: ToolCall, rule: ToolRule, key: str) -> TaskRecord:
+        """A call with an idempotency key, whose task id (call.task_id) derives from it: the task made for the key
+        before, running or finished, else a new one. Never a sync window: the outcome is kept for a retry to find.
+        Raises the JSON-RPC error of a key used for another request (call.fingerprint differs)."""
+        assert call.task_id is not None and call.fingerprint is not None
+        existing = await self._keyed(call, key)
+        if existing is not None:
+            return existing
+        try:
+            outcome = await self.submit(call, rule.model_copy(update={"sync_window_ms": 0}))
+        except TaskIdTaken:  # the same key, submitted at the same moment here or on another replica
+            existing = await self._keyed(call, key)
+            if existing is None:  # that one failed to start (a full store, a limit): nothing runs for the key
+                raise JsonRpcError(
+                    INTERNAL_ERROR,
+                    "Cannot create a task: a request with the same idempotency key, sent at the same time, could not "
+                    "start its task; send it again",
+                ) from None
+            return existing
+        assert isinstance(outcome, TaskRecord)  # no sync window
+        return outcome
+
+    async def _keyed(self, call: ToolCall, key: str) -> TaskRecord | None:
+        task_id = call.task_id or ""
+        job = self._state.jobs.get(task_id)
+        if job is not None:
+            await job.wait_stored()  # being created on this replica: its record is there once that ends
+        record = await self._state.store.get(task_id)
+        if record is None:
+            return None
+        if record.fingerprint != call.fingerprint or record.principal != call.principal:
+            raise key_reused(key)
+        return record
 
     async def resume(self, call: ToolCall) -> TaskRecord | DirectOutcome | None:
         """An MRTR retry that names a call parked inside its sync window; None when it names none."""
