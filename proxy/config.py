@@ -188,6 +188,17 @@ class TaskDefaults(_Strict):
     """On shutdown, how long running tasks may still finish before they are failed."""
 
 
+class RetryPolicy(_Strict):
+    attempts: PositiveInt = 3
+    """How many times a call may be sent, the first included. A request that never left (a refused connection) is
+    sent again for every rule; one that may have reached the server (a reset before any answer, HTTP 429, 502, 503
+    or 504, a stdio child that exited mid-call) only when the rule is idempotent."""
+    backoff_ms: Annotated[int, Field(ge=0)] = 200
+    """The wait before the first retry; it doubles with each later one, with random jitter, up to max_backoff_ms. A
+    longer Retry-After from the server is honoured. Every attempt and wait fits in the rule's timeout_s."""
+    max_backoff_ms: Annotated[int, Field(ge=0)] = 5000
+
+
 class ToolRule(_Strict):
     match: Annotated[str, Field(min_length=1)]
     """A tool name or a shell-style glob (`render_*`); the first rule that matches wins."""
@@ -195,7 +206,8 @@ class ToolRule(_Strict):
     sync_window_ms: Annotated[int, Field(ge=0)] = 0
     """Wait this long for the upstream; a result in time is returned directly, otherwise a task."""
     timeout_s: Annotated[float, Field(gt=0)] = 3600.0
-    """The limit of each upstream attempt of a background call; past it the task fails."""
+    """The limit of each input round of a background call (its retries and their waits included); past it the task
+    fails."""
     max_input_rounds: PositiveInt | None = None
     """Overrides tasks.max_input_rounds for this rule's tasks."""
     max_concurrency: PositiveInt | None = None
@@ -217,6 +229,11 @@ class ToolRule(_Strict):
     """2025-11-25 clients: a durable call's stream is closed after this long (its events carry ids and a retry
     delay), and the client resumes it with GET and Last-Event-ID, on any replica. Below any limit on how long a
     connection may stay open."""
+    idempotent: bool = False
+    """True: the tool may run again with the same arguments without harm (a read, a lookup, an upsert), so a call
+    that may have reached the server without an answer coming back is sent again (retry). False: only a call that
+    never left is sent again."""
+    retry: RetryPolicy = Field(default_factory=RetryPolicy)
 
     def matches(self, tool_name: str) -> bool:
         return _matcher(self.match)(tool_name)

@@ -114,6 +114,11 @@ class Metrics:
             "`where` is request (answered to a client) or task (a background call's attempt)",
             ["where"], registry=r,
         )  # fmt: skip
+        self.upstream_retries = Counter(
+            "mcp_tasks_proxy_upstream_retries", "Background calls sent again after a transient failure, by reason: "
+            "unsent (the request never left) or unanswered (no answer came back; idempotent rules only)",
+            ["reason"], registry=r,
+        )  # fmt: skip
         self.connections_refused = Counter(
             "mcp_tasks_proxy_connections_refused", "Client connections refused past listen.max_connections",
             registry=r,

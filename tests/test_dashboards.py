@@ -122,7 +122,8 @@ async def exported(make_proxy, mcp_upstream) -> dict[str, tuple[str, set[str]]]:
     """Series name -> (metric family, label names) as live proxies serve them, after calls that give every family
     a sample. One proxy works: a task that completes, one that asks for input, an error, requests of several modes.
     Another has its Redis and its upstream where nothing listens: a task call fails in the store (store errors
-    exist only with a Redis store), a pass-through call fails upstream. The two scrapes are merged."""
+    exist only with a Redis store), a pass-through call fails upstream. A third has only its upstream away: a
+    task's call is sent again (a retry) before it fails. The scrapes are merged."""
     proxy = await make_proxy(mcp_upstream, tools=[{"match": "slow_report"}, {"match": "one_question"}])
     done = await proxy.client.call_tool("slow_report", {"topic": "dashboards", "seconds": 0})
     await task_reaches(proxy.client, done.result["taskId"], "completed")
@@ -146,6 +147,15 @@ async def exported(make_proxy, mcp_upstream) -> dict[str, tuple[str, set[str]]]:
     no_upstream = await broken.client.call_tool("echo", {"text": "dashboards"}, tasks=False)
     assert no_upstream.status == 502, no_upstream.body
     texts.append(await scrape(broken))
+
+    # An upstream where nothing listens, with a working store: the call is sent again (a retry), then fails.
+    unreachable = await make_proxy(
+        f"http://127.0.0.1:{free_port()}/mcp", protocol="modern",
+        tools=[{"match": "slow_report", "retry": {"attempts": 2, "backoff_ms": 1}}],
+    )  # fmt: skip
+    retried = await unreachable.client.call_tool("slow_report", {"topic": "dashboards", "seconds": 0})
+    await task_reaches(unreachable.client, retried.result["taskId"], "failed")
+    texts.append(await scrape(unreachable))
 
     labels: dict[str, set[str]] = {}
     names: dict[str, set[str]] = {}

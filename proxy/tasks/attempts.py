@@ -14,10 +14,11 @@ import structlog
 
 from .. import tracing
 from ..jsonrpc import INTERNAL_ERROR, dumps, error_object
-from ..upstream.events import Finished, InputNeeded, Progress
+from ..upstream.events import Failed, Finished, InputNeeded, Progress
 from .input_rounds import InputRounds
 from .job import Job, RoundLimit
 from .model import TaskStatus
+from .retries import Outcome, may_retry, retried
 from .runner_state import RunnerState
 from .settlement import Settlement
 
@@ -76,8 +77,19 @@ class Attempts:
         """Run upstream attempts until one ends the call; MRTR input_required answers start the next round."""
         message = job.call.message
         input_rounds = 0
+        loop = asyncio.get_running_loop()
         while True:
-            needed = await self._attempt(job, message)
+            deadline = loop.time() + job.rule.timeout_s  # for the round, its retries included
+            needed = await self._attempt(job, message, deadline)
+            if isinstance(needed, Failed):  # transient, and the rule lets it be sent again
+                again = functools.partial(self._again, job, message, deadline)
+                needed, made = await retried(
+                    job, needed, deadline - loop.time(), again, self._settlement.progress, self._count_retry
+                )
+                if isinstance(needed, Failed):
+                    status = f"{needed.status_message} ({made} attempts)"
+                    await self._settlement.settle(job, TaskStatus.FAILED, error=needed.error, status_message=status)
+                    return
             if needed is None:
                 return  # the attempt settled the call
             if not job.is_task:
@@ -101,18 +113,25 @@ class Attempts:
                 await asyncio.sleep(min(0.05 * 2 ** (input_rounds - 1), 0.25))
             message = retry_message(job.call.message, responses, needed.request_state)
 
-    def _attempt(self, job: Job, message: dict[str, Any]) -> Awaitable[InputNeeded | None]:
-        """One upstream call; None once the outcome is settled, the InputNeeded when the upstream wants input.
+    def _attempt(self, job: Job, message: dict[str, Any], deadline: float) -> Awaitable[Outcome]:
+        """One upstream call; None once the outcome is settled, the InputNeeded when the upstream wants input, a
+        Failed (not settled) when it failed transiently and the rule lets it be sent again.
         (No coroutine of its own without tracing: each frame is held for as long as the call runs.)"""
         if not tracing.TRACER.enabled:
-            return self._call_upstream(job, message)
-        return self._traced_call(job, message)
+            return self._call_upstream(job, message, deadline)
+        return self._traced_call(job, message, deadline)
 
-    async def _traced_call(self, job: Job, message: dict[str, Any]) -> InputNeeded | None:
+    def _again(self, job: Job, message: dict[str, Any], deadline: float, number: int) -> Awaitable[Outcome]:
+        return self._attempt(job, sent_again(message), deadline)
+
+    def _count_retry(self, reason: str) -> None:
+        self._state.metrics.upstream_retries.labels(reason).inc()
+
+    async def _traced_call(self, job: Job, message: dict[str, Any], deadline: float) -> Outcome:
         with tracing.TRACER.upstream_call(job.span, job.call.tool):
-            return await self._call_upstream(job, message)
+            return await self._call_upstream(job, message, deadline)
 
-    async def _call_upstream(self, job: Job, message: dict[str, Any]) -> InputNeeded | None:
+    async def _call_upstream(self, job: Job, message: dict[str, Any], deadline: float) -> Outcome:
         job.upstream_id = message["id"]
         job.upstream_busy = True
         events = self._state.upstream.call_tool(
@@ -126,8 +145,9 @@ class Attempts:
         started_s = self._state.timer()
         outcome = "cancelled"
         settle: tuple[TaskStatus, dict[str, Any]] | None = None
+        transient: Failed | None = None
         try:
-            with self._state.deadlines.limit(job.rule.timeout_s):
+            with self._state.deadlines.limit(deadline - asyncio.get_running_loop().time()):
                 async for event in events:
                     if isinstance(event, Progress):
                         await self._settlement.progress(job, event)
@@ -152,7 +172,10 @@ class Attempts:
                         outcome = "failed"
                         if event.unread:  # unreachable, or the stream cut: the upstream failed, not the tool
                             self._state.metrics.upstream_errors.labels("task").inc()
-                        settle = (TaskStatus.FAILED, {"error": event.error, "status_message": event.status_message})
+                        if may_retry(job, event):
+                            transient = event
+                        else:
+                            settle = (TaskStatus.FAILED, {"error": event.error, "status_message": event.status_message})
                         break
         except RoundLimit:
             outcome = "failed"  # already written; closing the events cancels the call upstream
@@ -171,7 +194,12 @@ class Attempts:
             # until the TTL), never turned into a timeout failure.
             status, fields = settle
             await self._settlement.settle(job, status, **fields)
-        return None
+        return transient
+
+
+def sent_again(message: dict[str, Any]) -> dict[str, Any]:
+    """The same request with a new id (and progress token): an attempt after a transient failure."""
+    return retry_message(message, None, None, keep_client_round=True)
 
 
 def retry_message(

@@ -4,8 +4,10 @@ or Failed; InputNeeded when the server asks for input mid-call."""
 from __future__ import annotations
 
 import dataclasses
+import email.utils
 from collections.abc import Awaitable, Callable
-from typing import Any
+from datetime import UTC, datetime
+from typing import Any, Literal
 
 from ..jsonrpc import INTERNAL_ERROR, error_object
 
@@ -16,6 +18,10 @@ class AnswerTooLarge(Exception):
 
 class UpstreamStartError(Exception):
     """A stdio server could not be started at all (a missing program, a bad working directory)."""
+
+
+class RequestUnsent(ConnectionError):
+    """The request never reached the upstream (no connection could be made): sending it again runs nothing twice."""
 
 
 class UpstreamUnavailable(Exception):
@@ -64,6 +70,13 @@ class Failed:
     status_message: str
     unread: bool = False
     """The proxy could not read the upstream's answer (unreachable, stream cut): the work may go on upstream."""
+    transient: Transient | None = None
+    """Why a new attempt may succeed where this one failed: "unsent" when the request never left (a refused
+    connection: any call may be sent again), "unanswered" when it may have reached the server but no answer came
+    (a reset before the first byte, 429/502/503/504, a stdio child that exited: only a rule marked idempotent
+    runs again)."""
+    retry_after_s: float | None = None
+    """The server's Retry-After, when it gave one."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -89,8 +102,32 @@ class InputNeeded:
 Event = Progress | Finished | Failed | InputNeeded
 
 
-def proxy_failure(reason: str, upstream: str) -> Failed:
-    return Failed(error_object(INTERNAL_ERROR, f"Upstream failure: {reason}", {"upstream": upstream}), reason, True)
+Transient = Literal["unsent", "unanswered"]
+RETRIED_STATUSES = frozenset({429, 502, 503, 504})
+"""HTTP statuses that say "not now" rather than "no" (a gateway, a load balancer, a server shedding load)."""
+
+
+def proxy_failure(
+    reason: str, upstream: str, *, transient: Transient | None = None, retry_after_s: float | None = None
+) -> Failed:
+    error = error_object(INTERNAL_ERROR, f"Upstream failure: {reason}", {"upstream": upstream})
+    return Failed(error, reason, True, transient, retry_after_s)
+
+
+def retry_after_s(value: str | None) -> float | None:
+    """A Retry-After field (RFC 9110 §10.2.3): delay-seconds, or an HTTP date; None when absent or unreadable."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        moment = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if moment.tzinfo is None:
+        return None
+    return max((moment - datetime.now(UTC)).total_seconds(), 0.0)
 
 
 def too_large(limit: int) -> Failed:

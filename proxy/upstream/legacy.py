@@ -21,11 +21,13 @@ from ..envelope import params_of
 from ..jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, dumps, error_object
 from ..security import Identity
 from .events import (
+    RETRIED_STATUSES,
     AnswerTooLarge,
     Event,
     Failed,
     Finished,
     InputNeeded,
+    RequestUnsent,
     UpstreamUnavailable,
     interpret_progress,
     proxy_failure,
@@ -147,6 +149,7 @@ class LegacyReply(Protocol):
 
     status: int
     content_type: str
+    retry_after_s: float | None
 
     def messages(self, max_bytes: int) -> AsyncIterator[dict[str, Any]]: ...
 
@@ -364,7 +367,7 @@ class LegacyUpstream:
         try:
             session = await self.session_for(client_headers)
         except (ConnectionError, OSError, UpstreamUnavailable) as exc:
-            yield proxy_failure(_unreachable(exc), self.url)
+            yield proxy_failure(_unreachable(exc), self.url, transient="unsent")  # the call itself never left
             return
         route = CallRoute(capabilities, on_request)
         session.calls[legacy["id"]] = route  # for the whole call: an upstream task's follow-up requests included
@@ -413,7 +416,8 @@ class LegacyUpstream:
         try:
             session, response = await self.post(legacy, client_headers, session, route)
         except (ConnectionError, OSError, UpstreamUnavailable) as exc:
-            yield proxy_failure(_unreachable(exc), self.url)
+            unsent = isinstance(exc, RequestUnsent | UpstreamUnavailable)  # no connection, or no session to send it on
+            yield proxy_failure(_unreachable(exc), self.url, transient="unsent" if unsent else "unanswered")
             return
         if session.on_status is not None:
             session.on_status(response.status)
@@ -424,7 +428,10 @@ class LegacyUpstream:
             if response.status >= 400 and "json" not in response.content_type:
                 finished = True
                 reason = f"the upstream answered HTTP {response.status} without a JSON-RPC response"
-                yield proxy_failure(reason, self.url)
+                if response.status in RETRIED_STATUSES:
+                    yield proxy_failure(reason, self.url, transient="unanswered", retry_after_s=response.retry_after_s)
+                else:
+                    yield proxy_failure(reason, self.url)
                 return
             async for upstream_message in response.messages(max_bytes):
                 method = upstream_message.get("method")

@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 import httptools
 from multidict import CIMultiDict
 
-from ..events import AnswerTooLarge
+from ..events import AnswerTooLarge, RequestUnsent
 from .headers import RESPONSE_SKIP, connection_listed
 from .inflate import Inflater
 
@@ -43,6 +43,10 @@ _MAX_IDLE = 128
 
 class CallError(ConnectionError):
     """The call could not be made, or its connection broke before the answer was complete."""
+
+
+class Unsent(CallError, RequestUnsent):
+    """No connection could be made: the request never left."""
 
 
 class BodyTooLarge(CallError, AnswerTooLarge):
@@ -484,9 +488,9 @@ class CallClient:
                     _Connection, self._host, self._port, ssl=self._ssl, server_hostname=server_hostname
                 )
         except TimeoutError as exc:
-            raise CallError(f"no connection within {self._connect_timeout_s:g} s") from exc
+            raise Unsent(f"no connection within {self._connect_timeout_s:g} s") from exc
         except OSError as exc:
-            raise CallError(exc.strerror or str(exc)) from exc
+            raise Unsent(exc.strerror or str(exc)) from exc
         return connection
 
     def keep(self, connection: _Connection) -> None:

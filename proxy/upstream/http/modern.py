@@ -20,10 +20,20 @@ from multidict import MultiMapping
 
 from ... import PROTOCOL_VERSION
 from ...jsonrpc import dumps, loads
-from ..events import CredentialsNeeded, Event, NotMcp, Progress, UpstreamUnavailable, proxy_failure, too_large
+from ..events import (
+    RETRIED_STATUSES,
+    CredentialsNeeded,
+    Event,
+    NotMcp,
+    Progress,
+    UpstreamUnavailable,
+    proxy_failure,
+    retry_after_s,
+    too_large,
+)
 from ..legacy import LEGACY_VERSION, proxy_initialize
 from ..modern import discover_probe, interpret, is_discover_result
-from .client import BodyTooLarge, CallClient, CallError, CallResponse
+from .client import BodyTooLarge, CallClient, CallError, CallResponse, Unsent
 from .headers import own_request_headers
 from .sse import SseLimitError, SseParser, iter_events
 
@@ -187,7 +197,8 @@ class Upstream:
             # No local for the headers or the body: this frame waits as long as the call runs.
             response = await self.post(own_request_headers(client_headers), dumps(message))
         except OSError as exc:  # CallError included
-            yield proxy_failure(f"upstream unreachable ({exc})", self.url)
+            sent = not isinstance(exc, Unsent)
+            yield proxy_failure(f"upstream unreachable ({exc})", self.url, transient="unanswered" if sent else "unsent")
             return
         async with response:  # closing an unfinished response closes its connection: the upstream sees the cancel
             async for event in self._read_call(response, message["id"], max_bytes):
@@ -233,7 +244,7 @@ class Upstream:
             yield too_large(max_bytes)
             return
         except CallError as exc:
-            yield proxy_failure(f"the upstream connection broke mid-call ({exc})", self.url)
+            yield proxy_failure(f"the upstream connection broke mid-call ({exc})", self.url)  # after its head
             return
         message = _loads(body) if content_type in ("application/json", "") else None
         event = (
@@ -243,7 +254,12 @@ class Upstream:
         )
         if event is None or isinstance(event, Progress):
             detail = f"HTTP {response.status}" + (f" {content_type}" if content_type else "")
-            yield proxy_failure(f"the upstream answered {detail} without a JSON-RPC response", self.url)
+            reason = f"the upstream answered {detail} without a JSON-RPC response"
+            if response.status in RETRIED_STATUSES:
+                after = retry_after_s(response.headers.get("retry-after"))
+                yield proxy_failure(reason, self.url, transient="unanswered", retry_after_s=after)
+            else:
+                yield proxy_failure(reason, self.url)
             return
         yield event
 

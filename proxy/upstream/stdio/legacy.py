@@ -34,6 +34,7 @@ class StdioReply:
     """The child's answer to one request: always "200" (stdio has no status), or 404 for an ended client session."""
 
     content_type = "application/json"
+    retry_after_s = None
 
     def __init__(self, exchange: Exchange | None, status: int = 200) -> None:
         self._exchange = exchange

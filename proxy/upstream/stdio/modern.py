@@ -10,7 +10,7 @@ from typing import Any, Literal
 import structlog
 from multidict import MultiMapping
 
-from ..events import AnswerTooLarge, Event, Progress, UpstreamUnavailable, proxy_failure, too_large
+from ..events import AnswerTooLarge, Event, Failed, Progress, UpstreamUnavailable, proxy_failure, too_large
 from ..modern import discover_probe, interpret, is_discover_result
 from .exchange import ChildGone, own_answer
 from .pool import StdioPool
@@ -65,10 +65,15 @@ class StdioModern:
         try:
             exchange = await self.pool.request(message, wait_s=self._start_timeout_s)
         except ChildGone as exc:
-            yield proxy_failure(str(exc), self.url)
+            yield proxy_failure(str(exc), self.url, transient="unsent")  # not written to any child
             return
         try:
             async for answer in exchange.messages(max_bytes):
+                if _exited(answer):  # the child died with the call in it: it may have run, or not
+                    error = answer["error"]
+                    reason = str(error.get("message", "")).removeprefix("Upstream failure: ")
+                    yield Failed(error, reason, unread=True, transient="unanswered")
+                    return
                 event = interpret(answer, message["id"], "stdio", exchange.last_size, self.url)
                 if event is not None:
                     yield event
