@@ -348,7 +348,8 @@ async def test_made_up_credentials_never_end_a_session_with_a_call_in_flight(mak
     refused = await proxy.client.call_tool("gated", {"tag": secrets.token_hex(4)}, headers=late)
     failed = await task_reaches(proxy.client, refused.result["taskId"], "failed", headers=late)
     reason = "cannot open another session with the upstream: all 2 sessions are busy (upstream.max_sessions)"
-    assert failed.result["statusMessage"] == reason, failed.result
+    # The call never left (no session to send it on): tried again, as every rule allows, and refused each time.
+    assert failed.result["statusMessage"] == f"{reason} (3 attempts)", failed.result
     for credential, tag in gates.items():
         await server.call_tool("release", {"tag": tag})
         await task_reaches(

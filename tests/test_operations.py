@@ -197,7 +197,9 @@ async def test_a_2025_server_behind_credentials_is_ready_and_learnt_with_a_clien
 
 
 async def test_upstream_errors_and_legacy_sessions_are_exported(make_proxy, legacy_upstream):
-    gone = await make_proxy(f"http://127.0.0.1:{free_port()}/mcp", protocol="modern", tools=[{"match": "slow_*"}])
+    gone = await make_proxy(
+        f"http://127.0.0.1:{free_port()}/mcp", protocol="modern", tools=[{"match": "slow_*", "retry": {"attempts": 1}}]
+    )  # one attempt: each attempt counts
     assert (await gone.client.call_tool("add", {"a": 1, "b": 2})).status == 502  # pass-through: answered 502
     created = await gone.client.call_tool("slow_report", {"topic": "t", "seconds": 0})
     await task_reaches(gone.client, created.result["taskId"], "failed")  # a task's attempt
