@@ -16,19 +16,17 @@ from pathlib import Path
 
 import aiohttp
 import structlog
-from multidict import CIMultiDict
 
-from . import PROTOCOL_VERSION
 from .config import ENV_PREFIX, ConfigError, ProxyConfig, ToolRule, apply_overrides, load_config
 from .log import configure_logging
 from .security import Identity
 from .upstream import build_gateway
-from .upstream.events import CredentialsNeeded, Failed, Finished, NotMcp, UpstreamStartError, UpstreamUnavailable
+from .upstream.events import CredentialsNeeded, NotMcp, UpstreamStartError, UpstreamUnavailable
 from .upstream.gateway import Gateway
+from .upstream.tools import list_tools as upstream_tools
 
 log = structlog.get_logger(__name__)
 
-MAX_TOOL_PAGES = 100
 """tools/list pages followed at most (nextCursor): a server whose cursors never end cannot hold the check."""
 RULES_RETRY_MIN_S = 1.0
 RULES_RETRY_MAX_S = 60.0
@@ -113,36 +111,8 @@ async def list_tools(config: ProxyConfig) -> list[str]:
 
 
 async def tool_names(gateway: Gateway, *, max_bytes: int) -> list[str]:
-    """Every tool name the upstream lists, following nextCursor for MAX_TOOL_PAGES pages at most. Raises
-    UpstreamUnavailable (NotMcp, CredentialsNeeded: what the era probe found, as it is, not as a failed call)."""
-    await gateway.era()
-    names: list[str] = []
-    cursor = None
-    for page in range(MAX_TOOL_PAGES):
-        params: dict = {
-            "_meta": {
-                "io.modelcontextprotocol/protocolVersion": PROTOCOL_VERSION,
-                "io.modelcontextprotocol/clientCapabilities": {},
-            }
-        }
-        if cursor is not None:
-            params["cursor"] = cursor
-        message = {"jsonrpc": "2.0", "id": f"check-{page}", "method": "tools/list", "params": params}
-        headers = CIMultiDict({"MCP-Protocol-Version": PROTOCOL_VERSION, "Mcp-Method": "tools/list"})
-        result = None
-        async for event in gateway.call_tool(message, headers, {}, max_bytes=max_bytes):
-            if isinstance(event, Finished):
-                result = event.result
-            elif isinstance(event, Failed):
-                raise UpstreamUnavailable(event.status_message)
-        if result is None:
-            raise UpstreamUnavailable("no tools/list result")
-        names.extend(tool["name"] for tool in result.get("tools", []) if isinstance(tool, dict))
-        cursor = result.get("nextCursor")
-        if not cursor:
-            return names
-    log.warning("tools_list_truncated", pages=MAX_TOOL_PAGES, tools=len(names))
-    return names
+    """Every tool name the upstream lists (proxy/upstream/tools.py)."""
+    return [tool["name"] for tool in await upstream_tools(gateway, max_bytes=max_bytes)]
 
 
 def unmatched_rules(rules: Sequence[ToolRule], names: Sequence[str]) -> list[tuple[ToolRule, str | None]]:

@@ -229,10 +229,11 @@ class ToolRule(_Strict):
     """2025-11-25 clients: a durable call's stream is closed after this long (its events carry ids and a retry
     delay), and the client resumes it with GET and Last-Event-ID, on any replica. Below any limit on how long a
     connection may stay open."""
-    idempotent: bool = False
+    idempotent: bool | Literal["hint"] = False
     """True: the tool may run again with the same arguments without harm (a read, a lookup, an upsert), so a call
     that may have reached the server without an answer coming back is sent again (retry). False: only a call that
-    never left is sent again."""
+    never left is sent again. "hint": as true for the tools whose annotations in the upstream's tools/list say
+    readOnlyHint or idempotentHint (the operator trusts this server's hints), else as false."""
     retry: RetryPolicy = Field(default_factory=RetryPolicy)
 
     def matches(self, tool_name: str) -> bool:

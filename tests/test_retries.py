@@ -121,12 +121,7 @@ async def test_an_idempotent_call_survives_its_stdio_child_dying(make_proxy):
     await eventually(lambda: _gate_is(proxy, gate, "started"), what="the call running in the child")
     os.kill(pid, signal.SIGKILL)
     # The restarted child gets the call again: it waits at the gate there.
-
-    async def started_again() -> bool:
-        reply = await proxy.client.call_tool("gate_state", {"tag": gate}, tasks=False)
-        return "result" in reply.message and reply.result["content"][0]["text"] == "started"  # none while it restarts
-
-    await eventually(started_again, what="the call sent again to the new child")
+    await eventually(_started(proxy, gate), what="the call sent again to the new child")
     assert int(await tool_text(proxy, "pid")) != pid
     await tool_text(proxy, "release", {"tag": gate})
     done = await task_reaches(proxy.client, created.result["taskId"], "completed", "failed")
@@ -151,3 +146,34 @@ def _failing_then_answering(failures: list[tuple[int, dict[str, str]]]):
 
 def _tool_calls(fake) -> list[dict]:
     return [json.loads(seen["body"]) for seen in fake.received if b'"tools/call"' in seen["body"]]
+
+
+async def test_idempotent_hint_trusts_the_servers_annotations(make_proxy):
+    rules = [{"match": "gated*", "idempotent": "hint", "retry": {"attempts": 5, "backoff_ms": 100}}]
+    proxy = await stdio_proxy(make_proxy, modern_command(), tools=rules, upstream={"stdio": {"restart_min_s": 0.2}})
+    # gated has no annotations: a call the child died in may have run, and is not sent again.
+    plain_gate = secrets.token_hex(4)
+    plain = await proxy.client.call_tool("gated", {"tag": plain_gate})
+    await eventually(lambda: _gate_is(proxy, plain_gate, "started"), what="the plain call in the child")
+    os.kill(int(await tool_text(proxy, "pid")), signal.SIGKILL)
+    failed = await task_reaches(proxy.client, plain.result["taskId"], "failed")
+    assert "exited" in failed.result["statusMessage"], failed.result
+    # gated_idempotent says idempotentHint: true, which this rule trusts.
+    gate = secrets.token_hex(4)
+    hinted = await proxy.client.call_tool("gated_idempotent", {"tag": gate})
+    await eventually(_started(proxy, gate), what="the hinted call in the child")
+    os.kill(int(await tool_text(proxy, "pid")), signal.SIGKILL)
+    await eventually(_started(proxy, gate), what="the hinted call sent again to the new child")
+    await tool_text(proxy, "release", {"tag": gate})
+    done = await task_reaches(proxy.client, hinted.result["taskId"], "completed", "failed")
+    assert done.result["status"] == "completed", done.result
+
+
+def _started(proxy, gate: str):
+    """A check that the gated call waits at `gate` in the current child (none while a child restarts)."""
+
+    async def check() -> bool:
+        reply = await proxy.client.call_tool("gate_state", {"tag": gate}, tasks=False)
+        return "result" in reply.message and reply.result["content"][0]["text"] == "started"
+
+    return check

@@ -30,6 +30,7 @@ from mcp_types import (  # noqa: E402
     InputRequiredResult,
     SamplingMessage,
     TextContent,
+    ToolAnnotations,
 )
 from slow_server import server  # noqa: E402
 
@@ -38,6 +39,13 @@ from slow_server import server  # noqa: E402
 async def gated(tag: str, ctx: Context) -> str:
     """Report progress, then wait until release(tag) is called; records whether it was cancelled instead."""
     await ctx.report_progress(1, 2, f"waiting at gate {tag}")
+    await gates.wait_at(tag)
+    return f"gate {tag} opened"
+
+
+@server.tool(annotations=ToolAnnotations(idempotent_hint=True))
+async def gated_idempotent(tag: str) -> str:
+    """`gated`, annotated idempotentHint: a proxy that trusts the hint may send it again."""
     await gates.wait_at(tag)
     return f"gate {tag} opened"
 

@@ -15,6 +15,7 @@ import structlog
 from .. import tracing
 from ..jsonrpc import INTERNAL_ERROR, dumps, error_object
 from ..upstream.events import Failed, Finished, InputNeeded, Progress
+from .hints import RepeatHints
 from .input_rounds import InputRounds
 from .job import Job, RoundLimit
 from .model import TaskStatus
@@ -36,10 +37,13 @@ SHUTDOWN = "the proxy shut down before the upstream call finished"
 class Attempts:
     """Runs a job's upstream call, one attempt per round, until one ends it."""
 
-    def __init__(self, state: RunnerState, settlement: Settlement, input_rounds: InputRounds) -> None:
+    def __init__(
+        self, state: RunnerState, settlement: Settlement, input_rounds: InputRounds, hints: RepeatHints
+    ) -> None:
         self._state = state
         self._settlement = settlement
         self._input_rounds = input_rounds
+        self._hints = hints
 
     async def run(self, job: Job) -> None:
         """The job's own asyncio task: the call (in one of its tool's slots when the rule limits them); stopped, it
@@ -81,7 +85,12 @@ class Attempts:
         while True:
             deadline = loop.time() + job.rule.timeout_s  # for the round, its retries included
             needed = await self._attempt(job, message, deadline)
-            if isinstance(needed, Failed):  # transient, and the rule lets it be sent again
+            if isinstance(needed, Failed):  # transient, and the rule may let it be sent again
+                if not await self._repeatable(job, needed):
+                    await self._settlement.settle(
+                        job, TaskStatus.FAILED, error=needed.error, status_message=needed.status_message
+                    )
+                    return
                 again = functools.partial(self._again, job, message, deadline)
                 needed, made = await retried(
                     job, needed, deadline - loop.time(), again, self._settlement.progress, self._count_retry
@@ -121,8 +130,19 @@ class Attempts:
             return self._call_upstream(job, message, deadline)
         return self._traced_call(job, message, deadline)
 
-    def _again(self, job: Job, message: dict[str, Any], deadline: float, number: int) -> Awaitable[Outcome]:
-        return self._attempt(job, sent_again(message), deadline)
+    async def _again(self, job: Job, message: dict[str, Any], deadline: float, number: int) -> Outcome:
+        outcome = await self._attempt(job, sent_again(message), deadline)
+        if isinstance(outcome, Failed) and not await self._repeatable(job, outcome):
+            await self._settlement.settle(
+                job, TaskStatus.FAILED, error=outcome.error, status_message=outcome.status_message
+            )
+            return None
+        return outcome
+
+    async def _repeatable(self, job: Job, failed: Failed) -> bool:
+        if failed.transient == "unsent" or job.rule.idempotent is True:
+            return True
+        return await self._hints.may_repeat(job)  # idempotent: hint
 
     def _count_retry(self, reason: str) -> None:
         self._state.metrics.upstream_retries.labels(reason).inc()

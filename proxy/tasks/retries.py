@@ -31,10 +31,11 @@ outcome is written)."""
 
 
 def may_retry(job: Job, failed: Failed) -> bool:
-    """Whether the rule lets this failure be followed by another attempt."""
+    """Whether the rule may let this failure be followed by another attempt (for `idempotent: hint`, once the
+    upstream's annotations say so: hints.py)."""
     if failed.transient is None or job.rule.retry.attempts < 2:
         return False
-    return failed.transient == "unsent" or job.rule.idempotent
+    return failed.transient == "unsent" or job.rule.idempotent is not False
 
 
 async def retried(

@@ -24,6 +24,7 @@ from ..jsonrpc import INTERNAL_ERROR, JsonRpcError
 from ..metrics import Metrics
 from .admission import Admission
 from .attempts import SHUTDOWN, Attempts
+from .hints import RepeatHints
 from .input_rounds import InputRounds
 from .job import DirectOutcome, ToolCall
 from .model import TaskRecord, TaskStatus, utc_now
@@ -77,7 +78,8 @@ class TaskRunner:
             lease_s=lease_s,
         )
         self._input_rounds = InputRounds(self._state, self._settlement, self._recovery, self._rounds)
-        attempts = Attempts(self._state, self._settlement, self._input_rounds)
+        hints = RepeatHints(upstream, lambda: limits().max_result_bytes)
+        attempts = Attempts(self._state, self._settlement, self._input_rounds, hints)
         self._admission = Admission(self._state, attempts, self._rounds, defaults, limits)
         self.replica_id = self._state.replica_id
         self.watchers = self._state.watchers
