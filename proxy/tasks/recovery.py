@@ -177,8 +177,13 @@ class Recovery:
                 owner_alive = alive[record.owner]
             if owner_alive:
                 continue
-            reason = f"the proxy replica running this task was lost ({record.owner})"
-            error = error_object(INTERNAL_ERROR, f"Proxy failure: {reason}")
+            reason = (
+                f"the proxy replica running this task was lost ({record.owner}); the call may or may not have "
+                "taken effect upstream"
+            )
+            # "unknown", as payment APIs say it: a retry with the task's idempotency key gets this same answer, and
+            # only a new key runs the call again.
+            error = error_object(INTERNAL_ERROR, f"Proxy failure: {reason}", {"outcome": "unknown"})
             failed = await self._settlement.transition(task_id, TaskStatus.FAILED, error=error, status_message=reason)
             if failed is not None:
                 reaped += 1
