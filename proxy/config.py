@@ -189,7 +189,7 @@ class TaskDefaults(_Strict):
 
 
 class RetryPolicy(_Strict):
-    attempts: PositiveInt = 3
+    attempts: Annotated[int, Field(ge=1, le=100)] = 3
     """How many times a call may be sent, the first included. A request that never left (a refused connection) is
     sent again for every rule; one that may have reached the server (a reset before any answer, HTTP 429, 502, 503
     or 504, a stdio child that exited mid-call) only when the rule is idempotent."""

@@ -383,7 +383,8 @@ async def _tools_call(
     arguments = params.get("arguments")
     if arguments is not None and not isinstance(arguments, dict):
         raise JsonRpcError(INVALID_PARAMS, "Invalid params: arguments must be an object")
-    key = idempotency.key_of(message, request.headers) if not kept_alive else None
+    # An MRTR retry (requestState) continues a call: it is no new request for a key to name.
+    key = idempotency.key_of(message, request.headers) if not kept_alive and "requestState" not in params else None
     forwarded = without_tasks_declaration(message if key is None else idempotency.without_key(message))
     capabilities = meta_of(forwarded).get(META_CLIENT_CAPABILITIES)
     identity = request.app[identity_key]
@@ -402,7 +403,7 @@ async def _tools_call(
         if kept_alive:
             return await request.app[durable_key].kept_alive(request, message["id"], call, rule)
         if key is not None:
-            call.task_id = identity.keyed_task_id(principal, name, key)
+            call.task_id = identity.keyed_task_id(principal, name, key, "task")
             call.fingerprint = idempotency.fingerprint(name, arguments)
             outcome = await request.app[runner_key].submit_keyed(call, rule, key)
         else:

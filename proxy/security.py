@@ -74,10 +74,11 @@ class Identity:
         digest = hmac.new(self._secret(), value, hashlib.sha256).digest()
         return base64.urlsafe_b64encode(digest[:18]).decode()  # 24 characters, a task id's alphabet
 
-    def keyed_task_id(self, principal: str, tool: str, key: str) -> str:
-        """The task id of a call with an idempotency key (proxy/idempotency.py): from who asked, the tool and the
-        key, so that every replica derives the same one and the store's atomic create makes one task of them."""
-        value = dumps(["idempotency", principal, tool, key])
+    def keyed_task_id(self, principal: str, tool: str, key: str, kind: str) -> str:
+        """The task id of a call with an idempotency key (proxy/idempotency.py): from who asked, the tool, the key
+        and the kind of task (a 2026 task, a SEP-1686 one), so that every replica derives the same one and the
+        store's atomic create makes one task of them."""
+        value = dumps(["idempotency", kind, principal, tool, key])
         digest = hmac.new(self._secret(), value, hashlib.sha256).digest()
         return base64.urlsafe_b64encode(digest[:18]).decode()
 

@@ -184,9 +184,18 @@ class Tasks2025:
         rule = rule.model_copy(update={"sync_window_ms": 0, "ttl_ms": ttl_ms})
         if key is not None:  # the same task for the same key (the record's own TTL, whatever this one asks)
             call.message = idempotency.without_key(call.message)
-            call.task_id = self._identity.keyed_task_id(principal, call.tool, key)
+            call.task_id = self._identity.keyed_task_id(principal, call.tool, key, "sep1686")
             call.fingerprint = idempotency.fingerprint(call.tool, params.get("arguments"))
             record = await self._runner.submit_keyed(call, rule, key)
+            if (record.stream or {}).get("session") != session_tag:
+                # Its task is listed and read on the session that made it: answering it here would name a task
+                # this session cannot see, and running the call again is what the key forbids.
+                raise JsonRpcError(
+                    INVALID_PARAMS,
+                    f"Invalid params: the idempotency key {key!r} was used on another session; its task is there",
+                    {"reason": "idempotency_key_other_session"},
+                    http_status=200,
+                )
         else:
             record = await self._runner.submit(call, rule)
         assert isinstance(record, TaskRecord)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 
@@ -14,6 +15,13 @@ async def test_an_expired_limit_raises_timeout_error() -> None:
     with pytest.raises(TimeoutError), deadlines.limit(0.05):
         await asyncio.sleep(5)
     assert asyncio.current_task().cancelling() == 0  # the cancel it made is taken back
+
+
+async def test_an_infinite_limit_never_ends() -> None:
+    deadlines = Deadlines()
+    with deadlines.limit(math.inf):
+        await asyncio.sleep(0.01)
+    assert deadlines._buckets == {}
 
 
 async def test_a_block_that_ends_in_time_is_not_cancelled_later() -> None:

@@ -135,6 +135,13 @@ async def test_a_sep1686_task_request_sent_again_with_its_key_gets_the_same_task
     assert second["taskId"] == first["taskId"]
     await legacy_client.call_tool("release", {"tag": gate})
     await until_status(client, first["taskId"], "completed")
+    # On another session the key's task cannot be shown (SEP-1686 tasks are the session's), nor run again.
+    other, _ = await initialized(http, proxy.url)
+    other.headers["Idempotency-Key"] = key
+    refused = await rpc(other, "tools/call", params)
+    assert refused["error"]["code"] == -32602 and refused["error"]["data"] == {
+        "reason": "idempotency_key_other_session"
+    }
     assert await legacy_client.call_tool("gate_arrivals", {"tag": gate}) == "1"
 
 

@@ -12,8 +12,10 @@ import subprocess
 import sys
 import time
 
+import pytest
 from aiohttp import web
 
+from proxy.upstream.events import retry_after_s
 from tests.conftest import ROOT, eventually, free_port, legacy_python, stop, task_reaches, wait_for_port
 from tests.test_operations import scrape, value
 from tests.test_stdio import _gate_is, modern_command, stdio_proxy, tool_text
@@ -21,11 +23,12 @@ from tests.test_stdio import _gate_is, modern_command, stdio_proxy, tool_text
 FAST = {"attempts": 40, "backoff_ms": 50, "max_backoff_ms": 250}
 
 
-async def test_a_call_that_never_left_is_sent_again_once_the_server_is_up(make_proxy):
+@pytest.mark.parametrize("protocol", ["modern", "auto"])  # auto: the era probe itself is refused first
+async def test_a_call_that_never_left_is_sent_again_once_the_server_is_up(make_proxy, protocol):
     # Not idempotent (the default): a refused connection is still safe to try again, nothing reached the server.
     port = free_port()
     proxy = await make_proxy(
-        f"http://127.0.0.1:{port}/mcp", protocol="modern", tools=[{"match": "slow_report", "retry": FAST}]
+        f"http://127.0.0.1:{port}/mcp", protocol=protocol, tools=[{"match": "slow_report", "retry": FAST}]
     )
     created = await proxy.client.call_tool("slow_report", {"topic": "late", "seconds": 0})
     task_id = created.result["taskId"]
@@ -177,3 +180,12 @@ def _started(proxy, gate: str):
         return "result" in reply.message and reply.result["content"][0]["text"] == "started"
 
     return check
+
+
+def test_retry_after_is_read_as_rfc_9110_says_and_nothing_else():
+    assert retry_after_s("120") == 120.0
+    assert retry_after_s(" 3 ") == 3.0
+    assert retry_after_s("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0  # a date past: at once
+    assert retry_after_s("99999999999999999999999") > 1e20  # honoured as a wait no round can afford
+    for hostile in ("\u00b2", "-5", "1.5", "soon", "", None, "Wed, 99 Foo 2015 07:28:00 GMT", "\u0661"):
+        assert retry_after_s(hostile) is None, hostile

@@ -86,7 +86,7 @@ class Attempts:
             deadline = loop.time() + job.rule.timeout_s  # for the round, its retries included
             needed = await self._attempt(job, message, deadline)
             if isinstance(needed, Failed):  # transient, and the rule may let it be sent again
-                if not await self._repeatable(job, needed):
+                if not await self._repeatable(job, needed, deadline):
                     await self._settlement.settle(
                         job, TaskStatus.FAILED, error=needed.error, status_message=needed.status_message
                     )
@@ -132,17 +132,22 @@ class Attempts:
 
     async def _again(self, job: Job, message: dict[str, Any], deadline: float, number: int) -> Outcome:
         outcome = await self._attempt(job, sent_again(message), deadline)
-        if isinstance(outcome, Failed) and not await self._repeatable(job, outcome):
-            await self._settlement.settle(
-                job, TaskStatus.FAILED, error=outcome.error, status_message=outcome.status_message
-            )
+        if isinstance(outcome, Failed) and not await self._repeatable(job, outcome, deadline):
+            status = f"{outcome.status_message} ({number} attempts)"
+            await self._settlement.settle(job, TaskStatus.FAILED, error=outcome.error, status_message=status)
             return None
         return outcome
 
-    async def _repeatable(self, job: Job, failed: Failed) -> bool:
+    async def _repeatable(self, job: Job, failed: Failed, deadline: float) -> bool:
         if failed.transient == "unsent" or job.rule.idempotent is True:
             return True
-        return await self._hints.may_repeat(job)  # idempotent: hint
+        # idempotent: hint. The upstream just failed: its tools/list may hang too, so within the round's time.
+        remaining = deadline - asyncio.get_running_loop().time()
+        try:
+            with self._state.deadlines.limit(max(remaining, 0)):
+                return await self._hints.may_repeat(job)
+        except TimeoutError:
+            return False
 
     def _count_retry(self, reason: str) -> None:
         self._state.metrics.upstream_retries.labels(reason).inc()

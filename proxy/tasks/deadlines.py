@@ -3,8 +3,9 @@
 `asyncio.timeout` holds a Timeout object, a timer handle, a bound method and a copied context per call: about 740
 bytes for each working task, measured with tracemalloc at 2,000 working tasks. Here the limits that end in the
 same tenth of a second share one timer; each limit is a small object in that tenth's set. The semantics are
-asyncio.timeout's (3.11): the expired task is cancelled, and the CancelledError turns into TimeoutError at the
-limit's exit unless something else cancelled the task too. A limit ends up to one tenth of a second late.
+asyncio.timeout's: the expired task is cancelled, and the CancelledError turns into TimeoutError at the limit's
+exit unless something else cancelled the task too (counted from the limit's entry, as Python 3.12 does). A limit
+ends up to one tenth of a second late; an infinite one never ends.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ class Deadlines:
         """A limit of `seconds` on the current task, from now, for a `with` block."""
         return Limit(self, seconds)
 
-    def _add(self, limit: Limit, when: float) -> int:
+    def _add(self, limit: Limit, when: float) -> int | None:
+        if not math.isfinite(when):
+            return None  # no limit (timeout_s: .inf)
         tick = math.ceil(when * _TICKS_PER_S)
         bucket = self._buckets.get(tick)
         if bucket is None:
@@ -38,7 +41,9 @@ class Deadlines:
         bucket.add(limit)
         return tick
 
-    def _discard(self, limit: Limit, tick: int) -> None:
+    def _discard(self, limit: Limit, tick: int | None) -> None:
+        if tick is None:
+            return
         bucket = self._buckets.get(tick)
         if bucket is not None:
             bucket.discard(limit)

@@ -119,11 +119,11 @@ def retry_after_s(value: str | None) -> float | None:
     if not value:
         return None
     value = value.strip()
-    if value.isdigit():
-        return float(value)
+    if value.isascii() and value.isdigit():  # str.isdigit() alone takes "²", which float() refuses
+        return float(value)  # huge is fine: a wait past the round's timeout ends the retries
     try:
         moment = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError, IndexError):
         return None
     if moment.tzinfo is None:
         return None

@@ -156,7 +156,9 @@ class Gateway:
         try:
             await self.era(client_headers)
         except UpstreamUnavailable as exc:
-            yield proxy_failure(str(exc), self.url)
+            # Not reached at all (not "no MCP server here", nor "credentials needed"): the call never left.
+            unreached = type(exc) is UpstreamUnavailable
+            yield proxy_failure(str(exc), self.url, transient="unsent" if unreached else None)
             return
         events = self.call_tool(message, client_headers, capabilities, max_bytes=max_bytes, on_request=on_request)
         try:

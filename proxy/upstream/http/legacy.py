@@ -15,7 +15,7 @@ import structlog
 from multidict import CIMultiDict, MultiMapping
 
 from ...jsonrpc import dumps, loads
-from ..events import UpstreamUnavailable, retry_after_s
+from ..events import RETRIED_STATUSES, UpstreamUnavailable, retry_after_s
 from ..routing import CallRoute
 from .client import CallResponse
 from .headers import session_headers, stream_headers
@@ -51,7 +51,9 @@ class HttpReply:
         self._request_id = request_id
         self.status = response.status
         self.content_type = response.content_type
-        self.retry_after_s = retry_after_s(response.headers.get("retry-after"))
+        self.retry_after_s = (
+            retry_after_s(response.headers.get("retry-after")) if response.status in RETRIED_STATUSES else None
+        )
 
     def close(self) -> None:
         self._response.close()  # pooled if read to its end, else closed

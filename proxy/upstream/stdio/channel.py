@@ -22,7 +22,7 @@ import structlog
 from ...jsonrpc import INTERNAL_ERROR, dumps, error_object
 from ..routing import CallRoute
 from .child_initiated import ChildInitiated
-from .exchange import ChildGone, Exchange
+from .exchange import ChildGone, ChildUnavailable, Exchange
 from .process import UNREADABLE_REASONS, ChildProcess, ChildSpec, Supervisor, Unreadable
 
 log = structlog.get_logger(__name__)
@@ -98,10 +98,10 @@ class StdioChannel:
         try:
             await asyncio.wait_for(self._running.wait(), timeout_s)
         except TimeoutError:
-            raise ChildGone(f"the stdio server is not running ({self.supervisor.state})") from None
+            raise ChildUnavailable(f"the stdio server is not running ({self.supervisor.state})") from None
         child = self.supervisor.child
         if child is None:  # pragma: no cover - cleared and set in the same step
-            raise ChildGone(f"the stdio server is not running ({self.supervisor.state})")
+            raise ChildUnavailable(f"the stdio server is not running ({self.supervisor.state})")
         return child
 
     @property
@@ -131,7 +131,7 @@ class StdioChannel:
         """Send one request under an id of the proxy's; read the answer from the Exchange, then close it. Unless
         `prepared` is False (the prepare hook's own requests), the child is prepared first."""
         if len(self._pending) + self._starting >= self._max_in_flight:
-            raise ChildGone(f"{self._max_in_flight} calls are in flight on the stdio server (upstream.stdio)")
+            raise ChildUnavailable(f"{self._max_in_flight} calls are in flight on the stdio server (upstream.stdio)")
         self._starting += 1  # counted before the first await: a burst cannot pass the check together
         try:
             if prepared:

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from ...jsonrpc import INTERNAL_ERROR, error_object
-from ..events import AnswerTooLarge
+from ..events import AnswerTooLarge, RequestUnsent
 from ..routing import CallRoute
 
 _MAX_QUEUED_NOTIFICATIONS = 64
@@ -47,6 +47,10 @@ def may_ask(method: Any) -> bool:
 
 class ChildGone(ConnectionError):
     """The child exited (or could not be written to) while a call waited on it."""
+
+
+class ChildUnavailable(ChildGone, RequestUnsent):
+    """No child took the request: none runs, or too many calls wait. Nothing was written to any child."""
 
 
 class ExchangeOwner(Protocol):

@@ -10,7 +10,16 @@ from typing import Any, Literal
 import structlog
 from multidict import MultiMapping
 
-from ..events import AnswerTooLarge, Event, Failed, Progress, UpstreamUnavailable, proxy_failure, too_large
+from ..events import (
+    AnswerTooLarge,
+    Event,
+    Failed,
+    Progress,
+    RequestUnsent,
+    UpstreamUnavailable,
+    proxy_failure,
+    too_large,
+)
 from ..modern import discover_probe, interpret, is_discover_result
 from .exchange import ChildGone, own_answer
 from .pool import StdioPool
@@ -64,12 +73,14 @@ class StdioModern:
         """One request and what the child writes for it, as events; closing early cancels it in the child."""
         try:
             exchange = await self.pool.request(message, wait_s=self._start_timeout_s)
-        except ChildGone as exc:
-            yield proxy_failure(str(exc), self.url, transient="unsent")  # not written to any child
+        except ChildGone as exc:  # written, then the pipe broke: it may have been read
+            unsent = isinstance(exc, RequestUnsent)
+            yield proxy_failure(str(exc), self.url, transient="unsent" if unsent else "unanswered")
             return
         try:
             async for answer in exchange.messages(max_bytes):
-                if _exited(answer):  # the child died with the call in it: it may have run, or not
+                if exchange.last_size == 0 and _exited(answer):  # the proxy's answer (nothing read): the child died
+                    # with the call in it, which may have run or not
                     error = answer["error"]
                     reason = str(error.get("message", "")).removeprefix("Upstream failure: ")
                     yield Failed(error, reason, unread=True, transient="unanswered")

@@ -26,7 +26,7 @@ import structlog
 
 from ..routing import CallRoute
 from .channel import StdioChannel
-from .exchange import ChildGone, Exchange, may_ask
+from .exchange import ChildUnavailable, Exchange, may_ask
 from .process import ChildSpec
 
 log = structlog.get_logger(__name__)
@@ -128,7 +128,7 @@ class StdioPool:
             channel = self._without_questions() or await self._grow(self._without_questions)
             return channel or self._least_busy(), False
         if self._waiting >= self._max_waiting:
-            raise ChildGone(f"{self._waiting} calls wait for a free stdio child (upstream.stdio.children)")
+            raise ChildUnavailable(f"{self._waiting} calls wait for a free stdio child (upstream.stdio.children)")
         self._waiting += 1
         try:
             if self._free() is None:
