@@ -18,7 +18,7 @@ from aiohttp import web
 from proxy.upstream.events import retry_after_s
 from tests.conftest import ROOT, eventually, free_port, legacy_python, stop, task_reaches, wait_for_port
 from tests.test_operations import scrape, value
-from tests.test_stdio import _gate_is, modern_command, stdio_proxy, tool_text
+from tests.test_stdio import _gate_is, legacy_command, modern_command, stdio_proxy, tool_text
 
 FAST = {"attempts": 40, "backoff_ms": 50, "max_backoff_ms": 250}
 
@@ -169,6 +169,20 @@ async def test_idempotent_hint_trusts_the_servers_annotations(make_proxy):
     await eventually(_started(proxy, gate), what="the hinted call sent again to the new child")
     await tool_text(proxy, "release", {"tag": gate})
     done = await task_reaches(proxy.client, hinted.result["taskId"], "completed", "failed")
+    assert done.result["status"] == "completed", done.result
+
+
+async def test_an_idempotent_call_survives_its_legacy_stdio_child_dying(make_proxy):
+    rules = [{"match": "gated", "idempotent": True, "retry": {"attempts": 5, "backoff_ms": 100}}, {"match": "x"}]
+    proxy = await stdio_proxy(make_proxy, legacy_command(), tools=rules, upstream={"stdio": {"restart_min_s": 0.2}})
+    pid = int(await tool_text(proxy, "pid"))
+    gate = secrets.token_hex(4)
+    created = await proxy.client.call_tool("gated", {"tag": gate})
+    await eventually(_started(proxy, gate), what="the call running in the 2025 child")
+    os.kill(pid, signal.SIGKILL)
+    await eventually(_started(proxy, gate), what="the call sent again to the new 2025 child")
+    await tool_text(proxy, "release", {"tag": gate})
+    done = await task_reaches(proxy.client, created.result["taskId"], "completed", "failed")
     assert done.result["status"] == "completed", done.result
 
 

@@ -24,6 +24,15 @@ class RequestUnsent(ConnectionError):
     """The request never reached the upstream (no connection could be made): sending it again runs nothing twice."""
 
 
+class CallCut(ConnectionError):
+    """The upstream went away with the call in it (a stdio child that exited): it may have run, or not. `error` is
+    the JSON-RPC error that says so."""
+
+    def __init__(self, error: dict[str, Any]) -> None:
+        super().__init__(str(error.get("message", "")))
+        self.error = error
+
+
 class UpstreamUnavailable(Exception):
     """The upstream could not be reached or refused the proxy's own handshake."""
 

@@ -23,6 +23,7 @@ from ..security import Identity
 from .events import (
     RETRIED_STATUSES,
     AnswerTooLarge,
+    CallCut,
     Event,
     Failed,
     Finished,
@@ -456,6 +457,10 @@ class LegacyUpstream:
             yield proxy_failure("the upstream closed its event stream before answering the call", self.url)
         except AnswerTooLarge:
             yield too_large(max_bytes)  # not finished upstream: the finally below cancels the call there
+        except CallCut as cut:
+            finished = True  # nobody left to tell
+            reason = str(cut).removeprefix("Upstream failure: ")
+            yield Failed(cut.error, reason, unread=True, transient="unanswered")
         finally:
             if route is not None:
                 session.calls.pop(request_id, None)

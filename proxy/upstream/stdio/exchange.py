@@ -49,6 +49,14 @@ class ChildGone(ConnectionError):
     """The child exited (or could not be written to) while a call waited on it."""
 
 
+def child_exited(exchange: Exchange, answer: dict[str, Any]) -> bool:
+    """Whether `answer` is the one the channel made when the child exited with the request in it: nothing was read
+    for it (a child's own answer has a size), and it carries the exit status."""
+    error = answer.get("error")
+    data = error.get("data") if isinstance(error, dict) else None
+    return exchange.last_size == 0 and isinstance(data, dict) and "exitStatus" in data
+
+
 class ChildUnavailable(ChildGone, RequestUnsent):
     """No child took the request: none runs, or too many calls wait. Nothing was written to any child."""
 

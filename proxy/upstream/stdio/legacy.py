@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from multidict import MultiMapping
 
-from ..events import AnswerTooLarge, UpstreamUnavailable
+from ..events import AnswerTooLarge, CallCut, UpstreamUnavailable
 from ..legacy import LEGACY_VERSION, LegacySession, proxy_initialize
 from ..routing import CallRoute
 from .channel import StdioChannel
-from .exchange import OWN_ANSWER_MAX_BYTES, ChildGone, Exchange, own_answer
+from .exchange import OWN_ANSWER_MAX_BYTES, ChildGone, Exchange, child_exited, own_answer
 from .pool import StdioPool
 
 if TYPE_CHECKING:
@@ -44,6 +44,8 @@ class StdioReply:
         if self._exchange is None:
             return
         async for message in self._exchange.messages(max_bytes):
+            if child_exited(self._exchange, message):
+                raise CallCut(message["error"])
             yield message
 
     def close(self) -> None:

@@ -21,7 +21,7 @@ from ..events import (
     too_large,
 )
 from ..modern import discover_probe, interpret, is_discover_result
-from .exchange import ChildGone, own_answer
+from .exchange import ChildGone, child_exited, own_answer
 from .pool import StdioPool
 
 log = structlog.get_logger(__name__)
@@ -79,8 +79,7 @@ class StdioModern:
             return
         try:
             async for answer in exchange.messages(max_bytes):
-                if exchange.last_size == 0 and _exited(answer):  # the proxy's answer (nothing read): the child died
-                    # with the call in it, which may have run or not
+                if child_exited(exchange, answer):  # with the call in it, which may have run or not
                     error = answer["error"]
                     reason = str(error.get("message", "")).removeprefix("Upstream failure: ")
                     yield Failed(error, reason, unread=True, transient="unanswered")
