@@ -384,8 +384,9 @@ async def _tools_call(
     if arguments is not None and not isinstance(arguments, dict):
         raise JsonRpcError(INVALID_PARAMS, "Invalid params: arguments must be an object")
     # An MRTR retry (requestState) continues a call: it is no new request for a key to name.
-    key = idempotency.key_of(message, request.headers) if not kept_alive and "requestState" not in params else None
-    forwarded = without_tasks_declaration(message if key is None else idempotency.without_key(message))
+    continued = params.get("requestState") is not None
+    key = idempotency.key_of(message, request.headers) if not kept_alive and not continued else None
+    forwarded = without_tasks_declaration(idempotency.without_key(message))  # the proxy's key, never the upstream's
     capabilities = meta_of(forwarded).get(META_CLIENT_CAPABILITIES)
     identity = request.app[identity_key]
     principal = identity.principal(request.headers)

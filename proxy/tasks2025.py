@@ -200,7 +200,9 @@ class Tasks2025:
             record = await self._runner.submit(call, rule)
         assert isinstance(record, TaskRecord)
         if principal or session_tag:  # an anonymous caller without a session has no list of its own
-            await self._store.index_add(self._index(principal, session_tag), record.task_id, _score(record), ttl_ms)
+            await self._store.index_add(
+                self._index(principal, session_tag), record.task_id, _score(record), record.ttl_ms
+            )
         log.info("sep1686_task_created", task_id=record.task_id, tool=record.tool)
         return _json(result_response(message["id"], {"task": task_view(record)}))
 

@@ -92,6 +92,16 @@ async def test_the_meta_key_works_and_never_reaches_the_upstream(make_proxy, fak
     assert both.error["code"] == -32602 and "two different idempotency keys" in both.error["message"]
 
 
+async def test_an_mrtr_retry_ignores_the_key_and_never_forwards_it(make_proxy, fake_upstream):
+    fake = await fake_upstream(_answers_calls)
+    proxy = await make_proxy(fake.url, protocol="modern", tools=[{"match": "*"}])
+    params = {"name": "job", "arguments": {}, "requestState": "the-upstreams", "_meta": {**meta(), META_KEY: "k"}}
+    created = await proxy.client.call("tools/call", params)
+    await task_reaches(proxy.client, created.result["taskId"], "completed")
+    (sent,) = _tool_calls(fake)
+    assert sent["params"]["requestState"] == "the-upstreams" and META_KEY not in sent["params"]["_meta"]
+
+
 async def test_malformed_keys_are_refused(make_proxy, fake_upstream):
     fake = await fake_upstream(_answers_calls)
     proxy = await make_proxy(fake.url, protocol="modern", tools=[{"match": "*"}])

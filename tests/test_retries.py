@@ -111,7 +111,7 @@ async def test_attempts_and_the_rounds_timeout_bound_the_retries(make_proxy, fak
     started = time.monotonic()
     slowly = await proxy.client.call_tool("slowly", {})
     failed = await task_reaches(proxy.client, slowly.result["taskId"], "failed")
-    assert failed.result["statusMessage"].endswith("(1 attempts)"), failed.result
+    assert failed.result["statusMessage"].endswith("(1 attempt)"), failed.result
     assert time.monotonic() - started < 20
 
 

@@ -25,6 +25,9 @@ from .settlement import Settlement
 
 log = structlog.get_logger(__name__)
 
+_HINT_LOOKUP_S = 30.0
+"""The longest wait for the upstream's tools/list when a rule trusts its hints (idempotent: hint)."""
+
 _UPSTREAM_ID_PREFIX = f"mtp-{secrets.token_hex(4)}-"
 _upstream_numbers = itertools.count(1)
 """The ids of the proxy's upstream attempts: unique per process (the random part tells replicas apart), without
@@ -96,7 +99,7 @@ class Attempts:
                     job, needed, deadline - loop.time(), again, self._settlement.progress, self._count_retry
                 )
                 if isinstance(needed, Failed):
-                    status = f"{needed.status_message} ({made} attempts)"
+                    status = f"{needed.status_message} ({_attempts(made)})"
                     await self._settlement.settle(job, TaskStatus.FAILED, error=needed.error, status_message=status)
                     return
             if needed is None:
@@ -133,7 +136,7 @@ class Attempts:
     async def _again(self, job: Job, message: dict[str, Any], deadline: float, number: int) -> Outcome:
         outcome = await self._attempt(job, sent_again(message), deadline)
         if isinstance(outcome, Failed) and not await self._repeatable(job, outcome, deadline):
-            status = f"{outcome.status_message} ({number} attempts)"
+            status = f"{outcome.status_message} ({_attempts(number)})"
             await self._settlement.settle(job, TaskStatus.FAILED, error=outcome.error, status_message=status)
             return None
         return outcome
@@ -144,7 +147,7 @@ class Attempts:
         # idempotent: hint. The upstream just failed: its tools/list may hang too, so within the round's time.
         remaining = deadline - asyncio.get_running_loop().time()
         try:
-            with self._state.deadlines.limit(max(remaining, 0)):
+            with self._state.deadlines.limit(min(max(remaining, 0), _HINT_LOOKUP_S)):
                 return await self._hints.may_repeat(job)
         except TimeoutError:
             return False
@@ -220,6 +223,10 @@ class Attempts:
             status, fields = settle
             await self._settlement.settle(job, status, **fields)
         return transient
+
+
+def _attempts(count: int) -> str:
+    return "1 attempt" if count == 1 else f"{count} attempts"
 
 
 def sent_again(message: dict[str, Any]) -> dict[str, Any]:

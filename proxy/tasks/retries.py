@@ -25,6 +25,8 @@ from .job import Job
 
 log = structlog.get_logger(__name__)
 
+MAX_RETRY_AFTER_S = 3600.0
+
 Outcome = InputNeeded | Failed | None
 """What an attempt ends with: input needed (the next round), a transient failure not yet written, or None (the
 outcome is written)."""
@@ -56,7 +58,9 @@ async def retried(
 
     def wait(state: RetryCallState) -> float:
         failed = state.outcome.result() if state.outcome is not None else first
-        return max(backoff(state), failed.retry_after_s or 0.0)
+        # Honoured up to an hour: past the round's timeout it ends the retries anyway, and a round without one
+        # (timeout_s: .inf) must not sleep for as long as an upstream says.
+        return max(backoff(state), min(failed.retry_after_s or 0.0, MAX_RETRY_AFTER_S))
 
     async def announce(state: RetryCallState) -> None:
         failed = state.outcome.result() if state.outcome is not None else first

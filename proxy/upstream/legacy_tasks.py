@@ -227,9 +227,11 @@ async def run_as_upstream_task(
                     ended = True
                     yield Finished(_without_related_task(outcome.result), outcome.size)
                     return
-                if isinstance(outcome, Failed) and not outcome.unread:
+                if isinstance(outcome, Failed) and (not outcome.unread or outcome.transient == "unanswered"):
+                    # Exactly what the underlying call would have answered; or the server went away with the task
+                    # in it (a stdio child that exited): a restarted one knows nothing of it, the call may run again.
                     ended = True
-                    yield outcome  # exactly what the underlying call would have answered
+                    yield outcome
                     return
                 result_failures += 1
                 if result_failures > _MAX_RESULT_RETRIES:  # the task may still run upstream: it is cancelled there

@@ -20,6 +20,7 @@ from typing import Any
 import structlog
 
 from ...jsonrpc import INTERNAL_ERROR, dumps, error_object
+from ..events import RequestUnsent
 from ..routing import CallRoute
 from .child_initiated import ChildInitiated
 from .exchange import ChildGone, ChildUnavailable, Exchange
@@ -94,7 +95,7 @@ class StdioChannel:
         self._fail_all("the proxy is shutting down", None)
 
     async def running(self, timeout_s: float) -> ChildProcess:
-        """The child, once one runs (a restart may be under way); ChildGone past `timeout_s`."""
+        """The child, once one runs (a restart may be under way); ChildUnavailable past `timeout_s`."""
         try:
             await asyncio.wait_for(self._running.wait(), timeout_s)
         except TimeoutError:
@@ -150,7 +151,10 @@ class StdioChannel:
         self._pending[child_id] = exchange
         try:
             await child.write(dumps(sent) + b"\n")
-        except ConnectionError as exc:
+        except RequestUnsent as exc:  # nothing written
+            self._pending.pop(child_id, None)
+            raise ChildUnavailable(str(exc)) from exc
+        except ConnectionError as exc:  # written, then the pipe broke: the child may have read it
             self._pending.pop(child_id, None)
             raise ChildGone(str(exc)) from exc
         except BaseException:

@@ -73,7 +73,7 @@ class StdioModern:
         """One request and what the child writes for it, as events; closing early cancels it in the child."""
         try:
             exchange = await self.pool.request(message, wait_s=self._start_timeout_s)
-        except ChildGone as exc:  # written, then the pipe broke: it may have been read
+        except ChildGone as exc:  # ChildUnavailable: nothing written; else written, then the pipe broke
             unsent = isinstance(exc, RequestUnsent)
             yield proxy_failure(str(exc), self.url, transient="unsent" if unsent else "unanswered")
             return

@@ -28,6 +28,7 @@ from typing import Any
 import structlog
 
 from ...jsonrpc import loads
+from ..events import RequestUnsent
 
 log = structlog.get_logger(__name__)
 
@@ -262,10 +263,10 @@ class ChildProcess:
         gone or has not read its stdin for _WRITE_TIMEOUT_S."""
         process, stdin = self._process, self._stdin
         if process is None or stdin is None or process.returncode is not None or stdin.transport.is_closing():
-            raise ConnectionError("the stdio server is not running")
+            raise RequestUnsent("the stdio server is not running")
         if stdin.transport.get_write_buffer_size() > _MAX_UNREAD_BYTES:
             # A child that does not read: each message would wait in memory until it does.
-            raise ConnectionError(f"the stdio server has not read {_MAX_UNREAD_BYTES} bytes written to its stdin")
+            raise RequestUnsent(f"the stdio server has not read {_MAX_UNREAD_BYTES} bytes written to its stdin")
         try:
             stdin.write(line)  # one write per message keeps the framing whole
             async with asyncio.timeout(_WRITE_TIMEOUT_S):  # drain() has room for many waiters: no lock to queue on
