@@ -142,16 +142,13 @@ class Gateway:
             return self.modern.call_tool(message, client_headers, capabilities, max_bytes=max_bytes)
         if self._era == "legacy":
             return self.legacy.call(message, client_headers, capabilities, max_bytes=max_bytes, on_request=on_request)
-        return self._call_once_known(message, client_headers, capabilities, max_bytes=max_bytes, on_request=on_request)
+        return self._call_once_known(
+            client_headers,
+            lambda: self.call_tool(message, client_headers, capabilities, max_bytes=max_bytes, on_request=on_request),
+        )
 
     async def _call_once_known(
-        self,
-        message: dict[str, Any],
-        client_headers: MultiMapping[str],
-        capabilities: dict[str, Any],
-        *,
-        max_bytes: int,
-        on_request: Callable[[InputNeeded], Awaitable[None]] | None,
+        self, client_headers: MultiMapping[str], call: Callable[[], AsyncIterator[Event]]
     ) -> AsyncIterator[Event]:
         try:
             await self.era(client_headers)
@@ -160,12 +157,12 @@ class Gateway:
             unreached = type(exc) is UpstreamUnavailable
             yield proxy_failure(str(exc), self.url, transient="unsent" if unreached else None)
             return
-        events = self.call_tool(message, client_headers, capabilities, max_bytes=max_bytes, on_request=on_request)
+        events = call()
         try:
             async for event in events:
                 yield event
         finally:
-            await events.aclose()
+            await events.aclose()  # type: ignore[attr-defined]
 
     async def notify_cancelled(self, request_id: str, client_headers: MultiMapping[str], reason: str) -> None:
         # A legacy-era call posts its own cancellation when its event stream is closed early.
