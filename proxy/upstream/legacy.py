@@ -451,7 +451,7 @@ class LegacyUpstream:
                     or (response.status >= 400 and upstream_message.get("id") is None and "error" in upstream_message)
                 ):
                     finished = True
-                    yield self._answer(legacy["method"], upstream_message, verbatim=verbatim)
+                    yield answer_event(legacy["method"], upstream_message, self, verbatim=verbatim)
                     return
             finished = True
             yield proxy_failure("the upstream closed its event stream before answering the call", self.url)
@@ -467,23 +467,6 @@ class LegacyUpstream:
             response.close()
             if not finished:
                 response.cancel("cancelled by the client")
-
-    def _answer(self, method: str, answer: dict[str, Any], *, verbatim: bool) -> Event:
-        """The event of the upstream's answer to a request: as it is for a 2025-era client's own session (verbatim),
-        else translated for a modern one."""
-        if isinstance(answer.get("error"), dict):
-            error = answer["error"] if verbatim else to_modern_error(answer["error"])
-            return Failed(error, f"the upstream answered with JSON-RPC error {error.get('code')}")
-        result = answer.get("result")
-        if not isinstance(result, dict):
-            return proxy_failure("the upstream's response has no result object", self.url)
-        if verbatim:
-            return Finished(result)
-        if method == "tools/list":
-            self.task_support.learn(result)
-            result = without_task_support(result)
-        result = to_modern_result(method, result)
-        return Finished(result, len(dumps(result)))
 
     async def server_request(
         self,
@@ -519,6 +502,24 @@ class LegacyUpstream:
             question = clean_input_request(message)
         result = {"resultType": "input_required", "inputRequests": {key: question}}
         return InputNeeded(result, reply)
+
+
+def answer_event(method: str, answer: dict[str, Any], upstream: LegacyUpstream, *, verbatim: bool) -> Event:
+    """The event of the upstream's answer to a request: as it is for a 2025-era client's own session (verbatim),
+    else translated for a modern one (a tools/list teaches the upstream's task support on the way)."""
+    if isinstance(answer.get("error"), dict):
+        error = answer["error"] if verbatim else to_modern_error(answer["error"])
+        return Failed(error, f"the upstream answered with JSON-RPC error {error.get('code')}")
+    result = answer.get("result")
+    if not isinstance(result, dict):
+        return proxy_failure("the upstream's response has no result object", upstream.url)
+    if verbatim:
+        return Finished(result)
+    if method == "tools/list":
+        upstream.task_support.learn(result)
+        result = without_task_support(result)
+    result = to_modern_result(method, result)
+    return Finished(result, len(dumps(result)))
 
 
 class NoSessionRoom(UpstreamUnavailable):
