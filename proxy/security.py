@@ -70,17 +70,18 @@ class Identity:
         finds the call again from the client's notifications/cancelled, which names only the request id. A request
         id used again after its call ended (a client restarted against a server without sessions) takes the next
         `generation`."""
-        value = dumps(["durable", principal, session, request_id, generation])
-        digest = hmac.new(self._secret(), value, hashlib.sha256).digest()
-        return base64.urlsafe_b64encode(digest[:18]).decode()  # 24 characters, a task id's alphabet
+        return self._derived_id("durable", principal, session, request_id, generation)
 
     def keyed_task_id(self, principal: str, tool: str, key: str, kind: str) -> str:
         """The task id of a call with an idempotency key (proxy/idempotency.py): from who asked, the tool, the key
         and the kind of task (a 2026 task, a SEP-1686 one), so that every replica derives the same one and the
         store's atomic create makes one task of them."""
-        value = dumps(["idempotency", kind, principal, tool, key])
-        digest = hmac.new(self._secret(), value, hashlib.sha256).digest()
-        return base64.urlsafe_b64encode(digest[:18]).decode()
+        return self._derived_id("idempotency", kind, principal, tool, key)
+
+    def _derived_id(self, *parts: Any) -> str:
+        """A task id every replica derives alike from `parts`, and nobody without the key can."""
+        digest = hmac.new(self._secret(), dumps(list(parts)), hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(digest[:18]).decode()  # 24 characters, a task id's alphabet
 
     def session_tag(self, headers: MultiMapping[str]) -> str:
         """The client's upstream session (Mcp-Session-Id), hashed; "" for a server without sessions."""

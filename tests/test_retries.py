@@ -115,13 +115,14 @@ async def test_attempts_and_the_rounds_timeout_bound_the_retries(make_proxy, fak
     assert time.monotonic() - started < 20
 
 
-async def test_an_idempotent_call_survives_its_stdio_child_dying(make_proxy):
+@pytest.mark.parametrize("command", [modern_command, legacy_command], ids=["2026 child", "2025 child"])
+async def test_an_idempotent_call_survives_its_stdio_child_dying(make_proxy, command):
     rules = [{"match": "gated", "idempotent": True, "retry": {"attempts": 5, "backoff_ms": 100}}, {"match": "x"}]
-    proxy = await stdio_proxy(make_proxy, modern_command(), tools=rules, upstream={"stdio": {"restart_min_s": 0.2}})
+    proxy = await stdio_proxy(make_proxy, command(), tools=rules, upstream={"stdio": {"restart_min_s": 0.2}})
     pid = int(await tool_text(proxy, "pid"))
     gate = secrets.token_hex(4)
     created = await proxy.client.call_tool("gated", {"tag": gate})
-    await eventually(lambda: _gate_is(proxy, gate, "started"), what="the call running in the child")
+    await eventually(_started(proxy, gate), what="the call running in the child")
     os.kill(pid, signal.SIGKILL)
     # The restarted child gets the call again: it waits at the gate there.
     await eventually(_started(proxy, gate), what="the call sent again to the new child")
@@ -169,20 +170,6 @@ async def test_idempotent_hint_trusts_the_servers_annotations(make_proxy):
     await eventually(_started(proxy, gate), what="the hinted call sent again to the new child")
     await tool_text(proxy, "release", {"tag": gate})
     done = await task_reaches(proxy.client, hinted.result["taskId"], "completed", "failed")
-    assert done.result["status"] == "completed", done.result
-
-
-async def test_an_idempotent_call_survives_its_legacy_stdio_child_dying(make_proxy):
-    rules = [{"match": "gated", "idempotent": True, "retry": {"attempts": 5, "backoff_ms": 100}}, {"match": "x"}]
-    proxy = await stdio_proxy(make_proxy, legacy_command(), tools=rules, upstream={"stdio": {"restart_min_s": 0.2}})
-    pid = int(await tool_text(proxy, "pid"))
-    gate = secrets.token_hex(4)
-    created = await proxy.client.call_tool("gated", {"tag": gate})
-    await eventually(_started(proxy, gate), what="the call running in the 2025 child")
-    os.kill(pid, signal.SIGKILL)
-    await eventually(_started(proxy, gate), what="the call sent again to the new 2025 child")
-    await tool_text(proxy, "release", {"tag": gate})
-    done = await task_reaches(proxy.client, created.result["taskId"], "completed", "failed")
     assert done.result["status"] == "completed", done.result
 
 

@@ -90,17 +90,14 @@ class Attempts:
             needed = await self._attempt(job, message, deadline)
             if isinstance(needed, Failed):  # transient, and the rule may let it be sent again
                 if not await self._repeatable(job, needed, deadline):
-                    await self._settlement.settle(
-                        job, TaskStatus.FAILED, error=needed.error, status_message=needed.status_message
-                    )
+                    await self._fail(job, needed)
                     return
                 again = functools.partial(self._again, job, message, deadline)
                 needed, made = await retried(
                     job, needed, deadline - loop.time(), again, self._settlement.progress, self._count_retry
                 )
                 if isinstance(needed, Failed):
-                    status = f"{needed.status_message} ({_attempts(made)})"
-                    await self._settlement.settle(job, TaskStatus.FAILED, error=needed.error, status_message=status)
+                    await self._fail(job, needed, made)
                     return
             if needed is None:
                 return  # the attempt settled the call
@@ -136,10 +133,14 @@ class Attempts:
     async def _again(self, job: Job, message: dict[str, Any], deadline: float, number: int) -> Outcome:
         outcome = await self._attempt(job, sent_again(message), deadline)
         if isinstance(outcome, Failed) and not await self._repeatable(job, outcome, deadline):
-            status = f"{outcome.status_message} ({_attempts(number)})"
-            await self._settlement.settle(job, TaskStatus.FAILED, error=outcome.error, status_message=status)
+            await self._fail(job, outcome, number)
             return None
         return outcome
+
+    async def _fail(self, job: Job, failed: Failed, attempts: int | None = None) -> None:
+        """Write a transient failure that will not be sent again; the status says how many attempts there were."""
+        status = failed.status_message if attempts is None else f"{failed.status_message} ({_attempts(attempts)})"
+        await self._settlement.settle(job, TaskStatus.FAILED, error=failed.error, status_message=status)
 
     async def _repeatable(self, job: Job, failed: Failed, deadline: float) -> bool:
         if failed.transient == "unsent" or job.rule.idempotent is True:

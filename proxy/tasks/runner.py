@@ -121,7 +121,8 @@ class TaskRunner:
         if existing is not None:
             return existing
         try:
-            outcome = await self.submit(call, rule.model_copy(update={"sync_window_ms": 0}))
+            unwindowed = rule if rule.sync_window_ms == 0 else rule.model_copy(update={"sync_window_ms": 0})
+            outcome = await self.submit(call, unwindowed)
         except TaskIdTaken:  # the same key, submitted at the same moment here or on another replica
             existing = await self._keyed(call, key)
             if existing is None:  # that one failed to start (a full store, a limit): nothing runs for the key

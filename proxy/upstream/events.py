@@ -116,6 +116,13 @@ RETRIED_STATUSES = frozenset({429, 502, 503, 504})
 """HTTP statuses that say "not now" rather than "no" (a gateway, a load balancer, a server shedding load)."""
 
 
+def cut_failure(error: dict[str, Any]) -> Failed:
+    """The upstream went away with the call in it (the stdio channel's answer when its child exited): the error as
+    the channel made it, and the call may be sent again for an idempotent rule."""
+    reason = str(error.get("message", "")).removeprefix("Upstream failure: ")
+    return Failed(error, reason, unread=True, transient="unanswered")
+
+
 def proxy_failure(
     reason: str, upstream: str, *, transient: Transient | None = None, retry_after_s: float | None = None
 ) -> Failed:

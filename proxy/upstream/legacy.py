@@ -30,6 +30,7 @@ from .events import (
     InputNeeded,
     RequestUnsent,
     UpstreamUnavailable,
+    cut_failure,
     interpret_progress,
     proxy_failure,
     too_large,
@@ -459,8 +460,7 @@ class LegacyUpstream:
             yield too_large(max_bytes)  # not finished upstream: the finally below cancels the call there
         except CallCut as cut:
             finished = True  # nobody left to tell
-            reason = str(cut).removeprefix("Upstream failure: ")
-            yield Failed(cut.error, reason, unread=True, transient="unanswered")
+            yield cut_failure(cut.error)
         finally:
             if route is not None:
                 session.calls.pop(request_id, None)

@@ -49,12 +49,17 @@ class ChildGone(ConnectionError):
     """The child exited (or could not be written to) while a call waited on it."""
 
 
+def carries_exit_status(answer: dict[str, Any]) -> bool:
+    """Whether `answer` is an error that names a child's exit status (the channel's, when its child exited)."""
+    error = answer.get("error")
+    data = error.get("data") if isinstance(error, dict) else None
+    return isinstance(data, dict) and "exitStatus" in data
+
+
 def child_exited(exchange: Exchange, answer: dict[str, Any]) -> bool:
     """Whether `answer` is the one the channel made when the child exited with the request in it: nothing was read
     for it (a child's own answer has a size), and it carries the exit status."""
-    error = answer.get("error")
-    data = error.get("data") if isinstance(error, dict) else None
-    return exchange.last_size == 0 and isinstance(data, dict) and "exitStatus" in data
+    return exchange.last_size == 0 and carries_exit_status(answer)
 
 
 class ChildUnavailable(ChildGone, RequestUnsent):

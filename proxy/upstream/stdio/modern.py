@@ -13,15 +13,15 @@ from multidict import MultiMapping
 from ..events import (
     AnswerTooLarge,
     Event,
-    Failed,
     Progress,
     RequestUnsent,
     UpstreamUnavailable,
+    cut_failure,
     proxy_failure,
     too_large,
 )
 from ..modern import discover_probe, interpret, is_discover_result
-from .exchange import ChildGone, child_exited, own_answer
+from .exchange import ChildGone, carries_exit_status, child_exited, own_answer
 from .pool import StdioPool
 
 log = structlog.get_logger(__name__)
@@ -50,7 +50,7 @@ class StdioModern:
         if answer is None and not await self.answers(self._start_timeout_s, ping):
             # Silent to both: still starting (an npx download), not 2025. The next request probes again.
             raise UpstreamUnavailable(f"the stdio server answers nothing yet ({self._start_timeout_s:g} s)")
-        if answer is not None and _exited(answer):
+        if answer is not None and carries_exit_status(answer):
             raise UpstreamUnavailable(answer["error"]["message"])
         return "modern" if is_discover_result(answer) else "legacy"
 
@@ -60,7 +60,7 @@ class StdioModern:
             answer = await own_answer(self.pool, message or discover_probe(), timeout_s=timeout_s, prepared=False)
         except (ChildGone, TimeoutError, AnswerTooLarge):
             return False
-        return not _exited(answer)
+        return not carries_exit_status(answer)
 
     async def call_tool(
         self,
@@ -80,9 +80,7 @@ class StdioModern:
         try:
             async for answer in exchange.messages(max_bytes):
                 if child_exited(exchange, answer):  # with the call in it, which may have run or not
-                    error = answer["error"]
-                    reason = str(error.get("message", "")).removeprefix("Upstream failure: ")
-                    yield Failed(error, reason, unread=True, transient="unanswered")
+                    yield cut_failure(answer["error"])
                     return
                 event = interpret(answer, message["id"], "stdio", exchange.last_size, self.url)
                 if event is not None:
@@ -96,9 +94,3 @@ class StdioModern:
 
     async def notify_cancelled(self, request_id: str, client_headers: MultiMapping[str], reason: str) -> None:
         """Closing the call's exchange told the child already."""
-
-
-def _exited(answer: dict[str, Any]) -> bool:
-    error = answer.get("error")
-    data = error.get("data") if isinstance(error, dict) else None
-    return isinstance(data, dict) and "exitStatus" in data
