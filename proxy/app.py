@@ -54,6 +54,7 @@ from .tasks.admission import ShuttingDown
 from .tasks.model import utc_now
 from .tasks.redis_store import RedisTaskStore
 from .tasks.runner import TaskRunner
+from .tasks.sealing import CallSeal
 from .tasks.store import MemoryTaskStore, StoreUnavailable, TaskStore
 from .tasks2025 import Tasks2025
 from .tasks2026 import Tasks2026
@@ -146,6 +147,8 @@ def create_app(
             lease_s=config.store.lease_s,
             input_wait_s=config.upstream.input_wait_s,
             metrics=app[metrics_key],
+            rule_for=lambda tool: policy.config.rule_for(tool),
+            seal=CallSeal(identity.operator_key) if identity.operator_key is not None else None,
         )
         app[runner_key] = runner
         app[durable_key] = DurableCalls(runner, app[store_key], app[identity_key])

@@ -119,6 +119,14 @@ class Metrics:
             "unsent (the request never left) or unanswered (no answer came back; idempotent rules only)",
             ["reason"], registry=r,
         )  # fmt: skip
+        self.tasks_taken_over = Counter(
+            "mcp_tasks_proxy_tasks_taken_over", "Tasks of a lost or stopping replica, by what became of them: "
+            "run_again (here, after the owner was lost), unknown (failed: the call may not run twice), released "
+            "(handed to the other replicas at shutdown)",
+            ["outcome"], registry=r,
+        )  # fmt: skip
+        for outcome in ("run_again", "unknown", "released"):  # each a series from the start, for rate() and alerts
+            self.tasks_taken_over.labels(outcome)
         self.connections_refused = Counter(
             "mcp_tasks_proxy_connections_refused", "Client connections refused past listen.max_connections",
             registry=r,

@@ -36,6 +36,9 @@ class Identity:
         explicit = config.principal_key or os.environ.get("MCP_TASKS_PROXY_PRINCIPAL_KEY")
         self.from_store = shared_store and not explicit
         """The key is the store's: replicas sharing a Redis store then agree on owners without anyone setting it."""
+        self.operator_key = explicit.encode() if explicit else None
+        """The key the operator gave the replicas, kept out of the store: what seals calls for another replica to
+        take over (proxy/tasks/sealing.py)."""
         self._key: bytes | None = None if self.from_store else (explicit or secrets.token_hex(32)).encode()
         self._mode = config.principal
         self._header = config.principal_header

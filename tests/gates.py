@@ -37,5 +37,15 @@ def arrivals(tag: str) -> int:
     return _arrivals.get(tag, 0)
 
 
+def arrive(tag: str) -> None:
+    """Count a call with this tag that does not wait at a gate."""
+    _arrivals[tag] = _arrivals.get(tag, 0) + 1
+
+
+def arrivals_with(prefix: str) -> dict[str, int]:
+    """The arrivals of every tag that starts with `prefix`."""
+    return {tag: count for tag, count in _arrivals.items() if tag.startswith(prefix)}
+
+
 def mark(tag: str, state: str) -> None:
     _states[tag] = state

@@ -32,7 +32,16 @@ def replicas(tmp_path, redis_url) -> Iterator:
     """start(upstream, store_url=...) runs one more proxy process; all are stopped at the end."""
     started: list[Replica] = []
 
-    def start(upstream: str, *, store_url: str = redis_url, prefix: str | None = None, **tasks) -> Replica:
+    def start(
+        upstream: str,
+        *,
+        store_url: str = redis_url,
+        prefix: str | None = None,
+        tools: list[dict] | None = None,
+        security: dict | None = None,
+        lease_s: float = 1,
+        **tasks,
+    ) -> Replica:
         port = free_port()
         policy = {
             "upstream": {"url": upstream},
@@ -40,13 +49,13 @@ def replicas(tmp_path, redis_url) -> Iterator:
                 "backend": "redis",
                 "url": store_url,
                 "key_prefix": prefix or f"replicas-{tmp_path.name}:",
-                "lease_s": 1,  # short, so a lost replica's tasks fail quickly in tests
+                "lease_s": lease_s,  # short, so a lost replica's tasks are found quickly in tests
                 "reap_interval_s": 0.3,
                 "timeout_s": 1,
             },
             "tasks": {"poll_interval_ms": 50, "shutdown_grace_s": 5, **tasks},
-            "security": {"principal_key": "replicas-share-this-key"},
-            "tools": [{"match": name} for name in ("gated", "one_question", "slow_report", "ask_name")],
+            "security": {"principal_key": "replicas-share-this-key"} if security is None else security,
+            "tools": tools or [{"match": name} for name in ("gated", "one_question", "slow_report", "ask_name")],
             "logging": {"format": "json"},
         }
         path = tmp_path / f"policy-{port}.yaml"
@@ -125,6 +134,7 @@ async def test_killed_replica_tasks_fail_and_finished_ones_survive(replicas, ses
     doomed.process.wait()
     failed = await task_reaches(b, running.result["taskId"], "failed")
     assert "replica running this task was lost" in failed.result["statusMessage"]
+    assert "its tool rule is not idempotent" in failed.result["statusMessage"]
     assert failed.result["error"]["code"] == -32603
     assert failed.result["error"]["data"] == {"outcome": "unknown"}  # it may or may not have run upstream
     # A new replica reads every stored task, finished ones included.
@@ -263,3 +273,125 @@ async def test_sep_1686_tasks_are_listed_and_finished_through_another_replica(re
                 await on_b.answer(message["id"], {"action": "accept", "content": {"name": "via B"}})
             final = message
     assert final["id"] == 10 and final["result"]["content"][0]["text"] == "hello via B"
+
+
+# --- takeover: a lost or stopping replica's calls run again elsewhere, where that is safe --------------------------
+
+
+async def arrivals(upstream_client: McpClient, tag: str) -> int:
+    reply = await upstream_client.call_tool("gate_arrivals", {"tag": tag}, tasks=False)
+    return int(reply.result["structuredContent"]["result"])
+
+
+async def release_gate(upstream_client: McpClient, tag: str) -> None:
+    await upstream_client.call_tool("release", {"tag": tag}, tasks=False)
+
+
+def killed(replica: Replica) -> None:
+    os.kill(replica.process.pid, signal.SIGKILL)
+    replica.process.wait()
+
+
+async def test_a_lost_replicas_idempotent_call_runs_again_on_another_and_completes(
+    replicas, session, mcp_upstream, upstream_client
+):
+    tools = [{"match": "gated", "idempotent": True}]
+    doomed = replicas(mcp_upstream, tools=tools)
+    a, b = McpClient(session, doomed.url), McpClient(session, replicas(mcp_upstream, tools=tools).url)
+    tag = gate_tag()
+    task_id = (await a.call_tool("gated", {"tag": tag})).result["taskId"]
+    await eventually(lambda: gate_is(upstream_client, tag, "started"), what="the first run")
+    killed(doomed)
+    await eventually(lambda: _is(arrivals(upstream_client, tag), 2), what="the call running again on B")
+    running = await b.get_task(task_id)
+    assert running.result["status"] == "working"
+    # Its progress says which run it is.
+    assert running.result["statusMessage"].startswith("attempt 2 of 3, after a lost proxy replica: ")
+    await release_gate(upstream_client, tag)  # both runs wait at the gate: the one B runs answers
+    done = await task_reaches(b, task_id, "completed")
+    assert done.result["result"]["content"][0]["text"] == f"gate {tag} opened"
+    assert await arrivals(upstream_client, tag) == 2
+
+
+async def test_a_queued_call_of_a_lost_replica_runs_elsewhere_whatever_its_rule(
+    replicas, session, mcp_upstream, upstream_client
+):
+    # Not idempotent, one call at a time: the running one may have taken effect, the queued one never left.
+    tools = [{"match": "gated", "max_concurrency": 1}]
+    doomed = replicas(mcp_upstream, tools=tools)
+    a, b = McpClient(session, doomed.url), McpClient(session, replicas(mcp_upstream, tools=tools).url)
+    first, second = gate_tag(), gate_tag()
+    running = (await a.call_tool("gated", {"tag": first})).result["taskId"]
+    await eventually(lambda: gate_is(upstream_client, first, "started"), what="the first call")
+    queued = (await a.call_tool("gated", {"tag": second})).result["taskId"]
+    await eventually(lambda: _says(b, queued, "queued"), what="the second call queued")
+    killed(doomed)
+    lost = await task_reaches(b, running, "failed")
+    assert lost.result["error"]["data"] == {"outcome": "unknown"}
+    await eventually(lambda: gate_is(upstream_client, second, "started"), what="the queued call on B")
+    await release_gate(upstream_client, second)
+    await task_reaches(b, queued, "completed")
+    assert await arrivals(upstream_client, second) == 1
+
+
+async def test_a_call_that_loses_every_replica_it_runs_on_stops_at_its_attempts(
+    replicas, session, mcp_upstream, upstream_client
+):
+    tools = [{"match": "gated", "idempotent": True, "retry": {"attempts": 2}}]
+    first, second = replicas(mcp_upstream, tools=tools), replicas(mcp_upstream, tools=tools)
+    tag = gate_tag()
+    task_id = (await McpClient(session, first.url).call_tool("gated", {"tag": tag})).result["taskId"]
+    await eventually(lambda: gate_is(upstream_client, tag, "started"), what="the first run")
+    killed(first)
+    await eventually(lambda: _is(arrivals(upstream_client, tag), 2), what="the second run")
+    third = McpClient(session, replicas(mcp_upstream, tools=tools).url)
+    killed(second)  # a call that kills its replica (a poison input) must not go on to kill them all
+    failed = await task_reaches(third, task_id, "failed")
+    assert "it ran 2 times already" in failed.result["statusMessage"]
+    assert failed.result["error"]["data"] == {"outcome": "unknown"}
+    assert await arrivals(upstream_client, tag) == 2
+
+
+async def test_sigterm_hands_idempotent_calls_over_at_once_and_keeps_the_others(
+    replicas, session, mcp_upstream, upstream_client
+):
+    # A lease of a minute: only the hand-over can move the call before the test's time is up.
+    tools = [{"match": "gated", "idempotent": True}, {"match": "slow_report"}]
+    leaving = replicas(mcp_upstream, tools=tools, lease_s=60)
+    a, b = McpClient(session, leaving.url), McpClient(session, replicas(mcp_upstream, tools=tools, lease_s=60).url)
+    tag = gate_tag()
+    moved = (await a.call_tool("gated", {"tag": tag})).result["taskId"]
+    stays = (await a.call_tool("slow_report", {"topic": "t", "seconds": 1})).result["taskId"]
+    await eventually(lambda: gate_is(upstream_client, tag, "started"), what="the call on A")
+    leaving.process.send_signal(signal.SIGTERM)
+    await eventually(lambda: _is(arrivals(upstream_client, tag), 2), timeout_s=20, what="B running the call")
+    assert (await b.get_task(moved)).result["status"] == "working"
+    await release_gate(upstream_client, tag)
+    await task_reaches(b, moved, "completed")
+    # The one that may not run twice finished on A within the grace.
+    assert (await task_reaches(b, stays, "completed")).result["result"]["content"][0]["text"].startswith("Report")
+    assert leaving.process.wait(timeout=20) == 0
+
+
+async def test_without_the_operators_key_no_call_is_kept_and_a_lost_one_is_unknown(
+    replicas, session, mcp_upstream, upstream_client
+):
+    tools = [{"match": "gated", "idempotent": True}]
+    doomed = replicas(mcp_upstream, tools=tools, security={})  # the replicas agree on a key kept in Redis
+    a, b = McpClient(session, doomed.url), McpClient(session, replicas(mcp_upstream, tools=tools, security={}).url)
+    tag = gate_tag()
+    task_id = (await a.call_tool("gated", {"tag": tag})).result["taskId"]
+    await eventually(lambda: gate_is(upstream_client, tag, "started"), what="the call")
+    killed(doomed)
+    failed = await task_reaches(b, task_id, "failed")
+    assert "no principal key of the operator's" in failed.result["statusMessage"]
+    assert failed.result["error"]["data"] == {"outcome": "unknown"}
+    assert await arrivals(upstream_client, tag) == 1
+
+
+async def _is(value, expected) -> bool:
+    return await value == expected
+
+
+async def _says(client: McpClient, task_id: str, words: str) -> bool:
+    return words in ((await client.get_task(task_id)).result.get("statusMessage") or "")

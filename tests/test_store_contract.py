@@ -14,7 +14,7 @@ import redis.asyncio as redis_client
 
 from proxy.tasks.model import TaskRecord, TaskStateError, TaskStatus, new_task_id, transition
 from proxy.tasks.redis_store import RedisTaskStore
-from proxy.tasks.store import MemoryTaskStore, StoreUnavailable
+from proxy.tasks.store import MemoryTaskStore, StoreUnavailable, TaskIdTaken
 from tests.conftest import eventually, start_redis, stop
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
@@ -177,3 +177,36 @@ async def test_redis_that_stops_answering_gives_a_quick_clear_error_and_recovers
     finally:
         await store.aclose()
         stop(process)
+
+
+async def test_a_sealed_call_lives_with_its_running_task_and_goes_when_it_ends(redis_url):
+    store = redis_store(redis_url)
+    try:
+        rec = record(queued=True, attempt=2)
+        await store.create(rec, b"sealed call")
+        assert await store.get(rec.task_id) == rec  # the takeover fields round-trip
+        assert await store.call_context(rec.task_id) == b"sealed call"
+        # A create refused for a taken id writes nothing: neither its call over the first one's, nor a running id.
+        with pytest.raises(TaskIdTaken):
+            await store.create(dataclasses.replace(rec, status=TaskStatus.COMPLETED), b"another call")
+        assert await store.call_context(rec.task_id) == b"sealed call"
+        await store.update(rec.task_id, lambda r: transition(r, TaskStatus.COMPLETED, now=T0, result={}))
+        assert await store.call_context(rec.task_id) is None  # the client's credentials, sealed, leave with it
+        assert rec.task_id not in await store.running_task_ids()
+        taken = record()
+        await store.create(taken)
+        await store.update(taken.task_id, lambda r: transition(r, TaskStatus.COMPLETED, now=T0, result={}))
+        with pytest.raises(TaskIdTaken):  # a finished task's id, taken again: not listed as running again
+            await store.create(taken)
+        assert taken.task_id not in await store.running_task_ids()
+        assert await store.call_context("unknown") is None
+    finally:
+        await store.aclose()
+
+
+async def test_the_memory_store_keeps_no_call_for_another_replica():
+    store = MemoryTaskStore(max_tasks=10)
+    rec = record()
+    await store.create(rec, b"sealed call")
+    assert await store.get(rec.task_id) == rec
+    assert await store.call_context(rec.task_id) is None

@@ -59,6 +59,28 @@ async def gated_then_progress(tag: str, ctx: Context) -> str:
 
 
 @server.tool()
+async def counted(tag: str, seconds: float) -> str:
+    """Count the call (its run), then work for `seconds`: the chaos suite's tool that may run again."""
+    gates.arrive(tag)
+    await asyncio.sleep(seconds)
+    return f"counted {tag}"
+
+
+@server.tool()
+async def counted_once(tag: str, seconds: float) -> str:
+    """`counted`, for a rule that must never run it twice."""
+    gates.arrive(tag)
+    await asyncio.sleep(seconds)
+    return f"counted {tag}"
+
+
+@server.tool()
+async def arrival_counts(prefix: str) -> dict[str, int]:
+    """How many times each tag starting with `prefix` ran (gated or counted calls)."""
+    return gates.arrivals_with(prefix)
+
+
+@server.tool()
 async def quiet(seconds: float) -> str:
     """Work for `seconds` without a word: nothing crosses the connection until the result."""
     await asyncio.sleep(seconds)

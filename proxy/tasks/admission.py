@@ -13,7 +13,7 @@ import structlog
 
 from .. import tracing
 from ..config import LimitsConfig, TaskDefaults, ToolRule
-from .attempts import Attempts, retry_message
+from .attempts import Attempts, retry_message, sent_again
 from .job import DirectOutcome, Job, ToolCall
 from .model import TaskRecord, TaskStatus, new_task_id
 from .runner_state import RunnerState
@@ -86,6 +86,7 @@ class Admission:
             max_result_bytes=limits.max_result_bytes,
             slots=slots,
             holds_slot=holds_slot,
+            sealed=self._may_take_over(call, rule),
         )
         if job.task_id in self._state.jobs:  # a caller-fixed id (a durable call's) whose call runs here already
             if job.holds_slot and job.slots is not None:
@@ -146,6 +147,53 @@ class Admission:
             return self._rounds.offer(job)
         return await self._within_window(job)
 
+    def adopt(self, call: ToolCall, rule: ToolRule, record: TaskRecord) -> Job:
+        """A job for a task another replica began (takeover.py), in this replica's table; `start` runs it."""
+        defaults = self._defaults()
+        limits = self._limits()
+        age_s = (self._state.now() - record.created_at).total_seconds()
+        call.message = sent_again(call.message)
+        job = Job(
+            task_id=record.task_id,
+            call=call,
+            rule=rule,
+            ttl_ms=record.ttl_ms,
+            poll_interval_ms=record.poll_interval_ms,
+            started_s=self._state.timer() - max(age_s, 0),  # its TTL runs from its creation
+            is_task=True,
+            stored=True,
+            max_input_rounds=rule.max_input_rounds or defaults.max_input_rounds,
+            max_result_bytes=limits.max_result_bytes,
+            slots=self._slots_of(call.tool, rule),  # queued behind this replica's own calls of the tool
+            sealed=True,
+        )
+        # Keys asked before are not asked again under the same name (SEP-2663: unique within the task).
+        job.issued_keys = {*(record.input_requests or {}), *(record.collected_responses or {})}
+        self._state.jobs[job.task_id] = job
+        return job
+
+    def start(self, job: Job) -> None:
+        self._spawn(job)
+
+    def forget(self, job: Job) -> None:
+        self._forget(job)
+
+    def _may_take_over(self, call: ToolCall, rule: ToolRule) -> bool:
+        """Whether the call is kept, sealed, for another replica to run if this one is lost: with a seal (a shared
+        store and the operator's key), for a rule that may run it again or queue it. Not a call made on a 2025
+        client's own upstream session, nor a kept-alive one: both live in this replica's connections."""
+        return (
+            self._state.seal is not None
+            and (rule.idempotent is not False or rule.max_concurrency is not None)
+            and call.client_session is None
+            and call.on_progress is None
+        )
+
+    def _slots_of(self, tool: str, rule: ToolRule) -> asyncio.Semaphore | None:
+        if rule.max_concurrency is None:
+            return None
+        return self._slots.setdefault((tool, rule.max_concurrency), asyncio.Semaphore(rule.max_concurrency))
+
     def _admit(self, call: ToolCall, rule: ToolRule, limits: LimitsConfig) -> asyncio.Semaphore | None:
         """Apply the policy's concurrency limits to a new task; returns the tool's slots when it has a limit."""
         if len(self._state.jobs) >= limits.max_running_tasks:
@@ -162,9 +210,9 @@ class Admission:
                     "(limits.max_tasks_per_principal); wait for one to finish",
                     limit="max_tasks_per_principal",
                 )
-        if rule.max_concurrency is None:
+        slots = self._slots_of(call.tool, rule)
+        if slots is None:
             return None
-        slots = self._slots.setdefault((call.tool, rule.max_concurrency), asyncio.Semaphore(rule.max_concurrency))
         if rule.on_limit == "refuse" and slots.locked():
             raise LimitReached(
                 f"tool {call.tool!r} runs at most {rule.max_concurrency} calls at once (max_concurrency), and this "
@@ -188,12 +236,15 @@ class Admission:
             principal=job.call.principal,
             stream=job.call.stream,
             fingerprint=job.call.fingerprint,
+            queued=job.queued,
         )
         if tracing.TRACER.enabled:
             job.span = tracing.TRACER.start_task(job.task_id, job.call.tool)
             record = dataclasses.replace(record, trace=tracing.TRACER.traceparent(job.span))
         job.is_task = True
-        await self._state.store.create(record)
+        seal = self._state.seal
+        context = seal.seal(job.task_id, job.call) if job.sealed and seal is not None else None
+        await self._state.store.create(record, context)
         job.mark_stored()
         self._state.metrics.tasks_created.labels(job.call.tool).inc()
         log.info("task_transition", task_id=job.task_id, tool=job.call.tool, to=record.status.value, duration_ms=0)

@@ -57,10 +57,13 @@ class Attempts:
                 await self._drive(job)
             else:
                 if job.slots.locked():
-                    await self._settlement.progress(
-                        job, Progress(f"queued: {job.call.tool} runs a limited number of calls at once")
-                    )
+                    job.queued = True
+                    message = f"queued: {job.call.tool} runs a limited number of calls at once"
+                    await self._settlement.queued(job, message)
                 async with job.slots:
+                    if job.queued:  # before it is sent: from now on a lost replica may have sent it
+                        job.queued = False
+                        await self._settlement.queued(job, None)
                     await self._drive(job)
         except asyncio.CancelledError:
             if job.cancel_reason == SHUTDOWN:
@@ -149,7 +152,7 @@ class Attempts:
         remaining = deadline - asyncio.get_running_loop().time()
         try:
             with self._state.deadlines.limit(min(max(remaining, 0), _HINT_LOOKUP_S)):
-                return await self._hints.may_repeat(job)
+                return await self._hints.may_repeat(job.call, job.task_id)
         except TimeoutError:
             return False
 

@@ -15,7 +15,7 @@ from cachetools import TTLCache
 from ..upstream.events import UpstreamUnavailable
 from ..upstream.gateway import Gateway
 from ..upstream.tools import list_tools
-from .job import Job
+from .job import ToolCall
 
 log = structlog.get_logger(__name__)
 
@@ -30,18 +30,18 @@ class RepeatHints:
         self._safe: TTLCache[str, frozenset[str]] = TTLCache(maxsize=_CACHED_CALLERS, ttl=_CACHED_S)
         """Per caller's credential (a keyed hash): the tools the upstream says may run again."""
 
-    async def may_repeat(self, job: Job) -> bool:
-        safe = self._safe.get(job.call.credential)
+    async def may_repeat(self, call: ToolCall, task_id: str) -> bool:
+        safe = self._safe.get(call.credential)
         if safe is None:
             try:
-                tools = await list_tools(self._gateway, max_bytes=self._max_bytes(), credentials=job.call.headers)
+                tools = await list_tools(self._gateway, max_bytes=self._max_bytes(), credentials=call.headers)
             except UpstreamUnavailable as exc:
-                log.info("tool_hints_unknown", task_id=job.task_id, tool=job.call.tool, reason=str(exc))
+                log.info("tool_hints_unknown", task_id=task_id, tool=call.tool, reason=str(exc))
                 return False  # unknown is no
-            safe = self._safe[job.call.credential] = frozenset(
+            safe = self._safe[call.credential] = frozenset(
                 tool["name"] for tool in tools if _says_repeatable(tool.get("annotations"))
             )
-        return job.call.tool in safe
+        return call.tool in safe
 
 
 def _says_repeatable(annotations: object) -> bool:

@@ -100,6 +100,12 @@ class Job:
     questions_asked: int = 0
     """A legacy server's questions so far: bounded by max_input_rounds, as a modern server's rounds are."""
     question_lock: asyncio.Lock | None = None
+    queued: bool = False
+    """Waiting for one of its tool's slots: not sent upstream yet (kept in the record for a takeover)."""
+    run: int = 1
+    """Which run of the call this is (TaskRecord.attempt): a run after a lost replica says so in every message."""
+    sealed: bool = False
+    """Its call is kept in the store, sealed, for another replica to run it again (proxy/tasks/takeover.py)."""
 
     def mark_stored(self) -> None:
         self.stored = True

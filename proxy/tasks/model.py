@@ -83,6 +83,10 @@ class TaskRecord:
     """The W3C traceparent of the task's span (proxy/tracing.py), for requests about it to link to; not on the wire."""
     fingerprint: str | None = None
     """With an idempotency key: the request's tool and arguments, hashed (proxy/idempotency.py). Not on the wire."""
+    queued: bool = False
+    """The call waits for one of its tool's slots (max_concurrency) and was not sent upstream yet. Not on the wire."""
+    attempt: int = 1
+    """Which run of the call this is: another replica runs it again after the owner was lost (takeover.py)."""
 
     @property
     def is_terminal(self) -> bool:
@@ -119,11 +123,15 @@ def to_json(record: TaskRecord) -> bytes:
     data["created_at"] = record.created_at.isoformat()
     data["last_updated_at"] = record.last_updated_at.isoformat()
     data["status"] = record.status.value
-    # Records stay as replicas of an earlier version read them, unless tracing or a key is used.
+    # Records stay as replicas of an earlier version read them, unless what they would not know of is used.
     if record.trace is None:
         del data["trace"]
     if record.fingerprint is None:
         del data["fingerprint"]
+    if not record.queued:
+        del data["queued"]
+    if record.attempt == 1:
+        del data["attempt"]
     return dumps(data)
 
 

@@ -1,15 +1,15 @@
-"""Tasks across replicas: events between them (cancellation, answers, changes), reconciliation from the records for
-the events a replica missed, and the sweep that fails the tasks of a replica whose lease lapsed."""
+"""Tasks across replicas: events between them (cancellation, answers, changes, tasks handed over), reconciliation
+from the records for the events a replica missed, and the timer of the sweep for lost replicas' tasks (takeover.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
 
-from ..jsonrpc import INTERNAL_ERROR, error_object
 from .job import Job
 from .model import TaskStatus
 from .runner_state import RunnerState
@@ -31,15 +31,16 @@ class Recovery:
         *,
         reap_interval_s: float,
         reconcile_interval_s: float,
-        lease_s: float,
     ) -> None:
         self._state = state
         self._settlement = settlement
         self._reap_interval_s = reap_interval_s
         self._reconcile_interval_s = reconcile_interval_s
-        self._lease_s = lease_s
         self._reaper: asyncio.Task[None] | None = None
         self._reconciler: asyncio.Task[None] | None = None
+        self._sweep_now = asyncio.Event()
+        self.sweep: Callable[[], Awaitable[int]] | None = None
+        """The lost replicas' tasks taken over (takeover.py), set by the runner once its parts exist."""
 
     async def start(self) -> None:
         """Subscribe to events from every replica; with a shared store, also look for lost replicas' tasks."""
@@ -69,6 +70,9 @@ class Recovery:
         """An event from any replica (this one included) about a task whose call may run here."""
         if event.get("type") in ("changed", "input"):
             self._state.watchers.changed(str(event.get("taskId")))
+        elif event.get("type") == "released":  # a replica stopping handed tasks over: take them now
+            self._sweep_now.set()
+            return
         job = self._state.jobs.get(str(event.get("taskId")))
         if job is None:
             return
@@ -151,40 +155,13 @@ class Recovery:
 
     async def _reap_forever(self) -> None:
         while True:
-            await asyncio.sleep(self._reap_interval_s)
-            with contextlib.suppress(StoreUnavailable):  # logged by the store; the next sweep tries again
-                await self.reap_lost()
-
-    async def reap_lost(self) -> int:
-        """Fail the running tasks whose replica's lease lapsed (killed, partitioned); returns how many."""
-        store = self._state.store
-        if store.healthy_for() < self._lease_s:
-            # The store was out of reach within a lease: a live replica may not have renewed its lease since.
-            return 0
-        reaped = 0
-        alive: dict[str, bool] = {}
-        for task_id in await store.running_task_ids():
-            record = await store.get(task_id)
-            if record is None or record.is_terminal or record.owner is None:
-                continue
-            if record.owner == self._state.replica_id:
-                if task_id in self._state.jobs:
-                    continue
-                owner_alive = False  # ours, but no call runs for it here any more
-            else:
-                if record.owner not in alive:
-                    alive[record.owner] = await store.is_alive(record.owner)
-                owner_alive = alive[record.owner]
-            if owner_alive:
-                continue
-            reason = (
-                f"the proxy replica running this task was lost ({record.owner}); the call may or may not have "
-                "taken effect upstream"
-            )
-            # "unknown", as payment APIs say it: a retry with the task's idempotency key gets this same answer, and
-            # only a new key runs the call again.
-            error = error_object(INTERNAL_ERROR, f"Proxy failure: {reason}", {"outcome": "unknown"})
-            failed = await self._settlement.transition(task_id, TaskStatus.FAILED, error=error, status_message=reason)
-            if failed is not None:
-                reaped += 1
-        return reaped
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._sweep_now.wait(), self._reap_interval_s)
+            self._sweep_now.clear()
+            try:
+                if self.sweep is not None:
+                    await self.sweep()
+            except StoreUnavailable:
+                pass  # logged by the store; the next sweep tries again
+            except Exception as exc:  # the sweep must outlive any one pass
+                log.warning("task_sweep_failed", error=type(exc).__name__)

@@ -28,6 +28,10 @@ class RedisKeys:
     def task(self, task_id: str) -> str:
         return f"{self.prefix}task:{task_id}"
 
+    def context(self, task_id: str) -> str:
+        """A running task's call, sealed (sealing.py): apart from the record, which every poll reads."""
+        return f"{self.prefix}call:{task_id}"
+
     def lease(self, replica_id: str) -> str:
         return f"{self.prefix}replica:{replica_id}"
 

@@ -28,17 +28,35 @@ from .redis_secrets import agreed_secret
 from .resp import DEFAULT_MAX_REPLY_BYTES, RespError
 from .store import EventHandler, TaskIdTaken, Updater
 
-# KEYS: the task, the running set. ARGV: SHA-1 of the value the update was computed from, the new value, "1" when
-# the new status is terminal, the task id. Returns 1 when written, 0 when the record changed meanwhile, -1 when gone.
+# KEYS: the task, the running set, the task's sealed call. ARGV: SHA-1 of the value the update was computed from,
+# the new value, "1" when the new status is terminal, the task id. Returns 1 when written, 0 when the record changed
+# meanwhile, -1 when gone. An ended task's call (its client's credentials, sealed) is deleted with the same write.
 _COMPARE_AND_SET = b"""
 local current = redis.call('GET', KEYS[1])
 if not current then return -1 end
 if redis.sha1hex(current) ~= ARGV[1] then return 0 end
 redis.call('SET', KEYS[1], ARGV[2], 'XX', 'KEEPTTL')
-if ARGV[3] == '1' then redis.call('SREM', KEYS[2], ARGV[4]) end
+if ARGV[3] == '1' then
+  redis.call('SREM', KEYS[2], ARGV[4])
+  redis.call('DEL', KEYS[3])
+end
 return 1
 """
 _COMPARE_AND_SET_SHA = hashlib.sha1(_COMPARE_AND_SET, usedforsecurity=False).hexdigest()
+
+# KEYS: the task, the running set, the task's sealed call. ARGV: the record, its TTL in ms, "1" when it is running,
+# the task id, the sealed call ("" for none). Returns 1 when created, 0 when the id is taken: then nothing is
+# written (a MULTI would still run the SADD and SET queued after a refused SET NX, and replace the call of the task
+# that holds the id).
+_CREATE = b"""
+if not redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2], 'NX') then return 0 end
+if ARGV[3] == '1' then
+  redis.call('SADD', KEYS[2], ARGV[4])
+  if ARGV[5] ~= '' then redis.call('SET', KEYS[3], ARGV[5], 'PX', ARGV[2]) end
+end
+return 1
+"""
+_CREATE_SHA = hashlib.sha1(_CREATE, usedforsecurity=False).hexdigest()
 
 _INDEX_TIES = 64
 """Entries read past a page's end, for those that share the cursor's score (told apart by task id)."""
@@ -66,24 +84,16 @@ class RedisTaskStore:
     def healthy_for(self) -> float:
         return self._link.healthy_for()
 
-    async def create(self, record: TaskRecord) -> None:
-        key = self._keys.task(record.task_id)
-        commands: list[tuple[str | bytes | int, ...]] = [("MULTI",)]
-        commands.append(("SET", key, to_json(record), "PX", record.ttl_ms, "NX"))
-        if not record.is_terminal:
-            commands.append(("SADD", self._keys.running, record.task_id))
-        commands.append(("EXEC",))
+    async def create(self, record: TaskRecord, context: bytes | None = None) -> None:
+        keys = (self._keys.task(record.task_id), self._keys.running, self._keys.context(record.task_id))
+        running = not record.is_terminal
+        args = (to_json(record), record.ttl_ms, int(running), record.task_id, context if running and context else b"")
         async with self._link.answering("create"):
-            replies = await self._fast.pipeline(commands)
-            executed = replies[-1]
-            if not isinstance(executed, list) or len(executed) != len(commands) - 2:
-                raise Inconsistent("EXEC did not answer one reply per queued command")
-            for reply in executed:
-                if isinstance(reply, RespError):
-                    raise reply  # e.g. OOM: nothing was written
-            created = executed[0]
-        if created is None:
-            raise TaskIdTaken(record.task_id)  # random ids never collide; a durable call's derived one may
+            created = await self._script(_CREATE, _CREATE_SHA, keys, args)
+        if created not in (0, 1) or isinstance(created, bool):
+            raise Inconsistent("the create script answered out of its range")
+        if created == 0:
+            raise TaskIdTaken(record.task_id)  # random ids never collide; a durable or keyed call's derived one may
 
     async def index_add(self, index: str, task_id: str, score: int, ttl_ms: int) -> None:
         """Scores are expiry times in microseconds: members whose task has expired are dropped here, and the list
@@ -138,6 +148,13 @@ class RedisTaskStore:
             raise Inconsistent("GET answered another task's record")
         return record
 
+    async def call_context(self, task_id: str) -> bytes | None:
+        async with self._link.answering("get"):
+            sealed = await self._fast.execute("GET", self._keys.context(task_id))
+        if sealed is not None and not isinstance(sealed, bytes):
+            raise Inconsistent("GET answered something other than a string")
+        return sealed
+
     async def update(self, task_id: str, updater: Updater) -> TaskRecord | None:
         key = self._keys.task(task_id)
         async with self._link.answering("update"):
@@ -159,17 +176,21 @@ class RedisTaskStore:
 
     async def _compare_and_set(self, key: str, raw: bytes, new: TaskRecord) -> int:
         read = hashlib.sha1(raw, usedforsecurity=False).hexdigest()  # a fingerprint, not a security measure
-        args = (2, key, self._keys.running, read, to_json(new), int(new.is_terminal), new.task_id)
-        try:
-            written = await self._fast.execute("EVALSHA", _COMPARE_AND_SET_SHA, *args)
-        except RespError as exc:
-            if not str(exc).startswith("NOSCRIPT"):
-                raise
-            written = await self._fast.execute("EVAL", _COMPARE_AND_SET, *args)  # loads it for the next EVALSHA
+        keys = (key, self._keys.running, self._keys.context(new.task_id))
+        args = (read, to_json(new), int(new.is_terminal), new.task_id)
+        written = await self._script(_COMPARE_AND_SET, _COMPARE_AND_SET_SHA, keys, args)
         if written not in (-1, 0, 1) or isinstance(written, bool):
             raise Inconsistent("the compare-and-set script answered out of its range")
         assert isinstance(written, int)
         return written
+
+    async def _script(self, body: bytes, sha: str, keys: tuple[str, ...], args: tuple[str | bytes | int, ...]) -> Any:
+        try:
+            return await self._fast.execute("EVALSHA", sha, len(keys), *keys, *args)
+        except RespError as exc:
+            if not str(exc).startswith("NOSCRIPT"):
+                raise
+            return await self._fast.execute("EVAL", body, len(keys), *keys, *args)  # loads it for the next EVALSHA
 
     async def ping(self) -> None:
         """A write, not a PING: a Redis that answers but refuses writes (maxmemory, a read-only replica) cannot

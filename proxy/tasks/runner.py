@@ -30,9 +30,11 @@ from .job import DirectOutcome, ToolCall
 from .model import TaskRecord, TaskStatus, utc_now
 from .recovery import CANCELLED_BY_CLIENT, Recovery
 from .runner_state import RunnerState
+from .sealing import CallSeal
 from .settlement import NotTheOwner, Settlement
 from .store import TaskIdTaken, TaskStore
 from .sync_rounds import SyncRounds
+from .takeover import Takeover
 
 if TYPE_CHECKING:
     from ..upstream.gateway import Gateway
@@ -57,6 +59,8 @@ class TaskRunner:
         lease_s: float = 0.0,
         input_wait_s: float = 300.0,
         metrics: Metrics | None = None,
+        rule_for: Callable[[str], ToolRule | None] = lambda tool: None,
+        seal: CallSeal | None = None,
     ) -> None:
         self._state = RunnerState(
             store=store,
@@ -66,6 +70,7 @@ class TaskRunner:
             timer=timer,
             # Unique per process, so a restarted replica never claims a dead one's tasks as its own.
             replica_id=f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}",
+            seal=seal if store.shared else None,
         )
         self._defaults = defaults
         self._rounds = SyncRounds(input_wait_s=input_wait_s, upstream_url=upstream.url)
@@ -75,12 +80,16 @@ class TaskRunner:
             self._settlement,
             reap_interval_s=reap_interval_s,
             reconcile_interval_s=reconcile_interval_s,
-            lease_s=lease_s,
         )
         self._input_rounds = InputRounds(self._state, self._settlement, self._recovery, self._rounds)
         hints = RepeatHints(upstream, lambda: limits().max_result_bytes)
         attempts = Attempts(self._state, self._settlement, self._input_rounds, hints)
         self._admission = Admission(self._state, attempts, self._rounds, defaults, limits)
+        running_limit = lambda: limits().max_running_tasks  # noqa: E731
+        self._takeover = Takeover(
+            self._state, self._settlement, self._admission, hints, rule_for, running_limit, lease_s=lease_s
+        )
+        self._recovery.sweep = self._takeover.sweep
         self.replica_id = self._state.replica_id
         self.watchers = self._state.watchers
         self._state.metrics.watch_running(self._running_by_status)
@@ -183,14 +192,18 @@ class TaskRunner:
         return await self._recovery.reconcile()
 
     async def reap_lost(self) -> int:
-        """Fail the running tasks whose replica's lease lapsed (killed, partitioned); returns how many."""
-        return await self._recovery.reap_lost()
+        """Take over the running tasks whose replica's lease lapsed (killed, partitioned) or that it handed over:
+        run again those that may be, fail the others; returns how many."""
+        return await self._takeover.sweep()
 
     async def aclose(self, grace_s: float = 0.0) -> None:
-        """Let running calls finish for up to grace_s, then stop the rest and fail their tasks."""
+        """Hand the calls that may run again to the other replicas, let the rest finish for up to grace_s, then
+        stop them and fail their tasks."""
         self._state.accepting = False
         self._rounds.drain()  # their calls are stopped below with every other one
         self._recovery.stop()
+        if self._state.seal is not None:
+            await self._takeover.release()
         jobs = self._state.jobs
         pending = [job.runner for job in jobs.values() if job.runner is not None and not job.runner.done()]
         if pending:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from ..metrics import Metrics
 from .deadlines import Deadlines
 from .job import Job
+from .sealing import CallSeal
 from .store import TaskStore
 from .watchers import TaskWatchers
 
@@ -32,3 +33,5 @@ class RunnerState:
     """The calls' time limits (timeout_s)."""
     accepting: bool = True
     """False once shutdown began: no new task is taken."""
+    seal: CallSeal | None = None
+    """With a shared store and an operator's principal key: seals calls for another replica to take over."""

@@ -47,6 +47,11 @@ def owned(record: TaskRecord, principal: str | None) -> TaskRecord:
     return record
 
 
+def run_note(run: int, attempts: int) -> str:
+    """What every status message of a call run again after a lost replica starts with."""
+    return f"attempt {run} of {attempts}, after a lost proxy replica"
+
+
 class Settlement:
     """Records each transition of a task exactly once, and the outcome of a call however long the store takes."""
 
@@ -59,6 +64,8 @@ class Settlement:
         message = event.describe()
         if message is None:
             return
+        if job.run > 1:
+            message = f"{run_note(job.run, job.rule.retry.attempts)}: {message}"
         job.last_message = message
         if job.is_task and job.stored:
 
@@ -73,6 +80,28 @@ class Settlement:
                     # Streams on this replica (a durable call's progress) see it now, not at their next tick; no
                     # publish: other replicas' listeners read it at theirs, which spares Redis a message per step.
                     self._state.watchers.progressed(job.task_id)
+
+    async def queued(self, job: Job, message: str | None) -> None:
+        """Record that the call waits for a slot of its tool (a message), or that it has one and is about to be
+        sent (None). The latter is written before the call goes out, however long the store takes: a replica that
+        takes the task over runs a call marked queued whatever its rule, as it was never sent."""
+        job.last_message = message
+        if not (job.is_task and job.stored):
+            return  # its record is made with job.queued
+
+        def apply(record: TaskRecord) -> TaskRecord:
+            if record.status is not TaskStatus.WORKING or record.queued == job.queued:
+                return record
+            return transition(
+                record, TaskStatus.WORKING, now=self._state.now(), status_message=message, queued=job.queued
+            )
+
+        if job.queued:
+            with contextlib.suppress(StoreUnavailable):  # best effort: unmarked, it is only not taken over
+                await self.update_live(job, apply)
+        else:
+            await self.until_stored(job, lambda: self.update_live(job, apply))
+        self._state.watchers.progressed(job.task_id)
 
     async def update_live(self, job: Job, apply: Callable[[TaskRecord], TaskRecord]) -> TaskRecord | None:
         """Update a running job's record; None when it ended meanwhile (the job is stopped if the record is gone)."""

@@ -36,8 +36,12 @@ class TaskStore(Protocol):
     failures: Mapping[str, int]
     """Calls to the store that failed (unreachable, timed out, refused, corrupt), by operation, since the start."""
 
-    async def create(self, record: TaskRecord) -> None:
-        """Store a new record; it expires ttl_ms after this call, whatever updates follow."""
+    async def create(self, record: TaskRecord, context: bytes | None = None) -> None:
+        """Store a new record; it expires ttl_ms after this call, whatever updates follow. A shared store keeps
+        `context` (the call, sealed: sealing.py) beside it until the task ends, for another replica to run it again."""
+
+    async def call_context(self, task_id: str) -> bytes | None:
+        """The sealed call kept with a running task, or None."""
 
     async def get(self, task_id: str) -> TaskRecord | None:
         """The record, or None when unknown or expired."""
@@ -119,7 +123,8 @@ class MemoryTaskStore:
         self._expire()
         return len(self._records)
 
-    async def create(self, record: TaskRecord) -> None:
+    async def create(self, record: TaskRecord, context: bytes | None = None) -> None:
+        # `context` is for other replicas to take the call over: a store in this process dies with its calls.
         self._expire()
         if self._live(record.task_id) is not None:
             raise TaskIdTaken(record.task_id)
@@ -138,6 +143,9 @@ class MemoryTaskStore:
 
     async def get(self, task_id: str) -> TaskRecord | None:
         return self._live(task_id)
+
+    async def call_context(self, task_id: str) -> bytes | None:
+        return None
 
     async def update(self, task_id: str, updater: Updater) -> TaskRecord | None:
         current = self._live(task_id)

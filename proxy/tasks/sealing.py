@@ -1,0 +1,91 @@
+"""A call's context (its message, the client's headers for the upstream, what it may be asked), sealed for the store
+so that another replica can run it again after this one is lost (takeover.py).
+
+The headers carry the client's credentials: they go to Redis only encrypted and authenticated (AES-256-GCM, from
+pyca/cryptography), under a key derived from the principal key the operator gives every replica
+(`security.principal_key` or MCP_TASKS_PROXY_PRINCIPAL_KEY). A key the replicas agreed on through Redis itself
+would protect nothing from whoever reads Redis: without an operator's key, no context is stored and a lost
+replica's tasks end "outcome unknown" as before. The task id is the associated data: a context moved to another
+task's key does not open.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from typing import Any
+
+import structlog
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from multidict import CIMultiDict
+
+from ..jsonrpc import dumps, loads
+from .job import ToolCall
+
+log = structlog.get_logger(__name__)
+
+_VERSION = b"\x01"
+_NONCE_BYTES = 12
+_LABEL = b"mcp-tasks-proxy call context v1"
+
+
+class CallSeal:
+    """Seals and opens call contexts with one replica-shared key."""
+
+    __slots__ = ("_aead",)
+
+    def __init__(self, principal_key: bytes) -> None:
+        # A key of its own, not the principal key itself: the hashes keyed by that one are in the records.
+        self._aead = AESGCM(hmac.new(principal_key, _LABEL, hashlib.sha256).digest())
+
+    def seal(self, task_id: str, call: ToolCall) -> bytes:
+        context = {
+            "message": call.message,
+            "headers": [[name, value] for name, value in call.headers.items()],
+            "capabilities": call.capabilities,
+            "caller": call.caller,
+            "credential": call.credential,
+        }
+        # 96 random bits per nonce: a repeat is as likely as a task id colliding, under one key for any number
+        # of tasks within the 2^32 messages AES-GCM allows per key with random nonces (NIST SP 800-38D).
+        nonce = os.urandom(_NONCE_BYTES)
+        return _VERSION + nonce + self._aead.encrypt(nonce, dumps(context), task_id.encode())
+
+    def unseal(self, task_id: str, sealed: bytes, principal: str) -> ToolCall | None:
+        """The call sealed for this task, or None (logged) when it does not open: another key (the operator changed
+        it), another task's context, altered bytes, or a shape this version does not read."""
+        try:
+            if sealed[:1] != _VERSION:
+                raise ValueError("unknown version")
+            nonce = sealed[1 : 1 + _NONCE_BYTES]
+            context = loads(self._aead.decrypt(nonce, sealed[1 + _NONCE_BYTES :], task_id.encode()))
+            return _call_of(context, principal)
+        except (InvalidTag, ValueError, TypeError, KeyError) as exc:
+            log.warning("call_context_unreadable", task_id=task_id, reason=type(exc).__name__)
+            return None
+
+
+def _call_of(context: Any, principal: str) -> ToolCall:
+    message = context["message"]
+    params = message["params"]
+    if not isinstance(params, dict) or not isinstance(params.get("name"), str):
+        raise ValueError("not a tools/call")
+    headers: CIMultiDict[str] = CIMultiDict()
+    for name, value in context["headers"]:
+        if not isinstance(name, str) or not isinstance(value, str):
+            raise TypeError("a header that is not text")
+        headers.add(name, value)
+    capabilities = context["capabilities"]
+    if not isinstance(capabilities, dict):
+        raise TypeError("capabilities that are not an object")
+    return ToolCall(
+        tool=params["name"],
+        message=message,
+        headers=headers,
+        capabilities=capabilities,
+        principal=principal,
+        credential=str(context["credential"]),
+        caller=str(context["caller"]),
+    )

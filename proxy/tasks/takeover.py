@@ -1,0 +1,252 @@
+"""A lost replica's calls, taken over by another: run again where that is safe, else ended "outcome unknown".
+
+A call runs again when it was never sent (it waited for a slot of its tool), or when its rule says the tool may run
+twice (`idempotent: true`, or `hint` and the upstream's annotations agree), at most `retry.attempts` runs in all: a
+call that kills every replica it runs on (memory, a crash) does not take them all down. Running it again needs the
+call itself, which the owner kept in the store sealed (sealing.py); without an operator's principal key there is
+none, and the task fails as before. The claim is one atomic update of the record (its owner still the lost one),
+so among replicas sweeping at once exactly one takes each task.
+
+At shutdown a replica hands its idempotent and queued calls over at once (`release`): their records name a released
+owner, which the other replicas' sweeps take without waiting for the lease to lapse.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+
+import structlog
+
+from .. import tracing
+from ..config import ToolRule
+from ..jsonrpc import INTERNAL_ERROR, error_object
+from .admission import Admission
+from .hints import RepeatHints
+from .job import Job, ToolCall
+from .model import TaskRecord, TaskStatus, transition
+from .runner_state import RunnerState
+from .settlement import Settlement, run_note
+from .store import StoreUnavailable
+
+log = structlog.get_logger(__name__)
+
+RELEASED = "released:"
+"""The owner prefix of a task its replica handed over at shutdown: any replica takes it now."""
+
+HANDED_OVER = "handed over to another proxy replica at shutdown"
+"""The cancel reason of a call released at shutdown: stopped here, not settled (another replica runs it)."""
+
+_HINT_LOOKUP_S = 10.0
+
+
+class NoRoom(Exception):
+    """This replica runs as many calls as it may (limits.max_running_tasks): the task is left for another sweep."""
+
+
+class _NotLost(Exception):
+    """The record changed since it was read: another replica took it, or it ended."""
+
+
+class Takeover:
+    def __init__(
+        self,
+        state: RunnerState,
+        settlement: Settlement,
+        admission: Admission,
+        hints: RepeatHints,
+        rule_for: Callable[[str], ToolRule | None],
+        max_running: Callable[[], int],
+        *,
+        lease_s: float,
+    ) -> None:
+        self._lease_s = lease_s
+        self._state = state
+        self._settlement = settlement
+        self._admission = admission
+        self._hints = hints
+        self._rule_for = rule_for
+        self._max_running = max_running
+
+    async def sweep(self) -> int:
+        """Take over the running tasks whose replica's lease lapsed (killed, partitioned) or that it released at
+        shutdown: run again those that may be, fail the others; returns how many were taken or failed."""
+        store = self._state.store
+        # The store was out of reach within a lease: a live replica may not have renewed its lease since, so only
+        # the tasks handed over are taken.
+        leases_known = store.healthy_for() >= self._lease_s
+        swept = 0
+        alive: dict[str, bool] = {}
+        for task_id in await store.running_task_ids():
+            record = await store.get(task_id)
+            if record is None or record.is_terminal or record.owner is None:
+                continue
+            if record.owner == self._state.replica_id:
+                if task_id in self._state.jobs:
+                    continue
+                owner_alive = False  # ours, but no call runs for it here any more
+            elif is_released(record.owner):
+                owner_alive = False
+            elif not leases_known:
+                continue
+            else:
+                if record.owner not in alive:
+                    alive[record.owner] = await store.is_alive(record.owner)
+                owner_alive = alive[record.owner]
+            if owner_alive:
+                continue
+            try:
+                why_not = await self.take(record)
+            except NoRoom:
+                continue  # another replica, or the next sweep
+            if why_not is None or await self._fail_unknown(record, why_not):
+                swept += 1
+        return swept
+
+    async def _fail_unknown(self, record: TaskRecord, why_not: str) -> bool:
+        owner = record.owner or ""
+        reason = (
+            f"the proxy replica running this task was lost ({owner.removeprefix(RELEASED)}); the call may or may not "
+            f"have taken effect upstream, and is not run again: {why_not}"
+        )
+        # "unknown", as payment APIs say it: a retry with the task's idempotency key gets this same answer, and
+        # only a new key runs the call again.
+        error = error_object(INTERNAL_ERROR, f"Proxy failure: {reason}", {"outcome": "unknown"})
+        failed = await self._settlement.transition(
+            record.task_id,
+            TaskStatus.FAILED,
+            error=error,
+            status_message=reason,
+            unless=lambda current: current.owner != owner,  # taken by another replica meanwhile
+        )
+        if failed is None or failed.status is not TaskStatus.FAILED:
+            return False
+        self._state.metrics.tasks_taken_over.labels("unknown").inc()
+        return True
+
+    async def take(self, record: TaskRecord) -> str | None:
+        """Run the lost replica's call here; None once it runs, else why it may not (then it fails "unknown").
+        Raises NoRoom when this replica is full, StoreUnavailable when the store does not answer."""
+        state = self._state
+        rule = self._rule_for(record.tool)
+        if rule is None:
+            return "no tool rule of the policy names it any more"
+        if not record.queued:
+            if rule.idempotent is False:
+                return "its tool rule is not idempotent"
+            if record.attempt >= rule.retry.attempts:
+                return f"it ran {_runs(record.attempt)} already, the most its rule allows (retry.attempts)"
+        if state.seal is None:
+            return "the replicas have no principal key of the operator's to keep calls with (security.principal_key)"
+        sealed = await state.store.call_context(record.task_id)
+        call = state.seal.unseal(record.task_id, sealed, record.principal) if sealed is not None else None
+        if call is None or call.tool != record.tool:
+            return "its call was not kept for another replica"
+        if len(state.jobs) >= self._max_running():
+            raise NoRoom
+        if not record.queued and rule.idempotent == "hint" and not await self._hinted(call, record.task_id):
+            return "the upstream does not mark its tool idempotent or read-only (idempotent: hint)"
+        return await self._claim(record, call, rule)
+
+    async def _hinted(self, call: ToolCall, task_id: str) -> bool:
+        try:
+            with self._state.deadlines.limit(_HINT_LOOKUP_S):
+                return await self._hints.may_repeat(call, task_id)
+        except TimeoutError:
+            return False
+
+    async def _claim(self, record: TaskRecord, call: ToolCall, rule: ToolRule) -> str | None:
+        state = self._state
+        attempt = record.attempt if record.queued else record.attempt + 1
+        if record.queued:
+            message = "queued again on another proxy replica: the one it waited on was lost"
+        else:
+            message = f"{run_note(attempt, rule.retry.attempts)}: running again"
+        lost_owner = record.owner
+
+        def claim(current: TaskRecord) -> TaskRecord:
+            if current.is_terminal or current.owner != lost_owner:
+                raise _NotLost
+            return transition(
+                current,
+                TaskStatus.WORKING,
+                now=state.now(),
+                owner=state.replica_id,
+                attempt=attempt,
+                status_message=message,
+                input_requests=None,
+                collected_responses=None,
+            )
+
+        job = self._admission.adopt(call, rule, record)  # in the table first: no sweep here takes it twice
+        try:
+            claimed = await state.store.update(record.task_id, claim)
+        except _NotLost:
+            claimed = None
+        except BaseException:
+            self._admission.forget(job)
+            raise
+        if claimed is None:
+            self._admission.forget(job)
+            return None  # taken by another replica, or ended: nothing is left to do with it
+        job.last_message = message
+        job.run = attempt
+        if tracing.TRACER.enabled:
+            job.span = tracing.TRACER.start_task(job.task_id, job.call.tool)
+        self._admission.start(job)
+        state.metrics.tasks_taken_over.labels("run_again").inc()
+        log.info(
+            "task_taken_over",
+            task_id=record.task_id,
+            tool=record.tool,
+            lost_owner=lost_owner,
+            attempt=attempt,
+            queued=record.queued,
+        )
+        await self._settlement.announce(record.task_id)
+        return None
+
+    async def release(self) -> int:
+        """At shutdown: hand this replica's idempotent and queued calls to the others now; returns how many."""
+        state = self._state
+        released = 0
+        for job in list(state.jobs.values()):
+            if not (job.sealed and job.is_task and job.stored and not job.settled):
+                continue
+            if not (job.queued or job.rule.idempotent is True):
+                continue  # may not run twice: it has the shutdown grace to finish here
+            if await self._hand_over(job):
+                released += 1
+        if released:
+            state.metrics.tasks_taken_over.labels("released").inc(released)
+            log.info("tasks_handed_over", tasks=released)
+            with contextlib.suppress(StoreUnavailable):  # the others' next sweep finds them anyway
+                await state.store.publish({"type": "released", "taskId": ""})
+        return released
+
+    async def _hand_over(self, job: Job) -> bool:
+        state = self._state
+
+        def release(current: TaskRecord) -> TaskRecord:
+            if current.is_terminal or current.owner != state.replica_id:
+                raise _NotLost
+            return dataclasses.replace(current, owner=RELEASED + state.replica_id)
+
+        try:
+            released = await state.store.update(job.task_id, release)
+        except (_NotLost, StoreUnavailable):
+            return False
+        if released is None:
+            return False
+        if not job.settled:  # an outcome being written now is kept: the record then ends, and no one takes it
+            job.stop(HANDED_OVER)
+        return True
+
+
+def is_released(owner: str) -> bool:
+    return owner.startswith(RELEASED)
+
+
+def _runs(count: int) -> str:
+    return "once" if count == 1 else f"{count} times"

@@ -1,0 +1,53 @@
+"""A call kept in the store for another replica: sealed so that whoever reads Redis learns nothing from it and can
+change nothing in it."""
+
+from __future__ import annotations
+
+from multidict import CIMultiDict
+
+from proxy.tasks.job import ToolCall
+from proxy.tasks.sealing import CallSeal
+
+
+def call() -> ToolCall:
+    headers = CIMultiDict([("Authorization", "Bearer s3cret-token"), ("X-Tenant", "a"), ("X-Tenant", "b")])
+    message = {"jsonrpc": "2.0", "id": "mtp-1", "method": "tools/call", "params": {"name": "t", "arguments": {"n": 1}}}
+    return ToolCall(
+        tool="t",
+        message=message,
+        headers=headers,
+        capabilities={"elicitation": {}},
+        principal="p",
+        credential="c",
+        caller="p",
+    )
+
+
+def test_a_sealed_call_opens_as_it_was_and_shows_nothing_of_it():
+    seal = CallSeal(b"the operator's key")
+    sealed = seal.seal("task-1", call())
+    assert b"s3cret-token" not in sealed and b"arguments" not in sealed
+    assert seal.seal("task-1", call()) != sealed  # a fresh nonce each time
+    opened = seal.unseal("task-1", sealed, "p")
+    assert opened is not None
+    assert opened.message == call().message
+    assert list(opened.headers.items()) == list(call().headers.items())  # repeated headers kept, in order
+    assert (opened.tool, opened.capabilities, opened.credential, opened.caller, opened.principal) == (
+        "t",
+        {"elicitation": {}},
+        "c",
+        "p",
+        "p",
+    )
+
+
+def test_a_call_that_was_altered_moved_or_sealed_with_another_key_does_not_open():
+    seal = CallSeal(b"the operator's key")
+    sealed = seal.seal("task-1", call())
+    flipped = bytearray(sealed)
+    flipped[-1] ^= 1
+    assert seal.unseal("task-1", bytes(flipped), "p") is None
+    assert seal.unseal("task-2", sealed, "p") is None  # another task's record cannot borrow it
+    assert CallSeal(b"another key").unseal("task-1", sealed, "p") is None
+    assert seal.unseal("task-1", b"", "p") is None
+    assert seal.unseal("task-1", b"\x02" + sealed[1:], "p") is None  # a version this one does not read
