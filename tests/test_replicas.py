@@ -395,3 +395,32 @@ async def _is(value, expected) -> bool:
 
 async def _says(client: McpClient, task_id: str, words: str) -> bool:
     return words in ((await client.get_task(task_id)).result.get("statusMessage") or "")
+
+
+async def test_a_durable_calls_stream_resumed_on_another_replica_follows_the_run_after_a_lost_one(
+    replicas, session, mcp_upstream, upstream_client
+):
+    """A 2025-era client's durable call (no tasks) on A, an idempotent tool: A dies, B runs the call again, and the
+    client's stream, resumed on B with its Last-Event-ID, ends with the answer of B's run."""
+    tools = [{"match": "gated", "idempotent": True}]
+    doomed = replicas(mcp_upstream, tools=tools)
+    on_a = Client2025(session, doomed.url)
+    await on_a.initialize()
+    on_b = Client2025(session, replicas(mcp_upstream, tools=tools).url)
+    on_b.headers = dict(on_a.headers)  # the same client, its connection now landing on B
+    tag = gate_tag()
+    async with on_a.call("gated", {"tag": tag}) as response:
+        async for event, _ in events_of(response):
+            last_event_id = event.id  # the priming event; then A's connection is gone
+            break
+    await eventually(lambda: gate_is(upstream_client, tag, "started"), what="the first run")
+    killed(doomed)
+    await eventually(lambda: _is(arrivals(upstream_client, tag), 2), what="the call running again on B")
+    await release_gate(upstream_client, tag)
+    final = None
+    async with on_b.resume(last_event_id) as resumed:
+        assert resumed.status == 200
+        async for _, message in events_of(resumed):
+            if message and "result" in message:
+                final = message
+    assert final["result"]["content"][0]["text"] == f"gate {tag} opened"

@@ -51,3 +51,16 @@ def test_a_call_that_was_altered_moved_or_sealed_with_another_key_does_not_open(
     assert CallSeal(b"another key").unseal("task-1", sealed, "p") is None
     assert seal.unseal("task-1", b"", "p") is None
     assert seal.unseal("task-1", b"\x02" + sealed[1:], "p") is None  # a version this one does not read
+
+
+def test_a_durable_calls_own_upstream_session_is_kept_by_id():
+    from proxy.upstream.routing import LegacySession
+
+    seal = CallSeal(b"the operator's key")
+    durable = call()
+    durable.client_session = LegacySession(session_id="s-1", protocol_version="2025-06-18", principal="p")
+    opened = seal.unseal("task-1", seal.seal("task-1", durable), "p")
+    assert opened is not None and opened.client_session is not None
+    assert (opened.client_session.session_id, opened.client_session.protocol_version) == ("s-1", "2025-06-18")
+    assert opened.client_session.principal == "p"
+    assert seal.unseal("task-1", seal.seal("task-1", call()), "p").client_session is None

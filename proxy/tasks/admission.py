@@ -180,12 +180,11 @@ class Admission:
 
     def _may_take_over(self, call: ToolCall, rule: ToolRule) -> bool:
         """Whether the call is kept, sealed, for another replica to run if this one is lost: with a seal (a shared
-        store and the operator's key), for a rule that may run it again or queue it. Not a call made on a 2025
-        client's own upstream session, nor a kept-alive one: both live in this replica's connections."""
+        store and the operator's key), for a rule that may run it again or queue it. Not a kept-alive call: its
+        client's one connection ends with this replica, and nothing could find the task again."""
         return (
             self._state.seal is not None
             and (rule.idempotent is not False or rule.max_concurrency is not None)
-            and call.client_session is None
             and call.on_progress is None
         )
 

@@ -1,4 +1,5 @@
-"""A call's context (its message, the client's headers for the upstream, what it may be asked), sealed for the store
+"""A call's context (its message, the client's headers for the upstream, what it may be asked, the client's own
+upstream session for a durable call), sealed for the store
 so that another replica can run it again after this one is lost (takeover.py).
 
 The headers carry the client's credentials: they go to Redis only encrypted and authenticated (AES-256-GCM, from
@@ -22,6 +23,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from multidict import CIMultiDict
 
 from ..jsonrpc import dumps, loads
+from ..upstream.routing import LegacySession
 from .job import ToolCall
 
 log = structlog.get_logger(__name__)
@@ -48,6 +50,9 @@ class CallSeal:
             "caller": call.caller,
             "credential": call.credential,
         }
+        session = call.client_session
+        if session is not None:  # a durable call goes on its client's own upstream session, by id
+            context["session"] = [session.session_id, session.protocol_version]
         # 96 random bits per nonce: a repeat is as likely as a task id colliding, under one key for any number
         # of tasks within the 2^32 messages AES-GCM allows per key with random nonces (NIST SP 800-38D).
         nonce = os.urandom(_NONCE_BYTES)
@@ -80,6 +85,12 @@ def _call_of(context: Any, principal: str) -> ToolCall:
     capabilities = context["capabilities"]
     if not isinstance(capabilities, dict):
         raise TypeError("capabilities that are not an object")
+    session = None
+    if "session" in context:
+        session_id, version = context["session"]
+        if not (session_id is None or isinstance(session_id, str)) or not isinstance(version, str):
+            raise TypeError("a session that is not text")
+        session = LegacySession(session_id=session_id, protocol_version=version, principal=principal)
     return ToolCall(
         tool=params["name"],
         message=message,
@@ -88,4 +99,5 @@ def _call_of(context: Any, principal: str) -> ToolCall:
         principal=principal,
         credential=str(context["credential"]),
         caller=str(context["caller"]),
+        client_session=session,
     )
