@@ -424,3 +424,28 @@ async def test_a_durable_calls_stream_resumed_on_another_replica_follows_the_run
             if message and "result" in message:
                 final = message
     assert final["result"]["content"][0]["text"] == f"gate {tag} opened"
+
+
+async def test_a_lost_replicas_call_that_the_2025_server_runs_as_its_own_task_is_followed_not_run_again(
+    replicas, session, everything_upstream
+):
+    """server-everything runs simulate-research-query as a SEP-1686 task of its own. The rule is not idempotent, so
+    running it again is not allowed: the replica that takes the task over follows the server's task instead."""
+    tools = [{"match": "simulate-research-query"}]
+    doomed = replicas(everything_upstream, tools=tools)
+    b = replicas(everything_upstream, tools=tools)
+    a_client, b_client = McpClient(session, doomed.url), McpClient(session, b.url)
+    arguments = {"topic": "tides", "ambiguous": False}
+    created = await a_client.call_tool("simulate-research-query", arguments)
+    task_id = created.result["taskId"]
+
+    async def server_task_made() -> bool:
+        return "upstream_task_created" in doomed.log.read_text()
+
+    await eventually(server_task_made, what="the server making a task of the call")
+    killed(doomed)
+    done = await task_reaches(b_client, task_id, "completed", "failed")
+    assert done.result["status"] == "completed", (done.result.get("statusMessage"), done.result.get("error"))
+    assert "tides" in done.result["result"]["content"][0]["text"].lower()
+    follows = [line for line in b.log.read_text().splitlines() if "upstream_task_followed" in line]
+    assert len(follows) == 1

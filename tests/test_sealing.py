@@ -64,3 +64,17 @@ def test_a_durable_calls_own_upstream_session_is_kept_by_id():
     assert (opened.client_session.session_id, opened.client_session.protocol_version) == ("s-1", "2025-06-18")
     assert opened.client_session.principal == "p"
     assert seal.unseal("task-1", seal.seal("task-1", call()), "p").client_session is None
+
+
+def test_the_servers_own_task_and_its_session_are_kept_sealed_as_text():
+    from proxy.upstream.events import UpstreamTask
+
+    seal = CallSeal(b"the operator's key")
+    made = UpstreamTask("upstream-task-1", "session-secret", "2025-11-25")
+    sealed = seal.seal_upstream_task("task-1", made)
+    assert isinstance(sealed, str) and "session-secret" not in sealed
+    assert seal.unseal_upstream_task("task-1", sealed) == made
+    assert seal.unseal_upstream_task("task-2", sealed) is None
+    assert CallSeal(b"another key").unseal_upstream_task("task-1", sealed) is None
+    assert seal.unseal_upstream_task("task-1", "not base64 at all!") is None
+    assert seal.unseal_upstream_task("task-1", "") is None

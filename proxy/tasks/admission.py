@@ -179,13 +179,17 @@ class Admission:
         self._forget(job)
 
     def _may_take_over(self, call: ToolCall, rule: ToolRule) -> bool:
-        """Whether the call is kept, sealed, for another replica to run if this one is lost: with a seal (a shared
-        store and the operator's key), for a rule that may run it again or queue it. Not a kept-alive call: its
-        client's one connection ends with this replica, and nothing could find the task again."""
+        """Whether the call is kept, sealed, for another replica to run or follow if this one is lost: with a seal
+        (a shared store and the operator's key), for a rule that may run it again or queue it. Not a kept-alive
+        call: its client's one connection ends with this replica, and nothing could find the task again."""
+        if self._state.seal is None or call.on_progress is not None:
+            return False
+        # In front of a 2025 server that other replicas reach, any call: if it becomes the server's own task,
+        # another replica follows that task instead of running anything again.
         return (
-            self._state.seal is not None
-            and (rule.idempotent is not False or rule.max_concurrency is not None)
-            and call.on_progress is None
+            rule.idempotent is not False
+            or rule.max_concurrency is not None
+            or self._state.upstream.tasks_reach_replicas
         )
 
     def _slots_of(self, tool: str, rule: ToolRule) -> asyncio.Semaphore | None:

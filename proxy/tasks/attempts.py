@@ -173,7 +173,9 @@ class Attempts:
             max_bytes=job.max_result_bytes,
             on_request=functools.partial(self._input_rounds.open_questions, job),
             session=job.call.client_session,
+            follow=job.follow,
         )
+        job.follow = None  # once: an attempt after it sends the call
         started_s = self._state.timer()
         outcome = "cancelled"
         settle: tuple[TaskStatus, dict[str, Any]] | None = None
@@ -182,6 +184,8 @@ class Attempts:
             with self._state.deadlines.limit(deadline - asyncio.get_running_loop().time()):
                 async for event in events:
                     if isinstance(event, Progress):
+                        if event.upstream_task is not None:
+                            await self._settlement.upstream_task(job, event.upstream_task)
                         await self._settlement.progress(job, event)
                     elif isinstance(event, InputNeeded):
                         if event.reply is None:

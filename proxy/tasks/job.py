@@ -10,6 +10,7 @@ from typing import Any
 from multidict import CIMultiDict
 
 from ..config import ToolRule
+from ..upstream.events import UpstreamTask
 from .model import TaskStatus
 
 
@@ -102,6 +103,8 @@ class Job:
     question_lock: asyncio.Lock | None = None
     queued: bool = False
     """Waiting for one of its tool's slots: not sent upstream yet (kept in the record for a takeover)."""
+    follow: UpstreamTask | None = None
+    """A 2025 server's own task for this call, made through a lost replica: followed, not sent again."""
     run: int = 1
     """Which run of the call this is (TaskRecord.attempt): a run after a lost replica says so in every message."""
     sealed: bool = False

@@ -87,6 +87,9 @@ class TaskRecord:
     """The call waits for one of its tool's slots (max_concurrency) and was not sent upstream yet. Not on the wire."""
     attempt: int = 1
     """Which run of the call this is: another replica runs it again after the owner was lost (takeover.py)."""
+    upstream_task: str | None = None
+    """The 2025 server's own task for the call and its session, sealed (sealing.py): a replica taking the task over
+    follows it. Not on the wire."""
 
     @property
     def is_terminal(self) -> bool:
@@ -132,6 +135,8 @@ def to_json(record: TaskRecord) -> bytes:
         del data["queued"]
     if record.attempt == 1:
         del data["attempt"]
+    if record.upstream_task is None:
+        del data["upstream_task"]
     return dumps(data)
 
 

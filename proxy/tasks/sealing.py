@@ -12,6 +12,7 @@ task's key does not open.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import os
@@ -23,6 +24,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from multidict import CIMultiDict
 
 from ..jsonrpc import dumps, loads
+from ..upstream.events import UpstreamTask
 from ..upstream.routing import LegacySession
 from .job import ToolCall
 
@@ -53,20 +55,43 @@ class CallSeal:
         session = call.client_session
         if session is not None:  # a durable call goes on its client's own upstream session, by id
             context["session"] = [session.session_id, session.protocol_version]
+        return self._sealed(dumps(context), task_id)
+
+    def seal_upstream_task(self, task_id: str, upstream: UpstreamTask) -> str:
+        """The server's own task for the call, sealed as text for the record: its session id is a handle to the
+        proxy's session with the server, for the replicas' eyes only."""
+        value = dumps([upstream.task_id, upstream.session_id, upstream.protocol_version])
+        return base64.urlsafe_b64encode(self._sealed(value, task_id)).decode()
+
+    def unseal_upstream_task(self, task_id: str, sealed: str) -> UpstreamTask | None:
+        try:
+            upstream_task, session_id, version = loads(self._opened(base64.urlsafe_b64decode(sealed), task_id))
+            if not isinstance(upstream_task, str) or not isinstance(version, str):
+                raise TypeError("not text")
+            if session_id is not None and not isinstance(session_id, str):
+                raise TypeError("not text")
+            return UpstreamTask(upstream_task, session_id, version)
+        except (InvalidTag, ValueError, TypeError) as exc:
+            log.warning("upstream_task_unreadable", task_id=task_id, reason=type(exc).__name__)
+            return None
+
+    def _sealed(self, plain: bytes, task_id: str) -> bytes:
         # 96 random bits per nonce: a repeat is as likely as a task id colliding, under one key for any number
         # of tasks within the 2^32 messages AES-GCM allows per key with random nonces (NIST SP 800-38D).
         nonce = os.urandom(_NONCE_BYTES)
-        return _VERSION + nonce + self._aead.encrypt(nonce, dumps(context), task_id.encode())
+        return _VERSION + nonce + self._aead.encrypt(nonce, plain, task_id.encode())
+
+    def _opened(self, sealed: bytes, task_id: str) -> bytes:
+        if sealed[:1] != _VERSION:
+            raise ValueError("unknown version")
+        nonce = sealed[1 : 1 + _NONCE_BYTES]
+        return self._aead.decrypt(nonce, sealed[1 + _NONCE_BYTES :], task_id.encode())
 
     def unseal(self, task_id: str, sealed: bytes, principal: str) -> ToolCall | None:
         """The call sealed for this task, or None (logged) when it does not open: another key (the operator changed
         it), another task's context, altered bytes, or a shape this version does not read."""
         try:
-            if sealed[:1] != _VERSION:
-                raise ValueError("unknown version")
-            nonce = sealed[1 : 1 + _NONCE_BYTES]
-            context = loads(self._aead.decrypt(nonce, sealed[1 + _NONCE_BYTES :], task_id.encode()))
-            return _call_of(context, principal)
+            return _call_of(loads(self._opened(sealed, task_id)), principal)
         except (InvalidTag, ValueError, TypeError, KeyError) as exc:
             log.warning("call_context_unreadable", task_id=task_id, reason=type(exc).__name__)
             return None

@@ -4,6 +4,7 @@ while the store is unavailable), the task's metrics and span closed, and every r
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -18,7 +19,7 @@ from tenacity import (
 )
 
 from .. import tracing
-from ..upstream.events import Progress
+from ..upstream.events import Progress, UpstreamTask
 from .job import DirectOutcome, Job
 from .model import TaskRecord, TaskStateError, TaskStatus, transition
 from .runner_state import RunnerState
@@ -80,6 +81,24 @@ class Settlement:
                     # Streams on this replica (a durable call's progress) see it now, not at their next tick; no
                     # publish: other replicas' listeners read it at theirs, which spares Redis a message per step.
                     self._state.watchers.progressed(job.task_id)
+
+    async def upstream_task(self, job: Job, upstream: UpstreamTask) -> None:
+        """Keep the 2025 server's own task for the call (sealed), for a replica taking the task over to follow it.
+        Best effort: without it a lost replica's task is run again, or ends "unknown", as any other."""
+        seal = self._state.seal
+        if seal is None or not (
+            job.sealed and job.is_task and job.stored and self._state.upstream.tasks_reach_replicas
+        ):
+            return
+        sealed = seal.seal_upstream_task(job.task_id, upstream)
+
+        def apply(record: TaskRecord) -> TaskRecord:
+            if record.is_terminal:
+                return record
+            return dataclasses.replace(record, upstream_task=sealed)  # internal: no new revision
+
+        with contextlib.suppress(StoreUnavailable):
+            await self.update_live(job, apply)
 
     async def queued(self, job: Job, message: str | None) -> None:
         """Record that the call waits for a slot of its tool (a message), or that it has one and is about to be

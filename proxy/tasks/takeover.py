@@ -22,6 +22,7 @@ import structlog
 from .. import tracing
 from ..config import ToolRule
 from ..jsonrpc import INTERNAL_ERROR, error_object
+from ..upstream.events import UpstreamTask
 from .admission import Admission
 from .hints import RepeatHints
 from .job import Job, ToolCall
@@ -132,22 +133,25 @@ class Takeover:
         rule = self._rule_for(record.tool)
         if rule is None:
             return "no tool rule of the policy names it any more"
-        if not record.queued:
-            if rule.idempotent is False:
-                return "its tool rule is not idempotent"
-            if record.attempt >= rule.retry.attempts:
-                return f"it ran {_runs(record.attempt)} already, the most its rule allows (retry.attempts)"
+        if record.attempt >= rule.retry.attempts and not record.queued:
+            return f"it ran {_runs(record.attempt)} already, the most its rule allows (retry.attempts)"
         if state.seal is None:
             return "the replicas have no principal key of the operator's to keep calls with (security.principal_key)"
+        follow = None
+        if record.upstream_task is not None and not record.queued:
+            follow = state.seal.unseal_upstream_task(record.task_id, record.upstream_task)
+        if not record.queued and follow is None and rule.idempotent is False:
+            return "its tool rule is not idempotent"
         sealed = await state.store.call_context(record.task_id)
         call = state.seal.unseal(record.task_id, sealed, record.principal) if sealed is not None else None
         if call is None or call.tool != record.tool:
             return "its call was not kept for another replica"
         if len(state.jobs) >= self._max_running():
             raise NoRoom
-        if not record.queued and rule.idempotent == "hint" and not await self._hinted(call, record.task_id):
+        hinted = record.queued or follow is not None or rule.idempotent != "hint"
+        if not hinted and not await self._hinted(call, record.task_id):
             return "the upstream does not mark its tool idempotent or read-only (idempotent: hint)"
-        return await self._claim(record, call, rule)
+        return await self._claim(record, call, rule, follow)
 
     async def _hinted(self, call: ToolCall, task_id: str) -> bool:
         try:
@@ -156,11 +160,15 @@ class Takeover:
         except TimeoutError:
             return False
 
-    async def _claim(self, record: TaskRecord, call: ToolCall, rule: ToolRule) -> str | None:
+    async def _claim(
+        self, record: TaskRecord, call: ToolCall, rule: ToolRule, follow: UpstreamTask | None
+    ) -> str | None:
         state = self._state
         attempt = record.attempt if record.queued else record.attempt + 1
         if record.queued:
             message = "queued again on another proxy replica: the one it waited on was lost"
+        elif follow is not None:
+            message = "following the upstream's own task for the call, after a lost proxy replica"
         else:
             message = f"{run_note(attempt, rule.retry.attempts)}: running again"
         lost_owner = record.owner
@@ -191,7 +199,10 @@ class Takeover:
             self._admission.forget(job)
             return None  # taken by another replica, or ended: nothing is left to do with it
         job.last_message = message
-        job.run = attempt
+        if follow is not None:
+            job.follow = follow  # nothing runs again: the server's task is followed
+        else:
+            job.run = attempt
         if tracing.TRACER.enabled:
             job.span = tracing.TRACER.start_task(job.task_id, job.call.tool)
         self._admission.start(job)
@@ -203,6 +214,7 @@ class Takeover:
             lost_owner=lost_owner,
             attempt=attempt,
             queued=record.queued,
+            follows=follow is not None,
         )
         await self._settlement.announce(record.task_id)
         return None

@@ -48,12 +48,24 @@ class CredentialsNeeded(UpstreamUnavailable):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class UpstreamTask:
+    """A 2025 server's own task for a call, and the session it belongs to (servers bind tasks to one)."""
+
+    task_id: str
+    session_id: str | None
+    protocol_version: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Progress:
     message: str | None
     progress: float | None = None
     total: float | None = None
     raw: dict[str, Any] | None = dataclasses.field(default=None, compare=False)
     """The notification as the upstream sent it, for relaying to a synchronous caller."""
+    upstream_task: UpstreamTask | None = None
+    """The server made the call a SEP-1686 task of its own: a replica taking the call over follows it instead of
+    running the call again (proxy/tasks/takeover.py)."""
 
     def describe(self) -> str | None:
         if self.message:

@@ -12,7 +12,7 @@ from aiohttp import web
 from multidict import CIMultiDict, MultiMapping
 
 from ..jsonrpc import RequestId
-from .events import Event, InputNeeded, UpstreamUnavailable, proxy_failure
+from .events import Event, InputNeeded, UpstreamTask, UpstreamUnavailable, proxy_failure
 from .legacy import LegacySession, LegacyUpstream
 
 log = structlog.get_logger(__name__)
@@ -106,6 +106,11 @@ class Gateway:
     def known_era(self) -> Era | None:
         return self._era
 
+    @property
+    def tasks_reach_replicas(self) -> bool:
+        """Whether a 2025 server's own task, made through this replica, can be followed through another."""
+        return self._era == "legacy" and self.legacy.link.tasks_reach_replicas
+
     async def era(self, client_headers: MultiMapping[str] | None = None) -> Era:
         """The era, probing until it is known: a DiscoverResult means 2026-07-28, an MCP answer of another kind
         (to server/discover, else to initialize) means 2025 (the transport's `probe` says what counts).
@@ -130,8 +135,10 @@ class Gateway:
         max_bytes: int,
         on_request: Callable[[InputNeeded], Awaitable[None]] | None = None,
         session: LegacySession | None = None,
+        follow: UpstreamTask | None = None,
     ) -> AsyncIterator[Event]:
-        """The call's events; a legacy server's request for it outside its stream goes to `on_request`.
+        """The call's events; a legacy server's request for it outside its stream goes to `on_request`. With
+        `follow`, the id of a 2025 server's own task made for this call, that task is followed instead.
 
         With `session` (a 2025-era client's own), the 2025 request goes there as it is, whatever the era. Once the
         era is known, the era's own generator is returned as it is: no frame in between for as long as the call
@@ -139,12 +146,18 @@ class Gateway:
         if session is not None:
             return self.legacy.exchange(message, client_headers, capabilities, max_bytes=max_bytes, session=session)
         if self._era == "modern":
+            if follow is not None:
+                return _unfollowable(self.url)
             return self.modern.call_tool(message, client_headers, capabilities, max_bytes=max_bytes)
         if self._era == "legacy":
-            return self.legacy.call(message, client_headers, capabilities, max_bytes=max_bytes, on_request=on_request)
+            return self.legacy.call(
+                message, client_headers, capabilities, max_bytes=max_bytes, on_request=on_request, follow=follow
+            )
         return self._call_once_known(
             client_headers,
-            lambda: self.call_tool(message, client_headers, capabilities, max_bytes=max_bytes, on_request=on_request),
+            lambda: self.call_tool(
+                message, client_headers, capabilities, max_bytes=max_bytes, on_request=on_request, follow=follow
+            ),
         )
 
     async def _call_once_known(
@@ -168,3 +181,9 @@ class Gateway:
         # A legacy-era call posts its own cancellation when its event stream is closed early.
         if self._era == "modern":
             await self.modern.notify_cancelled(request_id, client_headers, reason)
+
+
+async def _unfollowable(url: str) -> AsyncIterator[Event]:
+    # A task the server made while it spoke 2025; it speaks 2026-07-28 now, which has no tasks/get of that kind.
+    # Failing is the one safe answer: running the call instead could run it twice.
+    yield proxy_failure("the upstream's own task cannot be followed: it no longer speaks the 2025 protocol", url)

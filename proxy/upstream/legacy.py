@@ -29,6 +29,7 @@ from .events import (
     Finished,
     InputNeeded,
     RequestUnsent,
+    UpstreamTask,
     UpstreamUnavailable,
     cut_failure,
     interpret_progress,
@@ -186,6 +187,10 @@ class LegacyLink(Protocol):
     def follows_tasks(self) -> bool:
         """Whether the server's own SEP-1686 tasks can be followed: their polls reach the server that made them."""
 
+    @property
+    def tasks_reach_replicas(self) -> bool:
+        """Whether other proxy replicas reach the same server, so that one can follow a task another made."""
+
     async def send(
         self,
         session: LegacySession,
@@ -235,10 +240,13 @@ class LegacyUpstream:
 
     # --- sessions ---------------------------------------------------------------------------------------------
 
+    def _principal_key(self, client_headers: MultiMapping[str]) -> str:
+        return f"{self._identity.credential(client_headers)}|{self._identity.principal(client_headers)}"
+
     async def session_for(self, client_headers: MultiMapping[str]) -> LegacySession:
         # One session per credential and principal: a server request the proxy routes by "the one call in flight
         # on this session" must never reach another caller's call.
-        principal = f"{self._identity.credential(client_headers)}|{self._identity.principal(client_headers)}"
+        principal = self._principal_key(client_headers)
         session = self._sessions.get(principal)
         if session is not None:
             return session
@@ -357,8 +365,10 @@ class LegacyUpstream:
         *,
         max_bytes: int,
         on_request: Callable[[InputNeeded], Awaitable[None]] | None = None,
+        follow: UpstreamTask | None = None,
     ) -> AsyncIterator[Event]:
-        """POST one request and yield its events; the last is Finished or Failed.
+        """POST one request and yield its events; the last is Finished or Failed. With `follow`, the id of the
+        server's own task for this call (made through another replica), nothing is posted: that task is followed.
 
         A server request the client may answer is yielded as InputNeeded whose `reply` posts the answer back; the
         stream is read on meanwhile. `ping` is answered here; a request the client did not declare is declined here.
@@ -367,7 +377,10 @@ class LegacyUpstream:
         """
         legacy = to_legacy(message)
         try:
-            session = await self.session_for(client_headers)
+            if follow is not None:  # the session the server made its task in, opened through another replica
+                session = LegacySession(follow.session_id, follow.protocol_version, self._principal_key(client_headers))
+            else:
+                session = await self.session_for(client_headers)
         except (ConnectionError, OSError, UpstreamUnavailable) as exc:
             yield proxy_failure(_unreachable(exc), self.url, transient="unsent")  # the call itself never left
             return
@@ -375,14 +388,16 @@ class LegacyUpstream:
         session.calls[legacy["id"]] = route  # for the whole call: an upstream task's follow-up requests included
         try:
             name = params_of(legacy).get("name")
-            if legacy["method"] == "tools/call" and isinstance(name, str):
+            if follow is not None:
+                support = "required"  # it made a task of this call already
+            elif legacy["method"] == "tools/call" and isinstance(name, str):
                 support = await self.task_support.of(self, client_headers, name)
             else:
                 support = "forbidden"
             if support in TASKED and self.link.follows_tasks:
                 route.upstream_task = True
                 events = run_as_upstream_task(
-                    self, session, legacy, client_headers, capabilities, route, max_bytes=max_bytes
+                    self, session, legacy, client_headers, capabilities, route, max_bytes=max_bytes, follow=follow
                 )
             else:
                 events = self.exchange(legacy, client_headers, capabilities, max_bytes=max_bytes, route=route)
@@ -403,15 +418,17 @@ class LegacyUpstream:
         max_bytes: int,
         route: CallRoute | None = None,
         session: LegacySession | None = None,
+        verbatim: bool | None = None,
     ) -> AsyncIterator[Event]:
         """One request's POST and its response stream, read as events. `route` is the call it belongs to, known to
         the session the POST went over (a new one when the old one had expired).
 
         With `session`, a 2025-era client's own: the request goes over it, and results, errors and the server's
-        requests come back verbatim, for that client."""
+        requests come back verbatim, for that client; with `verbatim` False, the proxy's own session that a call's
+        upstream task belongs to."""
         request_id = legacy["id"]
-        verbatim = session is not None
-        if session is not None:
+        verbatim = session is not None if verbatim is None else verbatim
+        if verbatim and session is not None:
             # Where the server cannot know what this client declared (one stdio child for all), the proxy checks.
             declared = self.link.client_capabilities(session)
             capabilities = declared if declared is not None else capabilities

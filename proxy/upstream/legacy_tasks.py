@@ -20,7 +20,7 @@ import structlog
 from multidict import MultiMapping
 
 from ..jsonrpc import INTERNAL_ERROR, error_object
-from .events import Event, Failed, Finished, Progress, UpstreamUnavailable, proxy_failure
+from .events import Event, Failed, Finished, Progress, UpstreamTask, UpstreamUnavailable, proxy_failure
 from .routing import RELATED_TASK, CallRoute, LegacySession
 
 log = structlog.get_logger(__name__)
@@ -67,6 +67,7 @@ class LegacyUpstream(Protocol):
         max_bytes: int,
         route: CallRoute | None = None,
         session: LegacySession | None = None,
+        verbatim: bool | None = None,
     ) -> AsyncIterator[Event]: ...
 
 
@@ -175,35 +176,45 @@ async def run_as_upstream_task(
     route: CallRoute,
     *,
     max_bytes: int,
+    follow: UpstreamTask | None = None,
 ) -> AsyncIterator[Event]:
-    """The events of a tools/call run as the upstream's own task; the last is Finished or Failed."""
-    params = dict(legacy_message.get("params") or {})
-    params["task"] = {}  # the server's default TTL: the proxy's own task bounds how long anyone waits
-    create = {**legacy_message, "params": params}
+    """The events of a tools/call run as the upstream's own task; the last is Finished or Failed. With `follow`,
+    the task the server made for it before (through a replica that was lost) is followed, and nothing is sent."""
     task_id: str | None = None
     ended = False
     try:
-        created: Finished | None = None
-        async for event in legacy.exchange(create, client_headers, capabilities, max_bytes=max_bytes, route=route):
-            if isinstance(event, Finished):
-                created = event
-            elif isinstance(event, Failed):
-                ended = True
-                yield event
+        if follow is not None:
+            task: dict[str, Any] = {"taskId": follow.task_id, "status": "working"}
+            log.info("upstream_task_followed", upstream_task_id=follow.task_id)
+        else:
+            params = dict(legacy_message.get("params") or {})
+            params["task"] = {}  # the server's default TTL: the proxy's own task bounds how long anyone waits
+            create = {**legacy_message, "params": params}
+            created: Finished | None = None
+            async for event in legacy.exchange(create, client_headers, capabilities, max_bytes=max_bytes, route=route):
+                if isinstance(event, Finished):
+                    created = event
+                elif isinstance(event, Failed):
+                    ended = True
+                    yield event
+                    return
+                else:
+                    yield event
+            made = created.result.get("task") if created is not None else None
+            if created is None or not isinstance(made, dict):
+                ended = True  # the server answered the call itself, as a receiver without tasks may
+                yield created if created is not None else proxy_failure("no answer to the task request", legacy.url)
                 return
-            else:
-                yield event
-        task = created.result.get("task") if created is not None else None
-        if created is None or not isinstance(task, dict):
-            ended = True  # the server answered the call itself, as a receiver without tasks may
-            yield created if created is not None else proxy_failure("no answer to the task request", legacy.url)
-            return
-        if not isinstance(task.get("taskId"), str) or not 0 < len(task["taskId"]) <= _MAX_TASK_ID_CHARS:
-            ended = True  # a task nobody can name cannot be followed, nor cancelled
-            yield proxy_failure("the upstream's CreateTaskResult has no usable taskId", legacy.url)
-            return
+            if not isinstance(made.get("taskId"), str) or not 0 < len(made["taskId"]) <= _MAX_TASK_ID_CHARS:
+                ended = True  # a task nobody can name cannot be followed, nor cancelled
+                yield proxy_failure("the upstream's CreateTaskResult has no usable taskId", legacy.url)
+                return
+            task = made
+            log.info("upstream_task_created", upstream_task_id=task["taskId"], upstream_status=task.get("status"))
+            yield Progress(
+                None, upstream_task=UpstreamTask(task["taskId"], session.session_id, session.protocol_version)
+            )
         task_id = route.upstream_task_id = task["taskId"]
-        log.info("upstream_task_created", upstream_task_id=task_id, upstream_status=task.get("status"))
         last_message: str | None = None
         result_failures = 0
         while True:
@@ -216,8 +227,15 @@ async def run_as_upstream_task(
                 # Blocks until the task ends; its input requests come on this stream (SEP-1686 side channel).
                 outcome: Event | None = None
                 result_request = _request("tasks/result", {"taskId": task_id})
+                # On the session the task belongs to (servers bind tasks to one), as its tasks/get polls are.
                 async for event in legacy.exchange(
-                    result_request, client_headers, capabilities, max_bytes=max_bytes, route=route
+                    result_request,
+                    client_headers,
+                    capabilities,
+                    max_bytes=max_bytes,
+                    route=route,
+                    session=session,
+                    verbatim=False,
                 ):
                     if isinstance(event, Finished | Failed):
                         outcome = event

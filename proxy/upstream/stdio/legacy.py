@@ -125,6 +125,10 @@ class StdioLegacyLink:
     def follows_tasks(self) -> bool:
         return True  # a task's polls and cancel go with its call's route, to the child that made it
 
+    @property
+    def tasks_reach_replicas(self) -> bool:
+        return False  # each replica's children are its own
+
     def client_capabilities(self, session: LegacySession) -> dict[str, Any] | None:
         front = self._front(session) if session.session_id is not None else None
         return front.capabilities if front is not None else None
