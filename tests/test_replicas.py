@@ -449,3 +449,92 @@ async def test_a_lost_replicas_call_that_the_2025_server_runs_as_its_own_task_is
     assert "tides" in done.result["result"]["content"][0]["text"].lower()
     follows = [line for line in b.log.read_text().splitlines() if "upstream_task_followed" in line]
     assert len(follows) == 1
+
+
+async def test_a_queued_call_taken_over_is_marked_sent_before_it_runs_so_a_second_loss_does_not_run_it_again(
+    replicas, session, mcp_upstream, upstream_client
+):
+    tools = [{"match": "gated", "max_concurrency": 1}]  # not idempotent: it may run once
+    a, b = replicas(mcp_upstream, tools=tools), replicas(mcp_upstream, tools=tools)
+    on_a, on_b = McpClient(session, a.url), McpClient(session, b.url)
+    first, second = gate_tag(), gate_tag()
+    await on_a.call_tool("gated", {"tag": first})
+    await eventually(lambda: gate_is(upstream_client, first, "started"), what="the first call")
+    queued = (await on_a.call_tool("gated", {"tag": second})).result["taskId"]
+    await eventually(lambda: _says(on_b, queued, "queued"), what="the second call queued")
+    killed(a)
+    await eventually(lambda: gate_is(upstream_client, second, "started"), what="B running the queued call")
+    c = McpClient(session, replicas(mcp_upstream, tools=tools).url)
+    killed(b)  # now it was sent: C must not send it again
+    lost = await task_reaches(c, queued, "failed")
+    assert lost.result["error"]["data"] == {"outcome": "unknown"}
+    assert await arrivals(upstream_client, second) == 1
+
+
+async def test_a_paused_owner_does_not_send_a_queued_call_another_replica_took_over(
+    replicas, session, mcp_upstream, upstream_client
+):
+    tools = [{"match": "gated", "max_concurrency": 1}]
+    a, b = replicas(mcp_upstream, tools=tools), replicas(mcp_upstream, tools=tools)
+    on_a, on_b = McpClient(session, a.url), McpClient(session, b.url)
+    first, second = gate_tag(), gate_tag()
+    await on_a.call_tool("gated", {"tag": first})
+    await eventually(lambda: gate_is(upstream_client, first, "started"), what="the first call")
+    queued = (await on_a.call_tool("gated", {"tag": second})).result["taskId"]
+    await eventually(lambda: _says(on_b, queued, "queued"), what="the second call queued")
+    os.kill(a.process.pid, signal.SIGSTOP)  # paused, not dead: a long GC, a VM migration, a partition
+    try:
+        await eventually(lambda: gate_is(upstream_client, second, "started"), what="B running the queued call")
+        await release_gate(upstream_client, first)  # A's slot frees upstream while A is paused
+    finally:
+        os.kill(a.process.pid, signal.SIGCONT)
+
+    async def a_stood_down() -> bool:
+        return "task_taken_over_elsewhere" in a.log.read_text()
+
+    await eventually(a_stood_down, what="A finding the call taken over when it gets the slot")
+    assert await arrivals(upstream_client, second) == 1
+    await release_gate(upstream_client, second)
+    await task_reaches(on_b, queued, "completed")
+
+
+async def test_sigterm_keeps_an_idempotent_call_that_has_no_run_left_and_a_lone_replica_keeps_all(
+    replicas, session, mcp_upstream, upstream_client
+):
+    # attempts: 1 says "never send it twice": it finishes on the replica that is stopping, within its grace.
+    tools = [{"match": "gated", "idempotent": True, "retry": {"attempts": 1}}]
+    leaving = replicas(mcp_upstream, tools=tools, lease_s=60)
+    other = McpClient(session, replicas(mcp_upstream, tools=tools, lease_s=60).url)
+    tag = gate_tag()
+    task_id = (await McpClient(session, leaving.url).call_tool("gated", {"tag": tag})).result["taskId"]
+    await eventually(lambda: gate_is(upstream_client, tag, "started"), what="the call")
+    leaving.process.send_signal(signal.SIGTERM)
+
+    async def draining() -> bool:
+        return "tasks_draining" in leaving.log.read_text()
+
+    await eventually(draining, what="the replica draining")
+    await release_gate(upstream_client, tag)
+    assert (await task_reaches(other, task_id, "completed")).result["result"]["content"][0]["text"].endswith("opened")
+    assert await arrivals(upstream_client, tag) == 1
+    assert "tasks_handed_over" not in leaving.log.read_text()
+
+    # Alone (no other replica listens), a stopping replica hands nothing over: its calls have the grace.
+    prefix = f"alone-{gate_tag()}:"
+    alone = replicas(mcp_upstream, tools=[{"match": "gated", "idempotent": True}], prefix=prefix)
+    lone_tag = gate_tag()
+    client = McpClient(session, alone.url)
+    lone = (await client.call_tool("gated", {"tag": lone_tag})).result["taskId"]
+    await eventually(lambda: gate_is(upstream_client, lone_tag, "started"), what="the lone replica's call")
+    alone.process.send_signal(signal.SIGTERM)
+
+    async def alone_draining() -> bool:
+        return "tasks_draining" in alone.log.read_text()
+
+    await eventually(alone_draining, what="the lone replica draining")
+    assert "tasks_handed_over" not in alone.log.read_text()
+    await release_gate(upstream_client, lone_tag)
+    assert alone.process.wait(timeout=20) == 0
+    assert await arrivals(upstream_client, lone_tag) == 1
+    later = McpClient(session, replicas(mcp_upstream, prefix=prefix).url)
+    assert (await later.get_task(lone)).result["status"] == "completed"  # written before it exited

@@ -166,6 +166,7 @@ class Admission:
             max_result_bytes=limits.max_result_bytes,
             slots=self._slots_of(call.tool, rule),  # queued behind this replica's own calls of the tool
             sealed=True,
+            queued=record.queued,  # still never sent: marked sent before it is
         )
         # Keys asked before are not asked again under the same name (SEP-2663: unique within the task).
         job.issued_keys = {*(record.input_requests or {}), *(record.collected_responses or {})}

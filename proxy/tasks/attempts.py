@@ -54,17 +54,15 @@ class Attempts:
         structlog.contextvars.bind_contextvars(task_id=job.task_id, tool=job.call.tool)
         try:
             if job.slots is None or job.holds_slot:
-                await self._drive(job)
+                # (A call taken over from a lost replica may still be marked queued, slots or not.)
+                if not job.queued or await self._settlement.unqueue(job):
+                    await self._drive(job)
             else:
                 if job.slots.locked():
-                    job.queued = True
-                    message = f"queued: {job.call.tool} runs a limited number of calls at once"
-                    await self._settlement.queued(job, message)
+                    await self._settlement.queue(job, f"queued: {job.call.tool} runs a limited number of calls at once")
                 async with job.slots:
-                    if job.queued:  # before it is sent: from now on a lost replica may have sent it
-                        job.queued = False
-                        await self._settlement.queued(job, None)
-                    await self._drive(job)
+                    if not job.queued or await self._settlement.unqueue(job):
+                        await self._drive(job)
         except asyncio.CancelledError:
             if job.cancel_reason == SHUTDOWN:
                 if job.unwritten is not None:  # the outcome was in hand; only its write was interrupted

@@ -150,6 +150,15 @@ def from_json(text: str | bytes) -> TaskRecord:
     data["created_at"] = datetime.fromisoformat(data["created_at"])
     data["last_updated_at"] = datetime.fromisoformat(data["last_updated_at"])
     data["status"] = TaskStatus(data["status"])
+    # What decides whether a call runs again is checked, not trusted: a string attempt would stop every sweep, a
+    # truthy "queued" would run a call twice, a negative attempt without end.
+    attempt = data.get("attempt", 1)
+    if type(attempt) is not int or attempt < 1:
+        raise ValueError("attempt is not a whole number from 1")
+    if type(data.get("queued", False)) is not bool:
+        raise ValueError("queued is not true or false")
+    if not isinstance(data.get("upstream_task"), str | None) or not isinstance(data.get("owner"), str | None):
+        raise ValueError("upstream_task or owner is not text")
     return TaskRecord(**data)
 
 

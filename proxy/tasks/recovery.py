@@ -137,6 +137,11 @@ class Recovery:
                     self._stop_cancelled(job, reason="the task ended on another replica")
                 acted += 1
                 continue
+            if record.owner != self._state.replica_id:
+                # Taken over while this replica was thought lost (paused, cut off): its run there is the task's now.
+                self._stop_cancelled(job, reason="the task was taken over by another replica")
+                acted += 1
+                continue
             collected = record.collected_responses or {}
             for key in [key for key in job.replies if key in collected]:
                 reply = job.replies.pop(key, None)

@@ -18,7 +18,7 @@ import structlog
 from redis.exceptions import RedisError
 
 from .resp import RespClient, RespError
-from .store import StoreUnavailable
+from .store import RecordCorrupt, StoreUnavailable
 
 log = structlog.get_logger(__name__)
 
@@ -79,7 +79,7 @@ class RedisLink:
         except Corrupt as exc:
             self.failures[what] += 1
             log.error("store_record_corrupt", operation=what, reason=str(exc))
-            raise StoreUnavailable(str(exc)) from exc
+            raise RecordCorrupt(str(exc)) from exc
         except (TimeoutError, RedisError, RespError, OSError, Inconsistent) as exc:
             self.failed()
             self.failures[what] += 1

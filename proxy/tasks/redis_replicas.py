@@ -58,6 +58,14 @@ class RedisReplicas:
             if not isinstance(reply, int):
                 raise Inconsistent("PUBLISH answered something other than a count")
 
+    async def listeners(self) -> int:
+        """The subscribers of the replicas' channel, this replica among them."""
+        async with self._link.answering("listeners"):
+            reply = await self._link.fast.execute("PUBSUB", "NUMSUB", self._keys.events)
+            if not isinstance(reply, list) or len(reply) != 2 or not isinstance(reply[1], int):
+                raise Inconsistent("PUBSUB NUMSUB did not answer a channel and a count")
+            return reply[1]
+
     async def is_alive(self, replica_id: str) -> bool:
         async with self._link.answering("lease"):
             return bool(await self._link.redis.exists(self._keys.lease(replica_id)))

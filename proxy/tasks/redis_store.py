@@ -214,6 +214,13 @@ class RedisTaskStore:
     async def publish(self, event: dict[str, Any]) -> None:
         await self._replicas.publish(event)
 
+    async def listeners(self) -> int:
+        return await self._replicas.listeners()
+
+    async def forget_call_context(self, task_id: str) -> None:
+        async with self._link.answering("forget_call"):
+            await self._fast.execute("DEL", self._keys.context(task_id))
+
     async def running_task_ids(self) -> list[str]:
         async with self._link.answering("running"):
             members = await self._link.redis.smembers(self._keys.running)

@@ -55,17 +55,18 @@ class CallSeal:
         session = call.client_session
         if session is not None:  # a durable call goes on its client's own upstream session, by id
             context["session"] = [session.session_id, session.protocol_version]
-        return self._sealed(dumps(context), task_id)
+        return self._sealed(dumps(context), _bound(task_id, call.principal, call.tool))
 
-    def seal_upstream_task(self, task_id: str, upstream: UpstreamTask) -> str:
+    def seal_upstream_task(self, task_id: str, upstream: UpstreamTask, principal: str) -> str:
         """The server's own task for the call, sealed as text for the record: its session id is a handle to the
         proxy's session with the server, for the replicas' eyes only."""
         value = dumps([upstream.task_id, upstream.session_id, upstream.protocol_version])
-        return base64.urlsafe_b64encode(self._sealed(value, task_id)).decode()
+        return base64.urlsafe_b64encode(self._sealed(value, _bound(task_id, principal, ""))).decode()
 
-    def unseal_upstream_task(self, task_id: str, sealed: str) -> UpstreamTask | None:
+    def unseal_upstream_task(self, task_id: str, sealed: str, principal: str) -> UpstreamTask | None:
         try:
-            upstream_task, session_id, version = loads(self._opened(base64.urlsafe_b64decode(sealed), task_id))
+            opened = self._opened(base64.urlsafe_b64decode(sealed), _bound(task_id, principal, ""))
+            upstream_task, session_id, version = loads(opened)
             if not isinstance(upstream_task, str) or not isinstance(version, str):
                 raise TypeError("not text")
             if session_id is not None and not isinstance(session_id, str):
@@ -75,26 +76,36 @@ class CallSeal:
             log.warning("upstream_task_unreadable", task_id=task_id, reason=type(exc).__name__)
             return None
 
-    def _sealed(self, plain: bytes, task_id: str) -> bytes:
+    def _sealed(self, plain: bytes, bound: bytes) -> bytes:
         # 96 random bits per nonce: a repeat is as likely as a task id colliding, under one key for any number
         # of tasks within the 2^32 messages AES-GCM allows per key with random nonces (NIST SP 800-38D).
         nonce = os.urandom(_NONCE_BYTES)
-        return _VERSION + nonce + self._aead.encrypt(nonce, plain, task_id.encode())
+        return _VERSION + nonce + self._aead.encrypt(nonce, plain, bound)
 
-    def _opened(self, sealed: bytes, task_id: str) -> bytes:
+    def _opened(self, sealed: bytes, bound: bytes) -> bytes:
         if sealed[:1] != _VERSION:
             raise ValueError("unknown version")
         nonce = sealed[1 : 1 + _NONCE_BYTES]
-        return self._aead.decrypt(nonce, sealed[1 + _NONCE_BYTES :], task_id.encode())
+        return self._aead.decrypt(nonce, sealed[1 + _NONCE_BYTES :], bound)
 
-    def unseal(self, task_id: str, sealed: bytes, principal: str) -> ToolCall | None:
-        """The call sealed for this task, or None (logged) when it does not open: another key (the operator changed
-        it), another task's context, altered bytes, or a shape this version does not read."""
+    def unseal(self, task_id: str, sealed: bytes, principal: str, tool: str) -> ToolCall | None:
+        """The call sealed for this task, principal and tool, or None (logged) when it does not open: another key
+        (the operator changed it), another task's context, a record whose owner or tool was changed in the store,
+        altered bytes, or a shape this version does not read."""
         try:
-            return _call_of(loads(self._opened(sealed, task_id)), principal)
+            call = _call_of(loads(self._opened(sealed, _bound(task_id, principal, tool))), principal)
+            if call.tool != tool:
+                raise ValueError("another tool's call")
+            return call
         except (InvalidTag, ValueError, TypeError, KeyError) as exc:
             log.warning("call_context_unreadable", task_id=task_id, reason=type(exc).__name__)
             return None
+
+
+def _bound(task_id: str, principal: str, tool: str) -> bytes:
+    """The associated data: what the record says a sealed value belongs to, so that editing the record's owner or
+    tool in the store (to run a victim's call as someone else) makes it not open."""
+    return dumps([task_id, principal, tool])
 
 
 def _call_of(context: Any, principal: str) -> ToolCall:

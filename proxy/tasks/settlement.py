@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -29,6 +30,10 @@ log = structlog.get_logger(__name__)
 
 _SHUTDOWN_WRITE_S = 5.0
 """On shutdown, how long a task's last write may wait for an unavailable store."""
+
+
+class _TakenOver(Exception):
+    """The record names another replica as the one running the call: it was taken over."""
 
 
 class NotTheOwner(Exception):
@@ -90,7 +95,7 @@ class Settlement:
             job.sealed and job.is_task and job.stored and self._state.upstream.tasks_reach_replicas
         ):
             return
-        sealed = seal.seal_upstream_task(job.task_id, upstream)
+        sealed = seal.seal_upstream_task(job.task_id, upstream, job.call.principal)
 
         def apply(record: TaskRecord) -> TaskRecord:
             if record.is_terminal:
@@ -100,27 +105,52 @@ class Settlement:
         with contextlib.suppress(StoreUnavailable):
             await self.update_live(job, apply)
 
-    async def queued(self, job: Job, message: str | None) -> None:
-        """Record that the call waits for a slot of its tool (a message), or that it has one and is about to be
-        sent (None). The latter is written before the call goes out, however long the store takes: a replica that
-        takes the task over runs a call marked queued whatever its rule, as it was never sent."""
+    async def queue(self, job: Job, message: str) -> None:
+        """The call waits for a slot of its tool. A call kept for takeover is marked so in its record (best effort:
+        unmarked, it is only not run again elsewhere whatever its rule); any other only says so."""
+        job.queued = True
+        if not job.sealed:
+            await self.progress(job, Progress(message))
+            return
         job.last_message = message
-        if not (job.is_task and job.stored):
-            return  # its record is made with job.queued
+        if job.is_task and job.stored:
+            with contextlib.suppress(StoreUnavailable):
+                await self.update_live(job, functools.partial(self._mark_queued, True, message))
+            self._state.watchers.progressed(job.task_id)
 
-        def apply(record: TaskRecord) -> TaskRecord:
-            if record.status is not TaskStatus.WORKING or record.queued == job.queued:
-                return record
-            return transition(
-                record, TaskStatus.WORKING, now=self._state.now(), status_message=message, queued=job.queued
+    async def unqueue(self, job: Job) -> bool:
+        """The call has its slot and is about to be sent: a call kept for takeover is marked sent first, however
+        long the store takes, as a replica taking it over runs a call marked queued whatever its rule. False when
+        another replica took the task over meanwhile (this one was thought lost): then it must not be sent here."""
+        job.queued = False
+        if not job.sealed:
+            return True
+        if job.is_task and not job.stored:
+            await job.wait_stored()  # its record is being made, with queued as it was: marked below
+        if not job.stored:
+            return True  # inside a sync window (its record is made with queued false), or never made
+        try:
+            await self.until_stored(
+                job, lambda: self.update_live(job, functools.partial(self._mark_queued, False, None))
             )
-
-        if job.queued:
-            with contextlib.suppress(StoreUnavailable):  # best effort: unmarked, it is only not taken over
-                await self.update_live(job, apply)
-        else:
-            await self.until_stored(job, lambda: self.update_live(job, apply))
+        except _TakenOver:
+            log.warning("task_taken_over_elsewhere", task_id=job.task_id, tool=job.call.tool)
+            job.settled = True  # nothing of this replica's may write to it any more
+            return False
         self._state.watchers.progressed(job.task_id)
+        if job.rule.idempotent is False and not self._state.upstream.tasks_reach_replicas:
+            # Kept only while it could run elsewhere unsent: the client's credentials leave the store now.
+            job.sealed = False
+            with contextlib.suppress(StoreUnavailable):
+                await self._state.store.forget_call_context(job.task_id)
+        return True
+
+    def _mark_queued(self, queued: bool, message: str | None, record: TaskRecord) -> TaskRecord:
+        if record.owner != self._state.replica_id:
+            raise _TakenOver
+        if record.status is not TaskStatus.WORKING or record.queued == queued:
+            return record
+        return transition(record, TaskStatus.WORKING, now=self._state.now(), status_message=message, queued=queued)
 
     async def update_live(self, job: Job, apply: Callable[[TaskRecord], TaskRecord]) -> TaskRecord | None:
         """Update a running job's record; None when it ended meanwhile (the job is stopped if the record is gone)."""

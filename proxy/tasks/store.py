@@ -30,6 +30,10 @@ class StoreUnavailable(Exception):
     """The store did not answer (Redis down or too slow); the request that needed it fails with -32603."""
 
 
+class RecordCorrupt(StoreUnavailable):
+    """One stored value is not what the proxy writes there; the store itself answers."""
+
+
 class TaskStore(Protocol):
     shared: bool
     """True when several replicas share the store (then leases and cross-replica events matter)."""
@@ -42,6 +46,12 @@ class TaskStore(Protocol):
 
     async def call_context(self, task_id: str) -> bytes | None:
         """The sealed call kept with a running task, or None."""
+
+    async def listeners(self) -> int:
+        """How many replicas (this one included) receive the events published now."""
+
+    async def forget_call_context(self, task_id: str) -> None:
+        """Drop the sealed call kept with a task before it ends (nothing will run it again)."""
 
     async def get(self, task_id: str) -> TaskRecord | None:
         """The record, or None when unknown or expired."""
@@ -145,6 +155,12 @@ class MemoryTaskStore:
         return self._live(task_id)
 
     async def call_context(self, task_id: str) -> bytes | None:
+        return None
+
+    async def listeners(self) -> int:
+        return 1
+
+    async def forget_call_context(self, task_id: str) -> None:
         return None
 
     async def update(self, task_id: str, updater: Updater) -> TaskRecord | None:

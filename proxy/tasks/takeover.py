@@ -13,6 +13,7 @@ owner, which the other replicas' sweeps take without waiting for the lease to la
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 from collections.abc import Callable
@@ -29,7 +30,7 @@ from .job import Job, ToolCall
 from .model import TaskRecord, TaskStatus, transition
 from .runner_state import RunnerState
 from .settlement import Settlement, run_note
-from .store import StoreUnavailable
+from .store import RecordCorrupt, StoreUnavailable
 
 log = structlog.get_logger(__name__)
 
@@ -40,6 +41,8 @@ HANDED_OVER = "handed over to another proxy replica at shutdown"
 """The cancel reason of a call released at shutdown: stopped here, not settled (another replica runs it)."""
 
 _HINT_LOOKUP_S = 10.0
+_RELEASE_S = 5.0
+"""The longest a replica shutting down spends handing calls over, before its grace period begins."""
 
 
 class NoRoom(Exception):
@@ -80,30 +83,40 @@ class Takeover:
         swept = 0
         alive: dict[str, bool] = {}
         for task_id in await store.running_task_ids():
-            record = await store.get(task_id)
-            if record is None or record.is_terminal or record.owner is None:
-                continue
-            if record.owner == self._state.replica_id:
-                if task_id in self._state.jobs:
-                    continue
-                owner_alive = False  # ours, but no call runs for it here any more
-            elif is_released(record.owner):
-                owner_alive = False
-            elif not leases_known:
-                continue
-            else:
-                if record.owner not in alive:
-                    alive[record.owner] = await store.is_alive(record.owner)
-                owner_alive = alive[record.owner]
-            if owner_alive:
-                continue
             try:
-                why_not = await self.take(record)
-            except NoRoom:
-                continue  # another replica, or the next sweep
-            if why_not is None or await self._fail_unknown(record, why_not):
-                swept += 1
+                swept += await self._sweep_one(task_id, leases_known, alive)
+            except RecordCorrupt:
+                continue  # logged by the store; the others are still taken over
+            except StoreUnavailable:
+                raise  # the store is away: the next pass tries them all again
+            except Exception:  # one task's trouble must not stop the sweep for the others
+                log.exception("task_sweep_failed", task_id=task_id)
         return swept
+
+    async def _sweep_one(self, task_id: str, leases_known: bool, alive: dict[str, bool]) -> int:
+        store = self._state.store
+        record = await store.get(task_id)
+        if record is None or record.is_terminal or record.owner is None:
+            return 0
+        if record.owner == self._state.replica_id:
+            if task_id in self._state.jobs:
+                return 0
+            owner_alive = False  # ours, but no call runs for it here any more
+        elif is_released(record.owner):
+            owner_alive = False
+        elif not leases_known:
+            return 0
+        else:
+            if record.owner not in alive:
+                alive[record.owner] = await store.is_alive(record.owner)
+            owner_alive = alive[record.owner]
+        if owner_alive:
+            return 0
+        try:
+            why_not = await self.take(record)
+        except NoRoom:
+            return 0  # another replica, or the next sweep
+        return int(why_not is None or await self._fail_unknown(record, why_not))
 
     async def _fail_unknown(self, record: TaskRecord, why_not: str) -> bool:
         owner = record.owner or ""
@@ -139,15 +152,15 @@ class Takeover:
             return "the replicas have no principal key of the operator's to keep calls with (security.principal_key)"
         follow = None
         if record.upstream_task is not None and not record.queued:
-            follow = state.seal.unseal_upstream_task(record.task_id, record.upstream_task)
+            follow = state.seal.unseal_upstream_task(record.task_id, record.upstream_task, record.principal)
         if not record.queued and follow is None and rule.idempotent is False:
             return "its tool rule is not idempotent"
-        sealed = await state.store.call_context(record.task_id)
-        call = state.seal.unseal(record.task_id, sealed, record.principal) if sealed is not None else None
-        if call is None or call.tool != record.tool:
-            return "its call was not kept for another replica"
         if len(state.jobs) >= self._max_running():
             raise NoRoom
+        sealed = await state.store.call_context(record.task_id)
+        call = state.seal.unseal(record.task_id, sealed, record.principal, record.tool) if sealed is not None else None
+        if call is None:
+            return "its call was not kept for another replica"
         hinted = record.queued or follow is not None or rule.idempotent != "hint"
         if not hinted and not await self._hinted(call, record.task_id):
             return "the upstream does not mark its tool idempotent or read-only (idempotent: hint)"
@@ -174,7 +187,13 @@ class Takeover:
         lost_owner = record.owner
 
         def claim(current: TaskRecord) -> TaskRecord:
-            if current.is_terminal or current.owner != lost_owner:
+            # Taken by another replica, ended, or changed since it was decided on (sent meanwhile, run again).
+            unchanged = (current.queued, current.attempt, current.upstream_task) == (
+                record.queued,
+                record.attempt,
+                record.upstream_task,
+            )
+            if current.is_terminal or current.owner != lost_owner or not unchanged:
                 raise _NotLost
             return transition(
                 current,
@@ -220,22 +239,38 @@ class Takeover:
         return None
 
     async def release(self) -> int:
-        """At shutdown: hand this replica's idempotent and queued calls to the others now; returns how many."""
+        """At shutdown: hand the calls that may run again elsewhere (queued ones, and idempotent ones with a run
+        left) to the other replicas now; returns how many. Nothing is handed over when no other replica listens
+        (a single replica keeps its calls for the shutdown grace), and the whole hand-over is bounded in time: a
+        store that does not answer leaves every call to the grace."""
         state = self._state
-        released = 0
-        for job in list(state.jobs.values()):
-            if not (job.sealed and job.is_task and job.stored and not job.settled):
-                continue
-            if not (job.queued or job.rule.idempotent is True):
-                continue  # may not run twice: it has the shutdown grace to finish here
-            if await self._hand_over(job):
-                released += 1
+        jobs = [job for job in state.jobs.values() if self._may_hand_over(job)]
+        if not jobs:
+            return 0
+        try:
+            with state.deadlines.limit(_RELEASE_S):
+                if await state.store.listeners() < 2:  # this replica's own subscription is one
+                    return 0
+                handed = await asyncio.gather(*(self._hand_over(job) for job in jobs), return_exceptions=True)
+        except (TimeoutError, StoreUnavailable):
+            log.warning("tasks_not_handed_over", reason="the store did not answer")
+            return 0
+        released = sum(1 for done in handed if done is True)
         if released:
             state.metrics.tasks_taken_over.labels("released").inc(released)
             log.info("tasks_handed_over", tasks=released)
             with contextlib.suppress(StoreUnavailable):  # the others' next sweep finds them anyway
                 await state.store.publish({"type": "released", "taskId": ""})
         return released
+
+    @staticmethod
+    def _may_hand_over(job: Job) -> bool:
+        if not (job.sealed and job.is_task and job.stored and not job.settled):
+            return False
+        if job.queued:
+            return True
+        # An idempotent call with a run left: the next replica counts this one, as after a loss.
+        return job.rule.idempotent is True and job.run < job.rule.retry.attempts
 
     async def _hand_over(self, job: Job) -> bool:
         state = self._state
@@ -247,7 +282,7 @@ class Takeover:
 
         try:
             released = await state.store.update(job.task_id, release)
-        except (_NotLost, StoreUnavailable):
+        except _NotLost:
             return False
         if released is None:
             return False

@@ -1,0 +1,138 @@
+"""Takeover's guards, in process against a real redis-server: what a record says is checked before anything runs
+again, and a call is marked sent before it is sent, whatever the store's timing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from datetime import UTC, datetime
+
+import pytest
+import redis.asyncio as redis_client
+from multidict import CIMultiDict
+
+from proxy.config import TaskDefaults, ToolRule
+from proxy.tasks.job import ToolCall
+from proxy.tasks.model import TaskRecord, TaskStatus, from_json, new_task_id, to_json
+from proxy.tasks.redis_store import RedisTaskStore
+from proxy.tasks.runner import TaskRunner
+from proxy.tasks.sealing import CallSeal
+from proxy.upstream.events import Finished
+
+
+class SlowCreate(RedisTaskStore):
+    """Fault injection: every task's record takes 0.3 s to be made (a slow Redis round trip)."""
+
+    async def create(self, record, context=None):
+        await asyncio.sleep(0.3)
+        await super().create(record, context)
+
+
+class GatedUpstream:
+    """Fault injection: each call waits at its own gate; records what was sent."""
+
+    url = "http://upstream.invalid/mcp"
+    known_era = "modern"
+    tasks_reach_replicas = False
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+        self.gates: dict[str, asyncio.Event] = {}
+
+    def call_tool(self, message, headers, capabilities, *, max_bytes, on_request, session, follow):
+        tag = message["params"]["arguments"]["tag"]
+        self.sent.append(tag)
+        gate = self.gates.setdefault(tag, asyncio.Event())
+
+        async def events():
+            await gate.wait()
+            yield Finished(result={"content": [], "isError": False})
+
+        return events()
+
+    async def notify_cancelled(self, *args) -> None:
+        return None
+
+
+def call(tag: str) -> ToolCall:
+    message = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "t", "arguments": {"tag": tag}}}
+    return ToolCall(tool="t", message=message, headers=CIMultiDict())
+
+
+async def test_a_call_that_gets_its_slot_while_its_record_is_made_is_marked_sent_before_it_is(redis_url):
+    prefix = f"race-{secrets.token_hex(3)}:"
+    store = SlowCreate(redis_url, key_prefix=prefix, lease_s=10, timeout_s=2)
+    upstream = GatedUpstream()
+    rule = ToolRule(match="t", max_concurrency=1, sync_window_ms=50)
+    runner = TaskRunner(store, upstream, TaskDefaults, seal=CallSeal(b"k"), rule_for=lambda tool: rule)
+    try:
+        first = asyncio.ensure_future(runner.submit(call("first"), rule))
+        await asyncio.sleep(0.01)
+        second = asyncio.ensure_future(runner.submit(call("second"), rule))
+        await asyncio.sleep(0.15)  # second's window is over; its record (queued) is being made
+        upstream.gates["first"].set()  # first ends: second gets the slot before its record exists
+        await first
+        record = await second
+
+        async def sent() -> bool:
+            return upstream.sent == ["first", "second"]
+
+        while not await sent():
+            await asyncio.sleep(0.01)
+        stored = await store.get(record.task_id)
+        assert stored is not None and stored.queued is False  # sent: a takeover must not run it again as unsent
+        upstream.gates["second"].set()
+    finally:
+        await runner.aclose()
+        await store.aclose()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("attempt", "2"), ("attempt", 0), ("attempt", -3), ("attempt", True), ("queued", "no"), ("queued", 1),
+     ("upstream_task", 5), ("owner", ["a"])],
+)  # fmt: skip
+def test_a_record_whose_takeover_fields_are_not_what_the_proxy_writes_does_not_read(field, value):
+    now = datetime.now(UTC)
+    record = TaskRecord(new_task_id(), "t", TaskStatus.WORKING, now, now, 60_000, 1000, owner="r")
+    data = json.loads(to_json(record))
+    data[field] = value
+    with pytest.raises(ValueError):
+        from_json(json.dumps(data))
+
+
+async def test_one_bad_record_of_a_lost_replica_does_not_stop_the_sweep_for_the_others(redis_url):
+    prefix = f"sweep-{secrets.token_hex(3)}:"
+    writer = redis_client.from_url(redis_url)
+    now = datetime.now(UTC)
+
+    def lost(**fields) -> TaskRecord:
+        return TaskRecord(new_task_id(), "t", TaskStatus.WORKING, now, now, 600_000, 50, owner="ghost", **fields)
+
+    bad = lost()
+    data = json.loads(to_json(bad))
+    data["attempt"] = "2"
+    records = [lost() for _ in range(10)]
+    try:
+        await writer.set(prefix + "task:" + bad.task_id, json.dumps(data), px=600_000)
+        for record in records:
+            await writer.set(prefix + "task:" + record.task_id, to_json(record), px=600_000)
+        await writer.sadd(prefix + "running", bad.task_id, *(record.task_id for record in records))
+        store = RedisTaskStore(redis_url, key_prefix=prefix, lease_s=0.01, timeout_s=2)
+        rule = ToolRule(match="t", idempotent=True)
+        runner = TaskRunner(
+            store, GatedUpstream(), TaskDefaults, lease_s=0.01, seal=CallSeal(b"k"), rule_for=lambda tool: rule
+        )
+        try:
+            await asyncio.sleep(0.05)  # the store healthy for longer than a lease
+            assert await runner.reap_lost() == len(records)
+            for record in records:  # no call was kept for them: each ends "unknown", none is left working
+                ended = await store.get(record.task_id)
+                assert ended.status is TaskStatus.FAILED and ended.error["data"] == {"outcome": "unknown"}
+            assert json.loads(await writer.get(prefix + "task:" + bad.task_id))["status"] == "working"
+        finally:
+            await runner.aclose()
+            await store.aclose()
+    finally:
+        await writer.aclose()
