@@ -25,6 +25,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from . import idempotency
 from .config import ToolRule
 from .durable_stream import (
     RESUMABLE_VERSIONS,
@@ -148,6 +149,9 @@ class DurableCalls:
         headers = request.headers
         principal = self._identity.principal(headers)
         session_tag = self._identity.session_tag(headers)
+        key = idempotency.key_of(message, headers)
+        if key is not None:
+            return await self._start_keyed(request, idempotency.without_key(message), rule, key)
         task_id: str | None = None
         if session_tag:
             # On a session, a request id names one call while it runs: the id is derived from it, so that any
@@ -158,6 +162,50 @@ class DurableCalls:
                 return await self._stream(rule).serve(request, existing, None)
             if existing is not None:  # that call is over: this is a new one under a request id used before
                 task_id = await self._next_free(principal, session_tag, message["id"])
+        return await self._run(request, message, rule, task_id)
+
+    async def _start_keyed(
+        self, request: web.Request, message: dict[str, Any], rule: ToolRule, key: str
+    ) -> web.StreamResponse:
+        """A durable call with an idempotency key: the task made for the key on this session, running or finished,
+        answered as this request's (the connection of the first one dropped); else a new one."""
+        headers = request.headers
+        principal = self._identity.principal(headers)
+        session_tag = self._identity.session_tag(headers)
+        params = params_of(message)
+        task_id = self._identity.keyed_task_id(principal, params["name"], key, "durable")
+        fingerprint = idempotency.fingerprint(params["name"], params.get("arguments"))
+        existing = await self._store.get(task_id)
+        if existing is None:
+            try:
+                return await self._run(request, message, rule, task_id, fingerprint)
+            except TaskIdTaken:  # the same key, sent at the same moment: both follow the one call
+                existing = await self._store.get(task_id)
+                if existing is None:
+                    raise
+        if existing.fingerprint != fingerprint or existing.principal != principal or existing.stream is None:
+            raise idempotency.key_reused(key)
+        if existing.stream.get("session") != session_tag:
+            raise idempotency.other_session(key)  # the call and its questions go on the first one's session
+        # notifications/cancelled names this request's id: it finds the call through the alias.
+        await self._store.alias(self._alias(principal, session_tag, message["id"]), task_id, existing.ttl_ms)
+        log.info("durable_call_joined", task_id=task_id, tool=existing.tool)
+        return await self._stream(rule).serve(request, existing, None, answer_as=message["id"])
+
+    def _alias(self, principal: str, session_tag: str, request_id: Any) -> str:
+        return self._identity.durable_task_id(principal, session_tag, request_id, 0)
+
+    async def _run(
+        self,
+        request: web.Request,
+        message: dict[str, Any],
+        rule: ToolRule,
+        task_id: str | None,
+        fingerprint: str | None = None,
+    ) -> web.StreamResponse:
+        headers = request.headers
+        principal = self._identity.principal(headers)
+        session_tag = self._identity.session_tag(headers)
         accepted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         call = ToolCall(
             tool=params_of(message)["name"],
@@ -170,10 +218,13 @@ class DurableCalls:
             task_id=task_id,
             stream=stream_of(message, headers, session_tag),
             client_session=client_session(headers, principal, on_status=_first(accepted)),
+            fingerprint=fingerprint,
         )
         try:
             outcome = await self._runner.submit(call, rule.model_copy(update={"sync_window_ms": 0}))
         except TaskIdTaken:  # the same request, sent twice at once: both follow the one call
+            if fingerprint is not None:
+                raise  # a keyed one: the caller checks the key's task
             existing = await self._store.get(call.task_id or "")
             if existing is None:
                 raise
@@ -236,8 +287,14 @@ class DurableCalls:
         principal = self._identity.principal(request.headers)
         try:
             task_id, existing = await self._latest(principal, session_tag, request_id)
+            if existing is None or existing.is_terminal:  # a request that joined a keyed call, maybe
+                joined = await self._store.aliased(self._alias(principal, session_tag, request_id))
+                if joined is not None:
+                    task_id, existing = joined, await self._store.get(joined)
         except StoreUnavailable:
             return False  # whatever it names, the server hears of it as before
+        if existing is not None and not self._is_callers(request, existing):
+            return False
         if existing is None or existing.is_terminal:
             return False
         record = await self._runner.cancel(task_id, principal)

@@ -75,13 +75,23 @@ class DurableStream:
         self._max_stream_s = max_stream_s
 
     async def serve(
-        self, request: web.Request, record: TaskRecord, after: tuple[int, int] | None, *, reply_to: Any = None
+        self,
+        request: web.Request,
+        record: TaskRecord,
+        after: tuple[int, int] | None,
+        *,
+        reply_to: Any = None,
+        answer_as: Any = None,
     ) -> web.StreamResponse:
         """The stream from its start (`after` None) or after an event. With `reply_to`, it answers a SEP-1686
-        `tasks/result` of that id instead of the call itself, and every message carries related-task metadata."""
+        `tasks/result` of that id instead of the call itself, and every message carries related-task metadata.
+        With `answer_as`, it answers another request of the same call (one sent again with its idempotency key):
+        not resumable, as its event ids would name the first request; the key is what finds the call again."""
         stream = dict(record.stream or {})
         if reply_to is not None:
             stream.update(id=reply_to, related=True, resumable=False)
+        elif answer_as is not None:
+            stream.update(id=answer_as, resumable=False)
         resumable = bool(stream.get("resumable"))
         response = web.StreamResponse(headers=STREAM_HEADERS)
         queue = self._runner.watchers.watch([record.task_id], progress=True)

@@ -72,6 +72,17 @@ def fingerprint(tool: str, arguments: Any) -> str:
     return hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+def other_session(key: str) -> JsonRpcError:
+    """A 2025-era client's key used on another session than its task's: that task is listed, read and asked on
+    the session that made it, and running the call again is what the key forbids."""
+    return JsonRpcError(
+        INVALID_PARAMS,
+        f"Invalid params: the idempotency key {key!r} was used on another session; its task is there",
+        {"reason": "idempotency_key_other_session"},
+        http_status=200,
+    )
+
+
 def key_reused(key: str) -> JsonRpcError:
     return JsonRpcError(
         INVALID_PARAMS,

@@ -188,14 +188,7 @@ class Tasks2025:
             call.fingerprint = idempotency.fingerprint(call.tool, params.get("arguments"))
             record = await self._runner.submit_keyed(call, rule, key)
             if (record.stream or {}).get("session") != session_tag:
-                # Its task is listed and read on the session that made it: answering it here would name a task
-                # this session cannot see, and running the call again is what the key forbids.
-                raise JsonRpcError(
-                    INVALID_PARAMS,
-                    f"Invalid params: the idempotency key {key!r} was used on another session; its task is there",
-                    {"reason": "idempotency_key_other_session"},
-                    http_status=200,
-                )
+                raise idempotency.other_session(key)
         else:
             record = await self._runner.submit(call, rule)
         assert isinstance(record, TaskRecord)

@@ -167,3 +167,69 @@ def _tool_calls(fake) -> list[dict]:
         for seen in fake.received
         if seen["body"] and json.loads(seen["body"]).get("method") == "tools/call"
     ]
+
+
+async def test_a_durable_call_sent_again_with_its_key_joins_the_running_call_and_answers_as_the_new_request(
+    make_proxy, legacy_upstream, legacy_client, http
+):
+    """A 2025-era client's durable call (no tasks): its connection drops, it sends the call again with a new id and
+    the same key, and that request follows the one call, answered under its own id; the tool runs once."""
+    from tests.test_durable import Client2025, events_of
+
+    proxy = await make_proxy(legacy_upstream, tools=[{"match": "gated", "keepalive_s": 0.2}])
+    client = Client2025(http, proxy.url)
+    await client.initialize()
+    gate, key = secrets.token_hex(6), secrets.token_hex(8)
+    client.headers["Idempotency-Key"] = key
+    async with client.call("gated", {"tag": gate}, request_id="first") as response:
+        async for _event, _message in events_of(response):
+            break  # the priming event; then the connection is gone
+    async with client.call("gated", {"tag": gate}, request_id="again") as response:
+        assert response.status == 200
+        await legacy_client.call_tool("release", {"tag": gate})
+        final = None
+        async for _event, message in events_of(response):
+            final = message
+    assert final["id"] == "again" and final["result"]["content"][0]["text"] == f"gate {gate} opened"
+    assert await legacy_client.call_tool("gate_arrivals", {"tag": gate}) == "1"
+
+    # The same key for other arguments is refused, nothing runs; on another session it is refused as well.
+    async with client.call("gated", {"tag": "other"}, request_id="other") as response:
+        refused = await response.json()
+    assert refused["error"]["code"] == -32602 and refused["error"]["data"] == {"reason": "idempotency_key_reused"}
+    elsewhere = Client2025(http, proxy.url)
+    await elsewhere.initialize()
+    elsewhere.headers["Idempotency-Key"] = key
+    async with elsewhere.call("gated", {"tag": gate}, request_id="elsewhere") as response:
+        refused = await response.json()
+    assert refused["error"]["data"] == {"reason": "idempotency_key_other_session"}
+    assert await legacy_client.call_tool("gate_arrivals", {"tag": gate}) == "1"
+
+
+async def test_a_joined_durable_call_is_cancelled_by_the_id_of_the_request_that_joined_it(
+    make_proxy, legacy_upstream, legacy_client, http
+):
+    from tests.conftest import eventually
+    from tests.test_durable import Client2025, events_of
+
+    proxy = await make_proxy(legacy_upstream, tools=[{"match": "gated", "keepalive_s": 0.2}])
+    client = Client2025(http, proxy.url)
+    await client.initialize()
+    gate = secrets.token_hex(6)
+    client.headers["Idempotency-Key"] = secrets.token_hex(8)
+    async with client.call("gated", {"tag": gate}, request_id="first") as response:
+        async for _event, _message in events_of(response):
+            break
+    async with client.call("gated", {"tag": gate}, request_id="joined") as response:
+        assert response.status == 200  # following the call (kept alive: nothing to read until it ends)
+
+        async def started() -> bool:
+            return await legacy_client.call_tool("gate_state", {"tag": gate}) == "started"
+
+        await eventually(started, what="the call running")
+        assert await client.notify("notifications/cancelled", {"requestId": "joined"}) == 202
+
+        async def cancelled() -> bool:
+            return await legacy_client.call_tool("gate_state", {"tag": gate}) == "cancelled"
+
+        await eventually(cancelled, what="the call stopped for the request that joined it")

@@ -210,3 +210,23 @@ async def test_the_memory_store_keeps_no_call_for_another_replica():
     await store.create(rec, b"sealed call")
     assert await store.get(rec.task_id) == rec
     assert await store.call_context(rec.task_id) is None
+
+
+async def test_an_alias_finds_its_task_until_it_expires(store):
+    await store.alias("joined-request", "task-1", 100)
+    assert await store.aliased("joined-request") == "task-1"
+    assert await store.aliased("another") is None
+
+    async def expired() -> bool:
+        return await store.aliased("joined-request") is None
+
+    await eventually(expired, timeout_s=5, what="the alias expiring")
+
+
+async def test_the_memory_stores_aliases_are_bounded_by_its_task_cap():
+    store = MemoryTaskStore(max_tasks=3)
+    for n in range(10):
+        await store.alias(f"request-{n}", f"task-{n}", 60_000)
+    assert await store.aliased("request-9") == "task-9"
+    assert await store.aliased("request-0") is None  # the oldest made room
+    assert len(store._aliases) <= 3

@@ -32,6 +32,10 @@ class RedisKeys:
         """A running task's call, sealed (sealing.py): apart from the record, which every poll reads."""
         return f"{self.prefix}call:{task_id}"
 
+    def alias(self, name: str) -> str:
+        """Another id that finds a task (a request that joined a keyed durable call)."""
+        return f"{self.prefix}alias:{name}"
+
     def lease(self, replica_id: str) -> str:
         return f"{self.prefix}replica:{replica_id}"
 

@@ -217,6 +217,19 @@ class RedisTaskStore:
     async def listeners(self) -> int:
         return await self._replicas.listeners()
 
+    async def alias(self, name: str, task_id: str, ttl_ms: int) -> None:
+        async with self._link.answering("alias"):
+            await self._fast.execute("SET", self._keys.alias(name), task_id, "PX", ttl_ms)
+
+    async def aliased(self, name: str) -> str | None:
+        async with self._link.answering("alias"):
+            found = await self._fast.execute("GET", self._keys.alias(name))
+        if found is None:
+            return None
+        if not isinstance(found, bytes):
+            raise Inconsistent("GET answered something other than a string")
+        return text(found)
+
     async def forget_call_context(self, task_id: str) -> None:
         async with self._link.answering("forget_call"):
             await self._fast.execute("DEL", self._keys.context(task_id))

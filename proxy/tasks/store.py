@@ -53,6 +53,13 @@ class TaskStore(Protocol):
     async def forget_call_context(self, task_id: str) -> None:
         """Drop the sealed call kept with a task before it ends (nothing will run it again)."""
 
+    async def alias(self, name: str, task_id: str, ttl_ms: int) -> None:
+        """Let `name` find the task for ttl_ms: a request that joined a task made for an idempotency key (its own
+        derived id is not the task's)."""
+
+    async def aliased(self, name: str) -> str | None:
+        """The task `name` finds, or None."""
+
     async def get(self, task_id: str) -> TaskRecord | None:
         """The record, or None when unknown or expired."""
 
@@ -128,6 +135,7 @@ class MemoryTaskStore:
         self._finished: OrderedDict[str, None] = OrderedDict()  # terminal task ids, oldest finish first
         self._indexes: dict[str, dict[str, int]] = {}
         self._index_of: dict[str, str] = {}  # so that a dropped task leaves its list too: bounded by the records
+        self._aliases: dict[str, tuple[str, float]] = {}  # name -> (task id, deadline), at most max_tasks
 
     def __len__(self) -> int:
         self._expire()
@@ -162,6 +170,19 @@ class MemoryTaskStore:
 
     async def forget_call_context(self, task_id: str) -> None:
         return None
+
+    async def alias(self, name: str, task_id: str, ttl_ms: int) -> None:
+        now = self._timer()
+        if len(self._aliases) >= self._max_tasks:  # bounded like the records: the expired go first, then the oldest
+            for stale in [key for key, (_, deadline) in self._aliases.items() if deadline <= now]:
+                del self._aliases[stale]
+            while len(self._aliases) >= self._max_tasks:
+                del self._aliases[next(iter(self._aliases))]
+        self._aliases[name] = (task_id, now + ttl_ms / 1000)
+
+    async def aliased(self, name: str) -> str | None:
+        found = self._aliases.get(name)
+        return found[0] if found is not None and found[1] > self._timer() else None
 
     async def update(self, task_id: str, updater: Updater) -> TaskRecord | None:
         current = self._live(task_id)
