@@ -176,7 +176,10 @@ class DurableCalls:
         task_id = self._identity.keyed_task_id(principal, params["name"], key, "durable")
         fingerprint = idempotency.fingerprint(params["name"], params.get("arguments"))
         existing = await self._store.get(task_id)
+        alias = self._alias(principal, session_tag, message["id"])
         if existing is None:
+            # notifications/cancelled names the request's id: it finds the call through the alias.
+            await self._store.alias(alias, task_id, rule.ttl_ms or self._runner.default_ttl_ms())
             try:
                 return await self._run(request, message, rule, task_id, fingerprint)
             except TaskIdTaken:  # the same key, sent at the same moment: both follow the one call
@@ -187,8 +190,7 @@ class DurableCalls:
             raise idempotency.key_reused(key)
         if existing.stream.get("session") != session_tag:
             raise idempotency.other_session(key)  # the call and its questions go on the first one's session
-        # notifications/cancelled names this request's id: it finds the call through the alias.
-        await self._store.alias(self._alias(principal, session_tag, message["id"]), task_id, existing.ttl_ms)
+        await self._store.alias(alias, task_id, existing.ttl_ms)
         log.info("durable_call_joined", task_id=task_id, tool=existing.tool)
         return await self._stream(rule).serve(request, existing, None, answer_as=message["id"])
 

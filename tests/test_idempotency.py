@@ -206,8 +206,9 @@ async def test_a_durable_call_sent_again_with_its_key_joins_the_running_call_and
     assert await legacy_client.call_tool("gate_arrivals", {"tag": gate}) == "1"
 
 
-async def test_a_joined_durable_call_is_cancelled_by_the_id_of_the_request_that_joined_it(
-    make_proxy, legacy_upstream, legacy_client, http
+@pytest.mark.parametrize("named", ["first", "joined"])
+async def test_a_joined_durable_call_is_cancelled_by_the_id_of_either_request(
+    make_proxy, legacy_upstream, legacy_client, http, named
 ):
     from tests.conftest import eventually
     from tests.test_durable import Client2025, events_of
@@ -227,7 +228,7 @@ async def test_a_joined_durable_call_is_cancelled_by_the_id_of_the_request_that_
             return await legacy_client.call_tool("gate_state", {"tag": gate}) == "started"
 
         await eventually(started, what="the call running")
-        assert await client.notify("notifications/cancelled", {"requestId": "joined"}) == 202
+        assert await client.notify("notifications/cancelled", {"requestId": named}) == 202
 
         async def cancelled() -> bool:
             return await legacy_client.call_tool("gate_state", {"tag": gate}) == "cancelled"
