@@ -538,3 +538,80 @@ async def test_sigterm_keeps_an_idempotent_call_that_has_no_run_left_and_a_lone_
     assert await arrivals(upstream_client, lone_tag) == 1
     later = McpClient(session, replicas(mcp_upstream, prefix=prefix).url)
     assert (await later.get_task(lone)).result["status"] == "completed"  # written before it exited
+
+
+def _logged(replica: Replica, event: str):
+    async def check() -> bool:
+        return f'"event": "{event}"' in replica.log.read_text()
+
+    return check
+
+
+async def test_a_handed_over_call_that_the_2025_server_runs_as_its_own_task_is_followed_not_cancelled(
+    replicas, session, everything_upstream
+):
+    tools = [{"match": "simulate-research-query", "idempotent": True}]
+    leaving, staying = replicas(everything_upstream, tools=tools), replicas(everything_upstream, tools=tools)
+    created = await McpClient(session, leaving.url).call_tool(
+        "simulate-research-query", {"topic": "tides", "ambiguous": False}
+    )
+    task_id = created.result["taskId"]
+    await eventually(_logged(leaving, "upstream_task_created"), what="the server making a task of the call")
+    leaving.process.send_signal(signal.SIGTERM)
+    done = await task_reaches(McpClient(session, staying.url), task_id, "completed", "failed")
+    assert done.result["status"] == "completed", done.result.get("error")
+    assert '"event": "upstream_task_cancelled"' not in leaving.log.read_text()
+
+
+async def test_a_lost_replicas_server_task_that_waits_for_an_answer_asked_through_it_ends_unknown_at_once(
+    replicas, session, everything_upstream
+):
+    """The server asked its question on the lost replica's stream and will not ask again on another: following the
+    task would wait until timeout_s (an hour by default). Not idempotent: it ends "unknown" at the takeover."""
+    tools = [{"match": "simulate-research-query"}]
+    doomed, staying = replicas(everything_upstream, tools=tools), replicas(everything_upstream, tools=tools)
+    on_doomed = McpClient(session, doomed.url)
+    created = await on_doomed.call(
+        "tools/call",
+        {"name": "simulate-research-query", "arguments": {"topic": "python", "ambiguous": True},
+         "_meta": meta(elicitation={})},
+    )  # fmt: skip
+    task_id = created.result["taskId"]
+    await task_reaches(on_doomed, task_id, "input_required")
+    killed(doomed)
+    lost = await task_reaches(McpClient(session, staying.url), task_id, "failed")
+    assert lost.result["error"]["data"] == {"outcome": "unknown"}
+    assert "waits for an answer" in lost.result["statusMessage"]
+
+
+async def test_a_server_task_is_followed_whatever_the_rules_attempts(replicas, session, everything_upstream):
+    tools = [{"match": "simulate-research-query", "retry": {"attempts": 1}}]  # "never send it twice"
+    doomed, staying = replicas(everything_upstream, tools=tools), replicas(everything_upstream, tools=tools)
+    created = await McpClient(session, doomed.url).call_tool(
+        "simulate-research-query", {"topic": "tides", "ambiguous": False}
+    )
+    await eventually(_logged(doomed, "upstream_task_created"), what="the server making a task of the call")
+    killed(doomed)
+    done = await task_reaches(McpClient(session, staying.url), created.result["taskId"], "completed", "failed")
+    assert done.result["status"] == "completed", done.result.get("statusMessage")
+
+
+async def test_replicas_stopped_together_finish_their_calls_within_the_grace(
+    replicas, session, mcp_upstream, upstream_client
+):
+    """Scale to zero: each stopping replica offers its idempotent call to the other, which takes nothing (it is
+    stopping too): the call goes on where it runs and finishes within the grace, as without a hand-over."""
+    tools = [{"match": "gated", "idempotent": True}]
+    prefix = f"together-{gate_tag()}:"
+    a, b = replicas(mcp_upstream, tools=tools, prefix=prefix), replicas(mcp_upstream, tools=tools, prefix=prefix)
+    tag = gate_tag()
+    task_id = (await McpClient(session, a.url).call_tool("gated", {"tag": tag})).result["taskId"]
+    await eventually(lambda: gate_is(upstream_client, tag, "started"), what="the call")
+    a.process.send_signal(signal.SIGTERM)
+    b.process.send_signal(signal.SIGTERM)
+    await eventually(_logged(a, "tasks_draining"), what="A draining")
+    await release_gate(upstream_client, tag)
+    assert a.process.wait(timeout=20) == 0 and b.process.wait(timeout=20) == 0
+    later = McpClient(session, replicas(mcp_upstream, tools=tools, prefix=prefix).url)
+    assert (await later.get_task(task_id)).result["status"] == "completed"
+    assert await arrivals(upstream_client, tag) == 1

@@ -4,6 +4,7 @@ again, and a call is marked sent before it is sent, whatever the store's timing.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import secrets
 from datetime import UTC, datetime
@@ -18,7 +19,8 @@ from proxy.tasks.model import TaskRecord, TaskStatus, from_json, new_task_id, to
 from proxy.tasks.redis_store import RedisTaskStore
 from proxy.tasks.runner import TaskRunner
 from proxy.tasks.sealing import CallSeal
-from proxy.upstream.events import Finished
+from proxy.upstream.events import Finished, UpstreamTask, UpstreamUnavailable
+from proxy.upstream.gateway import Gateway
 
 
 class SlowCreate(RedisTaskStore):
@@ -136,3 +138,103 @@ async def test_one_bad_record_of_a_lost_replica_does_not_stop_the_sweep_for_the_
             await store.aclose()
     finally:
         await writer.aclose()
+
+
+class FlakyProbe:
+    """Fault injection: the first era probe of a replica that just started finds the upstream away."""
+
+    url = "http://upstream.invalid/mcp"
+
+    def __init__(self) -> None:
+        self.probes = 0
+
+    async def probe(self, headers):
+        self.probes += 1
+        if self.probes == 1:
+            raise UpstreamUnavailable("connection refused")
+        return "legacy"
+
+
+class FollowingLegacy:
+    """Fault injection: a 2025 server side that records whether each call followed a task or was sent."""
+
+    class link:  # noqa: N801 (an attribute holder, as the real link)
+        tasks_reach_replicas = True
+
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def call(self, message, headers, capabilities, *, max_bytes, on_request, follow):
+        self.calls.append(follow)
+
+        async def events():
+            yield Finished({"content": [], "isError": False})
+
+        return events()
+
+
+async def test_a_follow_that_fails_before_it_reaches_the_upstream_follows_again_and_never_sends_the_call(redis_url):
+    store = RedisTaskStore(redis_url, key_prefix=f"follow-{secrets.token_hex(3)}:", lease_s=0.01, timeout_s=2)
+    seal = CallSeal(b"k")
+    rule = ToolRule(match="t", retry={"backoff_ms": 1})  # not idempotent: it may only be followed
+    now = datetime.now(UTC)
+    task_id = new_task_id()
+    made = UpstreamTask("upstream-task-1", "session-1", "2025-11-25")
+    record = TaskRecord(
+        task_id, "t", TaskStatus.WORKING, now, now, 600_000, 50, owner="ghost",
+        upstream_task=seal.seal_upstream_task(task_id, made, ""),
+    )  # fmt: skip
+    await store.create(record, seal.seal(task_id, call("x")))
+    legacy = FollowingLegacy()
+    gateway = Gateway(FlakyProbe(), legacy, relay=None, protocol="auto")
+    runner = TaskRunner(store, gateway, TaskDefaults, lease_s=0.01, seal=seal, rule_for=lambda tool: rule)
+    try:
+        await asyncio.sleep(0.05)
+        assert await runner.reap_lost() == 1
+        while not (await store.get(task_id)).is_terminal:
+            await asyncio.sleep(0.02)
+        assert legacy.calls == [made]  # the probe failed first; the retry followed the server's task
+        assert (await store.get(task_id)).status is TaskStatus.COMPLETED
+    finally:
+        await runner.aclose()
+        await store.aclose()
+
+
+async def test_a_replica_that_was_thought_lost_does_not_write_its_outcome_over_the_new_owners(redis_url):
+    store = RedisTaskStore(redis_url, key_prefix=f"zombie-{secrets.token_hex(3)}:", lease_s=10, timeout_s=2)
+    upstream = GatedUpstream()
+    rule = ToolRule(match="t", idempotent=True)
+    runner = TaskRunner(store, upstream, TaskDefaults, seal=CallSeal(b"k"), rule_for=lambda tool: rule)
+    try:
+        record = await runner.submit(call("paused"), rule)
+        while "paused" not in upstream.sent:
+            await asyncio.sleep(0.01)
+        # Meanwhile another replica took it over (this one was paused past its lease): the record names that one.
+        await store.update(record.task_id, lambda r: dataclasses.replace(r, owner="replica-b", attempt=2))
+        upstream.gates["paused"].set()
+        while record.task_id in runner._state.jobs:
+            await asyncio.sleep(0.01)
+        after = await store.get(record.task_id)
+        assert after.status is TaskStatus.WORKING and after.owner == "replica-b"  # replica-b's run writes it
+    finally:
+        await runner.aclose()
+        await store.aclose()
+
+
+async def test_a_call_of_a_rule_that_may_not_run_again_leaves_no_credentials_in_the_store_once_sent(redis_url):
+    prefix = f"kept-{secrets.token_hex(3)}:"
+    store = RedisTaskStore(redis_url, key_prefix=prefix, lease_s=10, timeout_s=2)
+    upstream = GatedUpstream()
+    rule = ToolRule(match="t", max_concurrency=1)  # kept in case it queues; not idempotent
+    runner = TaskRunner(store, upstream, TaskDefaults, seal=CallSeal(b"k"), rule_for=lambda tool: rule)
+    reader = redis_client.from_url(redis_url)
+    try:
+        record = await runner.submit(call("sent"), rule)
+        while "sent" not in upstream.sent:
+            await asyncio.sleep(0.01)
+        assert not await reader.exists(f"{prefix}call:{record.task_id}")
+        upstream.gates["sent"].set()
+    finally:
+        await reader.aclose()
+        await runner.aclose()
+        await store.aclose()

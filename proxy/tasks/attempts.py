@@ -4,6 +4,7 @@ handed to settlement; and how a stopped call ends (cancelled upstream, or failed
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import itertools
 import secrets
@@ -62,6 +63,8 @@ class Attempts:
                     await self._settlement.queue(job, f"queued: {job.call.tool} runs a limited number of calls at once")
                 async with job.slots:
                     if not job.queued or await self._settlement.unqueue(job):
+                        if job.sealed:  # kept in case it queued; it did not
+                            await self._settlement.drop_unneeded_call(job)
                         await self._drive(job)
         except asyncio.CancelledError:
             if job.cancel_reason == SHUTDOWN:
@@ -73,7 +76,7 @@ class Attempts:
                     await self._settlement.settle(job, TaskStatus.FAILED, error=error, status_message=SHUTDOWN)
             elif job.cancel_reason is None:
                 raise
-            elif job.upstream_busy and job.call.client_session is None:
+            elif job.upstream_busy and job.call.client_session is None:  # (another replica re-runs a GONE_ON one)
                 # (A call on a client's own session posts its cancellation itself as its stream closes.)
                 await self._state.upstream.notify_cancelled(job.upstream_id, job.call.headers, job.cancel_reason)
         except Exception:
@@ -171,9 +174,8 @@ class Attempts:
             max_bytes=job.max_result_bytes,
             on_request=functools.partial(self._input_rounds.open_questions, job),
             session=job.call.client_session,
-            follow=job.follow,
+            follow=job.follow,  # kept for every attempt: a retry follows again, it never sends the call
         )
-        job.follow = None  # once: an attempt after it sends the call
         started_s = self._state.timer()
         outcome = "cancelled"
         settle: tuple[TaskStatus, dict[str, Any]] | None = None
@@ -206,6 +208,8 @@ class Attempts:
                         outcome = "failed"
                         if event.unread:  # unreachable, or the stream cut: the upstream failed, not the tool
                             self._state.metrics.upstream_errors.labels("task").inc()
+                        if job.follow is not None and event.transient is None:
+                            event = _followed_failure(event)
                         if may_retry(job, event):
                             transient = event
                         else:
@@ -229,6 +233,14 @@ class Attempts:
             status, fields = settle
             await self._settlement.settle(job, status, **fields)
         return transient
+
+
+def _followed_failure(failed: Failed) -> Failed:
+    """Following a server's own task made through a lost replica failed (its session or task gone): what the call
+    did upstream is not known, as for any lost replica's call that is not run again."""
+    data = failed.error.get("data")
+    data = {**data, "outcome": "unknown"} if isinstance(data, dict) else {"outcome": "unknown"}
+    return dataclasses.replace(failed, error={**failed.error, "data": data})
 
 
 def _attempts(count: int) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 from multidict import CIMultiDict
 
 from ..config import ToolRule
-from ..upstream.events import UpstreamTask
+from ..upstream.events import DETACH, UpstreamTask
 from .model import TaskStatus
 
 
@@ -136,7 +136,16 @@ class Job:
         """Cancel the call's own asyncio task, unless it is the one asking (it then ends by itself)."""
         if self.runner is not None and not self.runner.done() and self.runner is not asyncio.current_task():
             self.cancel_reason = reason
-            self.runner.cancel()
+            # The cancellation's message reaches the upstream side where it unwinds: a call another replica goes
+            # on with leaves the server's own task running (events.detaching).
+            self.runner.cancel(DETACH if reason in GONE_ON else None)
+
+
+HANDED_OVER = "handed over to another proxy replica at shutdown"
+TAKEN_OVER = "taken over by another proxy replica"
+GONE_ON = frozenset({HANDED_OVER, TAKEN_OVER})
+"""Cancel reasons of a call that another replica goes on with: stopped here, not settled, and a server's own task
+for it left running for that replica to follow."""
 
 
 class RoundLimit(Exception):

@@ -33,6 +33,15 @@ class TaskStateError(Exception):
         self.requested = requested
 
 
+RELEASED = "released:"
+"""The owner prefix of a task its replica handed over at shutdown: any replica may take it now."""
+
+
+def owned_by(record: TaskRecord, replica_id: str) -> bool:
+    """The record names this replica as the one running its call (released by it at shutdown included)."""
+    return record.owner == replica_id or record.owner == RELEASED + replica_id
+
+
 def new_task_id() -> str:
     # Task ids are bearer handles (SEP-2663): 128 random bits, URL- and header-safe.
     return secrets.token_urlsafe(16)

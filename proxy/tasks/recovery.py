@@ -10,7 +10,7 @@ from typing import Any
 
 import structlog
 
-from .job import Job
+from .job import TAKEN_OVER, Job
 from .model import TaskStatus
 from .runner_state import RunnerState
 from .settlement import Settlement
@@ -72,6 +72,14 @@ class Recovery:
             self._state.watchers.changed(str(event.get("taskId")))
         elif event.get("type") == "released":  # a replica stopping handed tasks over: take them now
             self._sweep_now.set()
+            return
+        elif event.get("type") == "taken" and event.get("owner") != self._state.replica_id:
+            # Another replica took over a task this one still runs (released at shutdown, or this replica was
+            # thought lost): that replica goes on with it, this one stops without a word upstream about a task.
+            taken = self._state.jobs.get(str(event.get("taskId")))
+            if taken is not None and not taken.settled:
+                log.warning("task_taken_over_elsewhere", task_id=taken.task_id, tool=taken.call.tool)
+                taken.stop(TAKEN_OVER)
             return
         job = self._state.jobs.get(str(event.get("taskId")))
         if job is None:

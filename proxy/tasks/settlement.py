@@ -22,7 +22,7 @@ from tenacity import (
 from .. import tracing
 from ..upstream.events import Progress, UpstreamTask
 from .job import DirectOutcome, Job
-from .model import TaskRecord, TaskStateError, TaskStatus, transition
+from .model import TaskRecord, TaskStateError, TaskStatus, owned_by, transition
 from .runner_state import RunnerState
 from .store import StoreUnavailable
 
@@ -98,7 +98,7 @@ class Settlement:
         sealed = seal.seal_upstream_task(job.task_id, upstream, job.call.principal)
 
         def apply(record: TaskRecord) -> TaskRecord:
-            if record.is_terminal:
+            if record.is_terminal or not owned_by(record, self._state.replica_id):
                 return record
             return dataclasses.replace(record, upstream_task=sealed)  # internal: no new revision
 
@@ -130,27 +130,41 @@ class Settlement:
         if not job.stored:
             return True  # inside a sync window (its record is made with queued false), or never made
         try:
-            await self.until_stored(
+            marked = await self.until_stored(
                 job, lambda: self.update_live(job, functools.partial(self._mark_queued, False, None))
             )
         except _TakenOver:
             log.warning("task_taken_over_elsewhere", task_id=job.task_id, tool=job.call.tool)
             job.settled = True  # nothing of this replica's may write to it any more
             return False
+        if marked is None or marked.is_terminal:
+            return False  # ended meanwhile (cancelled while it waited): nothing to send
         self._state.watchers.progressed(job.task_id)
-        if job.rule.idempotent is False and not self._state.upstream.tasks_reach_replicas:
-            # Kept only while it could run elsewhere unsent: the client's credentials leave the store now.
-            job.sealed = False
-            with contextlib.suppress(StoreUnavailable):
-                await self._state.store.forget_call_context(job.task_id)
+        await self.drop_unneeded_call(job)
         return True
 
+    async def drop_unneeded_call(self, job: Job) -> None:
+        """Once a call of a rule that may not run it again is sent, no replica will need it: the client's
+        credentials leave the store now (kept only while it could have run elsewhere unsent), unless a 2025 server
+        may make a task of it, which another replica would follow."""
+        if job.rule.idempotent is not False or self._state.upstream.tasks_reach_replicas:
+            return
+        job.sealed = False
+        with contextlib.suppress(StoreUnavailable):
+            await self._state.store.forget_call_context(job.task_id)
+
     def _mark_queued(self, queued: bool, message: str | None, record: TaskRecord) -> TaskRecord:
-        if record.owner != self._state.replica_id:
+        if not owned_by(record, self._state.replica_id):
             raise _TakenOver
-        if record.status is not TaskStatus.WORKING or record.queued == queued:
+        if record.is_terminal:
             return record
-        return transition(record, TaskStatus.WORKING, now=self._state.now(), status_message=message, queued=queued)
+        # Released at shutdown and taken by nobody yet: sent from here, it is this replica's again.
+        owner = self._state.replica_id
+        if record.status is not TaskStatus.WORKING or (record.queued == queued and record.owner == owner):
+            return record
+        return transition(
+            record, TaskStatus.WORKING, now=self._state.now(), status_message=message, queued=queued, owner=owner
+        )
 
     async def update_live(self, job: Job, apply: Callable[[TaskRecord], TaskRecord]) -> TaskRecord | None:
         """Update a running job's record; None when it ended meanwhile (the job is stopped if the record is gone)."""
@@ -173,10 +187,18 @@ class Settlement:
         await job.wait_stored()
         job.settled = True  # from here the call is over: a late cancel or reconciliation must not stop this write
         job.unwritten = (status, fields)
-        written = await self.until_stored(job, lambda: self.transition(job.task_id, status, job=job, **fields))
+        elsewhere = self._taken_elsewhere
+        written = await self.until_stored(
+            job, lambda: self.transition(job.task_id, status, job=job, unless=elsewhere, **fields)
+        )
         job.unwritten = None
         if written is None:
             log.info("task_outcome_dropped", task_id=job.task_id, outcome=status.value)
+
+    def _taken_elsewhere(self, record: TaskRecord) -> bool:
+        """Another replica took the task over (this one was thought lost): its outcome is that replica's to write,
+        and this one's is dropped."""
+        return not owned_by(record, self._state.replica_id)
 
     def remaining_s(self, job: Job) -> float:
         """Time left before the task's record expires (its TTL runs from creation)."""

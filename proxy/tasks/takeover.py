@@ -27,18 +27,13 @@ from ..upstream.events import UpstreamTask
 from .admission import Admission
 from .hints import RepeatHints
 from .job import Job, ToolCall
-from .model import TaskRecord, TaskStatus, transition
+from .model import RELEASED, TaskRecord, TaskStatus, transition
 from .runner_state import RunnerState
 from .settlement import Settlement, run_note
 from .store import RecordCorrupt, StoreUnavailable
 
 log = structlog.get_logger(__name__)
 
-RELEASED = "released:"
-"""The owner prefix of a task its replica handed over at shutdown: any replica takes it now."""
-
-HANDED_OVER = "handed over to another proxy replica at shutdown"
-"""The cancel reason of a call released at shutdown: stopped here, not settled (another replica runs it)."""
 
 _HINT_LOOKUP_S = 10.0
 _RELEASE_S = 5.0
@@ -146,15 +141,20 @@ class Takeover:
         rule = self._rule_for(record.tool)
         if rule is None:
             return "no tool rule of the policy names it any more"
-        if record.attempt >= rule.retry.attempts and not record.queued:
-            return f"it ran {_runs(record.attempt)} already, the most its rule allows (retry.attempts)"
         if state.seal is None:
             return "the replicas have no principal key of the operator's to keep calls with (security.principal_key)"
         follow = None
-        if record.upstream_task is not None and not record.queued:
+        # A server task waiting for an answer asked through the lost replica would wait for it forever: the server
+        # does not ask again on another stream.
+        if record.upstream_task is not None and not record.queued and record.status is TaskStatus.WORKING:
             follow = state.seal.unseal_upstream_task(record.task_id, record.upstream_task, record.principal)
-        if not record.queued and follow is None and rule.idempotent is False:
-            return "its tool rule is not idempotent"
+        if not record.queued and follow is None:  # it would run again
+            if rule.idempotent is False:
+                if record.upstream_task is not None:
+                    return "its upstream task waits for an answer that was asked through the lost replica"
+                return "its tool rule is not idempotent"
+            if record.attempt >= rule.retry.attempts:
+                return f"it ran {_runs(record.attempt)} already, the most its rule allows (retry.attempts)"
         if len(state.jobs) >= self._max_running():
             raise NoRoom
         sealed = await state.store.call_context(record.task_id)
@@ -177,7 +177,7 @@ class Takeover:
         self, record: TaskRecord, call: ToolCall, rule: ToolRule, follow: UpstreamTask | None
     ) -> str | None:
         state = self._state
-        attempt = record.attempt if record.queued else record.attempt + 1
+        attempt = record.attempt if record.queued or follow is not None else record.attempt + 1
         if record.queued:
             message = "queued again on another proxy replica: the one it waited on was lost"
         elif follow is not None:
@@ -236,13 +236,17 @@ class Takeover:
             follows=follow is not None,
         )
         await self._settlement.announce(record.task_id)
+        with contextlib.suppress(StoreUnavailable):
+            # The replica it was taken from, if it is only paused or stopping: it stops its own run.
+            await state.store.publish({"type": "taken", "taskId": record.task_id, "owner": state.replica_id})
         return None
 
     async def release(self) -> int:
-        """At shutdown: hand the calls that may run again elsewhere (queued ones, and idempotent ones with a run
-        left) to the other replicas now; returns how many. Nothing is handed over when no other replica listens
-        (a single replica keeps its calls for the shutdown grace), and the whole hand-over is bounded in time: a
-        store that does not answer leaves every call to the grace."""
+        """At shutdown: offer the calls that may run again elsewhere (queued ones, and idempotent ones with a run
+        left) to the other replicas now; returns how many. Each goes on here until a replica takes it (that one
+        says so: the call stops here, recovery.py) or ends within the grace as before: when every replica is
+        stopping, nobody takes them and nothing changes. Bounded in time: a store that does not answer leaves every
+        call to the grace."""
         state = self._state
         jobs = [job for job in state.jobs.values() if self._may_hand_over(job)]
         if not jobs:
@@ -284,11 +288,7 @@ class Takeover:
             released = await state.store.update(job.task_id, release)
         except _NotLost:
             return False
-        if released is None:
-            return False
-        if not job.settled:  # an outcome being written now is kept: the record then ends, and no one takes it
-            job.stop(HANDED_OVER)
-        return True
+        return released is not None
 
 
 def is_released(owner: str) -> bool:

@@ -10,6 +10,7 @@ client sees the same events as from any other call: progress, input rounds, then
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import math
 import time
@@ -20,7 +21,16 @@ import structlog
 from multidict import MultiMapping
 
 from ..jsonrpc import INTERNAL_ERROR, error_object
-from .events import Event, Failed, Finished, Progress, UpstreamTask, UpstreamUnavailable, proxy_failure
+from .events import (
+    Event,
+    Failed,
+    Finished,
+    Progress,
+    UpstreamTask,
+    UpstreamUnavailable,
+    detaching,
+    proxy_failure,
+)
 from .routing import RELATED_TASK, CallRoute, LegacySession
 
 log = structlog.get_logger(__name__)
@@ -182,6 +192,7 @@ async def run_as_upstream_task(
     the task the server made for it before (through a replica that was lost) is followed, and nothing is sent."""
     task_id: str | None = None
     ended = False
+    detached = False
     try:
         if follow is not None:
             task: dict[str, Any] = {"taskId": follow.task_id, "status": "working"}
@@ -253,7 +264,9 @@ async def run_as_upstream_task(
                     return
                 result_failures += 1
                 if result_failures > _MAX_RESULT_RETRIES:  # the task may still run upstream: it is cancelled there
-                    yield outcome or proxy_failure("tasks/result never answered", legacy.url)
+                    failed = outcome or proxy_failure("tasks/result never answered", legacy.url)
+                    # A tasks/result that never left is no call that never left: the call made its task.
+                    yield dataclasses.replace(failed, transient=None) if failed.transient == "unsent" else failed
                     return
             elif status == "cancelled":
                 ended = True
@@ -277,8 +290,11 @@ async def run_as_upstream_task(
                     yield proxy_failure("the upstream's tasks/get gave no answer", legacy.url)
                 return
             task = answer["result"]
+    except asyncio.CancelledError as exc:
+        detached = detaching(exc)  # another replica follows the task: it is left running
+        raise
     finally:
-        if task_id is not None and not ended:
+        if task_id is not None and not ended and not detached:
             legacy.spawn(_cancel(legacy, session, client_headers, task_id, route))
 
 
