@@ -292,6 +292,17 @@ def killed(replica: Replica) -> None:
     replica.process.wait()
 
 
+async def one_running_one_queued(on_a: McpClient, on_b: McpClient, upstream_client: McpClient):
+    """Two calls of a tool that runs one at a time, through A: the first running upstream, the second queued behind
+    it (as B reads it). Their gate tags and task ids: (first, first task, second, second task)."""
+    first, second = gate_tag(), gate_tag()
+    running = (await on_a.call_tool("gated", {"tag": first})).result["taskId"]
+    await eventually(lambda: gate_is(upstream_client, first, "started"), what="the first call")
+    queued = (await on_a.call_tool("gated", {"tag": second})).result["taskId"]
+    await eventually(lambda: _says(on_b, queued, "queued"), what="the second call queued")
+    return first, running, second, queued
+
+
 async def test_a_lost_replicas_idempotent_call_runs_again_on_another_and_completes(
     replicas, session, mcp_upstream, upstream_client
 ):
@@ -320,11 +331,7 @@ async def test_a_queued_call_of_a_lost_replica_runs_elsewhere_whatever_its_rule(
     tools = [{"match": "gated", "max_concurrency": 1}]
     doomed = replicas(mcp_upstream, tools=tools)
     a, b = McpClient(session, doomed.url), McpClient(session, replicas(mcp_upstream, tools=tools).url)
-    first, second = gate_tag(), gate_tag()
-    running = (await a.call_tool("gated", {"tag": first})).result["taskId"]
-    await eventually(lambda: gate_is(upstream_client, first, "started"), what="the first call")
-    queued = (await a.call_tool("gated", {"tag": second})).result["taskId"]
-    await eventually(lambda: _says(b, queued, "queued"), what="the second call queued")
+    _, running, second, queued = await one_running_one_queued(a, b, upstream_client)
     killed(doomed)
     lost = await task_reaches(b, running, "failed")
     assert lost.result["error"]["data"] == {"outcome": "unknown"}
@@ -457,11 +464,7 @@ async def test_a_queued_call_taken_over_is_marked_sent_before_it_runs_so_a_secon
     tools = [{"match": "gated", "max_concurrency": 1}]  # not idempotent: it may run once
     a, b = replicas(mcp_upstream, tools=tools), replicas(mcp_upstream, tools=tools)
     on_a, on_b = McpClient(session, a.url), McpClient(session, b.url)
-    first, second = gate_tag(), gate_tag()
-    await on_a.call_tool("gated", {"tag": first})
-    await eventually(lambda: gate_is(upstream_client, first, "started"), what="the first call")
-    queued = (await on_a.call_tool("gated", {"tag": second})).result["taskId"]
-    await eventually(lambda: _says(on_b, queued, "queued"), what="the second call queued")
+    _, _, second, queued = await one_running_one_queued(on_a, on_b, upstream_client)
     killed(a)
     await eventually(lambda: gate_is(upstream_client, second, "started"), what="B running the queued call")
     c = McpClient(session, replicas(mcp_upstream, tools=tools).url)
@@ -477,11 +480,7 @@ async def test_a_paused_owner_does_not_send_a_queued_call_another_replica_took_o
     tools = [{"match": "gated", "max_concurrency": 1}]
     a, b = replicas(mcp_upstream, tools=tools), replicas(mcp_upstream, tools=tools)
     on_a, on_b = McpClient(session, a.url), McpClient(session, b.url)
-    first, second = gate_tag(), gate_tag()
-    await on_a.call_tool("gated", {"tag": first})
-    await eventually(lambda: gate_is(upstream_client, first, "started"), what="the first call")
-    queued = (await on_a.call_tool("gated", {"tag": second})).result["taskId"]
-    await eventually(lambda: _says(on_b, queued, "queued"), what="the second call queued")
+    first, _, second, queued = await one_running_one_queued(on_a, on_b, upstream_client)
     os.kill(a.process.pid, signal.SIGSTOP)  # paused, not dead: a long GC, a VM migration, a partition
     try:
         await eventually(lambda: gate_is(upstream_client, second, "started"), what="B running the queued call")
