@@ -387,14 +387,8 @@ class LegacyUpstream:
         route = CallRoute(capabilities, on_request)
         session.calls[legacy["id"]] = route  # for the whole call: an upstream task's follow-up requests included
         try:
-            name = params_of(legacy).get("name")
-            if follow is not None:
-                support = "required"  # it made a task of this call already
-            elif legacy["method"] == "tools/call" and isinstance(name, str):
-                support = await self.task_support.of(self, client_headers, name)
-            else:
-                support = "forbidden"
-            if support in TASKED and self.link.follows_tasks:
+            # (A call to follow made its task already: it is followed, never sent, whatever the link.)
+            if follow is not None or await runs_as_task(self, legacy, client_headers):
                 route.upstream_task = True
                 events = run_as_upstream_task(
                     self, session, legacy, client_headers, capabilities, route, max_bytes=max_bytes, follow=follow
@@ -512,13 +506,27 @@ class LegacyUpstream:
             else:
                 await self.respond(session, client_headers, upstream_id, {"result": answer})
 
-        key = f"{method.split('/')[0]}-{upstream_id}"
-        if verbatim:  # for a 2025-era client, who is asked exactly what the server asked
-            question = {"method": method, **({"params": message["params"]} if "params" in message else {})}
-        else:
-            question = clean_input_request(message)
-        result = {"resultType": "input_required", "inputRequests": {key: question}}
+        result = {"resultType": "input_required", "inputRequests": dict([question_of(message, verbatim=verbatim)])}
         return InputNeeded(result, reply)
+
+
+async def runs_as_task(upstream: LegacyUpstream, legacy: dict[str, Any], client_headers: MultiMapping[str]) -> bool:
+    """Whether the server runs this call as a SEP-1686 task of its own (its tool's taskSupport), which the proxy
+    then follows."""
+    name = params_of(legacy).get("name")
+    if legacy["method"] != "tools/call" or not isinstance(name, str) or not upstream.link.follows_tasks:
+        return False
+    return await upstream.task_support.of(upstream, client_headers, name) in TASKED
+
+
+def question_of(message: dict[str, Any], *, verbatim: bool) -> tuple[str, dict[str, Any]]:
+    """A server's request as an input request, and its key: as the server asked it for a 2025-era client
+    (verbatim), else in the 2026 shape."""
+    method = message["method"]
+    key = f"{method.split('/')[0]}-{message['id']}"
+    if verbatim:
+        return key, {"method": method, **({"params": message["params"]} if "params" in message else {})}
+    return key, clean_input_request(message)
 
 
 def answer_event(method: str, answer: dict[str, Any], upstream: LegacyUpstream, *, verbatim: bool) -> Event:
