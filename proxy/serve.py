@@ -88,6 +88,12 @@ async def serve(
     announce: Callable[[], None],
 ) -> None:
     """Run `app` on the bound `sock` until SIGTERM or SIGINT."""
+    # First: the socket may already take connections (a readiness probe, a test, an orchestrator that stops a pod
+    # at once), and a signal during start-up must stop the proxy gracefully, not by the default action.
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stopping.set)
     runner = web.AppRunner(
         app,
         handle_signals=False,
@@ -103,10 +109,6 @@ async def serve(
         cap_connections(runner.server, listen.max_connections, on_refused)
         await web.SockSite(runner, sock).start()
         announce()
-        stopping = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stopping.set)
         await stopping.wait()
         # Open connections (streams, calls in flight) get up to the runner's shutdown_timeout before tasks drain.
         log.info("proxy_stopping", open_connections=len(runner.server.connections), wait_s=SHUTDOWN_TIMEOUT_S)

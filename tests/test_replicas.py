@@ -614,3 +614,18 @@ async def test_replicas_stopped_together_finish_their_calls_within_the_grace(
     later = McpClient(session, replicas(mcp_upstream, tools=tools, prefix=prefix).url)
     assert (await later.get_task(task_id)).result["status"] == "completed"
     assert await arrivals(upstream_client, tag) == 1
+
+
+async def test_a_replica_told_to_stop_while_it_starts_stops_gracefully(replicas, mcp_upstream):
+    """The socket takes connections before the replica has started (its store may be slow to answer): a SIGTERM
+    then, from an orchestrator or a probe's failure, is a graceful stop, not the signal's default death."""
+    redis_process, url = start_redis()
+    try:
+        os.kill(redis_process.pid, signal.SIGSTOP)  # a store that does not answer: the start waits on it
+        starting = replicas(mcp_upstream, store_url=url)
+        starting.process.send_signal(signal.SIGTERM)
+        assert starting.process.wait(timeout=30) == 0
+        assert '"event": "proxy_stopped"' in starting.log.read_text()
+    finally:
+        os.kill(redis_process.pid, signal.SIGCONT)
+        stop(redis_process)
