@@ -150,8 +150,10 @@ class Takeover:
             follow = state.seal.unseal_upstream_task(record.task_id, record.upstream_task, record.principal)
         if not record.queued and follow is None:  # it would run again
             if rule.idempotent is False:
-                if record.upstream_task is not None:
+                if record.upstream_task is not None and record.status is not TaskStatus.WORKING:
                     return "its upstream task waits for an answer that was asked through the lost replica"
+                if record.upstream_task is not None:
+                    return "its upstream task could not be read (kept under another principal key)"
                 return "its tool rule is not idempotent"
             if record.attempt >= rule.retry.attempts:
                 return f"it ran {_runs(record.attempt)} already, the most its rule allows (retry.attempts)"
