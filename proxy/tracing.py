@@ -107,16 +107,26 @@ class Tracer:
         span.end()
 
     @contextlib.contextmanager
-    def upstream_call(self, task_span: Any, tool: str) -> Iterator[Any]:
-        """One attempt of the task's call upstream, current while it runs: its headers carry this span's context."""
+    def upstream_call(self, task_span: Any, tool: str, *, attempt: int = 1, run: int = 1) -> Iterator[Any]:
+        """One attempt of the task's call upstream, current while it runs: its headers carry this span's context.
+        `attempt` counts the attempts of one round (retries of transient failures), `run` the runs of the call
+        (another after a lost replica)."""
         # Before its task exists (inside a sync window) the attempt belongs to the request that makes it.
         parent = self._trace.set_span_in_context(task_span) if task_span is not None else None
         attributes = {"mcp.method.name": "tools/call", "gen_ai.tool.name": tool}
         attributes["gen_ai.operation.name"] = "execute_tool"
+        attributes["mcp.task.attempt"] = attempt
+        attributes["mcp.task.run"] = run
         with self._tracer.start_as_current_span(
             f"tools/call {tool}", context=parent, kind=self._client, attributes=attributes
         ) as span:
             yield span
+
+    def failed_attempt(self, span: Any, reason: str) -> None:
+        """An attempt that failed transiently (`reason`: unsent, unanswered), whether or not another follows. No
+        message: an upstream's wording may carry anything."""
+        span.set_attribute("error.type", reason)
+        span.set_status(self._trace.StatusCode.ERROR)
 
     def inject(self, headers: MutableMapping[str, str]) -> None:
         """The current span's context on an upstream request, in place of the client's."""

@@ -14,8 +14,8 @@ import redis.asyncio as redis_client
 from multidict import CIMultiDict
 
 from proxy.config import TaskDefaults, ToolRule
-from proxy.tasks.job import ToolCall
-from proxy.tasks.model import TaskRecord, TaskStatus, from_json, new_task_id, to_json
+from proxy.tasks.job import TAKEN_OVER, ToolCall
+from proxy.tasks.model import RELEASED, TaskRecord, TaskStatus, from_json, new_task_id, to_json
 from proxy.tasks.redis_store import RedisTaskStore
 from proxy.tasks.runner import TaskRunner
 from proxy.tasks.sealing import CallSeal
@@ -41,8 +41,9 @@ class GatedUpstream:
     def __init__(self) -> None:
         self.sent: list[str] = []
         self.gates: dict[str, asyncio.Event] = {}
+        self.cancelled: list[str] = []
 
-    def call_tool(self, message, headers, capabilities, *, max_bytes, on_request, session, follow):
+    def call_tool(self, message, headers, capabilities, *, max_bytes, on_request, session, follow, detached=None):
         tag = message["params"]["arguments"]["tag"]
         self.sent.append(tag)
         gate = self.gates.setdefault(tag, asyncio.Event())
@@ -53,8 +54,8 @@ class GatedUpstream:
 
         return events()
 
-    async def notify_cancelled(self, *args) -> None:
-        return None
+    async def notify_cancelled(self, request_id, headers, reason) -> None:
+        self.cancelled.append(reason)
 
 
 def call(tag: str) -> ToolCall:
@@ -164,7 +165,7 @@ class FollowingLegacy:
     def __init__(self) -> None:
         self.calls: list = []
 
-    def call(self, message, headers, capabilities, *, max_bytes, on_request, follow):
+    def call(self, message, headers, capabilities, *, max_bytes, on_request, follow, detached=None):
         self.calls.append(follow)
 
         async def events():
@@ -236,5 +237,134 @@ async def test_a_call_of_a_rule_that_may_not_run_again_leaves_no_credentials_in_
         upstream.gates["sent"].set()
     finally:
         await reader.aclose()
+        await runner.aclose()
+        await store.aclose()
+
+
+def lease_key(prefix: str, replica_id: str) -> str:
+    return f"{prefix}replica:{replica_id}"
+
+
+async def test_a_call_released_by_a_live_replica_that_may_not_run_here_is_left_to_it_until_that_replica_is_gone(
+    redis_url,
+):
+    prefix = f"left-{secrets.token_hex(3)}:"
+    store = RedisTaskStore(redis_url, key_prefix=prefix, lease_s=0.01, timeout_s=2)
+    seal = CallSeal(b"k")
+    rule = ToolRule(match="t")  # not idempotent: only its own replica may go on with it
+    now = datetime.now(UTC)
+    task_id = new_task_id()
+    record = TaskRecord(task_id, "t", TaskStatus.WORKING, now, now, 600_000, 50, owner="released:replica-a")
+    await store.create(record, seal.seal(task_id, call("x")))
+    writer = redis_client.from_url(redis_url)
+    await writer.set(lease_key(prefix, "replica-a"), "1", px=60_000)  # replica-a is stopping, not gone
+    runner = TaskRunner(store, GatedUpstream(), TaskDefaults, lease_s=0.01, seal=seal, rule_for=lambda tool: rule)
+    try:
+        await asyncio.sleep(0.05)  # the store answered for longer than a lease: leases are known
+        assert await runner.reap_lost() == 0
+        left = await store.get(task_id)
+        assert left.status is TaskStatus.WORKING and left.owner == "released:replica-a"  # it still runs there
+        await writer.delete(lease_key(prefix, "replica-a"))  # gone before its call ended
+        assert await runner.reap_lost() == 1
+        ended = await store.get(task_id)
+        assert ended.status is TaskStatus.FAILED and ended.error["data"]["outcome"] == "unknown"
+    finally:
+        await writer.aclose()
+        await runner.aclose()
+        await store.aclose()
+
+
+async def test_a_call_run_again_elsewhere_names_no_server_task_and_its_first_run_is_stopped_not_detached(redis_url):
+    store = RedisTaskStore(redis_url, key_prefix=f"rerun-{secrets.token_hex(3)}:", lease_s=0.01, timeout_s=2)
+    seal = CallSeal(b"k")
+    rule = ToolRule(match="t", idempotent=True)
+    now = datetime.now(UTC)
+    task_id = new_task_id()
+    made = UpstreamTask("upstream-task-1", "session-1", "2025-11-25")
+    # A server task this replica cannot open (sealed under another principal key): the call runs again instead.
+    unreadable = CallSeal(b"other").seal_upstream_task(task_id, made, "")
+    record = TaskRecord(
+        task_id, "t", TaskStatus.WORKING, now, now, 600_000, 50, owner="ghost", upstream_task=unreadable
+    )  # fmt: skip
+    await store.create(record, seal.seal(task_id, call("again")))
+    upstream = GatedUpstream()
+    runner = TaskRunner(store, upstream, TaskDefaults, lease_s=0.01, seal=seal, rule_for=lambda tool: rule)
+    try:
+        await asyncio.sleep(0.05)
+        assert await runner.reap_lost() == 1
+        taken = await store.get(task_id)
+        assert taken.attempt == 2 and taken.upstream_task is None  # the old server task is followed by nobody
+        upstream.gates["again"].set()
+    finally:
+        await runner.aclose()
+        await store.aclose()
+
+
+async def running_job(runner: TaskRunner, upstream: GatedUpstream, tag: str, rule: ToolRule):
+    record = await runner.submit(call(tag), rule)
+    while tag not in upstream.sent:
+        await asyncio.sleep(0.01)
+    return record, runner._state.jobs[record.task_id]
+
+
+@pytest.mark.parametrize(("follows", "detached"), [("sealed-server-task", True), ("another", False), (None, False)])
+async def test_a_taken_event_leaves_the_server_task_running_only_when_the_taker_follows_that_very_task(
+    redis_url, follows, detached
+):
+    store = RedisTaskStore(redis_url, key_prefix=f"taken-{secrets.token_hex(3)}:", lease_s=10, timeout_s=2)
+    upstream = GatedUpstream()
+    rule = ToolRule(match="t", idempotent=True)
+    runner = TaskRunner(store, upstream, TaskDefaults, seal=CallSeal(b"k"), rule_for=lambda tool: rule)
+    try:
+        record, job = await running_job(runner, upstream, "taken", rule)
+        job.upstream_task = "sealed-server-task"  # as settlement keeps it once the server made its task
+        await runner._recovery._on_event({"type": "taken", "taskId": record.task_id, "owner": "b", "follows": follows})
+        await asyncio.wait_for(asyncio.shield(job.runner), 5)
+        assert job.detached is detached
+        assert job.cancel_reason == TAKEN_OVER
+        assert (await store.get(record.task_id)).status is TaskStatus.WORKING  # not settled by this replica
+    finally:
+        await runner.aclose()
+        await store.aclose()
+
+
+async def test_reconciliation_does_not_stop_a_call_its_own_replica_released_and_nobody_took(redis_url):
+    store = RedisTaskStore(redis_url, key_prefix=f"own-{secrets.token_hex(3)}:", lease_s=10, timeout_s=2)
+    upstream = GatedUpstream()
+    rule = ToolRule(match="t", idempotent=True)
+    runner = TaskRunner(store, upstream, TaskDefaults, seal=CallSeal(b"k"), rule_for=lambda tool: rule)
+    try:
+        record, job = await running_job(runner, upstream, "mine", rule)
+        job.round_open = True  # waits for an answer: reconciliation reads its record
+        me = runner._state.replica_id
+        await store.update(record.task_id, lambda r: dataclasses.replace(r, owner=RELEASED + me))
+        assert await runner.reconcile() == 0
+        assert not job.runner.done() and job.cancel_reason is None
+        await store.update(record.task_id, lambda r: dataclasses.replace(r, owner="replica-b"))  # now taken
+        assert await runner.reconcile() == 1
+        assert job.cancel_reason == TAKEN_OVER
+    finally:
+        await runner.aclose()
+        await store.aclose()
+
+
+async def test_a_call_taken_just_before_the_grace_ends_stops_as_taken_over_not_failed_at_shutdown(redis_url):
+    store = RedisTaskStore(redis_url, key_prefix=f"late-{secrets.token_hex(3)}:", lease_s=10, timeout_s=2)
+    upstream = GatedUpstream()
+    rule = ToolRule(match="t", idempotent=True)
+    runner = TaskRunner(store, upstream, TaskDefaults, seal=CallSeal(b"k"), rule_for=lambda tool: rule)
+    try:
+        record, job = await running_job(runner, upstream, "late", rule)
+        job.upstream_task = "sealed-server-task"
+        # Taken by replica-b, whose "taken" event this replica has not seen.
+        await store.update(
+            record.task_id,
+            lambda r: dataclasses.replace(r, owner="replica-b", upstream_task="sealed-server-task"),
+        )
+        await runner.aclose(grace_s=0.05)
+        assert job.cancel_reason == TAKEN_OVER and job.detached  # the server task is left to replica-b
+        after = await store.get(record.task_id)
+        assert after.status is TaskStatus.WORKING and after.owner == "replica-b"
+    finally:
         await runner.aclose()
         await store.aclose()

@@ -197,3 +197,23 @@ async def test_a_malformed_meta_with_tracing_on_is_relayed_not_an_internal_error
         reply = await proxy.client.post_raw(json.dumps(body), {"Content-Type": "application/json",
                                             "Accept": "application/json, text/event-stream"})  # fmt: skip
         assert b"Internal error in the proxy" not in reply.body, reply.body
+
+
+async def test_each_attempt_is_a_span_that_says_its_number_and_why_it_failed(make_proxy, fake_upstream, spans):
+    from tests.test_retries import _failing_then_answering
+
+    fake = await fake_upstream(_failing_then_answering([(503, {})]))
+    rule = {"match": "lookup", "idempotent": True, "retry": {"backoff_ms": 10}}
+    proxy = await make_proxy(fake.url, protocol="modern", tools=[rule])
+    created = await proxy.client.call_tool("lookup", {})
+    await task_reaches(proxy.client, created.result["taskId"], "completed")
+    attempts = sorted(
+        (s for s in named(spans, "tools/call lookup") if s.kind is SpanKind.CLIENT),
+        key=lambda span: span.attributes["mcp.task.attempt"],
+    )
+    assert [span.attributes["mcp.task.attempt"] for span in attempts] == [1, 2]
+    assert all(span.attributes["mcp.task.run"] == 1 for span in attempts)
+    first, second = attempts
+    assert first.status.status_code is StatusCode.ERROR and first.attributes["error.type"] == "unanswered"
+    assert second.status.status_code is not StatusCode.ERROR and "error.type" not in second.attributes
+    assert first.parent.span_id == second.parent.span_id  # both children of the task's span

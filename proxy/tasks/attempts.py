@@ -4,7 +4,6 @@ handed to settlement; and how a stopped call ends (cancelled upstream, or failed
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import itertools
 import secrets
@@ -76,7 +75,7 @@ class Attempts:
                     await self._settlement.settle(job, TaskStatus.FAILED, error=error, status_message=SHUTDOWN)
             elif job.cancel_reason is None:
                 raise
-            elif job.upstream_busy and job.call.client_session is None:  # (another replica re-runs a GONE_ON one)
+            elif job.upstream_busy and job.call.client_session is None:  # (taken over: another replica runs it)
                 # (A call on a client's own session posts its cancellation itself as its stream closes.)
                 await self._state.upstream.notify_cancelled(job.upstream_id, job.call.headers, job.cancel_reason)
         except Exception:
@@ -126,16 +125,16 @@ class Attempts:
                 await asyncio.sleep(min(0.05 * 2 ** (input_rounds - 1), 0.25))
             message = retry_message(job.call.message, responses, needed.request_state)
 
-    def _attempt(self, job: Job, message: dict[str, Any], deadline: float) -> Awaitable[Outcome]:
+    def _attempt(self, job: Job, message: dict[str, Any], deadline: float, number: int = 1) -> Awaitable[Outcome]:
         """One upstream call; None once the outcome is settled, the InputNeeded when the upstream wants input, a
         Failed (not settled) when it failed transiently and the rule lets it be sent again.
         (No coroutine of its own without tracing: each frame is held for as long as the call runs.)"""
         if not tracing.TRACER.enabled:
             return self._call_upstream(job, message, deadline)
-        return self._traced_call(job, message, deadline)
+        return self._traced_call(job, message, deadline, number)
 
     async def _again(self, job: Job, message: dict[str, Any], deadline: float, number: int) -> Outcome:
-        outcome = await self._attempt(job, sent_again(message), deadline)
+        outcome = await self._attempt(job, sent_again(message), deadline, number)
         if isinstance(outcome, Failed) and not await self._repeatable(job, outcome, deadline):
             await self._fail(job, outcome, number)
             return None
@@ -160,9 +159,12 @@ class Attempts:
     def _count_retry(self, reason: str) -> None:
         self._state.metrics.upstream_retries.labels(reason).inc()
 
-    async def _traced_call(self, job: Job, message: dict[str, Any], deadline: float) -> Outcome:
-        with tracing.TRACER.upstream_call(job.span, job.call.tool):
-            return await self._call_upstream(job, message, deadline)
+    async def _traced_call(self, job: Job, message: dict[str, Any], deadline: float, number: int) -> Outcome:
+        with tracing.TRACER.upstream_call(job.span, job.call.tool, attempt=number, run=job.run) as span:
+            outcome = await self._call_upstream(job, message, deadline)
+            if isinstance(outcome, Failed):  # transient: another attempt may follow
+                tracing.TRACER.failed_attempt(span, outcome.transient or "failed")
+            return outcome
 
     async def _call_upstream(self, job: Job, message: dict[str, Any], deadline: float) -> Outcome:
         job.upstream_id = message["id"]
@@ -175,6 +177,7 @@ class Attempts:
             on_request=functools.partial(self._input_rounds.open_questions, job),
             session=job.call.client_session,
             follow=job.follow,  # kept for every attempt: a retry follows again, it never sends the call
+            detached=job.is_detached,
         )
         started_s = self._state.timer()
         outcome = "cancelled"
@@ -208,8 +211,6 @@ class Attempts:
                         outcome = "failed"
                         if event.unread:  # unreachable, or the stream cut: the upstream failed, not the tool
                             self._state.metrics.upstream_errors.labels("task").inc()
-                        if job.follow is not None and event.transient is None:
-                            event = _followed_failure(event)
                         if may_retry(job, event):
                             transient = event
                         else:
@@ -233,14 +234,6 @@ class Attempts:
             status, fields = settle
             await self._settlement.settle(job, status, **fields)
         return transient
-
-
-def _followed_failure(failed: Failed) -> Failed:
-    """Following a server's own task made through a lost replica failed (its session or task gone): what the call
-    did upstream is not known, as for any lost replica's call that is not run again."""
-    data = failed.error.get("data")
-    data = {**data, "outcome": "unknown"} if isinstance(data, dict) else {"outcome": "unknown"}
-    return dataclasses.replace(failed, error={**failed.error, "data": data})
 
 
 def _attempts(count: int) -> str:

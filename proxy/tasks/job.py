@@ -10,7 +10,7 @@ from typing import Any
 from multidict import CIMultiDict
 
 from ..config import ToolRule
-from ..upstream.events import DETACH, UpstreamTask
+from ..upstream.events import UpstreamTask
 from .model import TaskStatus
 
 
@@ -109,6 +109,11 @@ class Job:
     """Which run of the call this is (TaskRecord.attempt): a run after a lost replica says so in every message."""
     sealed: bool = False
     """Its call is kept in the store, sealed, for another replica to run it again (proxy/tasks/takeover.py)."""
+    upstream_task: str | None = None
+    """The 2025 server's own task for this run, as sealed in the record: a replica taking the call over that
+    names it follows that task (`detached`); one that names none runs the call again."""
+    detached: bool = False
+    """Stopped because another replica follows the server's own task: that task is left running."""
 
     def mark_stored(self) -> None:
         self.stored = True
@@ -136,16 +141,22 @@ class Job:
         """Cancel the call's own asyncio task, unless it is the one asking (it then ends by itself)."""
         if self.runner is not None and not self.runner.done() and self.runner is not asyncio.current_task():
             self.cancel_reason = reason
-            # The cancellation's message reaches the upstream side where it unwinds: a call another replica goes
-            # on with leaves the server's own task running (events.detaching).
-            self.runner.cancel(DETACH if reason in GONE_ON else None)
+            self.runner.cancel()
+
+    def taken_over(self, follows: str | None) -> None:
+        """Another replica took the task over: this run stops, without settling. When that replica follows the
+        server's own task this run made (`follows`, its sealed form), the task is left running for it; else it is
+        cancelled with the rest of this run."""
+        if self.settled:
+            return
+        self.detached = self.upstream_task is not None and follows == self.upstream_task
+        self.stop(TAKEN_OVER)
+
+    def is_detached(self) -> bool:
+        return self.detached
 
 
-HANDED_OVER = "handed over to another proxy replica at shutdown"
 TAKEN_OVER = "taken over by another proxy replica"
-GONE_ON = frozenset({HANDED_OVER, TAKEN_OVER})
-"""Cancel reasons of a call that another replica goes on with: stopped here, not settled, and a server's own task
-for it left running for that replica to follow."""
 
 
 class RoundLimit(Exception):

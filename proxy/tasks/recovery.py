@@ -10,8 +10,8 @@ from typing import Any
 
 import structlog
 
-from .job import TAKEN_OVER, Job
-from .model import TaskStatus
+from .job import Job
+from .model import TaskRecord, TaskStatus, owned_by
 from .runner_state import RunnerState
 from .settlement import Settlement
 from .store import StoreUnavailable
@@ -79,7 +79,8 @@ class Recovery:
             taken = self._state.jobs.get(str(event.get("taskId")))
             if taken is not None and not taken.settled:
                 log.warning("task_taken_over_elsewhere", task_id=taken.task_id, tool=taken.call.tool)
-                taken.stop(TAKEN_OVER)
+                follows = event.get("follows")
+                taken.taken_over(follows if isinstance(follows, str) else None)
             return
         job = self._state.jobs.get(str(event.get("taskId")))
         if job is None:
@@ -145,9 +146,10 @@ class Recovery:
                     self._stop_cancelled(job, reason="the task ended on another replica")
                 acted += 1
                 continue
-            if record.owner != self._state.replica_id:
-                # Taken over while this replica was thought lost (paused, cut off): its run there is the task's now.
-                self._stop_cancelled(job, reason="the task was taken over by another replica")
+            if not owned_by(record, self._state.replica_id):
+                # Taken over while this replica was thought lost (paused, cut off), or after it released the task
+                # at shutdown: the run there is the task's now.
+                job.taken_over(record.upstream_task)
                 acted += 1
                 continue
             collected = record.collected_responses or {}
@@ -165,6 +167,21 @@ class Recovery:
         if acted:
             log.info("tasks_reconciled", jobs=acted)
         return acted
+
+    async def taken_meanwhile(self, limit_s: float) -> None:
+        """At the end of a shutdown's grace: the calls another replica took over just now (its "taken" event not
+        seen yet) stop as taken over rather than fail, and a server task that replica follows is left running.
+        Bounded by `limit_s`: a store that does not answer leaves them to fail as at any shutdown."""
+        jobs = [job for job in self._state.jobs.values() if job.sealed and job.stored and not job.settled]
+        if not jobs:
+            return
+        with contextlib.suppress(TimeoutError, StoreUnavailable), self._state.deadlines.limit(limit_s):
+            records = await asyncio.gather(
+                *(self._state.store.get(job.task_id) for job in jobs), return_exceptions=True
+            )
+            for job, record in zip(jobs, records, strict=True):
+                if isinstance(record, TaskRecord) and not owned_by(record, self._state.replica_id):
+                    job.taken_over(record.upstream_task)
 
     async def _reap_forever(self) -> None:
         while True:

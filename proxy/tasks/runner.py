@@ -26,7 +26,7 @@ from .admission import Admission
 from .attempts import SHUTDOWN, Attempts
 from .hints import RepeatHints
 from .input_rounds import InputRounds
-from .job import DirectOutcome, ToolCall
+from .job import TAKEN_OVER, DirectOutcome, ToolCall
 from .model import TaskRecord, TaskStatus, utc_now
 from .recovery import CANCELLED_BY_CLIENT, Recovery
 from .runner_state import RunnerState
@@ -40,6 +40,9 @@ if TYPE_CHECKING:
     from ..upstream.gateway import Gateway
 
 log = structlog.get_logger(__name__)
+
+_TAKEN_MEANWHILE_S = 2.0
+"""At the end of a shutdown's grace, the longest spent reading which calls another replica took just now."""
 
 
 class TaskRunner:
@@ -210,9 +213,11 @@ class TaskRunner:
             log.info("tasks_draining", running=len(pending), grace_s=grace_s)
         if pending and grace_s > 0:
             await asyncio.wait(pending, timeout=grace_s)
+        if self._state.seal is not None:
+            await self._recovery.taken_meanwhile(_TAKEN_MEANWHILE_S)
         stopped = 0
         for job in list(jobs.values()):
-            if job.runner is not None and not job.runner.done():
+            if job.runner is not None and not job.runner.done() and job.cancel_reason != TAKEN_OVER:
                 job.cancel_reason = SHUTDOWN
                 job.runner.cancel()
                 stopped += 1

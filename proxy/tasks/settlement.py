@@ -95,7 +95,7 @@ class Settlement:
             job.sealed and job.is_task and job.stored and self._state.upstream.tasks_reach_replicas
         ):
             return
-        sealed = seal.seal_upstream_task(job.task_id, upstream, job.call.principal)
+        sealed = job.upstream_task = seal.seal_upstream_task(job.task_id, upstream, job.call.principal)
 
         def apply(record: TaskRecord) -> TaskRecord:
             if record.is_terminal or not owned_by(record, self._state.replica_id):

@@ -93,25 +93,31 @@ class Takeover:
         record = await store.get(task_id)
         if record is None or record.is_terminal or record.owner is None:
             return 0
-        if record.owner == self._state.replica_id:
+        owner = record.owner.removeprefix(RELEASED)
+        # A released call still runs on its replica until another takes it: one that may not be taken here is
+        # left to it, unless that replica is gone too.
+        released = owner != record.owner
+        if owner == self._state.replica_id:
             if task_id in self._state.jobs:
                 return 0
             owner_alive = False  # ours, but no call runs for it here any more
-        elif is_released(record.owner):
-            owner_alive = False
         elif not leases_known:
-            return 0
+            owner_alive = None if released else True  # unknown: only a call handed over may be taken
         else:
-            if record.owner not in alive:
-                alive[record.owner] = await store.is_alive(record.owner)
-            owner_alive = alive[record.owner]
-        if owner_alive:
+            if owner not in alive:
+                alive[owner] = await store.is_alive(owner)
+            owner_alive = alive[owner]
+        if owner_alive and not released:
             return 0
         try:
             why_not = await self.take(record)
         except NoRoom:
             return 0  # another replica, or the next sweep
-        return int(why_not is None or await self._fail_unknown(record, why_not))
+        if why_not is None:
+            return 1
+        if owner_alive is not False:
+            return 0  # its replica still runs it, or may
+        return int(await self._fail_unknown(record, why_not))
 
     async def _fail_unknown(self, record: TaskRecord, why_not: str) -> bool:
         owner = record.owner or ""
@@ -206,6 +212,9 @@ class Takeover:
                 status_message=message,
                 input_requests=None,
                 collected_responses=None,
+                # Kept only when followed: the replica it was taken from leaves that task running for this one
+                # (Job.taken_over), and cancels any other.
+                upstream_task=current.upstream_task if follow is not None else None,
             )
 
         job = self._admission.adopt(call, rule, record)  # in the table first: no sweep here takes it twice
@@ -222,6 +231,7 @@ class Takeover:
         job.last_message = message
         if follow is not None:
             job.follow = follow  # nothing runs again: the server's task is followed
+            job.upstream_task = claimed.upstream_task
         else:
             job.run = attempt
         if tracing.TRACER.enabled:
@@ -240,7 +250,9 @@ class Takeover:
         await self._settlement.announce(record.task_id)
         with contextlib.suppress(StoreUnavailable):
             # The replica it was taken from, if it is only paused or stopping: it stops its own run.
-            await state.store.publish({"type": "taken", "taskId": record.task_id, "owner": state.replica_id})
+            await state.store.publish(
+                {"type": "taken", "taskId": record.task_id, "owner": state.replica_id, "follows": job.upstream_task}
+            )
         return None
 
     async def release(self) -> int:
@@ -291,10 +303,6 @@ class Takeover:
         except _NotLost:
             return False
         return released is not None
-
-
-def is_released(owner: str) -> bool:
-    return owner.startswith(RELEASED)
 
 
 def _runs(count: int) -> str:

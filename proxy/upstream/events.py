@@ -47,15 +47,6 @@ class CredentialsNeeded(UpstreamUnavailable):
     whose era a client's request, with its credentials, tells."""
 
 
-DETACH = "detach: another proxy replica goes on with the call"
-"""The message of the cancellation that stops a call because another replica goes on with it (a hand-over, a
-takeover): the server's own task for it is left running, for that replica to follow, not cancelled."""
-
-
-def detaching(cancelled: BaseException) -> bool:
-    return cancelled.args[:1] == (DETACH,)
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class UpstreamTask:
     """A 2025 server's own task for a call, and the session it belongs to (servers bind tasks to one)."""

@@ -136,9 +136,12 @@ class Gateway:
         on_request: Callable[[InputNeeded], Awaitable[None]] | None = None,
         session: LegacySession | None = None,
         follow: UpstreamTask | None = None,
+        detached: Callable[[], bool] | None = None,
     ) -> AsyncIterator[Event]:
         """The call's events; a legacy server's request for it outside its stream goes to `on_request`. With
-        `follow`, the id of a 2025 server's own task made for this call, that task is followed instead.
+        `follow`, the id of a 2025 server's own task made for this call, that task is followed instead. A call
+        stopped while `detached()` is true leaves a 2025 server's own task for it running (another replica follows
+        it), where it would cancel it.
 
         With `session` (a 2025-era client's own), the 2025 request goes there as it is, whatever the era. Once the
         era is known, the era's own generator is returned as it is: no frame in between for as long as the call
@@ -151,12 +154,24 @@ class Gateway:
             return self.modern.call_tool(message, client_headers, capabilities, max_bytes=max_bytes)
         if self._era == "legacy":
             return self.legacy.call(
-                message, client_headers, capabilities, max_bytes=max_bytes, on_request=on_request, follow=follow
+                message,
+                client_headers,
+                capabilities,
+                max_bytes=max_bytes,
+                on_request=on_request,
+                follow=follow,
+                detached=detached,
             )
         return self._call_once_known(
             client_headers,
             lambda: self.call_tool(
-                message, client_headers, capabilities, max_bytes=max_bytes, on_request=on_request, follow=follow
+                message,
+                client_headers,
+                capabilities,
+                max_bytes=max_bytes,
+                on_request=on_request,
+                follow=follow,
+                detached=detached,
             ),
         )
 

@@ -366,9 +366,11 @@ class LegacyUpstream:
         max_bytes: int,
         on_request: Callable[[InputNeeded], Awaitable[None]] | None = None,
         follow: UpstreamTask | None = None,
+        detached: Callable[[], bool] | None = None,
     ) -> AsyncIterator[Event]:
         """POST one request and yield its events; the last is Finished or Failed. With `follow`, the id of the
-        server's own task for this call (made through another replica), nothing is posted: that task is followed.
+        server's own task for this call (made through another replica), nothing is posted: that task is followed;
+        `detached` as in run_as_upstream_task.
 
         A server request the client may answer is yielded as InputNeeded whose `reply` posts the answer back; the
         stream is read on meanwhile. `ping` is answered here; a request the client did not declare is declined here.
@@ -391,7 +393,7 @@ class LegacyUpstream:
             if follow is not None or await runs_as_task(self, legacy, client_headers):
                 route.upstream_task = True
                 events = run_as_upstream_task(
-                    self, session, legacy, client_headers, capabilities, route, max_bytes=max_bytes, follow=follow
+                    self, session, legacy, client_headers, capabilities, route, max_bytes, follow, detached
                 )
             else:
                 events = self.exchange(legacy, client_headers, capabilities, max_bytes=max_bytes, route=route)

@@ -14,7 +14,7 @@ import dataclasses
 import itertools
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 import structlog
@@ -28,7 +28,6 @@ from .events import (
     Progress,
     UpstreamTask,
     UpstreamUnavailable,
-    detaching,
     proxy_failure,
 )
 from .routing import RELATED_TASK, CallRoute, LegacySession
@@ -184,15 +183,18 @@ async def run_as_upstream_task(
     client_headers: MultiMapping[str],
     capabilities: dict[str, Any],
     route: CallRoute,
-    *,
     max_bytes: int,
     follow: UpstreamTask | None = None,
+    detached: Callable[[], bool] | None = None,
 ) -> AsyncIterator[Event]:
     """The events of a tools/call run as the upstream's own task; the last is Finished or Failed. With `follow`,
-    the task the server made for it before (through a replica that was lost) is followed, and nothing is sent."""
+    the task the server made for it before (through a replica that was lost) is followed, and nothing is sent.
+
+    Stopped early, the call cancels the server's task (`tasks/cancel`), unless `detached()` says another replica
+    goes on with it. A flag, read here at the end, rather than the cancellation's message: a call may be stopped
+    while its consumer awaits something else, and then this generator only sees the GeneratorExit of its close."""
     task_id: str | None = None
     ended = False
-    detached = False
     try:
         if follow is not None:
             task: dict[str, Any] = {"taskId": follow.task_id, "status": "working"}
@@ -221,13 +223,14 @@ async def run_as_upstream_task(
                 yield proxy_failure("the upstream's CreateTaskResult has no usable taskId", legacy.url)
                 return
             task = made
-            log.info("upstream_task_created", upstream_task_id=task["taskId"], upstream_status=task.get("status"))
+            task_id = task["taskId"]  # from here, a call stopped cancels it (its consumer may stop at the next line)
+            log.info("upstream_task_created", upstream_task_id=task_id, upstream_status=task.get("status"))
             yield Progress(
                 None, upstream_task=UpstreamTask(task["taskId"], session.session_id, session.protocol_version)
             )
         task_id = route.upstream_task_id = task["taskId"]
         last_message: str | None = None
-        result_failures = 0
+        result_failures = poll_failures = 0
         while True:
             status = task.get("status")
             message = task.get("statusMessage")
@@ -256,46 +259,73 @@ async def run_as_upstream_task(
                     ended = True
                     yield Finished(_without_related_task(outcome.result), outcome.size)
                     return
-                if isinstance(outcome, Failed) and (not outcome.unread or outcome.transient == "unanswered"):
-                    # Exactly what the underlying call would have answered; or the server went away with the task
-                    # in it (a stdio child that exited): a restarted one knows nothing of it, the call may run again.
-                    ended = True
+                if isinstance(outcome, Failed) and not outcome.unread:
+                    ended = True  # exactly what the underlying call would have answered
                     yield outcome
+                    return
+                if isinstance(outcome, Failed) and outcome.transient == "unanswered":
+                    # The server went away with the task in it (a stdio child that exited): a restarted one knows
+                    # nothing of it, and the call may run again, unless it was a lost replica's.
+                    ended = True
+                    yield outcome if follow is None else _unknown(outcome)
                     return
                 result_failures += 1
                 if result_failures > _MAX_RESULT_RETRIES:  # the task may still run upstream: it is cancelled there
                     failed = outcome or proxy_failure("tasks/result never answered", legacy.url)
                     # A tasks/result that never left is no call that never left: the call made its task.
-                    yield dataclasses.replace(failed, transient=None) if failed.transient == "unsent" else failed
+                    failed = dataclasses.replace(failed, transient=None) if failed.transient == "unsent" else failed
+                    yield failed if follow is None else _unknown(failed)
                     return
             elif status == "cancelled":
                 ended = True
                 reason = "the upstream cancelled its task"
                 yield Failed(error_object(INTERNAL_ERROR, f"Upstream failure: {reason}"), reason)
                 return
-            await asyncio.sleep(_poll_s(task))
+            await asyncio.sleep(max(_poll_s(task), _backoff_s(poll_failures)))
             try:
                 answer = await legacy.ask(
                     client_headers, "tasks/get", {"taskId": task_id}, session=session, route=route
                 )
+                unread = None
             except UpstreamUnavailable as exc:
-                yield proxy_failure(f"the upstream's tasks/get failed ({exc})", legacy.url)
+                answer, unread = None, proxy_failure(f"the upstream's tasks/get failed ({exc})", legacy.url)
+            error = answer.get("error") if answer else None
+            if isinstance(error, dict) and not isinstance(answer.get("result"), dict):  # type: ignore[union-attr]
+                ended = True  # the upstream knows no such task any more: nothing to cancel
+                failed = Failed(error, f"the upstream's tasks/get answered JSON-RPC error {error.get('code')}")
+                yield failed if follow is None else _unknown(failed)
                 return
             if answer is None or not isinstance(answer.get("result"), dict):
-                error = answer.get("error") if answer else None
-                if isinstance(error, dict):
-                    ended = True  # the upstream knows no such task any more: nothing to cancel
-                    yield Failed(error, f"the upstream's tasks/get answered JSON-RPC error {error.get('code')}")
-                else:
-                    yield proxy_failure("the upstream's tasks/get gave no answer", legacy.url)
-                return
+                # A blip (a restart, a load balancer's 503): the task goes on upstream, so it is asked again, a
+                # few times, with growing waits; nothing is sent again.
+                poll_failures += 1
+                if poll_failures > _MAX_RESULT_RETRIES:
+                    failed = unread or proxy_failure("the upstream's tasks/get gave no answer", legacy.url)
+                    yield failed if follow is None else _unknown(failed)
+                    return
+                continue
+            poll_failures = 0
             task = answer["result"]
-    except asyncio.CancelledError as exc:
-        detached = detaching(exc)  # another replica follows the task: it is left running
-        raise
     finally:
-        if task_id is not None and not ended and not detached:
+        if task_id is not None and not ended and not (detached is not None and detached()):
             legacy.spawn(_cancel(legacy, session, client_headers, task_id, route))
+
+
+def _backoff_s(failures: int) -> float:
+    return 0.0 if failures == 0 else min(0.25 * 2**failures, _MAX_POLL_S)
+
+
+def _unknown(failed: Failed) -> Failed:
+    """Following a server's task made through a lost replica failed (the server lost the session or the task, or
+    stopped answering): what the call did upstream is not known, as for any lost replica's call not run again."""
+    reason = (
+        f"following the upstream's own task after a lost proxy replica failed ({failed.status_message}); the call "
+        "may or may not have taken effect upstream"
+    )
+    data = failed.error.get("data")
+    upstream = data.get("upstream") if isinstance(data, dict) else None
+    extra = {"outcome": "unknown", "upstream": upstream} if isinstance(upstream, str) else {"outcome": "unknown"}
+    return Failed(error_object(INTERNAL_ERROR, f"Proxy failure: {reason}", extra), reason, unread=True)
 
 
 async def _cancel(
