@@ -27,6 +27,7 @@ from .context import (
     identity_key,
     info_key,
     json_reply,
+    kept_alive_key,
     metrics_key,
     policy_key,
     poll_guard_key,
@@ -46,6 +47,7 @@ from .jsonrpc import (
     error_object,
     error_response,
 )
+from .kept_alive import KeptAliveCalls
 from .log import bind_request_id
 from .metrics import Metrics, method_label
 from .policy import LivePolicy
@@ -152,6 +154,7 @@ def create_app(
         )
         app[runner_key] = runner
         app[durable_key] = DurableCalls(runner, app[store_key], app[identity_key])
+        app[kept_alive_key] = KeptAliveCalls(runner, app[store_key], app[identity_key])
         app[tasks2025_key] = Tasks2025(runner, app[store_key], app[identity_key], app[poll_guard_key])
         app[tasks2026_key] = Tasks2026(runner, app[store_key], app[identity_key], app[poll_guard_key])
         try:

@@ -10,6 +10,7 @@ from aiohttp import web
 
 from .durable import DurableCalls
 from .jsonrpc import dumps
+from .kept_alive import KeptAliveCalls
 from .metrics import Metrics
 from .policy import LivePolicy
 from .security import HostGuard, Identity, PollGuard
@@ -30,6 +31,7 @@ identity_key = web.AppKey("identity_key", Identity)
 guard_key = web.AppKey("guard_key", HostGuard)
 poll_guard_key = web.AppKey("poll_guard_key", PollGuard)
 durable_key = web.AppKey("durable_key", DurableCalls)
+kept_alive_key = web.AppKey("kept_alive_key", KeptAliveCalls)
 tasks2025_key = web.AppKey("tasks2025_key", Tasks2025)
 tasks2026_key = web.AppKey("tasks2026_key", Tasks2026)
 read_headers_key = web.AppKey("read_headers_key", frozenset)

@@ -22,6 +22,7 @@ from .context import (
     identity_key,
     info_key,
     json_reply,
+    kept_alive_key,
     policy_key,
     runner_key,
     store_key,
@@ -385,7 +386,7 @@ async def _tools_call(
         raise JsonRpcError(INVALID_PARAMS, "Invalid params: arguments must be an object")
     # An MRTR retry (requestState) continues a call: it is no new request for a key to name.
     continued = params.get("requestState") is not None
-    key = idempotency.key_of(message, request.headers) if not kept_alive and not continued else None
+    key = idempotency.key_of(message, request.headers) if not continued else None
     forwarded = without_tasks_declaration(idempotency.without_key(message))  # the proxy's key, never the upstream's
     capabilities = meta_of(forwarded).get(META_CLIENT_CAPABILITIES)
     identity = request.app[identity_key]
@@ -402,7 +403,7 @@ async def _tools_call(
     info.mode = "durable" if kept_alive else "task"
     with _refusals():
         if kept_alive:
-            return await request.app[durable_key].kept_alive(request, message["id"], call, rule)
+            return await request.app[kept_alive_key].serve(request, message, call, rule, key)
         if key is not None:
             call.task_id = identity.keyed_task_id(principal, name, key, "task")
             call.fingerprint = idempotency.fingerprint(name, arguments)

@@ -1,4 +1,5 @@
-"""Durable calls: long tool calls for clients without tasks (2025-era clients, 2026 clients without the extension).
+"""Durable calls: long tool calls for 2025-era clients without tasks (2026 clients without the extension get
+kept-alive calls, proxy/kept_alive.py).
 
 The call runs exactly as a task does (runner, limits, store, TTL), and the client's POST is answered with an event
 stream that follows the task's record until its result:
@@ -13,7 +14,7 @@ stream that follows the task's record until its result:
 - `notifications/cancelled` naming the call's request id cancels the task: its id is derived from the caller, the
   session and that request id, so any replica finds it.
 
-The stream itself is proxy/durable_stream.py.
+The stream itself is proxy/durable_stream.py; a keyed kept-alive call is served by it too.
 """
 
 from __future__ import annotations
@@ -29,29 +30,23 @@ from . import idempotency
 from .config import ToolRule
 from .durable_stream import (
     RESUMABLE_VERSIONS,
-    STREAM_HEADERS,
     DurableStream,
     parse_answer_id,
     parse_event_id,
-    sse_event,
 )
-from .envelope import params_of
+from .envelope import params_of, progress_token
 from .jsonrpc import (
-    ERROR_HTTP_STATUS,
     INTERNAL_ERROR,
     INVALID_PARAMS,
     INVALID_REQUEST,
     dumps,
     error_object,
-    error_response,
-    result_response,
 )
 from .security import Identity, caller_of
-from .tasks.job import DirectOutcome, ToolCall
+from .tasks.job import ToolCall
 from .tasks.model import TaskRecord, is_task_id, new_task_id
 from .tasks.runner import TaskRunner
 from .tasks.store import StoreUnavailable, TaskIdTaken, TaskStore
-from .upstream.events import Progress
 from .upstream.http.headers import call_headers
 from .upstream.legacy import ERROR_ANSWER, LegacySession
 
@@ -61,14 +56,10 @@ ALL_INPUT_KINDS = {"elicitation": {"form": {}, "url": {}}, "sampling": {}, "root
 """What a 2025-era client may be asked: its own session's server knows what it declared, and asks only that."""
 _MAX_GENERATIONS = 64
 """Calls one request id may name on one session, one after another (see Identity.durable_task_id)."""
-_MAX_QUEUED_PROGRESS = 64
-"""Progress of a kept-alive call not yet written to its client; more is dropped (the next one says as much)."""
 _ACCEPT_WAIT_S = 2.0
 """How long a durable call's answer waits for the server to take the request (or say 404) before streaming."""
 SEP1686_KIND = "sep1686"
 """TaskRecord.stream["kind"] of a SEP-1686 task (proxy/tasks2025.py): answered like a durable call, not resumed."""
-_ENDLESS_WINDOW_MS = 30 * 24 * 3600 * 1000
-"""A kept-alive call's sync window: longer than any call may take (timeout_s bounds each attempt)."""
 
 
 def wants_event_stream(headers: Any) -> bool:
@@ -117,23 +108,6 @@ def _refusal(error: Any) -> dict[str, Any]:
     if "data" in error:
         refusal["data"] = error["data"]
     return refusal
-
-
-def progress_token(message: dict[str, Any]) -> str | int | None:
-    """The request's `_meta.progressToken`, when it is one (a string or an integer)."""
-    meta = params_of(message).get("_meta")
-    token = meta.get("progressToken") if isinstance(meta, dict) else None
-    return token if isinstance(token, str | int) and not isinstance(token, bool) else None
-
-
-def _answer_of(request_id: Any, outcome: DirectOutcome | TaskRecord) -> tuple[dict[str, Any], int]:
-    """The JSON-RPC answer to a kept-alive call, and its HTTP status when it is the whole response."""
-    if isinstance(outcome, TaskRecord):  # the endless window ended after all: nothing this client can follow
-        outcome = DirectOutcome(error=error_object(INTERNAL_ERROR, "Proxy failure: the call outlived its window"))
-    if outcome.result is not None:
-        return result_response(request_id, outcome.result), 200
-    assert outcome.error is not None
-    return error_response(request_id, outcome.error), ERROR_HTTP_STATUS.get(outcome.error.get("code"), 200)
 
 
 class DurableCalls:
@@ -312,73 +286,6 @@ class DurableCalls:
             and record.principal == self._identity.principal(request.headers)
             and record.stream.get("session") == self._identity.session_tag(request.headers)
         )
-
-    async def kept_alive(
-        self, request: web.Request, request_id: Any, call: ToolCall, rule: ToolRule
-    ) -> web.StreamResponse:
-        """A 2026-07-28 client without the tasks extension: the call runs as inside a sync window that lasts as long
-        as the call may (its outcome, or an MRTR round, is the answer), and the response stream is kept alive
-        meanwhile. 2026 streams are not resumable, so keep-alive is all the proxy can give; closing the request
-        cancels the call, as for any 2026 call."""
-        window = rule.model_copy(update={"sync_window_ms": _ENDLESS_WINDOW_MS})
-        token = progress_token(call.message)
-        progressed: asyncio.Queue[Progress] = asyncio.Queue(maxsize=_MAX_QUEUED_PROGRESS)
-        if token is not None:
-            call.on_progress = lambda event: None if progressed.full() else progressed.put_nowait(event)
-        outcome_of = asyncio.ensure_future(self._runner.submit(call, window))
-        response: web.StreamResponse | None = None
-        sent = 0.0
-        try:
-            while True:
-                next_progress = asyncio.ensure_future(progressed.get())
-                done, _ = await asyncio.wait(
-                    [outcome_of, next_progress], timeout=rule.keepalive_s, return_when=asyncio.FIRST_COMPLETED
-                )
-                if outcome_of in done:
-                    next_progress.cancel()
-                    break
-                if response is None:
-                    response = web.StreamResponse(headers=STREAM_HEADERS)
-                    await response.prepare(request)
-                if token is None:
-                    await response.write(b": keep-alive\n\n")
-                    continue
-                event = next_progress.result() if next_progress in done else None
-                next_progress.cancel()
-                # The server's progress as it came, under the client's token; each keep-alive a hair above the last,
-                # since every notification must carry a larger value than the one before.
-                value = event.progress if event is not None and event.progress is not None else 0.0
-                sent = round(max(value, sent + 0.001), 6)
-                params: dict[str, Any] = {"progressToken": token, "progress": sent}
-                if event is not None and event.total is not None:
-                    params["total"] = event.total
-                if event is not None and event.message:
-                    params["message"] = event.message
-                notification = {"jsonrpc": "2.0", "method": "notifications/progress", "params": params}
-                await response.write(sse_event(None, notification))
-        except asyncio.CancelledError:
-            outcome_of.cancel()  # the client closed its request: inside the window, that cancels the call
-            raise
-        except ConnectionResetError:
-            outcome_of.cancel()
-            raise
-        if response is None:
-            # Answered before the first keep-alive: a plain JSON answer (a refusal raises, as for any call).
-            answer, status = _answer_of(request_id, await outcome_of)
-            return web.Response(body=dumps(answer), status=status, content_type="application/json")
-        try:
-            answer, _ = _answer_of(request_id, outcome_of.result())
-        except Exception as exc:  # the stream is open: the refusal goes on it, as the call's answer
-            reason = str(exc) or type(exc).__name__
-            log.warning("durable_call_refused", reason=reason)
-            answer = {
-                "jsonrpc": "2.0",
-                "id": request_id,
-                "error": error_object(INTERNAL_ERROR, f"Cannot run the call: {reason}"),
-            }
-        await response.write(sse_event(None, answer))
-        await response.write_eof()
-        return response
 
     async def _latest(self, principal: str, session_tag: str, request_id: Any) -> tuple[str, TaskRecord | None]:
         """The id of the last call made under this request id, and its record (None: there was none)."""

@@ -82,12 +82,15 @@ class DurableStream:
         *,
         reply_to: Any = None,
         answer_as: Any = None,
+        kept: dict[str, Any] | None = None,
     ) -> web.StreamResponse:
         """The stream from its start (`after` None) or after an event. With `reply_to`, it answers a SEP-1686
         `tasks/result` of that id instead of the call itself, and every message carries related-task metadata.
         With `answer_as`, it answers another request of the same call (one sent again with its idempotency key):
-        not resumable, as its event ids would name the first request; the key is what finds the call again."""
-        stream = dict(record.stream or {})
+        not resumable, as its event ids would name the first request; the key is what finds the call again.
+        With `kept`, a 2026 client's keyed kept-alive call (proxy/kept_alive.py): its request id, progress token
+        and the requestState of its input rounds (`mrtr`), which end the stream as MRTR answers."""
+        stream = dict(record.stream or {}) if kept is None else kept
         if reply_to is not None:
             stream.update(id=reply_to, related=True, resumable=False)
         elif answer_as is not None:
@@ -164,6 +167,12 @@ class DurableStream:
         current = revision(record)
         skip = position.n if current == position.revision else 0
         n = 0
+        if record.status is TaskStatus.INPUT_REQUIRED and "mrtr" in stream:
+            # A 2026 client is asked by the call's answer: its retry, with this state, brings the answers.
+            requests = record.input_requests or {}
+            result = {"resultType": "input_required", "inputRequests": requests, "requestState": stream["mrtr"]}
+            await response.write(sse_event(None, {"jsonrpc": "2.0", "id": stream.get("id"), "result": result}))
+            return True
         if record.status is TaskStatus.INPUT_REQUIRED:
             for key, question in (record.input_requests or {}).items():
                 n += 1

@@ -34,6 +34,12 @@ def meta_of(message: dict[str, Any]) -> dict[str, Any]:
     return meta if isinstance(meta, dict) else {}
 
 
+def progress_token(message: dict[str, Any]) -> str | int | None:
+    """The request's `_meta.progressToken`, when it is one (a string or an integer)."""
+    token = meta_of(message).get("progressToken")
+    return token if isinstance(token, str | int) and not isinstance(token, bool) else None
+
+
 def is_modern(message: dict[str, Any], headers: MultiMapping[str]) -> bool:
     """Whether the request speaks 2026-07-28 (or later); a legacy request's tasks/* belong to the upstream."""
     if META_PROTOCOL_VERSION in meta_of(message):

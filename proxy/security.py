@@ -81,6 +81,10 @@ class Identity:
         store's atomic create makes one task of them."""
         return self._derived_id("idempotency", kind, principal, tool, key)
 
+    def mac(self, *parts: str) -> str:
+        """A MAC of `parts` every replica computes alike, and nobody without the key can (a handle's binding)."""
+        return self._hash(dumps(list(parts)).decode())
+
     def _derived_id(self, *parts: Any) -> str:
         """A task id every replica derives alike from `parts`, and nobody without the key can."""
         digest = hmac.new(self._secret(), dumps(list(parts)), hashlib.sha256).digest()

@@ -23,9 +23,9 @@ from aiohttp import web
 
 from . import idempotency
 from .config import TaskMode, ToolRule
-from .durable import ALL_INPUT_KINDS, SEP1686_KIND, client_session, progress_token
+from .durable import ALL_INPUT_KINDS, SEP1686_KIND, client_session
 from .durable_stream import DurableStream, related_task_meta
-from .envelope import params_of
+from .envelope import params_of, progress_token
 from .jsonrpc import (
     INTERNAL_ERROR,
     INVALID_PARAMS,

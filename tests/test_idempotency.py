@@ -14,6 +14,7 @@ from aiohttp import web
 from proxy.idempotency import META_KEY
 from tests.conftest import task_reaches
 from tests.factories import meta
+from tests.schemas import validate_response
 from tests.test_sep1686 import initialized, rpc, until_status
 
 ALICE = {"Authorization": "Bearer alice-secret-token"}
@@ -234,3 +235,101 @@ async def test_a_joined_durable_call_is_cancelled_by_the_id_of_either_request(
             return await legacy_client.call_tool("gate_state", {"tag": gate}) == "cancelled"
 
         await eventually(cancelled, what="the call stopped for the request that joined it")
+
+
+# --- 2026-07-28 clients without the tasks extension: keyed kept-alive calls ----------------------------------------
+
+
+def _kept_call(name: str, arguments: dict, **params) -> dict:
+    return {"name": name, "arguments": arguments, "_meta": meta(tasks=False, elicitation={}), **params}
+
+
+async def test_a_keyed_kept_alive_call_outlives_its_request_and_the_key_gets_its_one_result(
+    make_proxy, mcp_upstream, upstream_client
+):
+    from tests.conftest import eventually
+
+    proxy = await make_proxy(mcp_upstream, tools=[{"match": "gated", "keepalive_s": 0.2}])
+    gate, key = secrets.token_hex(6), secrets.token_hex(8)
+
+    async def state() -> str:
+        reply = await upstream_client.call_tool("gate_state", {"tag": gate}, tasks=False)
+        return reply.message["result"]["content"][0]["text"]
+
+    first = asyncio.ensure_future(proxy.client.call("tools/call", _kept_call("gated", {"tag": gate}), tasks=False,
+                                                    headers=keyed(key, **ALICE)))  # fmt: skip
+    await eventually(lambda: _is(state, "started"), what="the call reaching the server")
+    first.cancel()  # the client's connection drops
+    await asyncio.sleep(0.5)
+    assert await state() == "started"  # with a key the call goes on: the client may come back for it
+    again = asyncio.ensure_future(
+        proxy.client.call("tools/call", _kept_call("gated", {"tag": gate}), tasks=False, headers=keyed(key, **ALICE))
+    )
+    await asyncio.sleep(0.3)
+    await upstream_client.call_tool("release", {"tag": gate}, tasks=False)
+    reply = await again
+    assert reply.headers["Content-Type"].startswith("text/event-stream")
+    assert reply.message["id"] == reply.events[-1]["id"] and "result" in reply.message, reply.message
+    assert reply.message["result"]["isError"] is False and reply.message["result"]["resultType"] == "complete"
+    arrivals = await upstream_client.call_tool("gate_arrivals", {"tag": gate}, tasks=False)
+    assert arrivals.result["content"][0]["text"] == "1"  # one upstream call for both requests
+    # After it ended: its stored outcome, nothing run again; other arguments under the key are refused.
+    late = await proxy.client.call("tools/call", _kept_call("gated", {"tag": gate}), tasks=False,
+                                   headers=keyed(key, **ALICE))  # fmt: skip
+    assert late.message["result"] == reply.message["result"]
+    other = await proxy.client.call("tools/call", _kept_call("gated", {"tag": "x"}), tasks=False,
+                                    headers=keyed(key, **ALICE))  # fmt: skip
+    assert other.error["data"] == {"reason": "idempotency_key_reused"}
+
+
+async def _is(read, expected) -> bool:
+    return await read() == expected
+
+
+async def test_a_keyed_kept_alive_call_asks_for_input_by_mrtr_and_only_its_caller_can_answer(make_proxy, mcp_upstream):
+    proxy = await make_proxy(mcp_upstream, tools=[{"match": "one_question", "keepalive_s": 0.2}])
+    key = secrets.token_hex(8)
+    asked = await proxy.client.call("tools/call", _kept_call("one_question", {}), tasks=False,
+                                    headers=keyed(key, **ALICE))  # fmt: skip
+    round_ = asked.result
+    validate_response(asked.message, "InputRequiredResult", "core")
+    assert round_["resultType"] == "input_required" and list(round_["inputRequests"]) == ["q"]
+    assert round_["inputRequests"]["q"]["method"] == "elicitation/create"
+    state = round_["requestState"]
+    answer = {"q": {"action": "accept", "content": {"answer": "yes"}}}
+    # Forged, or another caller's: refused, and the call still waits for its own caller.
+    forged = state[:-2] + ("AA" if not state.endswith("AA") else "BB")
+    for headers, request_state in ((ALICE, forged), (BOB, state), (ALICE, "mtp1k.nonsense")):
+        refused = await proxy.client.call(
+            "tools/call", _kept_call("one_question", {}, inputResponses=answer, requestState=request_state),
+            tasks=False, headers=headers,
+        )  # fmt: skip
+        assert refused.error["data"] == {"reason": "invalid_request_state"}, refused.message
+    malformed = await proxy.client.call(
+        "tools/call", _kept_call("one_question", {}, inputResponses={"q": "yes"}, requestState=state), tasks=False,
+        headers=ALICE,
+    )  # fmt: skip
+    assert malformed.error["code"] == -32602 and "inputResponses" in malformed.error["message"]
+    # Its caller's retry, on a new request without the key (as MRTR retries are), brings the answer.
+    done = await proxy.client.call(
+        "tools/call", _kept_call("one_question", {}, inputResponses=answer, requestState=state), tasks=False,
+        headers=ALICE,
+    )  # fmt: skip
+    assert done.result["structuredContent"]["inputResponses"] == answer
+    validate_response(done.message, "CallToolResult", "core")
+
+
+async def test_a_keyed_kept_alive_call_is_found_again_and_its_input_answered_on_another_replica(
+    make_proxy, mcp_upstream, redis_url
+):
+    store = {"backend": "redis", "url": redis_url, "key_prefix": f"kept-{secrets.token_hex(4)}:"}
+    rules = [{"match": "one_question", "keepalive_s": 0.2}]
+    a, b = [await make_proxy(mcp_upstream, tools=rules, store=store) for _ in range(2)]
+    key = secrets.token_hex(8)
+    first = await a.client.call("tools/call", _kept_call("one_question", {}), tasks=False, headers=keyed(key, **ALICE))
+    again = await b.client.call("tools/call", _kept_call("one_question", {}), tasks=False, headers=keyed(key, **ALICE))
+    assert again.result == first.result  # the same round of the same call: the state names its task
+    answer = {"q": {"action": "accept", "content": {"answer": "on b"}}}
+    params = _kept_call("one_question", {}, inputResponses=answer, requestState=first.result["requestState"])
+    done = await b.client.call("tools/call", params, tasks=False, headers=ALICE)
+    assert done.result["structuredContent"]["inputResponses"] == answer
