@@ -3,6 +3,7 @@
     python bench/ab.py                    # the work tree against HEAD
     python bench/ab.py --base 1d897d4     # against any commit
     python bench/ab.py --quick            # 2 s runs, 3 repeats: a smoke test, not a figure
+    python bench/ab.py --path create      # task creation at 1,000/s instead of pass-through (memory and Redis)
 
 Both proxies stand in front of one fast upstream (bench/fast_upstream.py), beside the bare aiohttp forwarder
 (bench/minimal_forwarder.py) and, when it is installed, nginx, for an upstream of each era (the proxy translates a
@@ -10,6 +11,11 @@ Both proxies stand in front of one fast upstream (bench/fast_upstream.py), besid
 rotates, with wrk posting the same pass-through tools/call; the figure is the CPU time (utime + stime from /proc)
 the target's process spent per request served. On a shared, noisy machine that moves far less than throughput, and
 each target sees the same noise. Medians, with the spread (min-max) of the repeats.
+
+`--path create` measures task creation instead: each proxy (a task rule for `echo`, the memory store, then Redis,
+with the operator's key so that calls are kept sealed for a takeover as deployed) gets `tools/call` with the tasks
+extension at 1,000 requests/s in Poisson arrivals (wrk, 16 connections); the figures are CPU µs per creation and
+the p99 latency of the `CreateTaskResult`, A and B interleaved in the same way.
 
 The base commit is installed once into a virtual environment of its own under bench/.ab/ (from `git archive`, so
 the work tree is untouched); the work tree runs from this interpreter (an editable install).
@@ -34,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 CACHE = HERE / ".ab"
 sys.path.insert(0, str(HERE))
-from run import free_port, process, wait_ready  # noqa: E402  (bench/ is a folder of scripts, not a package)
+from run import META_TASKS, free_port, process, wait_ready, wrk  # noqa: E402  (bench/ is a folder of scripts)
 
 WORK = Path(tempfile.mkdtemp(prefix="mcp-tasks-proxy-ab-"))
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -96,14 +102,20 @@ def wrk_total(url: str, connections: int, seconds: int) -> int:
 
 
 @contextmanager
-def proxy(python: Path | str, package: str, upstream: str, protocol: str) -> Iterator[tuple[str, int]]:
+def proxy(
+    python: Path | str, package: str, upstream: str, protocol: str, store: dict | None = None
+) -> Iterator[tuple[str, int]]:
     port = free_port()
     policy = {
         "upstream": {"url": upstream, "protocol": protocol},
-        "tools": [{"match": "echo", "task": "optional"}],  # a policy as deployed; the measured call is not in it
+        "tools": [{"match": "echo", "task": "optional"}],  # a policy as deployed; a pass-through call is not in it
         "security": {"principal_key": "bench"},
         "logging": {"level": "warning", "format": "json"},
     }
+    if store is not None:  # creation: room for every task a run makes
+        policy["store"] = {**store, "key_prefix": f"ab{port}:"} if store["backend"] == "redis" else store
+        policy["tasks"] = {"max_tasks": 200_000, "ttl_ms": 60_000}
+        policy["limits"] = {"max_running_tasks": 20_000}
     path = WORK / f"policy-{port}.json"
     path.write_text(json.dumps(policy))
     # -P: the working directory (the repository) must not shadow the interpreter's own install of the proxy.
@@ -140,8 +152,46 @@ http {{
         yield f"http://127.0.0.1:{port}/mcp", proc.pid
 
 
-def summary(runs: list[float]) -> str:
-    return f"{statistics.median(runs):.0f} ({min(runs):.0f}-{max(runs):.0f})"
+def summary(runs: list[float], digits: int = 0) -> str:
+    return f"{statistics.median(runs):.{digits}f} ({min(runs):.{digits}f}-{max(runs):.{digits}f})"
+
+
+def creation(base: Path, base_package: str, upstream: str, seconds: int, repeats: int) -> None:
+    """Task creation at 1,000/s through A and B, with the memory store and with Redis: CPU µs and p99 ms."""
+    header = ["store", "A µs/creation", "B µs/creation", "B/A", "A p99 ms", "B p99 ms"]
+    rows = []
+    with ExitStack() as stack:
+        redis_port = free_port()
+        stack.enter_context(process("redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
+                                    "--appendonly", "no", port=redis_port))  # fmt: skip
+        stores = {
+            "memory": {"backend": "memory"},
+            "redis": {"backend": "redis", "url": f"redis://127.0.0.1:{redis_port}/0"},
+        }
+        for name, store in stores.items():
+            with (
+                proxy(base, base_package, upstream, "modern", store) as a,
+                proxy(sys.executable, package_of(ROOT), upstream, "modern", store) as b,
+            ):
+                targets = {"A": a, "B": b}
+                cpu: dict[str, list[float]] = {target: [] for target in targets}
+                p99: dict[str, list[float]] = {target: [] for target in targets}
+                for repeat in range(repeats):
+                    for target in ("A", "B") if repeat % 2 == 0 else ("B", "A"):
+                        url, pid = targets[target]
+                        before = cpu_s(pid)
+                        served, _, tail = wrk(url, "tools/call", {"name": "echo", "arguments": {}}, meta=META_TASKS,
+                                              connections=16, seconds=seconds, name="echo", rate=1000)  # fmt: skip
+                        cpu[target].append((cpu_s(pid) - before) / (served * seconds) * 1e6)
+                        p99[target].append(tail)
+                ratio = statistics.median(cpu["B"]) / statistics.median(cpu["A"])
+                rows.append([name, summary(cpu["A"]), summary(cpu["B"]), f"{ratio:.3f}", summary(p99["A"], 2),
+                             summary(p99["B"], 2)])  # fmt: skip
+                print(f"  create, {name} store: B/A {ratio:.3f}", file=sys.stderr)
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
 
 
 def main() -> None:
@@ -152,10 +202,14 @@ def main() -> None:
     parser.add_argument("--seconds", type=int, default=4, help="length of each wrk run")
     parser.add_argument("--repeats", type=int, default=7, help="runs of each target per concurrency")
     parser.add_argument("--quick", action="store_true", help="2 s runs, 3 repeats")
+    parser.add_argument("--path", choices=("passthrough", "create"), default="passthrough",
+                        help="what is measured: a pass-through tools/call, or task creation at 1,000/s")  # fmt: skip
     args = parser.parse_args()
     seconds, repeats = (2, 3) if args.quick else (args.seconds, args.repeats)
     if shutil.which("wrk") is None:
         raise SystemExit("wrk is needed: apt-get install wrk")
+    if args.path == "create" and shutil.which("redis-server") is None:
+        raise SystemExit("redis-server is needed for --path create: apt-get install redis-server")
     base, base_package = base_python(args.base)
     # A comparison of a tree with itself reads as "no change": make sure A and B are the trees they claim to be.
     a_tree, b_tree = imported_from(base, base_package), imported_from(sys.executable, package_of(ROOT))
@@ -169,6 +223,9 @@ def main() -> None:
     with ExitStack() as stack:
         stack.enter_context(process(sys.executable, str(HERE / "fast_upstream.py"), str(upstream_port),
                                     port=upstream_port))  # fmt: skip
+        if args.path == "create":
+            creation(base, base_package, upstream, seconds, repeats)
+            return
         forwarder_port = free_port()
         forwarder = stack.enter_context(process(sys.executable, str(HERE / "minimal_forwarder.py"),
                                                 str(forwarder_port), upstream, port=forwarder_port))  # fmt: skip
