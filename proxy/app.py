@@ -355,6 +355,7 @@ def build_store(config: ProxyConfig, *, timer: Callable[[], float] = time.monoto
             key_prefix=config.store.key_prefix,
             lease_s=config.store.lease_s,
             timeout_s=config.store.timeout_s,
+            tls=config.store.tls,
         )
     return MemoryTaskStore(max_tasks=config.tasks.max_tasks, timer=timer)
 

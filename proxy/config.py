@@ -12,10 +12,11 @@ from collections.abc import Callable, Mapping
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
 
 import yaml
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .tasks.redis_target import parse_store_url
 
 
 class ConfigError(Exception):
@@ -105,11 +106,12 @@ class StdioConfig(_Strict):
         return self
 
 
-class UpstreamTls(_Strict):
-    """TLS to an https:// upstream: whose certificates to trust, and the proxy's own for mTLS."""
+class TlsConfig(_Strict):
+    """TLS to a server the proxy connects to (an https:// upstream, a rediss:// store): whose certificates to trust,
+    and the proxy's own for mTLS."""
 
     verify: bool = True
-    """Check the upstream's certificate and host name; false only for a test bench, never in production."""
+    """Check the server's certificate and host name; false only for a test bench, never in production."""
     ca_file: str | None = None
     """A PEM bundle of the CAs to trust instead of the system's (a private CA)."""
     cert_file: str | None = None
@@ -118,7 +120,7 @@ class UpstreamTls(_Strict):
     """The client certificate's private key (PEM), when not in cert_file."""
 
     @model_validator(mode="after")
-    def _loadable(self) -> UpstreamTls:
+    def _loadable(self) -> TlsConfig:
         if self.key_file is not None and self.cert_file is None:
             raise ValueError("key_file needs cert_file (the client certificate it is the key of)")
         self.ssl_context()  # a missing file or a key that does not match fails here, at start-up, naming it
@@ -151,7 +153,7 @@ class UpstreamConfig(_Strict):
     cwd: str | None = None
     """upstream.command: the child's working directory (default: the proxy's)."""
     stdio: StdioConfig = StdioConfig()
-    tls: UpstreamTls = UpstreamTls()
+    tls: TlsConfig = TlsConfig()
     """For an https:// url: CA bundle, client certificate (mTLS), verification."""
     protocol: Literal["auto", "modern", "legacy"] = "auto"
     """The upstream's era: auto probes server/discover and falls back to initialize, as the official SDKs do."""
@@ -170,7 +172,7 @@ class UpstreamConfig(_Strict):
             raise ValueError("url and command are exclusive: an upstream is reached over HTTP or started over stdio")
         if self.command is None and (self.env or self.cwd is not None):
             raise ValueError("env and cwd apply to upstream.command only")
-        if self.tls != UpstreamTls() and not (self.url is not None and self.url.scheme == "https"):
+        if self.tls != TlsConfig() and not (self.url is not None and self.url.scheme == "https"):
             raise ValueError("tls applies to an https:// upstream.url only")
         return self
 
@@ -254,7 +256,11 @@ class StoreConfig(_Strict):
     backend: Literal["memory", "redis"] = "memory"
     """memory: one process, nothing to install; redis: shared by several replicas."""
     url: str | None = None
-    """redis://[user:password@]host:port/db (or rediss://); required for the redis backend."""
+    """redis://[user:password@]host:port/db (rediss:// for TLS), unix:///path.sock, or a Sentinel's service:
+    redis+sentinel://[user:password@]host:port[,host:port]/service[/db] (rediss+sentinel:// for TLS); required
+    for the redis backend."""
+    tls: TlsConfig = TlsConfig()
+    """For a rediss:// url: CA bundle, client certificate (mTLS), verification."""
     key_prefix: str = "mcp-tasks-proxy:"
     """Every key the proxy writes starts with this, so several deployments can share one Redis."""
     lease_s: Annotated[float, Field(gt=0)] = 10.0
@@ -271,10 +277,12 @@ class StoreConfig(_Strict):
     def _url_for_redis(self) -> StoreConfig:
         if self.backend == "redis" and not self.url:
             raise ValueError("the redis backend needs store.url (redis://host:port/db)")
-        if self.url and not self.url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("store.url must start with redis://, rediss:// or unix://")
-        if self.url and self.url.startswith("unix://") and not urlsplit(self.url).path:
-            raise ValueError("store.url: a unix:// URL needs the socket's path (unix:///run/redis.sock)")
+        if self.url:
+            target = parse_store_url(self.url)  # ValueError naming what is wrong, never the URL (a password)
+            if self.tls != TlsConfig() and not target.tls:
+                raise ValueError("store.tls applies to a rediss:// or rediss+sentinel:// store.url only")
+        elif self.tls != TlsConfig():
+            raise ValueError("store.tls applies to a rediss:// or rediss+sentinel:// store.url only")
         return self
 
 

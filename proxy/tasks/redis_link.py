@@ -15,8 +15,11 @@ from typing import Any
 
 import redis.asyncio as redis
 import structlog
+from redis.asyncio.sentinel import Sentinel
 from redis.exceptions import RedisError
 
+from ..config import TlsConfig
+from .redis_target import parse_store_url
 from .resp import RespClient, RespError
 from .store import RecordCorrupt, StoreUnavailable
 
@@ -50,16 +53,34 @@ def reason(exc: BaseException, timeout_s: float) -> str:
 
 
 class RedisLink:
-    def __init__(self, url: str, *, timeout_s: float, max_reply_bytes: int) -> None:
+    def __init__(self, url: str, *, timeout_s: float, max_reply_bytes: int, tls: TlsConfig | None = None) -> None:
         self.timeout_s = timeout_s
-        self.redis = redis.Redis.from_url(
-            url,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry_on_timeout=False,
-            health_check_interval=30,
+        target = parse_store_url(url)
+        tls = tls or TlsConfig()
+        common: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
+        if target.tls:
+            common.update(_redis_py_tls(tls))
+            if target.sentinel:
+                common["ssl"] = True  # (a rediss:// URL says so by itself)
+        options = {**common, "retry_on_timeout": False, "health_check_interval": 30}
+        address = None
+        self._sentinel: Sentinel | None = None
+        if target.sentinel:
+            assert target.service is not None
+            sentinel = self._sentinel = Sentinel(list(target.hosts), sentinel_kwargs=dict(common))
+            credentials = {"username": target.username, "password": target.password, "db": target.db}
+            self.redis = sentinel.master_for(target.service, redis_class=redis.Redis, **options, **credentials)
+            service = target.service
+
+            async def address() -> tuple[str, int]:  # asked at every connection: a failover is followed
+                return await sentinel.discover_master(service)
+
+        else:
+            self.redis = redis.Redis.from_url(url, **options)
+        context = tls.ssl_context() if target.tls else None
+        self.fast = RespClient(
+            target, timeout_s=timeout_s, max_reply_bytes=max_reply_bytes, ssl_context=context, address=address
         )
-        self.fast = RespClient(url, timeout_s=timeout_s, max_reply_bytes=max_reply_bytes)
         self._last_failure = time.monotonic()
         """When a Redis call last failed (or the store was made): the sweep waits a lease after it."""
         self.failures: collections.Counter[str] = collections.Counter()
@@ -83,7 +104,9 @@ class RedisLink:
         except (TimeoutError, RedisError, RespError, OSError, Inconsistent) as exc:
             self.failed()
             self.failures[what] += 1
-            if isinstance(exc, Inconsistent):
+            if isinstance(exc, Inconsistent) or (isinstance(exc, RespError) and str(exc).startswith("READONLY")):
+                # (READONLY: the node is a replica now, an old master after a failover: the next connection asks
+                # Sentinel for the new one.)
                 self.fast.reset(str(exc))
             said = reason(exc, self.timeout_s)
             log.warning("store_unavailable", operation=what, reason=said)
@@ -92,3 +115,16 @@ class RedisLink:
     async def aclose(self) -> None:
         await self.fast.aclose()
         await self.redis.aclose()
+        for client in self._sentinel.sentinels if self._sentinel is not None else ():
+            await client.aclose()
+
+
+def _redis_py_tls(tls: TlsConfig) -> dict[str, Any]:
+    """The same TLS settings as the fast connection's (TlsConfig.ssl_context), in redis-py's terms."""
+    return {
+        "ssl_ca_certs": tls.ca_file,
+        "ssl_certfile": tls.cert_file,
+        "ssl_keyfile": tls.key_file,
+        "ssl_cert_reqs": "required" if tls.verify else "none",
+        "ssl_check_hostname": tls.verify,
+    }

@@ -19,6 +19,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+from ..config import TlsConfig
 from .model import TaskRecord, from_json, to_json
 from .redis_eviction import EvictionPolicyCheck
 from .redis_keys import TASK_KEY_PREFIX, RedisKeys
@@ -73,9 +74,10 @@ class RedisTaskStore:
         lease_s: float,
         timeout_s: float,
         max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
+        tls: TlsConfig | None = None,
     ) -> None:
         self._keys = RedisKeys(key_prefix)
-        self._link = RedisLink(url, timeout_s=timeout_s, max_reply_bytes=max_reply_bytes)
+        self._link = RedisLink(url, timeout_s=timeout_s, max_reply_bytes=max_reply_bytes, tls=tls)
         self._fast = self._link.fast
         self._replicas = RedisReplicas(self._link, self._keys, lease_s=lease_s)
         self._eviction = EvictionPolicyCheck(self._link)

@@ -18,10 +18,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import ssl
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import hiredis
-from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection, parse_url
+
+from .redis_target import RedisTarget, parse_store_url
 
 Reply = bytes | int | list[Any] | None
 Command = tuple[str | bytes | int, ...]
@@ -113,22 +115,29 @@ def encode(commands: list[Command]) -> bytes:
 
 
 class RespClient:
-    """One shared, lazily (re)connected connection to the Redis that `url` names (redis-py's URL rules)."""
+    """One shared, lazily (re)connected connection to the Redis that `url` names (redis_target.py), or to the
+    address `address()` gives at each connection (a Sentinel's master)."""
 
-    def __init__(self, url: str, *, timeout_s: float, max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES) -> None:
-        options = parse_url(url)
-        self._path: str | None = options.get("path")
-        self._host = options.get("host", "localhost")
-        self._port = int(options.get("port", 6379))
-        self._ssl = ssl.create_default_context() if options.get("connection_class") is SSLConnection else None
-        if options.get("connection_class") is UnixDomainSocketConnection and self._path is None:
-            raise ValueError("a unix:// Redis URL without a socket path")  # the URL may hold a password: not quoted
+    def __init__(
+        self,
+        url: str | RedisTarget,
+        *,
+        timeout_s: float,
+        max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
+        ssl_context: ssl.SSLContext | None = None,
+        address: Callable[[], Awaitable[tuple[str, int]]] | None = None,
+    ) -> None:
+        target = url if isinstance(url, RedisTarget) else parse_store_url(url)
+        self._path = target.path
+        self._host, self._port = target.hosts[0]
+        self._address = address
+        self._ssl = (ssl_context or ssl.create_default_context()) if target.tls else None
         hello: list[Command] = []
-        if options.get("password") is not None:
-            user = options.get("username")
-            hello.append(("AUTH", user, options["password"]) if user else ("AUTH", options["password"]))
-        if options.get("db"):
-            hello.append(("SELECT", int(options["db"])))
+        if target.password is not None:
+            user = target.username
+            hello.append(("AUTH", user, target.password) if user else ("AUTH", target.password))
+        if target.db:
+            hello.append(("SELECT", target.db))
         self._hello = hello
         self._timeout_s = timeout_s
         self._max_reply_bytes = max_reply_bytes
@@ -153,9 +162,10 @@ class RespClient:
         if self._path is not None:
             _, protocol = await loop.create_unix_connection(factory, self._path)
         else:
-            server_hostname = self._host if self._ssl else None
+            host, port = (self._host, self._port) if self._address is None else await self._address()
+            server_hostname = host if self._ssl else None
             _, protocol = await loop.create_connection(
-                factory, self._host, self._port, ssl=self._ssl, server_hostname=server_hostname
+                factory, host, port, ssl=self._ssl, server_hostname=server_hostname
             )
         if self._hello:
             try:

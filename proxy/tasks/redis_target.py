@@ -1,0 +1,89 @@
+"""What `store.url` names: one Redis node, or a service whose master Redis Sentinel names.
+
+    redis://[user:password@]host:port/db      rediss:// for TLS; unix:///run/redis.sock?db=0
+    redis+sentinel://[user:password@]host:port[,host:port...]/service[/db]      rediss+sentinel:// for TLS
+
+With Sentinel, the credentials and the database are the master's; the sentinels are asked for the master's
+address without credentials (redis-py's default), over TLS when the master is. The address is asked again at every
+reconnection, so a failover is followed (redis_link.py also drops a connection that answers READONLY: an old master
+demoted to a replica). The parsed password never appears in a message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from urllib.parse import unquote, urlsplit
+
+from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection, parse_url
+
+SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+SCHEMES = ("redis", "rediss", "unix", *SENTINEL_SCHEMES)
+_SENTINEL_PORT = 26379
+
+
+@dataclasses.dataclass(frozen=True)
+class RedisTarget:
+    hosts: tuple[tuple[str, int], ...]
+    """The node (one), or the sentinels."""
+    service: str | None = None
+    """With Sentinel: the name of the master it watches."""
+    path: str | None = None
+    """A unix socket instead of hosts."""
+    username: str | None = dataclasses.field(default=None, repr=False)
+    password: str | None = dataclasses.field(default=None, repr=False)
+    db: int = 0
+    tls: bool = False
+
+    @property
+    def sentinel(self) -> bool:
+        return self.service is not None
+
+
+def parse_store_url(url: str) -> RedisTarget:
+    """The target `url` names; ValueError (without the URL, which may hold a password) when it names none."""
+    scheme = url.partition("://")[0]
+    if scheme in SENTINEL_SCHEMES:
+        return _sentinel(url, tls=scheme == "rediss+sentinel")
+    if scheme not in SCHEMES:
+        raise ValueError(
+            "store.url must start with redis://, rediss://, unix://, redis+sentinel:// or rediss+sentinel://"
+        )
+    options = parse_url(url)
+    path = options.get("path")
+    if options.get("connection_class") is UnixDomainSocketConnection and not path:
+        raise ValueError("a unix:// Redis URL needs the socket's path (unix:///run/redis.sock)")
+    return RedisTarget(
+        hosts=((options.get("host", "localhost"), int(options.get("port", 6379))),),
+        path=path,
+        username=options.get("username"),
+        password=options.get("password"),
+        db=int(options.get("db") or 0),
+        tls=options.get("connection_class") is SSLConnection,
+    )
+
+
+def _sentinel(url: str, *, tls: bool) -> RedisTarget:
+    parts = urlsplit(url)
+    userinfo, at, hostlist = parts.netloc.rpartition("@")
+    credentials = urlsplit(f"//{userinfo}@_") if at else None
+    hosts = []
+    for entry in hostlist.split(","):
+        try:
+            address = urlsplit(f"//{entry.strip()}")
+            host, port = address.hostname, address.port
+        except ValueError:
+            host = port = None
+        if not host:
+            raise ValueError("a Sentinel URL names its sentinels as host:port[,host:port]")
+        hosts.append((host, port or _SENTINEL_PORT))
+    names = [unquote(name) for name in parts.path.split("/") if name]
+    if not names or len(names) > 2 or (len(names) == 2 and not names[1].isdigit()):
+        raise ValueError("a Sentinel URL ends with the master's service name, then optionally a database: /mymaster/0")
+    return RedisTarget(
+        hosts=tuple(hosts),
+        service=names[0],
+        username=unquote(credentials.username) if credentials and credentials.username else None,
+        password=unquote(credentials.password) if credentials and credentials.password is not None else None,
+        db=int(names[1]) if len(names) == 2 else 0,
+        tls=tls,
+    )

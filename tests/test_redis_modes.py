@@ -1,0 +1,194 @@
+"""The Redis that operators run: Sentinel (a master killed under load, the failover followed), TLS with a private
+CA and a client certificate, and an ACL user whose keys and channels are limited to the proxy's prefix. Real
+redis-server processes (and `redis-server --sentinel`), started by each test."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import subprocess
+from datetime import UTC, datetime
+
+import pytest
+import redis.asyncio as redis_client
+import trustme
+
+from proxy.config import ConfigError, parse_config
+from proxy.tasks.model import TaskRecord, TaskStatus, new_task_id
+from proxy.tasks.redis_store import RedisTaskStore
+from proxy.tasks.store import StoreUnavailable
+from tests.conftest import free_port, stop, task_reaches, wait_for_port
+
+
+def record() -> TaskRecord:
+    now = datetime.now(UTC)
+    return TaskRecord(new_task_id(), "t", TaskStatus.COMPLETED, now, now, 600_000, 1000, result={"content": []})
+
+
+@pytest.fixture
+def sentinel(tmp_path, redis_server, redis_binary):
+    """A master, its replica and one sentinel (quorum 1) that fails over a second after the master is lost."""
+    master = redis_server()
+    replica = redis_server("--replicaof", "127.0.0.1", str(master.port))
+    port = free_port()
+    config = tmp_path / "sentinel.conf"
+    config.write_text(
+        f"port {port}\nbind 127.0.0.1\ndir {tmp_path}\n"
+        f"sentinel monitor mtp 127.0.0.1 {master.port} 1\n"
+        "sentinel down-after-milliseconds mtp 1000\nsentinel failover-timeout mtp 5000\n"
+    )
+    process = subprocess.Popen([redis_binary, str(config), "--sentinel"], stdout=subprocess.DEVNULL)
+    try:
+        wait_for_port(port, process)
+        yield master, replica, f"redis+sentinel://127.0.0.1:{port}/mtp"
+    finally:
+        stop(process)
+
+
+async def replicated(master_url: str) -> None:
+    """Wait until the replica has every write so far (WAIT), so that the failover loses none of them."""
+    client = redis_client.from_url(master_url)
+    try:
+        for _ in range(100):
+            if await client.wait(1, 1000) >= 1:
+                return
+            await asyncio.sleep(0.1)
+        raise AssertionError("the replica never caught up")
+    finally:
+        await client.aclose()
+
+
+async def test_the_store_follows_a_sentinel_failover(sentinel):
+    master, replica, url = sentinel
+    store = RedisTaskStore(url, key_prefix=f"s-{secrets.token_hex(3)}:", lease_s=5, timeout_s=1)
+    try:
+        before = record()
+        await store.create(before)
+        await replicated(master.url)
+        master.kill()
+        after = record()
+        for _ in range(300):  # about 1 s to notice, then the promotion: well within 30 s
+            try:
+                await store.create(after)
+                break
+            except StoreUnavailable:
+                await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("no task could be created after the failover")
+        assert (await store.get(after.task_id)).task_id == after.task_id
+        assert (await store.get(before.task_id)).result == {"content": []}  # written before, read after
+        promoted = redis_client.from_url(replica.url)
+        try:
+            assert (await promoted.info("replication"))["role"] == "master"  # the write went to the new master
+        finally:
+            await promoted.aclose()
+    finally:
+        await store.aclose()
+
+
+async def test_tasks_keep_being_created_and_read_through_a_failover_under_load(make_proxy, mcp_upstream, sentinel):
+    master, _, url = sentinel
+    store = {"backend": "redis", "url": url, "key_prefix": f"load-{secrets.token_hex(3)}:", "timeout_s": 1}
+    proxy = await make_proxy(mcp_upstream, tools=[{"match": "add"}], store=store)
+    outcomes: list[str] = []
+    created: list[str] = []
+    stop_at = asyncio.get_running_loop().time() + 60
+
+    async def load() -> None:
+        while asyncio.get_running_loop().time() < stop_at:
+            reply = await proxy.client.call_tool("add", {"a": 1, "b": 2})
+            if reply.status == 200 and "result" in reply.message:
+                created.append(reply.result["taskId"])
+                outcomes.append("created")
+            else:
+                outcomes.append("refused")  # a clear error while no master answers, never a hang
+            await asyncio.sleep(0.02)
+
+    loader = asyncio.ensure_future(load())
+    while len(created) < 20:
+        await asyncio.sleep(0.05)
+    await replicated(master.url)
+    first = created[0]
+    master.kill()
+    killed_at = len(outcomes)
+    while outcomes[killed_at:].count("created") < 20:  # creations resume after the failover
+        assert not loader.done(), loader
+        assert asyncio.get_running_loop().time() < stop_at, "creations did not resume after the failover"
+        await asyncio.sleep(0.1)
+    loader.cancel()
+    await asyncio.gather(loader, return_exceptions=True)
+    await task_reaches(proxy.client, first, "completed")  # made before the failover, read after it
+    await task_reaches(proxy.client, created[-1], "completed")
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    where = tmp_path_factory.mktemp("redis-pki")
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(where / "ca.pem"))
+    server = ca.issue_cert("127.0.0.1", "localhost")
+    server.private_key_pem.write_to_path(str(where / "server.key"))
+    server.cert_chain_pems[0].write_to_path(str(where / "server.pem"))
+    client = ca.issue_cert("mcp-tasks-proxy")
+    client.cert_chain_pems[0].write_to_path(str(where / "client.pem"))
+    client.private_key_pem.write_to_path(str(where / "client.key"))
+    return where
+
+
+@pytest.fixture
+def tls_redis(tmp_path, pki, redis_binary):
+    """TLS only (client certificates required), the default user off, and a user `proxy` whose keys and pub/sub
+    channels are limited to the prefix `mtp:`, and who may not use CONFIG, KEYS or the administration commands."""
+    port = free_port()
+    acl = tmp_path / "users.acl"
+    # As managed services do: no CONFIG, no KEYS, nothing of the server's administration.
+    allowed = "+@all -config -keys -debug -flushall -flushdb -shutdown -monitor -save -bgsave"
+    acl.write_text(f"user default off\nuser proxy on >s3cret-pass ~mtp:* &mtp:* {allowed}\n")
+    argv = [redis_binary, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1", "--save", "",
+            "--tls-cert-file", str(pki / "server.pem"), "--tls-key-file", str(pki / "server.key"),
+            "--tls-ca-cert-file", str(pki / "ca.pem"), "--tls-auth-clients", "yes", "--aclfile", str(acl)]  # fmt: skip
+    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
+    try:
+        wait_for_port(port, process)
+        yield port
+    finally:
+        stop(process)
+
+
+def tls_store(port: int, pki, password: str = "s3cret-pass") -> dict:
+    tls = {"ca_file": str(pki / "ca.pem"), "cert_file": str(pki / "client.pem"), "key_file": str(pki / "client.key")}
+    return {"backend": "redis", "url": f"rediss://proxy:{password}@127.0.0.1:{port}/0", "key_prefix": "mtp:",
+            "tls": tls}  # fmt: skip
+
+
+async def test_tls_with_a_client_certificate_and_an_acl_user_limited_to_the_prefix(
+    make_proxy, mcp_upstream, tls_redis, pki
+):
+    proxy = await make_proxy(mcp_upstream, tools=[{"match": "add"}], store=tls_store(tls_redis, pki))
+    ready = await proxy.client.session.get(proxy.url.replace("/mcp", "/readyz"))
+    assert ready.status == 200, await ready.text()
+    created = await proxy.client.call_tool("add", {"a": 2, "b": 3})
+    done = await task_reaches(proxy.client, created.result["taskId"], "completed")
+    assert done.result["result"]["structuredContent"] == {"result": 5}
+
+
+async def test_a_refused_redis_password_is_said_without_the_password(make_proxy, mcp_upstream, tls_redis, pki):
+    proxy = await make_proxy(mcp_upstream, tools=[{"match": "add"}], store=tls_store(tls_redis, pki, "wrong-one"))
+    ready = await proxy.client.session.get(proxy.url.replace("/mcp", "/readyz"))
+    text = await ready.text()
+    assert ready.status == 503 and "credentials of store.url" in text and "wrong-one" not in text, text
+
+
+@pytest.mark.parametrize(
+    ("store", "says"),
+    [
+        ({"backend": "redis", "url": "redis+sentinel://h1:26379,h2:x/mymaster"}, "names its sentinels"),
+        ({"backend": "redis", "url": "redis+sentinel://h1:26379/"}, "service name"),
+        ({"backend": "redis", "url": "redis://h1/0", "tls": {"verify": False}}, "store.tls applies to a rediss://"),
+        ({"backend": "redis", "url": "redis+cluster://h1/0"}, "must start with"),
+    ],
+)
+def test_store_urls_and_tls_are_checked_at_start_up(store, says):
+    with pytest.raises(ConfigError) as refused:
+        parse_config({"upstream": {"url": "http://127.0.0.1:1/mcp"}, "store": store})
+    assert says in str(refused.value)
