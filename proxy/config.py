@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .tasks.redis_target import parse_store_url
+from .tasks.redis_target import hash_tag, parse_store_url
 
 
 class ConfigError(Exception):
@@ -257,8 +257,9 @@ class StoreConfig(_Strict):
     """memory: one process, nothing to install; redis: shared by several replicas."""
     url: str | None = None
     """redis://[user:password@]host:port/db (rediss:// for TLS), unix:///path.sock, or a Sentinel's service:
-    redis+sentinel://[user:password@]host:port[,host:port]/service[/db] (rediss+sentinel:// for TLS); required
-    for the redis backend."""
+    redis+sentinel://[user:password@]host:port[,host:port]/service[/db] (rediss+sentinel:// for TLS), or a Redis
+    Cluster's nodes: redis+cluster://[user:password@]host:port[,host:port] (rediss+cluster://; key_prefix then
+    needs a hash tag); required for the redis backend."""
     tls: TlsConfig = TlsConfig()
     """For a rediss:// url: CA bundle, client certificate (mTLS), verification."""
     key_prefix: str = "mcp-tasks-proxy:"
@@ -280,9 +281,15 @@ class StoreConfig(_Strict):
         if self.url:
             target = parse_store_url(self.url)  # ValueError naming what is wrong, never the URL (a password)
             if self.tls != TlsConfig() and not target.tls:
-                raise ValueError("store.tls applies to a rediss:// or rediss+sentinel:// store.url only")
+                raise ValueError("store.tls applies to a rediss://, rediss+sentinel:// or rediss+cluster:// store.url")
+            if target.cluster and hash_tag(self.key_prefix) is None:
+                # Every key of a task is updated together, which Redis Cluster allows only within one hash slot.
+                raise ValueError(
+                    "with Redis Cluster, store.key_prefix needs a hash tag, so that every key is in one slot: "
+                    f"{{{self.key_prefix.rstrip(':') or 'mcp-tasks-proxy'}}}:"
+                )
         elif self.tls != TlsConfig():
-            raise ValueError("store.tls applies to a rediss:// or rediss+sentinel:// store.url only")
+            raise ValueError("store.tls applies to a rediss://, rediss+sentinel:// or rediss+cluster:// store.url")
         return self
 
 

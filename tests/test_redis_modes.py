@@ -182,13 +182,139 @@ async def test_a_refused_redis_password_is_said_without_the_password(make_proxy,
 @pytest.mark.parametrize(
     ("store", "says"),
     [
-        ({"backend": "redis", "url": "redis+sentinel://h1:26379,h2:x/mymaster"}, "names its sentinels"),
+        ({"backend": "redis", "url": "redis+sentinel://h1:26379,h2:x/mymaster"}, "names its hosts"),
         ({"backend": "redis", "url": "redis+sentinel://h1:26379/"}, "service name"),
         ({"backend": "redis", "url": "redis://h1/0", "tls": {"verify": False}}, "store.tls applies to a rediss://"),
-        ({"backend": "redis", "url": "redis+cluster://h1/0"}, "must start with"),
+        ({"backend": "redis", "url": "redis+cluster://h1:7000"}, "needs a hash tag"),
+        ({"backend": "redis", "url": "redis+cluster://h1/3", "key_prefix": "{m}:"}, "one database"),
+        ({"backend": "redis", "url": "memcached://h1"}, "must start with"),
     ],
 )
 def test_store_urls_and_tls_are_checked_at_start_up(store, says):
     with pytest.raises(ConfigError) as refused:
         parse_config({"upstream": {"url": "http://127.0.0.1:1/mcp"}, "store": store})
     assert says in str(refused.value)
+
+
+# --- Redis Cluster ----------------------------------------------------------------------------------------------
+
+PREFIX = "{mtp}:"  # every key of the proxy in the slot of "mtp"
+
+
+@pytest.fixture
+def cluster(tmp_path, redis_binary):
+    """Three masters, no replicas, slots spread by redis-cli; yields their ports."""
+    ports = [free_port() for _ in range(3)]
+    processes = []
+    try:
+        for port in ports:
+            home = tmp_path / str(port)
+            home.mkdir()
+            argv = [redis_binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(home),
+                    "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                    "--cluster-port", str(free_port())]  # (the default, port + 10000, may be past 65535)  # fmt: skip
+            processes.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL))
+            wait_for_port(port, processes[-1])
+        create = [redis_binary.replace("redis-server", "redis-cli"), "--cluster", "create",
+                  *(f"127.0.0.1:{port}" for port in ports), "--cluster-replicas", "0", "--cluster-yes"]  # fmt: skip
+        subprocess.run(create, check=True, stdout=subprocess.DEVNULL, timeout=60)
+        yield ports
+    finally:
+        for process in processes:
+            stop(process)
+
+
+async def cluster_ready(ports) -> None:
+    for port in ports:
+        client = redis_client.Redis(port=port)
+        try:
+            for _ in range(200):
+                if b"cluster_state:ok" in await client.execute_command("CLUSTER", "INFO"):
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError(f"node {port} never saw the cluster ok")
+        finally:
+            await client.aclose()
+
+
+async def slot_owner(ports, slot: int) -> tuple[int, list[int]]:
+    """The port of the node holding `slot`, and the others'."""
+    client = redis_client.Redis(port=ports[0])
+    try:
+        for start, end, master, *_ in await client.execute_command("CLUSTER", "SLOTS"):
+            if start <= slot <= end:
+                owner = int(master[1])
+                return owner, [port for port in ports if port != owner]
+    finally:
+        await client.aclose()
+    raise AssertionError(f"no node holds slot {slot}")
+
+
+async def migrate(slot: int, source: int, target: int, ports, moving: asyncio.Event) -> None:
+    """Move one slot from node `source` to node `target` the way redis-cli reshard does, a few keys at a time."""
+    src, dst = redis_client.Redis(port=source), redis_client.Redis(port=target)
+    try:
+        src_id = (await src.execute_command("CLUSTER", "MYID")).decode()
+        dst_id = (await dst.execute_command("CLUSTER", "MYID")).decode()
+        await dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+        await src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+        moving.set()
+        while keys := await src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 5):
+            await src.execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", *keys)
+            await asyncio.sleep(0.02)  # the store works on meanwhile: some keys here, some there (ASK)
+        for port in ports:
+            node = redis_client.Redis(port=port)
+            try:
+                await node.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+            finally:
+                await node.aclose()
+    finally:
+        await src.aclose()
+        await dst.aclose()
+
+
+async def test_the_store_on_a_cluster_follows_its_slot_through_a_migration(cluster):
+    await cluster_ready(cluster)
+    seed = redis_client.Redis(port=cluster[0])
+    slot = await seed.execute_command("CLUSTER", "KEYSLOT", PREFIX)
+    await seed.aclose()
+    owner, others = await slot_owner(cluster, slot)
+    # Seeded with a node that does not hold the slot: the first commands are MOVED there.
+    url = f"redis+cluster://127.0.0.1:{others[0]}"
+    store = RedisTaskStore(url, key_prefix=PREFIX, lease_s=5, timeout_s=2)
+    try:
+        written = [record() for _ in range(40)]
+        for each in written:
+            await store.create(each)
+        moving = asyncio.Event()
+        migration = asyncio.ensure_future(migrate(slot, owner, others[1], cluster, moving))
+        await moving.wait()
+        during = []
+        while not migration.done():  # creates and reads while the keys move: ASK, then MOVED
+            each = record()
+            await store.create(each)
+            during.append(each)
+            assert (await store.get(written[len(during) % len(written)].task_id)) is not None
+        await migration
+        assert (await slot_owner(cluster, slot))[0] == others[1]
+        for each in [*written, *during, record()]:
+            if await store.get(each.task_id) is None:
+                await store.create(each)  # the last one: made after the slot moved
+            assert (await store.get(each.task_id)).task_id == each.task_id
+        assert during, "the migration ended before the store was used during it"
+        assert set(await store.running_task_ids()) == set()  # the running set (a terminal record is in none)
+    finally:
+        await store.aclose()
+
+
+async def test_the_proxy_on_a_cluster(make_proxy, mcp_upstream, cluster):
+    await cluster_ready(cluster)
+    store = {"backend": "redis", "url": f"redis+cluster://127.0.0.1:{cluster[0]},127.0.0.1:{cluster[1]}",
+             "key_prefix": PREFIX}  # fmt: skip
+    proxy = await make_proxy(mcp_upstream, tools=[{"match": "add"}], store=store)
+    ready = await proxy.client.session.get(proxy.url.replace("/mcp", "/readyz"))
+    assert ready.status == 200, await ready.text()
+    created = await proxy.client.call_tool("add", {"a": 2, "b": 3})
+    done = await task_reaches(proxy.client, created.result["taskId"], "completed")
+    assert done.result["result"]["structuredContent"] == {"result": 5}

@@ -6,9 +6,9 @@ import asyncio
 from typing import Any
 
 import structlog
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 
-from .redis_link import RedisLink, text
+from .redis_link import REDIS_ERRORS, RedisLink, text
 
 log = structlog.get_logger(__name__)
 
@@ -36,7 +36,7 @@ class EvictionPolicyCheck:
             except ResponseError as exc:
                 refused.append(f"{what}: {exc}")
                 continue
-            except (RedisError, OSError, TimeoutError):
+            except (*REDIS_ERRORS, OSError, TimeoutError):
                 return None
             policy = (
                 answer.get("maxmemory_policy", answer.get("maxmemory-policy")) if isinstance(answer, dict) else None

@@ -15,8 +15,9 @@ from typing import Any
 
 import redis.asyncio as redis
 import structlog
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.sentinel import Sentinel
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from ..config import TlsConfig
 from .redis_target import parse_store_url
@@ -24,6 +25,10 @@ from .resp import RespClient, RespError
 from .store import RecordCorrupt, StoreUnavailable
 
 log = structlog.get_logger(__name__)
+
+
+REDIS_ERRORS = (RedisError, RedisClusterException)
+"""What redis-py raises when Redis fails (its cluster client's own errors are not RedisErrors)."""
 
 
 class Inconsistent(Exception):
@@ -53,7 +58,9 @@ def reason(exc: BaseException, timeout_s: float) -> str:
 
 
 class RedisLink:
-    def __init__(self, url: str, *, timeout_s: float, max_reply_bytes: int, tls: TlsConfig | None = None) -> None:
+    def __init__(
+        self, url: str, *, timeout_s: float, max_reply_bytes: int, tls: TlsConfig | None = None, key_prefix: str = ""
+    ) -> None:
         self.timeout_s = timeout_s
         target = parse_store_url(url)
         tls = tls or TlsConfig()
@@ -74,6 +81,23 @@ class RedisLink:
 
             async def address() -> tuple[str, int]:  # asked at every connection: a failover is followed
                 return await sentinel.discover_master(service)
+
+        elif target.cluster:
+            # redis-py's cluster client for leases, the sweep and pub/sub (it follows the layout by itself); the fast
+            # connection goes to the node that holds the proxy's one slot (all its keys share a hash tag).
+            if target.tls:
+                common["ssl"] = True
+            nodes = [ClusterNode(host, port) for host, port in target.hosts]
+            cluster = RedisCluster(
+                startup_nodes=nodes, username=target.username, password=target.password, **common,
+                health_check_interval=30,
+            )  # fmt: skip
+            self.redis = cluster  # type: ignore[assignment]
+
+            async def address() -> tuple[str, int]:
+                await cluster.initialize()  # the layout, read once (and again by redis-py after a failure)
+                node = cluster.get_node_from_key(key_prefix)
+                return node.host, node.port
 
         else:
             self.redis = redis.Redis.from_url(url, **options)
@@ -101,7 +125,7 @@ class RedisLink:
             self.failures[what] += 1
             log.error("store_record_corrupt", operation=what, reason=str(exc))
             raise RecordCorrupt(str(exc)) from exc
-        except (TimeoutError, RedisError, RespError, OSError, Inconsistent) as exc:
+        except (TimeoutError, *REDIS_ERRORS, RespError, OSError, Inconsistent) as exc:
             self.failed()
             self.failures[what] += 1
             if isinstance(exc, Inconsistent) or (isinstance(exc, RespError) and str(exc).startswith("READONLY")):

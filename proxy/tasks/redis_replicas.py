@@ -13,10 +13,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
-from redis.exceptions import RedisError
 
 from .redis_keys import RedisKeys
-from .redis_link import Inconsistent, RedisLink, reason
+from .redis_link import REDIS_ERRORS, Inconsistent, RedisLink, reason
 from .store import EventHandler, StoreUnavailable
 
 log = structlog.get_logger(__name__)
@@ -125,13 +124,13 @@ class RedisReplicas:
                         await on_event(event)
                     except Exception as exc:
                         log.warning("store_event_failed", event_type=event.get("type"), error=type(exc).__name__)
-            except (TimeoutError, RedisError, OSError, StoreUnavailable) as exc:
+            except (TimeoutError, *REDIS_ERRORS, OSError, StoreUnavailable) as exc:
                 self._link.failed()
                 self.events_state = f"resubscribing ({reason(exc, self._link.timeout_s)})"
                 log.warning("store_events_interrupted", reason=reason(exc, self._link.timeout_s))
                 await asyncio.sleep(1)
             finally:
-                with contextlib.suppress(RedisError, OSError):
+                with contextlib.suppress(*REDIS_ERRORS, OSError):
                     await pubsub.aclose()
 
     @staticmethod
@@ -151,5 +150,5 @@ class RedisReplicas:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._replica_id is not None:
-            with contextlib.suppress(RedisError, OSError):
+            with contextlib.suppress(*REDIS_ERRORS, OSError):
                 await self._link.redis.delete(self._keys.lease(self._replica_id))

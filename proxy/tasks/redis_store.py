@@ -77,7 +77,9 @@ class RedisTaskStore:
         tls: TlsConfig | None = None,
     ) -> None:
         self._keys = RedisKeys(key_prefix)
-        self._link = RedisLink(url, timeout_s=timeout_s, max_reply_bytes=max_reply_bytes, tls=tls)
+        self._link = RedisLink(
+            url, timeout_s=timeout_s, max_reply_bytes=max_reply_bytes, tls=tls, key_prefix=key_prefix
+        )
         self._fast = self._link.fast
         self._replicas = RedisReplicas(self._link, self._keys, lease_s=lease_s)
         self._eviction = EvictionPolicyCheck(self._link)

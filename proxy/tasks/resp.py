@@ -29,6 +29,7 @@ Reply = bytes | int | list[Any] | None
 Command = tuple[str | bytes | int, ...]
 
 DEFAULT_MAX_REPLY_BYTES = 64 * 1024 * 1024
+_TRYAGAIN_S = 0.05
 
 
 class RespError(Exception):
@@ -46,6 +47,8 @@ class _Protocol(asyncio.Protocol):
         self._unanswered_bytes = 0
         """Bytes received since the last complete reply: what one reply in progress holds, give or take a read."""
         self.broken: str | None = None
+        self.retiring = False
+        """Takes no new commands (its node no longer holds the proxy's slot); closed once its replies are in."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -75,8 +78,15 @@ class _Protocol(asyncio.Protocol):
                 future.set_exception(reply)
             else:
                 future.set_result(reply)
+        if self.retiring and not self.waiting and self.transport is not None:
+            self.transport.close()
         if self._unanswered_bytes > self._max_reply_bytes:
             self.fail(f"a Redis reply exceeds {self._max_reply_bytes} bytes")
+
+    def retire(self) -> None:
+        self.retiring = True
+        if not self.waiting and self.transport is not None:
+            self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.fail("the connection to Redis was lost")
@@ -143,17 +153,19 @@ class RespClient:
         self._max_reply_bytes = max_reply_bytes
         self._protocol: _Protocol | None = None
         self._connecting = asyncio.Lock()
+        self._moved_to: tuple[str, int] | None = None
+        """Redis Cluster: the node a MOVED reply named for the proxy's slot, until a connection to it fails."""
 
     async def _connection(self) -> _Protocol:
         protocol = self._protocol
-        if protocol is not None and protocol.broken is None:
+        if protocol is not None and protocol.broken is None and not protocol.retiring:
             return protocol
         async with self._connecting:
-            if self._protocol is None or self._protocol.broken is not None:
+            if self._protocol is None or self._protocol.broken is not None or self._protocol.retiring:
                 self._protocol = await self._connect()
             return self._protocol
 
-    async def _connect(self) -> _Protocol:
+    async def _connect(self, address: tuple[str, int] | None = None) -> _Protocol:
         loop = asyncio.get_running_loop()
 
         def factory() -> _Protocol:
@@ -162,11 +174,19 @@ class RespClient:
         if self._path is not None:
             _, protocol = await loop.create_unix_connection(factory, self._path)
         else:
-            host, port = (self._host, self._port) if self._address is None else await self._address()
-            server_hostname = host if self._ssl else None
-            _, protocol = await loop.create_connection(
-                factory, host, port, ssl=self._ssl, server_hostname=server_hostname
-            )
+            if address is None:
+                address = self._moved_to or (
+                    (self._host, self._port) if self._address is None else await self._address()
+                )
+            host, port = address
+            try:
+                _, protocol = await loop.create_connection(
+                    factory, host, port, ssl=self._ssl, server_hostname=host if self._ssl else None
+                )
+            except OSError:
+                if address == self._moved_to:
+                    self._moved_to = None  # that node is gone too: the cluster's layout is asked again
+                raise
         if self._hello:
             try:
                 await self._send(protocol, self._hello, encode(self._hello))
@@ -182,9 +202,49 @@ class RespClient:
     async def pipeline(self, commands: list[Command]) -> list[Reply]:
         """Send the commands in one write; their replies in order. An error reply raises RespError.
 
-        One write keeps a MULTI ... EXEC block contiguous on the shared connection, so it stays atomic.
+        One write keeps a MULTI ... EXEC block contiguous on the shared connection, so it stays atomic. With Redis
+        Cluster, a MOVED reply (the proxy's slot lives on another node now; nothing was done) sends the commands
+        again there, once, and the connection follows; an ASK reply (the slot is being migrated, and the key is
+        already on the other node) sends them there once, each after ASKING, on a connection of their own; TRYAGAIN
+        (a script whose keys are split between the two nodes meanwhile: nothing was done) sends them again after a
+        moment, within the timeout, as redis-py's cluster client does.
         """
         request = encode(commands)  # before any connection or reply slot is involved
+        deadline = asyncio.get_running_loop().time() + self._timeout_s
+        while True:
+            try:
+                return await self._redirected(commands, request)
+            except RespError as exc:
+                if not str(exc).startswith("TRYAGAIN") or asyncio.get_running_loop().time() + _TRYAGAIN_S > deadline:
+                    raise
+            await asyncio.sleep(_TRYAGAIN_S)
+
+    async def _redirected(self, commands: list[Command], request: bytes) -> list[Reply]:
+        try:
+            return await self._pipeline(commands, request)
+        except RespError as exc:
+            redirect = _redirect(exc, self._host)
+            if redirect is None:
+                raise
+        kind, address = redirect
+        if kind == "ASK":
+            return await self._asking(address, commands)
+        self._moved_to = address
+        if self._protocol is not None:
+            self._protocol.retire()  # the replies it still owes (MOVED too) reach their callers first
+        return await self._pipeline(commands, request)
+
+    async def _asking(self, address: tuple[str, int], commands: list[Command]) -> list[Reply]:
+        asked: list[Command] = [part for command in commands for part in (("ASKING",), command)]
+        async with asyncio.timeout(self._timeout_s):
+            protocol = await self._connect(address)
+            try:
+                replies = await self._send(protocol, asked, encode(asked))
+            finally:
+                protocol.fail("the connection for an ASK redirection is done")
+        return replies[1::2]
+
+    async def _pipeline(self, commands: list[Command], request: bytes) -> list[Reply]:
         protocol: _Protocol | None = None
         try:
             async with asyncio.timeout(self._timeout_s):
@@ -230,3 +290,14 @@ class RespClient:
         if self._protocol is not None:
             self._protocol.fail("the client was closed")
             self._protocol = None
+
+
+def _redirect(error: RespError, default_host: str) -> tuple[str, tuple[str, int]] | None:
+    """("MOVED" or "ASK", (host, port)) of a Redis Cluster redirection; None for any other error."""
+    parts = str(error).split()
+    if len(parts) != 3 or parts[0] not in ("MOVED", "ASK"):
+        return None
+    host, _, port = parts[2].rpartition(":")
+    if not port.isdigit():
+        return None
+    return parts[0], (host.strip("[]") or default_host, int(port))
