@@ -34,6 +34,7 @@ OVERRIDES = (
     ("host", "listen.host", "HOST", str),
     ("port", "listen.port", "PORT", int),
     ("store", "store", "STORE", str),
+    ("advertise_url", "listen.advertise_url", "ADVERTISE_URL", str),
     ("log_level", "logging.level", "LOG_LEVEL", str),
     ("log_format", "logging.format", "LOG_FORMAT", str),
 )
@@ -61,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, help=f"listen port (env {ENV_PREFIX}PORT; default 8080)")
     parser.add_argument(
         "--store", metavar="memory|redis://...", help=f"task store: memory, or a Redis URL (env {ENV_PREFIX}STORE)"
+    )
+    parser.add_argument(
+        "--advertise-url",
+        metavar="URL",
+        help=f"where the other replicas reach this one, e.g. http://10.0.0.5:8080 (env {ENV_PREFIX}ADVERTISE_URL)",
     )
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help=f"env {ENV_PREFIX}LOG_LEVEL")
     parser.add_argument("--log-format", choices=["auto", "json", "console"], help=f"env {ENV_PREFIX}LOG_FORMAT")

@@ -52,6 +52,7 @@ from .log import bind_request_id
 from .metrics import Metrics, method_label
 from .policy import LivePolicy
 from .security import HostGuard, Identity, PollGuard, keep_shared_key
+from .session_routing import SessionRouting
 from .tasks.admission import ShuttingDown
 from .tasks.model import utc_now
 from .tasks.redis_store import RedisTaskStore
@@ -170,8 +171,18 @@ def create_app(
     app.router.add_get("/healthz", served(healthz))
     app.router.add_get("/readyz", served(readyz))
     app.router.add_get("/metrics", served(metrics))
-    app.router.add_post(MCP_PATH, served(handle_mcp_post))
-    other = served(handle_other)
+    post, other = handle_mcp_post, handle_other
+    if config.listen.advertise_url is not None:
+        if app[store_key].shared:
+            app[store_key].advertise(str(config.listen.advertise_url))
+            routing = SessionRouting(app[store_key], identity, lambda: app[runner_key].replica_id)
+            app.on_response_prepare.append(routing.on_response_prepare)
+            app.on_cleanup.append(lambda _: routing.aclose())
+            post, other = routing.routed(post), routing.routed(other)
+        else:
+            log.warning("advertise_url_unused", reason="replicas share sessions only through the Redis store")
+    app.router.add_post(MCP_PATH, served(post))
+    other = served(other)
     app.router.add_route("*", MCP_PATH, other)
     app.router.add_route("*", "/{tail:.*}", other)
     return app

@@ -47,6 +47,10 @@ class ListenConfig(_Strict):
     """How long a client may take to send a request's body; past it the request gets HTTP 408."""
     max_connections: PositiveInt = 4096
     """Open client connections at most; past it a new connection is answered HTTP 503 and closed."""
+    advertise_url: AnyHttpUrl | None = None
+    """Where the other replicas reach this one (http://10.0.0.5:8080; in Kubernetes from the pod IP). With the Redis
+    store, a request for a 2025 session another replica holds is forwarded to it (session_routing.py); unset, sessions
+    need affinity as before."""
 
     @property
     def is_loopback(self) -> bool:

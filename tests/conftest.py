@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 
 import aiohttp
 import pytest
+import yaml
 from aiohttp import web
 
 from proxy.app import create_app
@@ -480,3 +481,69 @@ async def task_reaches(client: McpClient, task_id: str, *statuses: str, headers:
         return reply if reply.result["status"] in statuses else None
 
     return await eventually(check, what=f"task {task_id} reaching {statuses}")
+
+
+# --- proxy replicas as processes, sharing a redis-server -----------------------------------------------------
+
+
+@dataclasses.dataclass
+class Replica:
+    process: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+
+@pytest.fixture
+def replicas(tmp_path, redis_url) -> Iterator:
+    """start(upstream, store_url=...) runs one more proxy process; all are stopped at the end."""
+    started: list[Replica] = []
+
+    def start(
+        upstream: str,
+        *,
+        store_url: str = redis_url,
+        prefix: str | None = None,
+        tools: list[dict] | None = None,
+        security: dict | None = None,
+        lease_s: float = 1,
+        advertise: bool = False,
+        **tasks,
+    ) -> Replica:
+        port = free_port()
+        policy = {
+            "listen": {"advertise_url": f"http://127.0.0.1:{port}"} if advertise else {},
+            "upstream": {"url": upstream},
+            "store": {
+                "backend": "redis",
+                "url": store_url,
+                "key_prefix": prefix or f"replicas-{tmp_path.name}:",
+                "lease_s": lease_s,  # short, so a lost replica's tasks are found quickly in tests
+                "reap_interval_s": 0.3,
+                "timeout_s": 1,
+            },
+            "tasks": {"poll_interval_ms": 50, "shutdown_grace_s": 5, **tasks},
+            "security": {"principal_key": "replicas-share-this-key"} if security is None else security,
+            "tools": tools or [{"match": name} for name in ("gated", "one_question", "slow_report", "ask_name")],
+            "logging": {"format": "json"},
+        }
+        path = tmp_path / f"policy-{port}.yaml"
+        path.write_text(yaml.safe_dump(policy))
+        log = tmp_path / f"replica-{port}.log"
+        with open(log, "wb") as sink:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "proxy", "--config", str(path), "--port", str(port)], stderr=sink, cwd=ROOT
+            )
+        wait_for_port(port, process)
+        replica = Replica(process, f"http://127.0.0.1:{port}/mcp", log)
+        started.append(replica)
+        return replica
+
+    yield start
+    for replica in started:
+        stop(replica.process)
+
+
+@pytest.fixture
+async def session():
+    async with aiohttp.ClientSession() as client_session:
+        yield client_session

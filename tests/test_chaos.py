@@ -17,9 +17,9 @@ import signal
 
 import aiohttp
 
-from tests.conftest import eventually
+from tests.conftest import Replica, eventually
 from tests.factories import McpClient
-from tests.test_replicas import Replica, killed, replicas, session  # noqa: F401 (fixtures)
+from tests.test_replicas import killed
 
 ROUNDS = 6
 CALLS_PER_ROUND = 50
@@ -34,8 +34,8 @@ TOOLS = [
 
 
 async def test_replicas_killed_in_a_loop_lose_no_task_and_run_nothing_unsafe_twice(
-    replicas,  # noqa: F811
-    session,  # noqa: F811
+    replicas,
+    session,
     mcp_upstream,
     upstream_client,
 ):

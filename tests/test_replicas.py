@@ -2,83 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import secrets
 import signal
-import subprocess
-import sys
-from collections.abc import Iterator
-from pathlib import Path
 
-import aiohttp
-import pytest
-import yaml
-
-from tests.conftest import ROOT, eventually, free_port, start_redis, stop, task_reaches, wait_for_port
+from tests.conftest import Replica, eventually, start_redis, stop, task_reaches
 from tests.factories import McpClient, meta
 from tests.test_durable import Client2025, events_of
-
-
-@dataclasses.dataclass
-class Replica:
-    process: subprocess.Popen[bytes]
-    url: str
-    log: Path
-
-
-@pytest.fixture
-def replicas(tmp_path, redis_url) -> Iterator:
-    """start(upstream, store_url=...) runs one more proxy process; all are stopped at the end."""
-    started: list[Replica] = []
-
-    def start(
-        upstream: str,
-        *,
-        store_url: str = redis_url,
-        prefix: str | None = None,
-        tools: list[dict] | None = None,
-        security: dict | None = None,
-        lease_s: float = 1,
-        **tasks,
-    ) -> Replica:
-        port = free_port()
-        policy = {
-            "upstream": {"url": upstream},
-            "store": {
-                "backend": "redis",
-                "url": store_url,
-                "key_prefix": prefix or f"replicas-{tmp_path.name}:",
-                "lease_s": lease_s,  # short, so a lost replica's tasks are found quickly in tests
-                "reap_interval_s": 0.3,
-                "timeout_s": 1,
-            },
-            "tasks": {"poll_interval_ms": 50, "shutdown_grace_s": 5, **tasks},
-            "security": {"principal_key": "replicas-share-this-key"} if security is None else security,
-            "tools": tools or [{"match": name} for name in ("gated", "one_question", "slow_report", "ask_name")],
-            "logging": {"format": "json"},
-        }
-        path = tmp_path / f"policy-{port}.yaml"
-        path.write_text(yaml.safe_dump(policy))
-        log = tmp_path / f"replica-{port}.log"
-        with open(log, "wb") as sink:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "proxy", "--config", str(path), "--port", str(port)], stderr=sink, cwd=ROOT
-            )
-        wait_for_port(port, process)
-        replica = Replica(process, f"http://127.0.0.1:{port}/mcp", log)
-        started.append(replica)
-        return replica
-
-    yield start
-    for replica in started:
-        stop(replica.process)
-
-
-@pytest.fixture
-async def session():
-    async with aiohttp.ClientSession() as client_session:
-        yield client_session
 
 
 def gate_tag() -> str:

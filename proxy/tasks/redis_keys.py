@@ -36,6 +36,10 @@ class RedisKeys:
         """Another id that finds a task (a request that joined a keyed durable call)."""
         return f"{self.prefix}alias:{name}"
 
+    def session(self, tag: str) -> str:
+        """The replica a 2025 session lives on (proxy/session_routing.py)."""
+        return f"{self.prefix}session:{tag}"
+
     def lease(self, replica_id: str) -> str:
         return f"{self.prefix}replica:{replica_id}"
 

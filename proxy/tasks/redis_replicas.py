@@ -15,7 +15,7 @@ from typing import Any
 import structlog
 
 from .redis_keys import RedisKeys
-from .redis_link import REDIS_ERRORS, Inconsistent, RedisLink, reason
+from .redis_link import REDIS_ERRORS, Inconsistent, RedisLink, reason, text
 from .store import EventHandler, StoreUnavailable
 
 log = structlog.get_logger(__name__)
@@ -32,6 +32,8 @@ class RedisReplicas:
         self._tasks: list[asyncio.Task[None]] = []
         self._replica_id: str | None = None
         self.events_state = "not subscribed"
+        self.advertised: str | None = None
+        """The lease's value: where the other replicas reach this one (session_routing.py); "1" without one."""
 
     async def start(
         self, replica_id: str, on_event: EventHandler, on_resync: Callable[[], Awaitable[None]] | None = None
@@ -65,6 +67,12 @@ class RedisReplicas:
                 raise Inconsistent("PUBSUB NUMSUB did not answer a channel and a count")
             return reply[1]
 
+    async def replica_url(self, replica_id: str) -> str | None:
+        async with self._link.answering("lease"):
+            value = await self._link.redis.get(self._keys.lease(replica_id))
+        url = text(value) if isinstance(value, bytes) else None
+        return url if url is not None and url.startswith(("http://", "https://")) else None
+
     async def is_alive(self, replica_id: str) -> bool:
         async with self._link.answering("lease"):
             return bool(await self._link.redis.exists(self._keys.lease(replica_id)))
@@ -76,7 +84,7 @@ class RedisReplicas:
             # PEXPIRE first: unlike SET it is allowed when Redis is at maxmemory, so a full Redis does not make
             # live replicas look lost. SET only when the key is gone (a Redis restarted without persistence).
             if not await self._link.redis.pexpire(key, self._lease_ms):
-                await self._link.redis.set(key, "1", px=self._lease_ms)
+                await self._link.redis.set(key, self.advertised or "1", px=self._lease_ms)
 
     async def _keep_lease(self) -> None:
         while True:

@@ -234,6 +234,27 @@ class RedisTaskStore:
             raise Inconsistent("GET answered something other than a string")
         return text(found)
 
+    def advertise(self, url: str) -> None:
+        self._replicas.advertised = url
+
+    async def replica_url(self, replica_id: str) -> str | None:
+        return await self._replicas.replica_url(replica_id)
+
+    async def claim_session(self, tag: str, replica_id: str, ttl_ms: int) -> None:
+        async with self._link.answering("session"):
+            await self._fast.execute("SET", self._keys.session(tag), replica_id, "PX", ttl_ms)
+
+    async def session_owner(self, tag: str) -> str | None:
+        async with self._link.answering("session"):
+            found = await self._fast.execute("GET", self._keys.session(tag))
+        if found is not None and not isinstance(found, bytes):
+            raise Inconsistent("GET answered something other than a string")
+        return text(found) if found is not None else None
+
+    async def forget_session(self, tag: str) -> None:
+        async with self._link.answering("session"):
+            await self._fast.execute("DEL", self._keys.session(tag))
+
     async def forget_call_context(self, task_id: str) -> None:
         async with self._link.answering("forget_call"):
             await self._fast.execute("DEL", self._keys.context(task_id))

@@ -50,6 +50,21 @@ class TaskStore(Protocol):
     async def listeners(self) -> int:
         """How many replicas (this one included) receive the events published now."""
 
+    def advertise(self, url: str) -> None:
+        """Where the other replicas reach this one, kept with its lease (proxy/session_routing.py); before start()."""
+
+    async def replica_url(self, replica_id: str) -> str | None:
+        """Where that replica said it is reached, while its lease is current; None once it is gone."""
+
+    async def claim_session(self, tag: str, replica_id: str, ttl_ms: int) -> None:
+        """Record that the 2025 session `tag` (a hash of its id) lives on that replica."""
+
+    async def session_owner(self, tag: str) -> str | None:
+        """The replica a session lives on, or None when none recorded it."""
+
+    async def forget_session(self, tag: str) -> None:
+        """The session ended (DELETE, or its replica is gone)."""
+
     async def forget_call_context(self, task_id: str) -> None:
         """Drop the sealed call kept with a task before it ends (nothing will run it again)."""
 
@@ -167,6 +182,21 @@ class MemoryTaskStore:
 
     async def listeners(self) -> int:
         return 1
+
+    def advertise(self, url: str) -> None:
+        return None  # one process: nobody to tell
+
+    async def replica_url(self, replica_id: str) -> str | None:
+        return None
+
+    async def claim_session(self, tag: str, replica_id: str, ttl_ms: int) -> None:
+        return None  # one process holds every session
+
+    async def session_owner(self, tag: str) -> str | None:
+        return None
+
+    async def forget_session(self, tag: str) -> None:
+        return None
 
     async def forget_call_context(self, task_id: str) -> None:
         return None

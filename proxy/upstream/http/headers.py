@@ -25,7 +25,9 @@ HOP_BY_HOP = frozenset(
         "upgrade",
     }
 )
-_REQUEST_SKIP = HOP_BY_HOP | {"host", "content-length"}
+HOP_HEADER = "Mcp-Tasks-Proxy-Hop"
+"""A request one replica forwards to another (proxy/session_routing.py): signed, never passed upstream."""
+_REQUEST_SKIP = HOP_BY_HOP | {"host", "content-length", HOP_HEADER.lower()}
 RESPONSE_SKIP = HOP_BY_HOP | {"content-length"}
 TASK_CALL_SKIP = _REQUEST_SKIP | {"accept-encoding", "accept", "content-type", "last-event-id"}
 _REQUEST_SKIP_BYTES = frozenset(name.encode() for name in _REQUEST_SKIP)

@@ -1,0 +1,180 @@
+"""Any replica answers any request of a 2025-era session (listen.advertise_url, with the Redis store).
+
+A 2025 session lives in one place: the upstream server that made it (a sidecar's own server, one per pod), or
+this proxy in front of a stdio child. A replica that answers a request which creates a session (its response names
+an `Mcp-Session-Id`) records in the store that the session is its own; a request for a session another replica
+holds is forwarded to that replica, over HTTP to the URL it advertises with its lease, and the answer (event
+streams included) is relayed back as it arrives. So a plain round-robin balancer works, without affinity.
+
+The hop is signed with the replicas' shared key (the request's method, path, session and a timestamp); a replica
+serves a signed request itself, whatever it knows of the session, and never forwards it again. A client's own
+`Mcp-Tasks-Proxy-Hop` header signs nothing, is never passed upstream, and only costs it a log line. When the
+session's replica is gone (its lease lapsed), the client gets 404, what the spec gives for a lost session: it then
+starts a new one with `initialize`. A replica that holds the lease but cannot be reached gets 503 (try again).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import structlog
+from aiohttp import web
+from cachetools import TTLCache
+
+from .context import MCP_PATH
+from .jsonrpc import dumps, error_object
+from .security import Identity
+from .tasks.store import StoreUnavailable, TaskStore
+from .upstream.http.headers import HOP_HEADER, RESPONSE_SKIP, end_to_end_headers
+
+log = structlog.get_logger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+SESSION_TTL_S = 24 * 3600.0
+"""How long a session's owner is kept (from its creation): longer than any session a client keeps open."""
+_MAX_LOCAL_SESSIONS = 100_000
+_HOP_SKEW_S = 60.0
+"""How old (or how far ahead, between clocks) a signed hop may be."""
+_SKIP = frozenset({"host", "content-length", HOP_HEADER.lower()})
+forwarded_key = web.RequestKey("forwarded_key", bool)
+
+
+class SessionRouting:
+    def __init__(
+        self, store: TaskStore, identity: Identity, replica_id: Callable[[], str], *, connect_timeout_s: float = 5.0
+    ) -> None:
+        self._store = store
+        self._identity = identity
+        self._replica_id = replica_id
+        self._local: TTLCache[str, None] = TTLCache(maxsize=_MAX_LOCAL_SESSIONS, ttl=SESSION_TTL_S)
+        """The sessions made through this replica (their tags): answered here without asking the store."""
+        self._connect_timeout_s = connect_timeout_s
+        self._client: aiohttp.ClientSession | None = None
+
+    def routed(self, handler: Handler) -> Handler:
+        """`handler`, for requests of sessions this replica holds (or does not know); the others go to theirs."""
+
+        async def route(request: web.Request) -> web.StreamResponse:
+            forwarded = await self._forward_if_elsewhere(request)
+            return forwarded if forwarded is not None else await handler(request)
+
+        return route
+
+    async def on_response_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
+        """A response that names a session made through this replica: the session is recorded as its own."""
+        session_id = response.headers.get("Mcp-Session-Id")
+        if not session_id or request.get(forwarded_key) or request.path != MCP_PATH or response.status >= 300:
+            return
+        tag = self._tag(session_id)
+        if tag in self._local:
+            return
+        self._local[tag] = None
+        try:
+            await self._store.claim_session(tag, self._replica_id(), int(SESSION_TTL_S * 1000))
+        except StoreUnavailable:
+            log.warning("session_not_recorded", reason="the store did not answer")  # only this replica will know
+
+    async def _forward_if_elsewhere(self, request: web.Request) -> web.StreamResponse | None:
+        session_id = request.headers.get("Mcp-Session-Id")
+        if not session_id:
+            return None
+        hop = request.headers.get(HOP_HEADER)
+        if hop is not None:
+            if self._signed(hop, request.method, request.path, session_id):
+                return None  # sent here by the replica that got it: this one answers, whatever it knows
+            log.warning("hop_header_refused", reason="not signed by a replica")
+        tag = self._tag(session_id)
+        if tag in self._local:
+            return None
+        try:
+            owner = await self._store.session_owner(tag)
+            url = await self._store.replica_url(owner) if owner is not None and owner != self._replica_id() else None
+        except StoreUnavailable:
+            return None  # the store cannot say: the session is tried here (an unknown one gets its 404 upstream)
+        if owner is None or owner == self._replica_id():
+            return None
+        if url is None:
+            log.info("session_replica_gone", replica=owner)
+            with contextlib.suppress(StoreUnavailable):
+                await self._store.forget_session(tag)
+            return _session_gone()
+        return await self._forward(request, url, session_id)
+
+    async def _forward(self, request: web.Request, base_url: str, session_id: str) -> web.StreamResponse:
+        request[forwarded_key] = True
+        body = await request.read() if request.can_read_body else None
+        headers = end_to_end_headers(request.headers, _SKIP)
+        headers[HOP_HEADER] = self._sign(request.method, request.path, session_id)
+        client = self._session()
+        target = base_url.rstrip("/") + request.path_qs
+        try:
+            upstream = await client.request(request.method, target, headers=headers, data=body)
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            log.warning("session_replica_unreachable", reason=str(exc) or type(exc).__name__)
+            error = error_object(-32603, "Proxy failure: the replica holding this session cannot be reached; retry")
+            return web.Response(status=503, body=dumps({"jsonrpc": "2.0", "id": None, "error": error}),
+                                content_type="application/json")  # fmt: skip
+        try:
+            headers = end_to_end_headers(upstream.headers, RESPONSE_SKIP)
+            response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
+            if upstream.content_length is not None:
+                response.content_length = upstream.content_length
+            await response.prepare(request)
+            try:
+                async for chunk in upstream.content.iter_any():  # streams relayed as they come, never buffered
+                    await response.write(chunk)
+            except (aiohttp.ClientError, OSError):
+                if request.transport is not None:
+                    request.transport.close()  # cut there, cut here: the client sees a broken response
+                return response
+            await response.write_eof()
+            return response
+        finally:
+            if upstream.content.at_eof():
+                upstream.release()
+            else:
+                upstream.close()  # a stream the client left is closed, not pooled: the owner sees the cancel
+
+    def _session(self) -> aiohttp.ClientSession:
+        if self._client is None or self._client.closed:
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout_s)
+            # Bytes as sent: nothing decompressed, and no cookies between clients.
+            self._client = aiohttp.ClientSession(
+                timeout=timeout, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
+            )
+        return self._client
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+
+    def _tag(self, session_id: str) -> str:
+        return self._identity.session_tag({"Mcp-Session-Id": session_id})
+
+    def _sign(self, method: str, path: str, session_id: str) -> str:
+        stamp, replica = str(int(time.time())), self._replica_id()
+        return f"{replica}.{stamp}.{self._identity.mac('hop', replica, stamp, method, path, session_id)}"
+
+    def _signed(self, hop: str, method: str, path: str, session_id: str) -> bool:
+        parts = hop.rsplit(".", 2)
+        if len(parts) != 3 or not parts[1].isdigit() or abs(time.time() - int(parts[1])) > _HOP_SKEW_S:
+            return False
+        replica, stamp, mac = parts
+        return _same(mac, self._identity.mac("hop", replica, stamp, method, path, session_id))
+
+
+def _same(a: str, b: str) -> bool:
+    return hmac.compare_digest(a.encode(), b.encode())
+
+
+def _session_gone() -> web.Response:
+    # What a server says of a session it does not know (the official SDKs' wording): the client starts a new one.
+    error: dict[str, Any] = error_object(-32001, "Session not found: the proxy replica that held it is gone")
+    return web.Response(status=404, body=dumps({"jsonrpc": "2.0", "id": None, "error": error}),
+                        content_type="application/json")  # fmt: skip
