@@ -111,6 +111,7 @@ def create_app(
                 input_wait_s=config.upstream.input_wait_s,
                 max_bytes=lambda: policy.config.limits.max_result_bytes,
                 max_questions=lambda: policy.config.tasks.max_input_rounds,
+                owner=lambda: app[runner_key].replica_id,  # (the runner exists by the time a call is parked)
             )
             probe = asyncio.ensure_future(_probe_era(app[gateway_key]))
             yield

@@ -79,14 +79,14 @@ async def handle_other(request: web.Request) -> web.StreamResponse:
         if resumed is not None:
             request[info_key].mode = "durable"
             return resumed
-    body = await _read_body(request) if request.can_read_body else None
+    body = await read_body(request) if request.can_read_body else None
     return await request.app[gateway_key].relay.relay_other(request, body)
 
 
 async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
     app = request.app
     info = request[info_key]
-    body = await _read_body(request, app)
+    body = await read_body(request, app)
     try:
         message = loads(body)
     except ValueError as exc:
@@ -289,7 +289,7 @@ async def _discover_from_legacy(request: web.Request, message: dict[str, Any]) -
     return json_reply(result_response(message["id"], discover_result(legacy.initialize_result)))
 
 
-async def _read_body(request: web.Request, app: web.Application | None = None) -> bytes:
+async def read_body(request: web.Request, app: web.Application | None = None) -> bytes:
     config = (app or request.app)[policy_key].config
     limit = config.limits.max_body_bytes
     try:

@@ -1,7 +1,9 @@
 """Calls held open upstream while a synchronous 2026 client answers an MRTR round.
 
 The client's `requestState` is a handle to the parked call: HMAC-protected, bound to what the caller and the request
-say they are, single-use, and dropped (the call cancelled upstream) when it expires or the table is full.
+say they are, single-use, and dropped (the call cancelled upstream) when it expires or the table is full. The handle
+names the replica that holds the call (`parked_owner`), so that a retry landing on another replica is forwarded to
+it (proxy/session_routing.py); the MAC covers that name too.
 """
 
 from __future__ import annotations
@@ -43,9 +45,16 @@ class _Expiring(TTLCache, Generic[T]):
 
 class ParkedCalls(Generic[T]):
     def __init__(
-        self, *, prefix: str, ttl_s: float, on_drop: Callable[[T, str], None], max_parked: int = 10_000
+        self,
+        *,
+        prefix: str,
+        ttl_s: float,
+        on_drop: Callable[[T, str], None],
+        max_parked: int = 10_000,
+        owner: Callable[[], str] | None = None,
     ) -> None:
         self._prefix = prefix
+        self._owner = owner
         self._secret = secrets.token_bytes(32)
         self._ttl_s = ttl_s
         self._table: _Expiring[T] = _Expiring(max_parked, ttl_s, on_drop)
@@ -60,6 +69,8 @@ class ParkedCalls(Generic[T]):
         if self._sweeper is None or self._sweeper.done():
             self._sweeper = asyncio.ensure_future(self._sweep())
         handle = secrets.token_urlsafe(16)
+        if self._owner is not None:
+            handle = f"{_encoded(self._owner())}~{handle}"
         self._table[handle] = item
         return f"{self._prefix}.{handle}.{self._mac(handle, binding)}"
 
@@ -91,3 +102,20 @@ class ParkedCalls(Generic[T]):
         while True:
             await asyncio.sleep(interval)
             self._table.expire()
+
+
+def _encoded(replica_id: str) -> str:
+    return base64.urlsafe_b64encode(replica_id.encode()).decode().rstrip("=")
+
+
+def parked_owner(token: object) -> str | None:
+    """The replica a parked call's handle names (unauthenticated here: only that replica can check the handle)."""
+    if not isinstance(token, str) or token.count(".") != 2:
+        return None
+    tag, tilde, _ = token.split(".")[1].partition("~")
+    if not tilde or not tag or len(tag) > 400:
+        return None
+    try:
+        return base64.urlsafe_b64decode(tag + "=" * (-len(tag) % 4)).decode()
+    except (ValueError, UnicodeDecodeError):
+        return None

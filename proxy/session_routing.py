@@ -27,7 +27,10 @@ from aiohttp import web
 from cachetools import TTLCache
 
 from .context import MCP_PATH
-from .jsonrpc import dumps, error_object
+from .dispatch import read_body
+from .envelope import params_of
+from .jsonrpc import dumps, error_object, loads
+from .parking import parked_owner
 from .security import Identity
 from .tasks.store import StoreUnavailable, TaskStore
 from .upstream.http.headers import HOP_HEADER, RESPONSE_SKIP, end_to_end_headers
@@ -83,7 +86,7 @@ class SessionRouting:
     async def _forward_if_elsewhere(self, request: web.Request) -> web.StreamResponse | None:
         session_id = request.headers.get("Mcp-Session-Id")
         if not session_id:
-            return None
+            return await self._parked_elsewhere(request)
         hop = request.headers.get(HOP_HEADER)
         if hop is not None:
             if self._signed(hop, request.method, request.path, session_id):
@@ -106,9 +109,35 @@ class SessionRouting:
             return _session_gone()
         return await self._forward(request, url, session_id)
 
+    async def _parked_elsewhere(self, request: web.Request) -> web.StreamResponse | None:
+        """A 2026 client's retry of a synchronous MRTR round whose call another replica holds open (parked in front
+        of a 2025 server, parking.py): the retry goes there. Anything else, and a state that names no live replica
+        (the call is gone with it: the retry is refused here as any expired state), is this replica's."""
+        if request.method != "POST" or request.path != MCP_PATH:
+            return None
+        body = await read_body(request)  # kept by aiohttp: the handler reads the same bytes
+        if b'"mtp1' not in body:  # no parked call's handle anywhere in it: the usual case, decided without parsing
+            return None
+        try:
+            message = loads(body)
+        except ValueError:
+            return None
+        state = params_of(message).get("requestState") if isinstance(message, dict) else None
+        owner = parked_owner(state)
+        if owner is None or owner == self._replica_id():
+            return None
+        hop = request.headers.get(HOP_HEADER)
+        if hop is not None and self._signed(hop, request.method, request.path, state):
+            return None
+        try:
+            url = await self._store.replica_url(owner)
+        except StoreUnavailable:
+            return None
+        return await self._forward(request, url, state) if url is not None else None
+
     async def _forward(self, request: web.Request, base_url: str, session_id: str) -> web.StreamResponse:
         request[forwarded_key] = True
-        body = await request.read() if request.can_read_body else None
+        body = await request.read() if request.body_exists else None  # (read already when the route needed it)
         headers = end_to_end_headers(request.headers, _SKIP)
         headers[HOP_HEADER] = self._sign(request.method, request.path, session_id)
         client = self._session()

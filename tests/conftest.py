@@ -495,11 +495,12 @@ class Replica:
 
 @pytest.fixture
 def replicas(tmp_path, redis_url) -> Iterator:
-    """start(upstream, store_url=...) runs one more proxy process; all are stopped at the end."""
+    """start(upstream, store_url=...) runs one more proxy process (upstream: a URL, or a stdio server's argv); all
+    are stopped at the end."""
     started: list[Replica] = []
 
     def start(
-        upstream: str,
+        upstream: str | list[str],
         *,
         store_url: str = redis_url,
         prefix: str | None = None,
@@ -512,7 +513,7 @@ def replicas(tmp_path, redis_url) -> Iterator:
         port = free_port()
         policy = {
             "listen": {"advertise_url": f"http://127.0.0.1:{port}"} if advertise else {},
-            "upstream": {"url": upstream},
+            "upstream": {"command": upstream} if isinstance(upstream, list) else {"url": upstream},
             "store": {
                 "backend": "redis",
                 "url": store_url,

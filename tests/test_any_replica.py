@@ -14,8 +14,10 @@ import pytest
 
 from tests.balancer import RoundRobin
 from tests.conftest import ROOT, free_port, legacy_python, serve_script
+from tests.factories import McpClient, meta
 from tests.test_durable import Client2025
 from tests.test_real_clients import run_client
+from tests.test_stdio import legacy_command
 
 SESSION_CLIENT = ROOT / "tests" / "clients" / "sdk1_session.py"
 RULES = [{"match": "ask_name"}]  # a durable call, whose server asks the user: the rest passes through
@@ -43,14 +45,19 @@ async def balanced():
         await balancer.close()
 
 
-@pytest.mark.parametrize("advertise", [True, False])
-async def test_a_whole_sdk_session_through_round_robin_without_affinity(replicas, own_servers, balanced, advertise):
-    proxies = [replicas(server, advertise=advertise, tools=RULES) for server in own_servers]
+@pytest.mark.parametrize(("advertise", "transport"), [(True, "http"), (False, "http"), (True, "stdio")])
+async def test_a_whole_sdk_session_through_round_robin_without_affinity(
+    replicas, own_servers, balanced, advertise, transport
+):
+    # stdio: each replica starts its own SDK 1.x child, and the proxy itself holds the 2025 session in front of it.
+    servers = own_servers if transport == "http" else [legacy_command()] * 3
+    proxies = [replicas(server, advertise=advertise, tools=RULES) for server in servers]
     url, balancer = await balanced(proxies)
     outcome = await run_client(str(legacy_python()), str(SESSION_CLIENT), url, timeout_s=60)
     hit = {index for index, _, _ in balancer.hits}
-    print(f"\nround-robin, advertise={advertise}: {len(balancer.hits)} requests, replicas hit {sorted(hit)}, "
-          f"failures {[h for h in balancer.hits if h[2] >= 400]}")  # fmt: skip
+    failures = [h for h in balancer.hits if h[2] >= 400]
+    print(f"\nround-robin, {transport}, advertise={advertise}: {len(balancer.hits)} requests, "
+          f"replicas hit {sorted(hit)}, failures {failures}")  # fmt: skip
     if not advertise:  # the problem this solves: the second request already lands where the session is unknown
         assert "failed" in outcome, outcome
         return
@@ -103,3 +110,20 @@ async def list_tools(client: Client2025) -> int:
         if response.status == 200 and response.content_type == "application/json":
             assert json.loads(body)["result"]["tools"]
         return response.status
+
+
+@pytest.mark.parametrize("rules", [RULES, []], ids=["kept-alive call (sync window)", "relayed call (bridge)"])
+async def test_a_2026_clients_mrtr_retry_reaches_the_replica_holding_its_parked_call(replicas, legacy_upstream, rules):
+    # In front of a 2025 server, a synchronous call that asks is held open upstream on the replica that got it.
+    parked_on, retried_on = (replicas(legacy_upstream, advertise=True, tools=rules) for _ in range(2))
+    async with aiohttp.ClientSession() as http:
+        params = {"name": "ask_name", "arguments": {}, "_meta": meta(tasks=False, elicitation={})}
+        first = await McpClient(http, parked_on.url).call("tools/call", params)
+        (key,) = first.result["inputRequests"]
+        retry = {**params, "inputResponses": {key: {"action": "accept", "content": {"name": "Ada"}}},
+                 "requestState": first.result["requestState"]}  # fmt: skip
+        done = await McpClient(http, retried_on.url).call("tools/call", retry)
+        assert done.result["content"][0]["text"] == "hello Ada", done.message
+        # Single use, wherever it is sent again.
+        again = await McpClient(http, retried_on.url).call("tools/call", retry)
+        assert again.error["code"] == -32602

@@ -76,7 +76,7 @@ class TaskRunner:
             seal=seal if store.shared else None,
         )
         self._defaults = defaults
-        self._rounds = SyncRounds(input_wait_s=input_wait_s, upstream_url=upstream.url)
+        self._rounds = SyncRounds(input_wait_s=input_wait_s, upstream_url=upstream.url, owner=self._state.replica_id)
         self._settlement = Settlement(self._state)
         self._recovery = Recovery(
             self._state,

@@ -32,8 +32,10 @@ def _binding(call: ToolCall) -> str:
 
 
 class SyncRounds:
-    def __init__(self, *, input_wait_s: float, upstream_url: str) -> None:
-        self._parked: ParkedCalls[Job] = ParkedCalls(prefix=_STATE_PREFIX, ttl_s=input_wait_s, on_drop=_drop)
+    def __init__(self, *, input_wait_s: float, upstream_url: str, owner: str = "") -> None:
+        self._parked: ParkedCalls[Job] = ParkedCalls(
+            prefix=_STATE_PREFIX, ttl_s=input_wait_s, on_drop=_drop, owner=(lambda: owner) if owner else None
+        )
         self._upstream_url = upstream_url
 
     def claim(self, call: ToolCall, *, legacy_upstream: bool) -> Job | None:

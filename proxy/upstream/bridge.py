@@ -107,6 +107,7 @@ class SyncBridge:
         max_bytes: Callable[[], int],
         max_questions: Callable[[], int],
         max_parked: int = 10_000,
+        owner: Callable[[], str] | None = None,
     ) -> None:
         self._legacy = legacy
         self._max_bytes = max_bytes
@@ -115,7 +116,7 @@ class SyncBridge:
         """tasks.max_input_rounds as the policy says now: a legacy server's questions one call may ask."""
         self._identity = identity
         self._parked: ParkedCalls[_Call] = ParkedCalls(
-            prefix=_TOKEN_PREFIX, ttl_s=input_wait_s, on_drop=_abandon, max_parked=max_parked
+            prefix=_TOKEN_PREFIX, ttl_s=input_wait_s, on_drop=_abandon, max_parked=max_parked, owner=owner
         )
 
     async def aclose(self) -> None:
