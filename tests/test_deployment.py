@@ -275,3 +275,51 @@ async def test_the_compose_file_and_the_scale_out_one_liner_start_as_written(tmp
     finally:
         for process in reversed(processes):
             stop(process)
+
+
+def test_the_round_robin_compose_file_gives_each_replica_its_own_server_and_no_affinity(tmp_path):
+    compose_dir = ROOT / "examples" / "compose"
+    services = yaml.safe_load((compose_dir / "round-robin.yaml").read_text())["services"]
+    proxies = sorted(name for name in services if name.startswith("proxy-"))
+    assert proxies == ["proxy-1", "proxy-2", "proxy-3"]
+    upstreams = set()
+    for name in proxies:
+        service = services[name]
+        mounts = {}
+        for volume in service["volumes"]:
+            host_file, inside = volume.split(":")[:2]
+            mounts[inside] = (compose_dir / host_file).resolve()
+        config = in_the_image(service["environment"], mounts)
+        assert config.store.backend == "redis"
+        assert str(config.listen.advertise_url).rstrip("/") == f"http://{name}:8080"  # where the others reach it
+        assert not config.listen.is_loopback and config.listen.port == 8080
+        upstreams.add(str(config.upstream.url))
+    assert len(upstreams) == 3  # a server of its own each: sessions live on one replica's server
+    balancer = services["balancer"]
+    conf = (compose_dir / balancer["volumes"][0].split(":")[0]).read_text()
+    assert all(f"server {name}:8080;" in conf for name in proxies)
+    assert not re.search(r"^\s*(ip_hash|hash|sticky)\b", conf, flags=re.MULTILINE)  # round-robin, nothing else
+
+
+def test_the_scaled_out_kubernetes_manifest_advertises_pod_ips_behind_a_service_without_affinity(tmp_path):
+    path = ROOT / "examples" / "kubernetes-scaled" / "mcp-server-scaled-out.yaml"
+    docs = [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+    deployment = next(doc for doc in docs if doc["kind"] == "Deployment")
+    service = next(doc for doc in docs if doc["kind"] == "Service")
+    assert deployment["spec"]["replicas"] >= 2 and service["spec"]["sessionAffinity"] == "None"
+    policy = next(doc for doc in docs if doc["kind"] == "ConfigMap")["data"]["policy.yaml"]
+    (tmp_path / "policy.yaml").write_text(policy)
+    proxy = next(c for c in deployment["spec"]["template"]["spec"]["containers"] if "mcp-tasks-proxy" in c["image"])
+    names = [entry["name"] for entry in proxy["env"]]
+    assert names.index("POD_IP") < names.index("MCP_TASKS_PROXY_ADVERTISE_URL")  # Kubernetes expands only earlier ones
+    environment = {e["name"]: e["value"] for e in proxy["env"] if "value" in e}
+    environment["MCP_TASKS_PROXY_ADVERTISE_URL"] = environment["MCP_TASKS_PROXY_ADVERTISE_URL"].replace(
+        "$(POD_IP)", "10.0.0.5"
+    )
+    config = in_the_image(environment, {proxy["volumeMounts"][0]["mountPath"]: tmp_path})
+    assert str(config.listen.advertise_url).rstrip("/") == "http://10.0.0.5:8080"
+    assert config.store.backend == "redis"
+    key = next(e for e in proxy["env"] if e["name"] == "MCP_TASKS_PROXY_PRINCIPAL_KEY")  # the same on every pod
+    secret = next(doc for doc in docs if doc["kind"] == "Secret")
+    assert key["valueFrom"]["secretKeyRef"]["name"] == secret["metadata"]["name"]
+    assert not config.listen.is_loopback
