@@ -33,7 +33,7 @@ from .jsonrpc import dumps, error_object, loads
 from .parking import parked_owner
 from .security import Identity
 from .tasks.store import StoreUnavailable, TaskStore
-from .upstream.http.headers import HOP_HEADER, RESPONSE_SKIP, end_to_end_headers
+from .upstream.http.headers import HOP_BY_HOP, HOP_HEADER, RESPONSE_SKIP, end_to_end_headers
 
 log = structlog.get_logger(__name__)
 
@@ -44,7 +44,9 @@ SESSION_TTL_S = 24 * 3600.0
 _MAX_LOCAL_SESSIONS = 100_000
 _HOP_SKEW_S = 60.0
 """How old (or how far ahead, between clocks) a signed hop may be."""
-_SKIP = frozenset({"host", "content-length", HOP_HEADER.lower()})
+_SKIP = HOP_BY_HOP | {"content-length", HOP_HEADER.lower()}
+"""Request headers not forwarded as they came. Host is: the replica that answers checks it as the first one did
+(security.allowed_hosts names the name clients use, not a pod's address)."""
 forwarded_key = web.RequestKey("forwarded_key", bool)
 
 

@@ -127,3 +127,15 @@ async def test_a_2026_clients_mrtr_retry_reaches_the_replica_holding_its_parked_
         # Single use, wherever it is sent again.
         again = await McpClient(http, retried_on.url).call("tools/call", retry)
         assert again.error["code"] == -32602
+
+
+async def test_a_forwarded_request_keeps_the_host_the_client_used(replicas, own_servers):
+    # The replicas accept only the name clients use (security.allowed_hosts), not each other's pod addresses.
+    security = {"principal_key": "replicas-share-this-key", "allowed_hosts": ["mcp.example"]}
+    owner, other = (replicas(s, advertise=True, tools=RULES, security=security) for s in own_servers[:2])
+    async with aiohttp.ClientSession() as http:
+        client = Client2025(http, owner.url)
+        client.headers["Host"] = "mcp.example"
+        await client.initialize()
+        client.url = other.url
+        assert await list_tools(client) == 200  # checked on the owner as on the replica that took it
