@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 
 import aiohttp
 import pytest
+import trustme
 import yaml
 from aiohttp import web
 
@@ -548,3 +549,30 @@ def replicas(tmp_path, redis_url) -> Iterator:
 async def session():
     async with aiohttp.ClientSession() as client_session:
         yield client_session
+
+
+# --- a private CA, for TLS to upstreams and to Redis ------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Pki:
+    ca: Path
+    client_cert: Path
+    client_key: Path
+    client_both: Path
+    """The client certificate and its key in one PEM file."""
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> Pki:
+    where = tmp_path_factory.mktemp("pki")
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(where / "ca.pem"))
+    server = ca.issue_cert("127.0.0.1", "localhost")
+    server.private_key_pem.write_to_path(str(where / "server.key"))
+    server.cert_chain_pems[0].write_to_path(str(where / "server.pem"))
+    client = ca.issue_cert("mcp-tasks-proxy")
+    client.cert_chain_pems[0].write_to_path(str(where / "client.pem"))
+    client.private_key_pem.write_to_path(str(where / "client.key"))
+    client.private_key_and_cert_chain_pem.write_to_path(str(where / "client-both.pem"))
+    return Pki(where / "ca.pem", where / "client.pem", where / "client.key", where / "client-both.pem")

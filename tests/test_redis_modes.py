@@ -11,7 +11,6 @@ from datetime import UTC, datetime
 
 import pytest
 import redis.asyncio as redis_client
-import trustme
 
 from proxy.config import ConfigError, parse_config
 from proxy.tasks.model import TaskRecord, TaskStatus, new_task_id
@@ -121,20 +120,6 @@ async def test_tasks_keep_being_created_and_read_through_a_failover_under_load(m
     await task_reaches(proxy.client, created[-1], "completed")
 
 
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    where = tmp_path_factory.mktemp("redis-pki")
-    ca = trustme.CA()
-    ca.cert_pem.write_to_path(str(where / "ca.pem"))
-    server = ca.issue_cert("127.0.0.1", "localhost")
-    server.private_key_pem.write_to_path(str(where / "server.key"))
-    server.cert_chain_pems[0].write_to_path(str(where / "server.pem"))
-    client = ca.issue_cert("mcp-tasks-proxy")
-    client.cert_chain_pems[0].write_to_path(str(where / "client.pem"))
-    client.private_key_pem.write_to_path(str(where / "client.key"))
-    return where
-
-
 @pytest.fixture
 def tls_redis(tmp_path, pki, redis_binary):
     """TLS only (client certificates required), the default user off, and a user `proxy` whose keys and pub/sub
@@ -144,9 +129,10 @@ def tls_redis(tmp_path, pki, redis_binary):
     # As managed services do: no CONFIG, no KEYS, nothing of the server's administration.
     allowed = "+@all -config -keys -debug -flushall -flushdb -shutdown -monitor -save -bgsave"
     acl.write_text(f"user default off\nuser proxy on >s3cret-pass ~mtp:* &mtp:* {allowed}\n")
+    where = pki.ca.parent
     argv = [redis_binary, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1", "--save", "",
-            "--tls-cert-file", str(pki / "server.pem"), "--tls-key-file", str(pki / "server.key"),
-            "--tls-ca-cert-file", str(pki / "ca.pem"), "--tls-auth-clients", "yes", "--aclfile", str(acl)]  # fmt: skip
+            "--tls-cert-file", str(where / "server.pem"), "--tls-key-file", str(where / "server.key"),
+            "--tls-ca-cert-file", str(pki.ca), "--tls-auth-clients", "yes", "--aclfile", str(acl)]  # fmt: skip
     process = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
     try:
         wait_for_port(port, process)
@@ -156,7 +142,7 @@ def tls_redis(tmp_path, pki, redis_binary):
 
 
 def tls_store(port: int, pki, password: str = "s3cret-pass") -> dict:
-    tls = {"ca_file": str(pki / "ca.pem"), "cert_file": str(pki / "client.pem"), "key_file": str(pki / "client.key")}
+    tls = {"ca_file": str(pki.ca), "cert_file": str(pki.client_cert), "key_file": str(pki.client_key)}
     return {"backend": "redis", "url": f"rediss://proxy:{password}@127.0.0.1:{port}/0", "key_prefix": "mtp:",
             "tls": tls}  # fmt: skip
 

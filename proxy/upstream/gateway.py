@@ -152,27 +152,12 @@ class Gateway:
             if follow is not None:
                 return _unfollowable(self.url)
             return self.modern.call_tool(message, client_headers, capabilities, max_bytes=max_bytes)
+        options = {"max_bytes": max_bytes, "on_request": on_request, "follow": follow, "detached": detached}
         if self._era == "legacy":
-            return self.legacy.call(
-                message,
-                client_headers,
-                capabilities,
-                max_bytes=max_bytes,
-                on_request=on_request,
-                follow=follow,
-                detached=detached,
-            )
+            return self.legacy.call(message, client_headers, capabilities, **options)  # type: ignore[arg-type]
         return self._call_once_known(
             client_headers,
-            lambda: self.call_tool(
-                message,
-                client_headers,
-                capabilities,
-                max_bytes=max_bytes,
-                on_request=on_request,
-                follow=follow,
-                detached=detached,
-            ),
+            lambda: self.call_tool(message, client_headers, capabilities, **options),  # type: ignore[arg-type]
         )
 
     async def _call_once_known(
