@@ -76,11 +76,11 @@ class SessionRouting:
         session_id = response.headers.get("Mcp-Session-Id")
         if not session_id or request.get(forwarded_key) or request.path != MCP_PATH or response.status >= 300:
             return
-        tag = self._tag(session_id)
-        if tag in self._local:
-            return
-        self._local[tag] = None
         try:
+            tag = self._tag(session_id)  # (StoreUnavailable while the shared key is not loaded yet)
+            if tag in self._local:
+                return
+            self._local[tag] = None
             await self._store.claim_session(tag, self._replica_id(), int(SESSION_TTL_S * 1000))
         except StoreUnavailable:
             log.warning("session_not_recorded", reason="the store did not answer")  # only this replica will know
@@ -94,10 +94,10 @@ class SessionRouting:
             if self._signed(hop, request.method, request.path, session_id):
                 return None  # sent here by the replica that got it: this one answers, whatever it knows
             log.warning("hop_header_refused", reason="not signed by a replica")
-        tag = self._tag(session_id)
-        if tag in self._local:
-            return None
         try:
+            tag = self._tag(session_id)
+            if tag in self._local:
+                return None
             owner = await self._store.session_owner(tag)
             url = await self._store.replica_url(owner) if owner is not None and owner != self._replica_id() else None
         except StoreUnavailable:

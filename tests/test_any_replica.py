@@ -139,3 +139,19 @@ async def test_a_forwarded_request_keeps_the_host_the_client_used(replicas, own_
         await client.initialize()
         client.url = other.url
         assert await list_tools(client) == 200  # checked on the owner as on the replica that took it
+
+
+async def test_before_the_shared_key_loads_a_session_is_answered_here_and_its_answer_goes_out(tmp_path):
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    from proxy.config import SecurityConfig
+    from proxy.security import Identity
+    from proxy.session_routing import SessionRouting
+    from proxy.tasks.store import MemoryTaskStore
+
+    identity = Identity(SecurityConfig(), shared_store=True)  # the key is kept in Redis, which has not answered
+    routing = SessionRouting(MemoryTaskStore(max_tasks=10), identity, lambda: "me")
+    request = make_mocked_request("POST", "/mcp", headers={"Mcp-Session-Id": "s-1"})
+    assert await routing._forward_if_elsewhere(request) is None  # tried here: the upstream knows its sessions
+    await routing.on_response_prepare(request, web.Response(headers={"Mcp-Session-Id": "s-1"}))  # no exception
