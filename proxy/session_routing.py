@@ -73,15 +73,22 @@ class SessionRouting:
 
     async def on_response_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
         """A response that names a session made through this replica: the session is recorded as its own."""
-        session_id = response.headers.get("Mcp-Session-Id")
-        if not session_id or request.get(forwarded_key) or request.path != MCP_PATH or response.status >= 300:
+        if request.get(forwarded_key) or request.path != MCP_PATH or response.status >= 300:
+            return
+        ended = request.method == "DELETE" and request.headers.get("Mcp-Session-Id")
+        session_id = ended or response.headers.get("Mcp-Session-Id")
+        if not session_id:
             return
         try:
             tag = self._tag(session_id)  # (StoreUnavailable while the shared key is not loaded yet)
+            if ended:  # the session is over: its record goes (else it would stay for SESSION_TTL_S)
+                self._local.pop(tag, None)
+                await self._store.forget_session(tag)
+                return
             if tag in self._local:
                 return
-            self._local[tag] = None
             await self._store.claim_session(tag, self._replica_id(), int(SESSION_TTL_S * 1000))
+            self._local[tag] = None  # only once recorded: a failed claim is tried again with the next answer
         except StoreUnavailable:
             log.warning("session_not_recorded", reason="the store did not answer")  # only this replica will know
 
@@ -96,12 +103,17 @@ class SessionRouting:
             log.warning("hop_header_refused", reason="not signed by a replica")
         try:
             tag = self._tag(session_id)
-            if tag in self._local:
-                return None
+        except StoreUnavailable:
+            return None  # the shared key is not loaded yet (Redis not answering at start): tried here
+        if tag in self._local:
+            return None
+        try:
             owner = await self._store.session_owner(tag)
             url = await self._store.replica_url(owner) if owner is not None and owner != self._replica_id() else None
         except StoreUnavailable:
-            return None  # the store cannot say: the session is tried here (an unknown one gets its 404 upstream)
+            # Where the session lives cannot be told: 503, try again. Tried here, a session of another replica's
+            # would get its server's 404, and the client would give up a live session.
+            return _unavailable("the task store does not answer, so the replica holding this session is not known")
         if owner is None or owner == self._replica_id():
             return None
         if url is None:
@@ -139,7 +151,8 @@ class SessionRouting:
 
     async def _forward(self, request: web.Request, base_url: str, session_id: str) -> web.StreamResponse:
         request[forwarded_key] = True
-        body = await request.read() if request.body_exists else None  # (read already when the route needed it)
+        # Bounded in size and time as any request's (listen.body_timeout_s); read already when the route needed it.
+        body = await read_body(request) if request.body_exists else None
         headers = end_to_end_headers(request.headers, _SKIP)
         headers[HOP_HEADER] = self._sign(request.method, request.path, session_id)
         client = self._session()
@@ -148,9 +161,7 @@ class SessionRouting:
             upstream = await client.request(request.method, target, headers=headers, data=body)
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             log.warning("session_replica_unreachable", reason=str(exc) or type(exc).__name__)
-            error = error_object(-32603, "Proxy failure: the replica holding this session cannot be reached; retry")
-            return web.Response(status=503, body=dumps({"jsonrpc": "2.0", "id": None, "error": error}),
-                                content_type="application/json")  # fmt: skip
+            return _unavailable("the replica holding this session cannot be reached")
         try:
             headers = end_to_end_headers(upstream.headers, RESPONSE_SKIP)
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
@@ -174,10 +185,16 @@ class SessionRouting:
 
     def _session(self) -> aiohttp.ClientSession:
         if self._client is None or self._client.closed:
-            timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout_s)
-            # Bytes as sent: nothing decompressed, and no cookies between clients.
+            timeout = aiohttp.ClientTimeout(total=None, connect=self._connect_timeout_s)
+            # Bytes as sent: nothing decompressed, no header the client did not send (aiohttp's Accept-Encoding
+            # and User-Agent), no cookies between clients; and no pool limit: every forwarded stream holds a
+            # connection for as long as it lasts (aiohttp's default of 100 stalled every forward past it).
             self._client = aiohttp.ClientSession(
-                timeout=timeout, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
+                timeout=timeout,
+                auto_decompress=False,
+                cookie_jar=aiohttp.DummyCookieJar(),
+                connector=aiohttp.TCPConnector(limit=0),
+                skip_auto_headers=("Accept-Encoding", "User-Agent"),
             )
         return self._client
 
@@ -202,6 +219,12 @@ class SessionRouting:
 
 def _same(a: str, b: str) -> bool:
     return hmac.compare_digest(a.encode(), b.encode())
+
+
+def _unavailable(reason: str) -> web.Response:
+    error = error_object(-32603, f"Proxy failure: {reason}; try again")
+    return web.Response(status=503, body=dumps({"jsonrpc": "2.0", "id": None, "error": error}),
+                        content_type="application/json")  # fmt: skip
 
 
 def _session_gone() -> web.Response:
