@@ -509,11 +509,12 @@ def replicas(tmp_path, redis_url) -> Iterator:
         security: dict | None = None,
         lease_s: float = 1,
         advertise: bool = False,
+        listen: dict | None = None,
         **tasks,
     ) -> Replica:
         port = free_port()
         policy = {
-            "listen": {"advertise_url": f"http://127.0.0.1:{port}"} if advertise else {},
+            "listen": {**({"advertise_url": f"http://127.0.0.1:{port}"} if advertise else {}), **(listen or {})},
             "upstream": {"command": upstream} if isinstance(upstream, list) else {"url": upstream},
             "store": {
                 "backend": "redis",

@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import subprocess
-import sys
 
 import aiohttp
 import pytest
-import yaml
 
-from tests.conftest import ROOT, Replica, free_port, legacy_python, serve_script, stop, wait_for_port
+from tests.conftest import free_port, legacy_python, serve_script
 from tests.test_any_replica import list_tools
 from tests.test_durable import Client2025
 
@@ -58,42 +55,14 @@ async def test_forwarding_stalls_after_100_open_streams(replicas, one_server, n)
 
 
 @pytest.fixture
-def replicas_listen(tmp_path, redis_url):
-    started = []
+def replicas_listen(replicas):
+    """Replicas that advertise themselves, with the routing rules of these tests (conftest's `replicas`)."""
 
-    def start(upstream, *, listen=None, store_url=redis_url, store_timeout_s=1):
-        port = free_port()
-        policy = {
-            "listen": {"advertise_url": f"http://127.0.0.1:{port}", **(listen or {})},
-            "upstream": {"url": upstream},
-            "store": {
-                "backend": "redis",
-                "url": store_url,
-                "key_prefix": f"rev2-{tmp_path.name}:",
-                "lease_s": 1,
-                "reap_interval_s": 0.3,
-                "timeout_s": store_timeout_s,
-            },
-            "tasks": {"poll_interval_ms": 50, "shutdown_grace_s": 5},
-            "security": {"principal_key": "replicas-share-this-key"},
-            "tools": RULES,
-            "logging": {"format": "json"},
-        }
-        path = tmp_path / f"policy-{port}.yaml"
-        path.write_text(yaml.safe_dump(policy))
-        log = tmp_path / f"replica-{port}.log"
-        with open(log, "wb") as sink:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "proxy", "--config", str(path), "--port", str(port)], stderr=sink, cwd=ROOT
-            )
-        wait_for_port(port, process)
-        replica = Replica(process, f"http://127.0.0.1:{port}/mcp", log)
-        started.append(replica)
-        return replica
+    def start(upstream, *, listen=None, store_url=None):
+        store = {"store_url": store_url} if store_url is not None else {}
+        return replicas(upstream, advertise=True, listen=listen, tools=RULES, **store)
 
-    yield start
-    for replica in started:
-        stop(replica.process)
+    return start
 
 
 async def raw_post(url: str, head_extra: bytes, body: bytes, *, send_body: bytes | None = None, wait_s: float = 10):
