@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import structlog
 from aiohttp import web
+from multidict import MultiMapping
 
 from . import TASKS_EXTENSION, idempotency, listen, tasks2025, tracing
-from .config import TaskMode
+from .config import TaskMode, ToolRule
 from .context import (
     MCP_PATH,
     bridge_key,
@@ -132,6 +133,26 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
         limit = app[policy_key].config.limits.max_result_bytes
         return await app[gateway_key].relay.relay_rewritten(request, body, message["id"], _advertise_tasks, limit=limit)
     return await _relay(request, message, body, modern=modern)
+
+
+def relayed_as_is(message: Any, headers: MultiMapping[str], rule_for: Callable[[str], ToolRule | None]) -> bool:
+    """Whether handle_mcp_post relays this message, as received, to a 2026-07-28 upstream (when its routing headers
+    agree with it): a 2026 request, not a notification, response or batch, of a method the proxy does not own, that
+    declares no tasks and, for tools/call, names a tool no rule runs as a task. proxy/lane.py relays exactly these
+    without aiohttp; tests/test_lane.py holds the two paths to the same answers."""
+    if classify(message) != "request" or not is_modern(message, headers):
+        return False
+    method = message["method"]
+    if method.startswith("tasks/") or method in ("subscriptions/listen", "server/discover"):
+        return False
+    params = params_of(message)
+    if "task" in params or declares_tasks(message):
+        return False
+    if method != "tools/call":
+        return True
+    name = params.get("name")
+    rule = rule_for(name) if isinstance(name, str) else None
+    return rule is None or rule.task is TaskMode.NEVER
 
 
 async def _relay(request: web.Request, message: dict[str, Any], body: bytes, *, modern: bool) -> web.StreamResponse:

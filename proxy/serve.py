@@ -23,6 +23,7 @@ from aiohttp import web
 
 from .config import ListenConfig
 from .jsonrpc import INTERNAL_ERROR, dumps, error_object, error_response
+from .lane import Lane
 
 log = structlog.get_logger(__name__)
 SHUTDOWN_TIMEOUT_S = 15
@@ -64,19 +65,76 @@ def _refusal(max_connections: int) -> bytes:
     return head.encode() + body
 
 
-def cap_connections(server: web.Server, max_connections: int, on_refused: Callable[[], None]) -> None:
-    """Answer 503 and close every connection past `max_connections` open ones."""
+def cap_connections(
+    server: web.Server, max_connections: int, on_refused: Callable[[], None], *, lane: Lane | None = None
+) -> Callable[[asyncio.Transport], bool]:
+    """Answer 503 and close every connection past `max_connections` open ones (aiohttp's and the lane's); returns
+    the check for the lane's new connections."""
     refusal = _refusal(max_connections)
     accept = server.connection_made
 
+    def admitted(transport: asyncio.Transport) -> bool:
+        if len(server.connections) + (len(lane.connections) if lane is not None else 0) <= max_connections:
+            return True
+        on_refused()
+        transport.write(refusal)
+        transport.close()
+        return False
+
     def connection_made(handler: web.RequestHandler, transport: asyncio.Transport) -> None:  # type: ignore[type-arg]
         accept(handler, transport)
-        if len(server.connections) > max_connections:
-            on_refused()
-            transport.write(refusal)
-            transport.close()
+        admitted(transport)
 
     server.connection_made = connection_made  # type: ignore[method-assign]
+    return admitted
+
+
+class _LaneSite(web.SockSite):
+    """The bound socket, served by the pass-through lane, which hands aiohttp every request it does not relay."""
+
+    def __init__(self, runner: web.AppRunner, sock: socket.socket, lane: Lane) -> None:
+        super().__init__(runner, sock)
+        self._lane = lane
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # registers the site with the runner; SockSite's would serve aiohttp directly
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(self._lane, sock=self._sock, backlog=self._backlog)
+
+
+async def start(
+    app: web.Application, sock: socket.socket, listen: ListenConfig, *, on_refused: Callable[[], None]
+) -> tuple[web.AppRunner, Lane]:
+    """Start `app` and serve the bound `sock` (the lane first, aiohttp for what it hands over); stop it with
+    `runner.cleanup()`."""
+    runner = web.AppRunner(
+        app,
+        handle_signals=False,
+        access_log=None,
+        # handler_cancellation: a client that closes its stream cancels the relay, which closes the upstream one.
+        handler_cancellation=True,
+        keepalive_timeout=listen.header_timeout_s,
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+    )
+    lanes: list[Lane] = []
+
+    async def stop_lane(_: web.Application) -> None:
+        # After the socket stopped taking connections, before the upstream client closes: answers owed get time.
+        for lane in lanes:
+            await lane.shutdown(SHUTDOWN_TIMEOUT_S)
+
+    app.on_shutdown.append(stop_lane)
+    await runner.setup()
+    try:
+        assert runner.server is not None
+        lane = Lane(app, runner.server, header_timeout_s=listen.header_timeout_s)
+        lane.admit = cap_connections(runner.server, listen.max_connections, on_refused, lane=lane)
+        lanes.append(lane)
+        await _LaneSite(runner, sock, lane).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner, lane
 
 
 async def serve(
@@ -94,24 +152,14 @@ async def serve(
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stopping.set)
-    runner = web.AppRunner(
-        app,
-        handle_signals=False,
-        access_log=None,
-        # handler_cancellation: a client that closes its stream cancels the relay, which closes the upstream one.
-        handler_cancellation=True,
-        keepalive_timeout=listen.header_timeout_s,
-        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
-    )
-    await runner.setup()
+    runner, lane = await start(app, sock, listen, on_refused=on_refused)
     try:
-        assert runner.server is not None
-        cap_connections(runner.server, listen.max_connections, on_refused)
-        await web.SockSite(runner, sock).start()
         announce()
         await stopping.wait()
         # Open connections (streams, calls in flight) get up to the runner's shutdown_timeout before tasks drain.
-        log.info("proxy_stopping", open_connections=len(runner.server.connections), wait_s=SHUTDOWN_TIMEOUT_S)
+        assert runner.server is not None
+        open_connections = len(runner.server.connections) + len(lane.connections)
+        log.info("proxy_stopping", open_connections=open_connections, wait_s=SHUTDOWN_TIMEOUT_S)
     finally:
         await runner.cleanup()
     log.info("proxy_stopped")

@@ -26,6 +26,7 @@ from aiohttp import web
 
 from proxy.app import create_app
 from proxy.config import parse_config
+from proxy.serve import bind, start
 from tests.factories import McpClient, Reply
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -388,12 +389,12 @@ class Proxy:
 
 
 @pytest.fixture
-async def make_proxy(
-    aiohttp_server: Any,
-) -> AsyncIterator[Callable[..., Awaitable[Proxy]]]:
-    """Build a proxy from config keys (`make_proxy(upstream_url, tools=[...])`), served over real HTTP; an argv
-    list instead of a URL is a stdio server the proxy starts (upstream.command)."""
+async def make_proxy() -> AsyncIterator[Callable[..., Awaitable[Proxy]]]:
+    """Build a proxy from config keys (`make_proxy(upstream_url, tools=[...])`), served over real HTTP as the
+    command serves it (proxy/serve.py: the pass-through lane first, aiohttp for the rest); an argv list instead of
+    a URL is a stdio server the proxy starts (upstream.command)."""
     sessions: list[aiohttp.ClientSession] = []
+    runners: list[web.AppRunner] = []
 
     async def build(
         upstream_url: str | list[str],
@@ -413,15 +414,19 @@ async def make_proxy(
         config = parse_config({"upstream": upstream, **sections})
         kwargs = {k: v for k, v in {"store": store, "timer": timer, "now": now}.items() if v is not None}
         app = create_app(config, **kwargs)
-        server = await aiohttp_server(app)  # TestServer runs with handler_cancellation=True, as the CLI does
+        sock = bind("127.0.0.1", 0)
+        runner, _ = await start(app, sock, config.listen, on_refused=lambda: None)
+        runners.append(runner)
         session = aiohttp.ClientSession()
         sessions.append(session)
-        url = str(server.make_url("/mcp"))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}/mcp"
         return Proxy(app=app, url=url, client=McpClient(session, url))
 
     yield build
     for session in sessions:
         await session.close()
+    for runner in runners:
+        await runner.cleanup()
 
 
 @pytest.fixture

@@ -25,10 +25,10 @@ from .sse import DEFAULT_MAX_EVENT_BYTES, SseEvent, SseLimitError, SseParser, it
 
 log = structlog.get_logger(__name__)
 
-_STREAM_TYPES = ("text/event-stream",)
+STREAM_TYPES = ("text/event-stream",)
 client_gone_key = web.RequestKey("client_gone_key", bool)
 """Set on a request whose client went away before its answer was written: logged and counted as 499, not 500."""
-_READ_WHOLE_BYTES = 256 * 1024
+READ_WHOLE_BYTES = 256 * 1024
 """Bodies up to this size (by Content-Length) are read whole and sent in one write; larger ones are streamed."""
 READINESS_WAIT_S = 2.0
 """How long /readyz waits for the era probe; a slower probe goes on, and a later /readyz sees how it ended."""
@@ -62,12 +62,12 @@ async def forward(
     try:
         content_type = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
         length = response.content_length if _may_have_body(request, response) else 0
-        if content_type in _STREAM_TYPES or length is None or length > _READ_WHOLE_BYTES:
-            watch_id = request_id if content_type in _STREAM_TYPES else None
+        if content_type in STREAM_TYPES or length is None or length > READ_WHOLE_BYTES:
+            watch_id = request_id if content_type in STREAM_TYPES else None
             relayed = web.StreamResponse(
                 status=response.status, reason=response.reason, headers=response_headers(response.headers)
             )
-            relayed.content_length = length if content_type not in _STREAM_TYPES else None
+            relayed.content_length = length if content_type not in STREAM_TYPES else None
             return await _relay_stream(request, relayed, response.content.iter_any(), upstream, watch_id)
         try:
             payload = await response.read()
@@ -98,10 +98,10 @@ async def _forward_post(
         assert headers is not None
         content_type = response.content_type
         length = _content_length(response.headers.get("content-length")) if response.status not in (204, 304) else 0
-        if content_type in _STREAM_TYPES or length is None or length > _READ_WHOLE_BYTES:
-            watch_id = request_id if content_type in _STREAM_TYPES else None
+        if content_type in STREAM_TYPES or length is None or length > READ_WHOLE_BYTES:
+            watch_id = request_id if content_type in STREAM_TYPES else None
             relayed = web.StreamResponse(status=response.status, reason=response.reason or None, headers=headers)
-            relayed.content_length = length if content_type not in _STREAM_TYPES else None
+            relayed.content_length = length if content_type not in STREAM_TYPES else None
             return await _relay_stream(request, relayed, response.iter_chunks(), upstream, watch_id)
         try:
             payload = await response.read()
@@ -133,7 +133,7 @@ async def _relay_stream(
     break: the client's connection is closed before the body's end.
     """
     await relayed.prepare(request)
-    watcher = _AnswerWatcher(request_id) if request_id is not None else None
+    watcher = AnswerWatcher(request_id) if request_id is not None else None
     while True:
         try:
             chunk = await anext(chunks)
@@ -177,7 +177,7 @@ async def _write_to_client(
     return True
 
 
-class _AnswerWatcher:
+class AnswerWatcher:
     """Follows a relayed event stream just enough to know whether the response to one id has gone by."""
 
     def __init__(self, request_id: RequestId) -> None:

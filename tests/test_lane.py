@@ -1,0 +1,228 @@
+"""The pass-through lane (proxy/lane.py): what it relays answers exactly as aiohttp's path does, and everything
+else, on any connection, is handed to aiohttp with nothing lost.
+
+Every other test that builds a proxy with `make_proxy` serves it as the command does, lane first: this file checks
+what only the lane can get wrong (framing, hand-over, deadlines, pipelining, the connection cap)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import secrets
+from typing import Any
+
+import pytest
+
+from proxy.context import metrics_key
+from tests.conftest import eventually
+from tests.factories import headers_for, meta, request
+
+
+def lane_counts(proxy: Any) -> dict[str, float]:
+    """mcp_tasks_proxy_lane_total by outcome, read as a scrape would."""
+    text = proxy.app[metrics_key].render().decode()
+    return {m[0]: float(m[1]) for m in re.findall(r'mcp_tasks_proxy_lane_total\{outcome="(\w+)"\} (\S+)', text)}
+
+
+def call(name: str, arguments: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return request("tools/call", {"name": name, "arguments": arguments, "_meta": meta(tasks=False), **extra})
+
+
+async def raw_exchange(port: int, data: bytes, *, read_s: float = 5.0) -> bytes:
+    """Write `data` on a new connection and read until the server closes it (or `read_s` passes)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    await writer.drain()
+    received = b""
+    try:
+        async with asyncio.timeout(read_s):
+            while chunk := await reader.read(65536):
+                received += chunk
+    except TimeoutError:
+        pass
+    writer.close()
+    return received
+
+
+def http_post(message: dict[str, Any], *, extra: bytes = b"", body: bytes | None = None) -> bytes:
+    """A POST of `message` (or of `body` under `message`'s headers) as a 2026 client writes it."""
+    body = json.dumps(message).encode() if body is None else body
+    head = "POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    head += "".join(f"{name}: {value}\r\n" for name, value in headers_for(message).items())
+    return head.encode() + extra + b"Content-Length: %d\r\n\r\n" % len(body) + body
+
+
+def answers(raw: bytes) -> list[tuple[int, dict[str, str], bytes]]:
+    """The HTTP/1.1 responses in `raw`, each framed by its Content-Length."""
+    out = []
+    while raw:
+        head, _, rest = raw.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        fields = dict(line.split(": ", 1) for line in lines[1:])
+        length = int({k.lower(): v for k, v in fields.items()}["content-length"])
+        out.append((int(lines[0].split()[1]), fields, rest[:length]))
+        raw = rest[length:]
+    return out
+
+
+async def chunked(body: bytes):
+    yield body  # an async iterable body: aiohttp's client sends it chunked, which the lane hands to aiohttp
+
+
+@pytest.fixture
+async def proxy(make_proxy, mcp_upstream):
+    return await make_proxy(
+        mcp_upstream,
+        protocol="modern",
+        tools=[{"match": "slow_report", "task": "optional"}],
+        listen={"body_timeout_s": 1, "header_timeout_s": 1},
+    )
+
+
+async def test_a_2026_call_the_proxy_does_not_own_is_relayed_on_the_lane_with_the_answer_aiohttp_gives(proxy):
+    message = call("add", {"a": 2, "b": 3})
+    before = lane_counts(proxy)
+    lane = await proxy.client.send(message)
+    assert lane_counts(proxy)["relayed"] == before.get("relayed", 0) + 1
+    body = json.dumps(message).encode()
+    async with proxy.client.session.post(proxy.url, data=chunked(body), headers=headers_for(message)) as response:
+        aiohttp_body = await response.read()
+        aiohttp_status, aiohttp_type = response.status, response.headers["Content-Type"]
+    assert lane_counts(proxy)["handed_over"] == before.get("handed_over", 0) + 1
+    assert lane.status == aiohttp_status == 200
+    assert lane.headers["Content-Type"] == aiohttp_type
+    assert json.loads(lane.body) == json.loads(aiohttp_body)
+    assert lane.result["structuredContent"] == {"result": 5}
+
+
+@pytest.mark.parametrize(
+    ("why", "message", "headers", "status", "code"),
+    [
+        ("routing header disagrees", call("add", {"a": 1, "b": 1}), {"Mcp-Name": "other"}, 400, -32020),
+        ("owned method", request("tasks/get", {"taskId": "nope", "_meta": meta()}), {}, 400, -32602),
+        ("Host not allowed", call("add", {"a": 1, "b": 1}), {"Host": "evil.example"}, 421, -32600),
+        ("tasks declared", request("tools/list", {"_meta": meta(tasks=True)}), {}, 200, None),
+    ],
+)
+async def test_what_the_lane_does_not_relay_is_answered_by_aiohttp_as_before(
+    proxy, why, message, headers, status, code
+):
+    before = lane_counts(proxy).get("relayed", 0)
+    reply = await proxy.client.send(message, headers=headers)
+    assert reply.status == status, why
+    if code is not None:
+        assert reply.error["code"] == code, why
+    else:
+        assert "tools" in reply.result
+    assert lane_counts(proxy).get("relayed", 0) == before, why
+
+
+async def test_a_task_rule_s_tool_is_not_relayed_by_the_lane(proxy):
+    reply = await proxy.client.call_tool("slow_report", {"topic": "t", "seconds": 0.1}, tasks=True)
+    assert reply.result["resultType"] == "task"
+    assert lane_counts(proxy).get("relayed", 0) == 0
+
+
+async def test_bytes_the_lane_will_not_read_go_to_aiohttp_whole(proxy):
+    port = int(proxy.url.rsplit(":", 1)[1].split("/")[0])
+    message = call("add", {"a": 1, "b": 2})
+    # Not JSON; a body past limits.max_body_bytes; a header holding bytes that are not UTF-8.
+    broken = http_post(message, body=json.dumps(message).encode()[:-1])
+    status, _, body = answers(await raw_exchange(port, broken, read_s=1))[0]
+    assert status == 400 and json.loads(body)["error"]["code"] == -32700
+    big = call("add", {"a": 1, "b": 2, "pad": "x" * 5_000_000})
+    status, _, body = answers(await raw_exchange(port, http_post(big), read_s=3))[0]
+    assert status == 413 and b"limits.max_body_bytes" in body
+    latin = http_post(message, extra=b"Mcp-Session-Id: caf\xe9\r\n")
+    status, _, body = answers(await raw_exchange(port, latin, read_s=1))[0]
+    assert status == 400 and b"Mcp-Session-Id" in body
+    assert lane_counts(proxy).get("relayed", 0) == 0
+
+
+async def test_one_connection_carries_relayed_and_handed_over_requests_in_order(proxy):
+    port = int(proxy.url.rsplit(":", 1)[1].split("/")[0])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    got = []
+    for a in range(3):  # three on the lane, kept alive
+        writer.write(http_post(call("add", {"a": a, "b": 10})))
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(re.search(rb"Content-Length: (\d+)", head).group(1))
+        got.append(json.loads(await reader.readexactly(length))["result"]["structuredContent"]["result"])
+    writer.write(http_post(request("tasks/get", {"taskId": "nope", "_meta": meta()})))  # the proxy's: handed over
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = int(re.search(rb"Content-Length: (\d+)", head).group(1))
+    listed = json.loads(await reader.readexactly(length))
+    writer.write(http_post(call("add", {"a": 5, "b": 5})))  # after a hand-over, aiohttp keeps the connection
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = int(re.search(rb"Content-Length: (\d+)", head).group(1))
+    last = json.loads(await reader.readexactly(length))
+    writer.close()
+    assert got == [10, 11, 12]
+    assert listed["error"]["code"] == -32602  # no such task, from the proxy's own tasks/get
+    assert last["result"]["structuredContent"]["result"] == 10
+    assert lane_counts(proxy) == {"relayed": 3, "handed_over": 1}
+
+
+async def test_a_request_pipelined_behind_a_relayed_post_closes_the_connection_after_the_first_answer(proxy):
+    port = int(proxy.url.rsplit(":", 1)[1].split("/")[0])
+    first, second = http_post(call("add", {"a": 1, "b": 1})), http_post(call("add", {"a": 2, "b": 2}))
+    received = answers(await raw_exchange(port, first + second))
+    assert len(received) == 1  # POST is not idempotent: a client may not pipeline after one (RFC 9112 §9.3.2)
+    status, fields, body = received[0]
+    assert status == 200 and fields.get("Connection") == "close"
+    assert json.loads(body)["result"]["structuredContent"]["result"] == 2
+
+
+async def test_a_late_body_gets_408_and_a_late_head_a_closed_connection(proxy):
+    port = int(proxy.url.rsplit(":", 1)[1].split("/")[0])
+    whole = http_post(call("add", {"a": 1, "b": 1}))
+    started = asyncio.get_running_loop().time()
+    status, fields, body = answers(await raw_exchange(port, whole[:-5], read_s=10))[0]
+    assert status == 408 and b"listen.body_timeout_s" in body and fields.get("Connection") == "close"
+    assert asyncio.get_running_loop().time() - started < 5  # 1 s, and the lane's sweep of a quarter second
+    started = asyncio.get_running_loop().time()
+    assert await raw_exchange(port, whole[:20], read_s=10) == b""
+    assert asyncio.get_running_loop().time() - started < 5
+
+
+async def test_the_connection_cap_counts_the_lane_s_connections(make_proxy, mcp_upstream):
+    proxy = await make_proxy(mcp_upstream, protocol="modern", listen={"max_connections": 2})
+    port = int(proxy.url.rsplit(":", 1)[1].split("/")[0])
+    held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+    refused = await raw_exchange(port, http_post(call("add", {"a": 1, "b": 1})), read_s=3)
+    assert refused.startswith(b"HTTP/1.1 503") and b"listen.max_connections" in refused
+    for _, writer in held:
+        writer.close()
+
+
+async def test_a_client_that_leaves_mid_call_cancels_it_upstream(proxy, upstream_client):
+    gate = secrets.token_hex(6)
+    message = call("gated", {"tag": gate}, _meta={**meta(tasks=False), "progressToken": 1})
+    port = int(proxy.url.rsplit(":", 1)[1].split("/")[0])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(http_post(message))
+    head = await reader.readuntil(b"\r\n\r\n")  # the stream has begun: the call waits at its gate
+    assert b"text/event-stream" in head and b"Transfer-Encoding: chunked" in head
+    assert b"waiting at gate" in await reader.readuntil(b"\r\n\r\n")
+    assert lane_counts(proxy)["relayed"] == 1
+    writer.close()
+
+    async def cancelled():
+        state = await upstream_client.call_tool("gate_state", {"tag": gate}, tasks=False)
+        return state.result["structuredContent"]["result"] == "cancelled"
+
+    await eventually(cancelled, what="the upstream tool seeing the cancellation")
+
+
+async def test_a_relayed_stream_arrives_event_by_event_and_ends_cleanly(proxy, upstream_client):
+    gate = secrets.token_hex(6)
+    message = call("gated", {"tag": gate}, _meta={**meta(tasks=False), "progressToken": "p"})
+    async with proxy.client.session.post(proxy.url, json=message, headers=headers_for(message)) as response:
+        first = b""
+        while b"notifications/progress" not in first:  # before the call ends: nothing buffered to its end
+            first += await response.content.readany()
+        await upstream_client.call_tool("release", {"tag": gate}, tasks=False)
+        rest = await response.content.read()
+    assert f"gate {gate} opened".encode() in rest
+    assert lane_counts(proxy)["relayed"] == 1
