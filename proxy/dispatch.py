@@ -64,6 +64,7 @@ from .tasks.job import DirectOutcome, ToolCall
 from .tasks.model import TaskRecord
 from .tasks.store import StoreFullError
 from .tasks2026 import missing_tasks_capability
+from .upstream.bridge import StreamReply
 from .upstream.events import UpstreamUnavailable
 from .upstream.http.headers import call_headers
 from .upstream.legacy import discover_result
@@ -161,7 +162,7 @@ async def _relay(request: web.Request, message: dict[str, Any], body: bytes, *, 
         # The proxy reads this body to translate it; a legacy upstream cannot check the 2026 headers itself.
         check_modern_request(message, request.headers)
         request[info_key].mode = "legacy"
-        return await request.app[bridge_key].relay(request, message)
+        return await request.app[bridge_key].relay(request.headers, message, StreamReply(request))
     # Routing headers must not say something the body does not (SEP-2243), in any copy: a gateway in front may
     # have routed on any of them, and a server may check only the first (or, of 2025, none).
     check_routing_headers(message, request.headers, required=False)

@@ -33,9 +33,9 @@ from aiohttp.http import SERVER_SOFTWARE
 from multidict import CIMultiDict
 
 from . import tracing
-from .context import MCP_PATH, gateway_key, guard_key, identity_key, metrics_key, policy_key
+from .context import MCP_PATH, bridge_key, gateway_key, guard_key, identity_key, metrics_key, policy_key
 from .dispatch import relayed_as_is
-from .envelope import check_routing_headers
+from .envelope import check_modern_request, check_routing_headers
 from .jsonrpc import (
     INTERNAL_ERROR,
     INVALID_REQUEST,
@@ -94,6 +94,7 @@ class Lane:
         self.guard = app[guard_key]
         self.metrics = app[metrics_key]
         self.identity = app[identity_key]
+        self.bridge = app[bridge_key]
         self.loop = asyncio.get_running_loop()
         self._date = ("", 0)
         self._sweep: asyncio.TimerHandle | None = None
@@ -108,15 +109,15 @@ class Lane:
             self._sweep = self.loop.call_later(_SWEEP_S, self._expire)
         return _LaneConnection(self)
 
-    def open(self) -> bool:
-        """Whether a request may be relayed here now (else every one is aiohttp's)."""
-        gateway = self.gateway
-        return (
-            gateway.known_era == "modern"
-            and isinstance(gateway.relay, HttpRelay)
-            and not tracing.TRACER.enabled
-            and self.policy.config.listen.advertise_url is None
-        )
+    def route(self) -> str | None:
+        """How a request may be relayed here now: "modern" (to a 2026 HTTP upstream, as received), "legacy"
+        (bridged to a 2025-era one, over either transport), or None: every request is aiohttp's."""
+        if tracing.TRACER.enabled or self.policy.config.listen.advertise_url is not None:
+            return None
+        era = self.gateway.known_era
+        if era == "modern":
+            return era if isinstance(self.gateway.relay, HttpRelay) else None
+        return era
 
     def _expire(self) -> None:
         """One timer for every connection's head and body deadlines: a timer per request costs more than the
@@ -175,6 +176,7 @@ class _LaneConnection(asyncio.Protocol):
         self._write_paused: asyncio.Future[None] | None = None
         self.running: asyncio.Task[None] | None = None
         self._head_sent = False  # of the answer being written
+        self._route: str | None = None  # Lane.route() when this request's head came in
 
     # asyncio.Protocol
 
@@ -271,7 +273,10 @@ class _LaneConnection(asyncio.Protocol):
     def _relayable_head(self) -> bool:
         """Whether the head alone leaves this request possibly the lane's (the body decides: `_relayable_request`)."""
         parser = self._parser
-        if parser.get_method() != b"POST" or parser.get_http_version() != "1.1" or not self._lane.open():
+        if parser.get_method() != b"POST" or parser.get_http_version() != "1.1":
+            return False
+        self._route = self._lane.route()
+        if self._route is None:
             return False
         path, _, _ = self._url.partition(b"?")
         if path != _MCP_PATH or len(self._url) > _MAX_FIELD_BYTES or len(self._fields) > _MAX_FIELDS:
@@ -310,7 +315,10 @@ class _LaneConnection(asyncio.Protocol):
         if not relayed_as_is(message, headers, self._lane.policy.config.rule_for):
             return None
         try:
-            check_routing_headers(message, headers, required=False)
+            if self._route == "legacy":
+                check_modern_request(message, headers)  # a 2025 server cannot check the 2026 headers itself
+            else:
+                check_routing_headers(message, headers, required=False)
         except JsonRpcError:
             return None
         return headers, body, message
@@ -347,16 +355,21 @@ class _LaneConnection(asyncio.Protocol):
         bind_request_id(client_id if usable else None)
         started = time.perf_counter()
         method = message["method"]
-        status, mode = 500, "passthrough"
+        legacy = self._route == "legacy"
+        status, mode = 500, "legacy" if legacy else "passthrough"
         try:
-            status = await self._relay(headers, body, message, keep_alive=keep_alive)
+            if legacy:
+                status = await lane.bridge.relay(headers, message, _LaneReply(self, keep_alive))
+            else:
+                status = await self._relay(headers, body, message, keep_alive=keep_alive)
         except asyncio.CancelledError:
             status = 499
             raise
-        except UpstreamError as exc:
-            log.warning("upstream_error", reason=exc.reason)
-            lane.metrics.upstream_errors.labels("request").inc()
-            status, mode = exc.http_status, "local"
+        except (UpstreamError, JsonRpcError) as exc:  # raised before anything was written
+            if isinstance(exc, UpstreamError):
+                log.warning("upstream_error", reason=exc.reason)
+                lane.metrics.upstream_errors.labels("request").inc()
+            status, mode = exc.http_status, "legacy" if legacy else "local"
             self._write_error(message["id"], exc.to_error(), status, keep_alive=keep_alive)
         except Exception as exc:  # the boundary: no client sees a traceback
             if isinstance(exc, ConnectionResetError) and self._transport is None:
@@ -479,11 +492,16 @@ class _LaneConnection(asyncio.Protocol):
     def _write_error(self, request_id: Any, error: dict[str, Any], status: int, *, keep_alive: bool) -> None:
         self._lane.metrics.errors.labels(str(error.get("code"))).inc()
         body = dumps(error_response(request_id, error))
-        head = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: application/json\r\n"]
-        head.append(f"Date: {self._lane.date()}\r\nServer: {SERVER_SOFTWARE}\r\nContent-Length: {len(body)}\r\n")
+        self._write(self.own_head(status, "application/json", keep_alive, len(body)) + body)
+
+    def own_head(self, status: int, content_type: str, keep_alive: bool, length: int | None) -> bytes:
+        """The head of an answer the proxy makes itself (an error, a bridged call's), as aiohttp would write it."""
+        head = f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: {content_type}\r\n"
+        head += f"Date: {self._lane.date()}\r\nServer: {SERVER_SOFTWARE}\r\n"
+        head += f"Content-Length: {length}\r\n" if length is not None else "Transfer-Encoding: chunked\r\n"
         if not keep_alive or self._closing:
-            head.append("Connection: close\r\n")
-        self._write("".join(head).encode() + b"\r\n" + body)
+            head += "Connection: close\r\n"
+        return head.encode() + b"\r\n"
 
     def _write(self, data: bytes) -> None:
         transport = self._transport
@@ -531,3 +549,33 @@ class _LaneConnection(asyncio.Protocol):
 
 
 _SERVER = f"Server: {SERVER_SOFTWARE}\r\n".encode()
+
+
+class _LaneReply:
+    """A bridged call's answer (proxy/upstream/bridge.py) written by the lane: one JSON body, or an event stream
+    once progress came, as bridge.StreamReply writes it on aiohttp."""
+
+    def __init__(self, connection: _LaneConnection, keep_alive: bool) -> None:
+        self._connection = connection
+        self._keep_alive = keep_alive
+        self._streaming = False
+
+    async def event(self, message: dict[str, Any]) -> None:
+        connection = self._connection
+        if not self._streaming:
+            self._streaming = True
+            head = connection.own_head(200, "text/event-stream", self._keep_alive, None)
+            connection._write(head[:-2] + b"Cache-Control: no-cache\r\n\r\n")
+        data = b"event: message\ndata: " + dumps(message) + b"\n\n"
+        connection._write(b"%x\r\n%s\r\n" % (len(data), data))
+        await connection._drain()
+
+    async def finish(self, message: dict[str, Any], status: int = 200) -> int:
+        connection = self._connection
+        if not self._streaming:
+            body = dumps(message)
+            connection._write(connection.own_head(status, "application/json", self._keep_alive, len(body)) + body)
+            return status
+        await self.event(message)
+        connection._write(b"0\r\n\r\n")
+        return 200

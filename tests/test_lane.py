@@ -226,3 +226,31 @@ async def test_a_relayed_stream_arrives_event_by_event_and_ends_cleanly(proxy, u
         rest = await response.content.read()
     assert f"gate {gate} opened".encode() in rest
     assert lane_counts(proxy)["relayed"] == 1
+
+
+async def test_calls_bridged_to_a_2025_server_take_the_lane_with_their_input_rounds(make_proxy, legacy_upstream):
+    proxy = await make_proxy(legacy_upstream, protocol="legacy")
+    message = call("add", {"a": 2, "b": 40})
+    lane = await proxy.client.send(message)
+    assert lane.result["content"][0]["text"] == "42"
+    # An MRTR round: the question as a JSON result, the retry's answer on an event stream (progress came first).
+    meta_ = {**meta(tasks=False, elicitation={}), "progressToken": "p"}
+    params = {"name": "ask_name", "arguments": {}, "_meta": meta_}
+    first = await proxy.client.call("tools/call", params)
+    (key,) = first.result["inputRequests"]
+    answered = {key: {"action": "accept", "content": {"name": "Ada"}}}
+    retry = {**params, "inputResponses": answered, "requestState": first.result["requestState"]}
+    done = await proxy.client.call("tools/call", retry)
+    assert done.headers["Content-Type"] == "text/event-stream"
+    assert done.events[0]["method"] == "notifications/progress"
+    assert done.result["content"][0]["text"] == "hello Ada"
+    used = await proxy.client.call("tools/call", retry)  # the handle was single use: the bridge's own refusal
+    assert used.status == 400 and used.error["code"] == -32602
+    assert lane_counts(proxy) == {"relayed": 4, "handed_over": 0}
+    # The same call on aiohttp's path (a chunked body is handed over) answers the same.
+    body = chunked(json.dumps(message).encode())
+    async with proxy.client.session.post(proxy.url, data=body, headers=headers_for(message)) as response:
+        assert response.status == lane.status == 200
+        assert response.headers["Content-Type"] == lane.headers["Content-Type"]
+        assert json.loads(await response.read()) == json.loads(lane.body)
+    assert lane_counts(proxy) == {"relayed": 4, "handed_over": 1}

@@ -13,10 +13,11 @@ import dataclasses
 import itertools
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import structlog
 from aiohttp import web
+from multidict import MultiMapping
 
 from ..envelope import META_CLIENT_CAPABILITIES, meta_of, params_of
 from ..jsonrpc import (
@@ -44,6 +45,9 @@ _call_numbers = itertools.count(1)
 _GATHER_S = 0.05
 """After a first server request, how long to wait for the ones sent with it, so they go out in one round."""
 
+
+_R = TypeVar("_R")
+_R_co = TypeVar("_R_co", covariant=True)
 
 _MAX_QUEUED_PROGRESS = 64
 """Progress a call keeps while no client reads it (parked for an answer); later progress is dropped until then."""
@@ -125,26 +129,27 @@ class SyncBridge:
             call.pump.cancel()
         await asyncio.gather(*(call.pump for call in calls), return_exceptions=True)
 
-    async def relay(self, request: web.Request, message: dict[str, Any]) -> web.StreamResponse:
-        """Carry one modern request (tools/call, prompts/get, resources/read, lists...) to the legacy upstream."""
+    async def relay(self, headers: MultiMapping[str], message: dict[str, Any], reply: Reply[_R]) -> _R:
+        """Carry one modern request (tools/call, prompts/get, resources/read, lists...) to the legacy upstream; the
+        answer goes out through `reply` (aiohttp's, or the pass-through lane's)."""
         params = params_of(message)
         state = params.get("requestState")
         if state is not None:
-            call = self._claim(state, request, message)
+            call = self._claim(state, headers, message)
             answers = params.get("inputResponses")
             if not isinstance(answers, dict):
                 answers = {}
             try:
                 for key, answer in answers.items():
-                    reply = call.replies.pop(key, None)
-                    if reply is not None and isinstance(answer, dict):
+                    respond = call.replies.pop(key, None)
+                    if respond is not None and isinstance(answer, dict):
                         call.requests.pop(key, None)
-                        await reply(answer)
+                        await respond(answer)
             except asyncio.CancelledError:
                 call.pump.cancel()  # the client left with the call claimed: nobody else can resume it
                 raise
             if call.requests:  # some are still unanswered: ask for those again (SEP-2322 SHOULD)
-                return self._ask(request, message, call)
+                return await reply.finish(self._input_required(headers, message, call))
         else:
             capabilities = meta_of(message).get(META_CLIENT_CAPABILITIES)
             upstream_message = {
@@ -156,22 +161,21 @@ class SyncBridge:
             feed = _Feed(self._max_questions(), self._legacy.url)
             events = self._legacy.call(
                 upstream_message,
-                request.headers,
+                headers,
                 capabilities if isinstance(capabilities, dict) else {},
                 max_bytes=self._max_bytes(),
                 on_request=feed.put,  # a request for this call on the standalone stream joins its round
             )
             call = _Call(feed=feed, pump=asyncio.get_running_loop().create_task(_pump(events, feed)))
-        return await self._follow(request, message, call)
+        return await self._follow(headers, message, call, reply)
 
-    async def _follow(self, request: web.Request, message: dict[str, Any], call: _Call) -> web.StreamResponse:
-        stream: web.StreamResponse | None = None
+    async def _follow(self, headers: MultiMapping[str], message: dict[str, Any], call: _Call, reply: Reply[_R]) -> _R:
         try:
             while True:
                 event = await call.feed.queue.get()
                 if isinstance(event, Progress):
                     if event.raw is not None:
-                        stream = await _send_event(request, stream, event.raw)
+                        await reply.event(event.raw)
                 elif isinstance(event, InputNeeded):
                     self._add_question(call, event)
                     await asyncio.sleep(_GATHER_S)
@@ -180,31 +184,24 @@ class SyncBridge:
                         if isinstance(more, InputNeeded):
                             self._add_question(call, more)
                         elif isinstance(more, Progress) and more.raw is not None:
-                            stream = await _send_event(request, stream, more.raw)
+                            await reply.event(more.raw)
                         elif isinstance(more, Failed):  # past max_input_rounds, or the call broke meanwhile
-                            return await self._failed(request, stream, message, call, more)
-                    return await _finish(request, stream, self._input_required(request, message, call))
+                            return await self._failed(message, call, more, reply)
+                    return await reply.finish(self._input_required(headers, message, call))
                 elif isinstance(event, Finished):
-                    return await _finish(request, stream, result_response(message["id"], event.result))
+                    return await reply.finish(result_response(message["id"], event.result))
                 elif isinstance(event, Failed):
-                    return await self._failed(request, stream, message, call, event)
+                    return await self._failed(message, call, event, reply)
         except asyncio.CancelledError:
             # The client closed its request: for a 2026 client that is the cancellation.
             call.pump.cancel()
             raise
 
-    async def _failed(
-        self,
-        request: web.Request,
-        stream: web.StreamResponse | None,
-        message: dict[str, Any],
-        call: _Call,
-        failed: Failed,
-    ) -> web.StreamResponse:
+    async def _failed(self, message: dict[str, Any], call: _Call, failed: Failed, reply: Reply[_R]) -> _R:
         if call.feed.over_limit:
             call.pump.cancel()  # the server still runs the call: closing its events posts notifications/cancelled
         status = ERROR_HTTP_STATUS.get(failed.error.get("code"), 200)
-        return await _finish(request, stream, error_response(message["id"], failed.error), status)
+        return await reply.finish(error_response(message["id"], failed.error), status)
 
     def _add_question(self, call: _Call, needed: InputNeeded) -> None:
         assert needed.reply is not None
@@ -212,26 +209,22 @@ class SyncBridge:
             call.requests[key] = input_request
             call.replies[key] = needed.reply
 
-    def _ask(self, request: web.Request, message: dict[str, Any], call: _Call) -> web.Response:
-        answer = self._input_required(request, message, call)
-        return web.Response(body=dumps(answer), content_type="application/json")
-
-    def _input_required(self, request: web.Request, message: dict[str, Any], call: _Call) -> dict[str, Any]:
-        token = self._parked.park(call, self._binding(request, message))
+    def _input_required(self, headers: MultiMapping[str], message: dict[str, Any], call: _Call) -> dict[str, Any]:
+        token = self._parked.park(call, self._binding(headers, message))
         result = {"resultType": "input_required", "inputRequests": dict(call.requests), "requestState": token}
         return result_response(message["id"], result)
 
-    def _claim(self, token: Any, request: web.Request, message: dict[str, Any]) -> _Call:
+    def _claim(self, token: Any, headers: MultiMapping[str], message: dict[str, Any]) -> _Call:
         """The parked call a requestState names; single use, and only for the caller and request it was made for."""
-        call = self._parked.claim(token, self._binding(request, message))
+        call = self._parked.claim(token, self._binding(headers, message))
         if call is None:
             raise JsonRpcError(INVALID_PARAMS, "Invalid or expired requestState", {"reason": "invalid_request_state"})
         return call
 
-    def _binding(self, request: web.Request, message: dict[str, Any]) -> str:
+    def _binding(self, headers: MultiMapping[str], message: dict[str, Any]) -> str:
         params = params_of(message)
         subject = params.get("name", params.get("uri", ""))
-        caller = f"{self._identity.credential(request.headers)}|{self._identity.principal(request.headers)}"
+        caller = f"{self._identity.credential(headers)}|{self._identity.principal(headers)}"
         return f"{caller}|{message['method']}|{subject}"
 
 
@@ -250,22 +243,33 @@ async def _pump(events: AsyncIterator[Event], feed: _Feed) -> None:
         await events.aclose()  # type: ignore[attr-defined]
 
 
-async def _send_event(
-    request: web.Request, stream: web.StreamResponse | None, message: dict[str, Any]
-) -> web.StreamResponse:
-    if stream is None:
-        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await stream.prepare(request)
-    await stream.write(b"event: message\ndata: " + dumps(message) + b"\n\n")
-    return stream
+class Reply(Protocol[_R_co]):
+    """Where a bridged call's answer goes: progress as events (the first one starts an event stream), then the last
+    message, as one JSON body when no event went before it."""
+
+    async def event(self, message: dict[str, Any]) -> None: ...
+
+    async def finish(self, message: dict[str, Any], status: int = 200) -> _R_co: ...
 
 
-async def _finish(
-    request: web.Request, stream: web.StreamResponse | None, message: dict[str, Any], status: int = 200
-) -> web.StreamResponse:
-    """The last message: on the event stream if one was started for progress, else as one JSON body."""
-    if stream is None:
-        return web.Response(body=dumps(message), status=status, content_type="application/json")
-    await _send_event(request, stream, message)
-    await stream.write_eof()
-    return stream
+class StreamReply:
+    """A bridged call's answer on an aiohttp request."""
+
+    def __init__(self, request: web.Request) -> None:
+        self._request = request
+        self._stream: web.StreamResponse | None = None
+
+    async def event(self, message: dict[str, Any]) -> None:
+        if self._stream is None:
+            self._stream = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            )
+            await self._stream.prepare(self._request)
+        await self._stream.write(b"event: message\ndata: " + dumps(message) + b"\n\n")
+
+    async def finish(self, message: dict[str, Any], status: int = 200) -> web.StreamResponse:
+        if self._stream is None:
+            return web.Response(body=dumps(message), status=status, content_type="application/json")
+        await self.event(message)
+        await self._stream.write_eof()
+        return self._stream
