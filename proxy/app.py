@@ -36,13 +36,13 @@ from .context import (
     store_key,
     tasks2025_key,
     tasks2026_key,
+    wire_error,
 )
 from .dispatch import handle_mcp_post, handle_other
 from .durable import DurableCalls
 from .jsonrpc import (
     INTERNAL_ERROR,
     INVALID_REQUEST,
-    JsonRpcError,
     UpstreamError,
     error_object,
     error_response,
@@ -53,7 +53,6 @@ from .metrics import Metrics, method_label
 from .policy import LivePolicy
 from .security import HostGuard, Identity, PollGuard, keep_shared_key
 from .session_routing import SessionRouting
-from .tasks.admission import ShuttingDown
 from .tasks.model import utc_now
 from .tasks.redis_store import RedisTaskStore
 from .tasks.runner import TaskRunner
@@ -295,16 +294,12 @@ def _refused_by_guard(request: web.Request) -> web.Response | None:
 
 def _error_answer(request: web.Request, exc: Exception) -> web.StreamResponse:
     """The answer to a request whose handler raised `exc`; aiohttp's own HTTP exceptions are raised on."""
-    if isinstance(exc, JsonRpcError):
-        return _json_error(request, exc.to_error(), exc.http_status)
     if isinstance(exc, UpstreamError):
         log.warning("upstream_error", reason=exc.reason)
         request.app[metrics_key].upstream_errors.labels("request").inc()
-        return _json_error(request, exc.to_error(), exc.http_status)
-    if isinstance(exc, StoreUnavailable):
-        return _json_error(request, error_object(INTERNAL_ERROR, f"Task store unavailable: {exc}"), 503)
-    if isinstance(exc, ShuttingDown):
-        return _json_error(request, error_object(INTERNAL_ERROR, f"Cannot create a task: {exc}"), 503)
+    answer = wire_error(exc)
+    if answer is not None:
+        return _json_error(request, *answer)
     if isinstance(exc, web.HTTPException):
         raise exc
     if isinstance(exc, ConnectionResetError) and (request.transport is None or request.transport.is_closing()):

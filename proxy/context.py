@@ -9,13 +9,14 @@ from typing import Any
 from aiohttp import web
 
 from .durable import DurableCalls
-from .jsonrpc import dumps
+from .jsonrpc import INTERNAL_ERROR, JsonRpcError, UpstreamError, dumps, error_object
 from .kept_alive import KeptAliveCalls
 from .metrics import Metrics
 from .policy import LivePolicy
 from .security import HostGuard, Identity, PollGuard
+from .tasks.admission import ShuttingDown
 from .tasks.runner import TaskRunner
-from .tasks.store import TaskStore
+from .tasks.store import StoreUnavailable, TaskStore
 from .tasks2025 import Tasks2025
 from .tasks2026 import Tasks2026
 from .upstream.bridge import SyncBridge
@@ -62,3 +63,15 @@ MCP_PATH = "/mcp"
 
 def json_reply(message: dict[str, Any], *, status: int = 200) -> web.Response:
     return web.Response(body=dumps(message), status=status, content_type="application/json")
+
+
+def wire_error(exc: Exception) -> tuple[dict[str, Any], int] | None:
+    """The JSON-RPC error object and HTTP status a handler's exception is answered with, wherever the request was
+    served (app.py's error boundary, the lane); None for an exception that is a fault of the proxy's own."""
+    if isinstance(exc, JsonRpcError | UpstreamError):
+        return exc.to_error(), exc.http_status
+    if isinstance(exc, StoreUnavailable):
+        return error_object(INTERNAL_ERROR, f"Task store unavailable: {exc}"), 503
+    if isinstance(exc, ShuttingDown):
+        return error_object(INTERNAL_ERROR, f"Cannot create a task: {exc}"), 503
+    return None

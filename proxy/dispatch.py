@@ -116,7 +116,7 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
     modern = is_modern(message, request.headers)
     if method.startswith("tasks/") and modern:
         info.mode = "local"
-        answer = await app[tasks2026_key].handle(request, message, info)
+        answer = await app[tasks2026_key].handle(request.headers, message, info)
         return json_reply(result_response(message["id"], answer))
     if modern and (declares_tasks(message) or "task" in params_of(message)):
         # Tasks are the proxy's: the upstream never sees the declaration nor a legacy params.task opt-in.

@@ -51,6 +51,7 @@ from .metrics import method_label
 from .upstream.http.client import CallError, CallResponse
 from .upstream.http.headers import relayed_request_fields
 from .upstream.http.relay import READ_WHOLE_BYTES, STREAM_TYPES, AnswerWatcher, HttpRelay
+from .visits import Visit
 
 log = structlog.get_logger(__name__)
 
@@ -98,10 +99,14 @@ class Lane:
         self.loop = asyncio.get_running_loop()
         self._date = ("", 0)
         self._sweep: asyncio.TimerHandle | None = None
-        self.counts = {"relayed": 0, "handed_over": 0}
-        """Requests the lane relayed, connections it handed to aiohttp (mcp_tasks_proxy_lane_total)."""
+        self.counts = {"relayed": 0, "visited": 0, "handed_over": 0}
+        """Requests the lane relayed, requests aiohttp answered on the lane's connection (proxy/visits.py), and
+        connections handed to aiohttp for good (mcp_tasks_proxy_lane_total)."""
+        self.visitors = 0
+        """Lane connections with an aiohttp handler of their own: both count them, the connection cap once."""
         self.metrics.watch("mcp_tasks_proxy_lane", "Requests the pass-through lane relayed without aiohttp "
-                           "(relayed), and connections it handed to aiohttp (handed_over)", "outcome",
+                           "(relayed), requests aiohttp answered on its connections (visited), and connections it "
+                           "handed to aiohttp (handed_over)", "outcome",
                            lambda: self.counts, counter=True)  # fmt: skip
 
     def __call__(self) -> _LaneConnection:
@@ -153,7 +158,8 @@ class Lane:
         if running:
             await asyncio.wait(running, timeout=timeout_s)
         for connection in list(self.connections):
-            connection.abort()
+            if not connection.visiting:  # aiohttp's shutdown, next, gives its answers their time
+                connection.abort()
 
 
 class _LaneConnection(asyncio.Protocol):
@@ -177,6 +183,10 @@ class _LaneConnection(asyncio.Protocol):
         self.running: asyncio.Task[None] | None = None
         self._head_sent = False  # of the answer being written
         self._route: str | None = None  # Lane.route() when this request's head came in
+        self._for_aiohttp = False  # the request being read is aiohttp's to answer (a visit)
+        self._visit_due = False  # ... and it has been read whole
+        self._visit: Visit | None = None
+        self.visiting = False  # aiohttp's answer to a visit is under way
 
     # asyncio.Protocol
 
@@ -191,7 +201,7 @@ class _LaneConnection(asyncio.Protocol):
             self._lane.connections.discard(self)
 
     def data_received(self, data: bytes) -> None:
-        if self.running is not None:  # an answer is owed: what comes next waits for it
+        if self.running is not None or self.visiting:  # an answer is owed: what comes next waits for it
             self._pending += data
             if len(self._pending) > _MAX_PENDING_BYTES and self._transport is not None:
                 self._transport.pause_reading()
@@ -203,6 +213,8 @@ class _LaneConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lane.connections.discard(self)
+        if self._visit is not None:
+            self._drop_visit(exc)  # aiohttp's handler learns the client left (and cancels what it runs)
         if self.running is not None:
             self.running.cancel()  # the client left: the upstream call is closed, as aiohttp's handler_cancellation
         if self._write_paused is not None and not self._write_paused.done():
@@ -210,10 +222,14 @@ class _LaneConnection(asyncio.Protocol):
         self._transport = None
 
     def pause_writing(self) -> None:
+        if self.visiting and self._visit is not None:
+            self._visit.handler.pause_writing()
         if self._write_paused is None or self._write_paused.done():
             self._write_paused = self._lane.loop.create_future()
 
     def resume_writing(self) -> None:
+        if self._visit is not None:
+            self._visit.handler.resume_writing()
         if self._write_paused is not None and not self._write_paused.done():
             self._write_paused.set_result(None)
 
@@ -234,10 +250,15 @@ class _LaneConnection(asyncio.Protocol):
                 # is answered, then the connection closes.
                 self._closing = True
             else:
-                self._hand_over()  # a request the lane does not relay, or bytes only aiohttp will judge
+                # A request aiohttp must see as it came (or pipelined ones, or bytes only aiohttp will judge).
+                self._hand_over()
+            return
+        if self._visit_due:
+            self._visit_due = False
+            self._start_visit()
 
     def on_message_begin(self) -> None:
-        if self.running is not None:
+        if self.running is not None or self._visit_due:
             raise _Pipelined  # POST is not idempotent: a client may not pipeline after it (RFC 9112 §9.3.2)
         self._url = b""
         self._fields = []
@@ -251,7 +272,9 @@ class _LaneConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         if not self._relayable_head():
-            raise _HandOver
+            if not self._visitable_head():
+                raise _HandOver
+            self._for_aiohttp = True
         self._reading = "body"
         self.deadline = self._lane.loop.time() + self._lane.policy.config.listen.body_timeout_s
 
@@ -259,9 +282,10 @@ class _LaneConnection(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
-        request = self._relayable_request()
+        request = None if self._for_aiohttp else self._relayable_request()
         if request is None:
-            raise _HandOver
+            self._visit_due = True  # once the parser has returned: anything after it in this read is pipelined
+            return
         self._raw = bytearray()
         self._head_sent = False
         self._reading = "answering"
@@ -302,6 +326,26 @@ class _LaneConnection(asyncio.Protocol):
         except ValueError:
             return False
 
+    def _visitable_head(self) -> bool:
+        """Whether aiohttp may answer this request on the lane's connection: a whole request in bounded bytes,
+        answered with a body the lane can frame (not HEAD), nothing that changes the connection."""
+        parser = self._parser
+        if parser.get_http_version() != "1.1" or parser.get_method() in (b"HEAD", b"CONNECT"):
+            return False
+        if len(self._url) > _MAX_FIELD_BYTES or len(self._fields) > _MAX_FIELDS:
+            return False
+        for name, value in self._fields:
+            lower = name.lower()
+            if lower in (b"transfer-encoding", b"expect", b"upgrade"):
+                return False
+            if lower == b"content-length":
+                try:
+                    if int(value) > self._lane.policy.config.limits.max_body_bytes:
+                        return False
+                except ValueError:
+                    return False
+        return True
+
     def _relayable_request(self) -> tuple[CIMultiDict[str], bytes, dict[str, Any]] | None:
         headers = CIMultiDict([(name.decode(), value.decode()) for name, value in self._fields])
         guard = self._lane.guard
@@ -325,11 +369,53 @@ class _LaneConnection(asyncio.Protocol):
 
     def _hand_over(self) -> None:
         self.deadline = _NEVER
+        self._visit_due = False
+        if self._visit is not None:
+            self._drop_visit(None)
         transport, self._transport = self._transport, None
         if transport is None or transport.is_closing():
             return
         self._parser = None  # type: ignore[assignment]  # no cycle back to this protocol
         self._lane.hand_over(self, transport, bytes(self._raw))
+
+    # visits (proxy/visits.py)
+
+    def _start_visit(self) -> None:
+        transport = self._transport
+        if transport is None:
+            return
+        if self._visit is None:
+            self._lane.visitors += 1  # first: aiohttp's handler counts against the cap as it is made
+            self._visit = Visit(
+                transport, self._lane._handlers, on_answered=self._visit_answered, on_close=self._visit_closed
+            )
+        self._lane.counts["visited"] += 1
+        self.visiting, self._for_aiohttp = True, False
+        self._reading, self.deadline = "answering", _NEVER
+        raw, self._raw = bytes(self._raw), bytearray()
+        self._visit.request(raw)
+
+    def _visit_answered(self, keep_alive: bool) -> None:
+        if not self.visiting:
+            return
+        self.visiting = False
+        self._answered(keep_alive)
+
+    def _visit_closed(self) -> None:
+        """aiohttp closes its transport: mid-answer (an error, Connection: close, its shutdown) that ends the
+        client's connection; between requests (its keep-alive timer) only its handler ends."""
+        if self.visiting or (self._visit is not None and self._visit.answering):
+            self.visiting = False
+            self.abort()
+        elif self._visit is not None:
+            self._drop_visit(None)
+
+    def _drop_visit(self, exc: Exception | None) -> None:
+        visit, self._visit = self._visit, None
+        if visit is None:
+            return
+        self._lane.visitors -= 1
+        self._lane.loop.call_soon(visit.handler.connection_lost, exc)
 
     # deadlines
 
@@ -537,7 +623,7 @@ class _LaneConnection(asyncio.Protocol):
     # stopping
 
     def close_when_idle(self) -> None:
-        if self.running is None:
+        if self.running is None and not self.visiting:
             self.abort()
         else:
             self._closing = True

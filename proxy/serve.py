@@ -74,7 +74,9 @@ def cap_connections(
     accept = server.connection_made
 
     def admitted(transport: asyncio.Transport) -> bool:
-        if len(server.connections) + (len(lane.connections) if lane is not None else 0) <= max_connections:
+        # A lane connection with a handler of aiohttp's (a visit) is in both sets: counted once.
+        on_lane = len(lane.connections) - lane.visitors if lane is not None else 0
+        if len(server.connections) + on_lane <= max_connections:
             return True
         on_refused()
         transport.write(refusal)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from aiohttp import web
+from multidict import MultiMapping
 
 from . import TASKS_EXTENSION
 from .envelope import TASK_METHODS, check_modern_request, declares_tasks, params_of
@@ -33,11 +33,11 @@ class Tasks2026:
         self._identity = identity
         self._poll_guard = poll_guard
 
-    async def handle(self, request: web.Request, message: dict[str, Any], info: Any) -> dict[str, Any]:
+    async def handle(self, headers: MultiMapping[str], message: dict[str, Any], info: Any) -> dict[str, Any]:
         """tasks/get, tasks/update, tasks/cancel (SEP-2663); the removed tasks/result and tasks/list are unknown.
         `info` is the request's log record: the task and tool are written to it."""
         method = message["method"]
-        check_modern_request(message, request.headers)
+        check_modern_request(message, headers)
         if method not in TASK_METHODS:
             raise JsonRpcError(METHOD_NOT_FOUND, f"Method not found: {method}")
         if not declares_tasks(message):
@@ -60,7 +60,7 @@ class Tasks2026:
         runner = self._runner
         # Another principal's task answers exactly as an unknown one: nothing reveals that it exists. For update and
         # cancel the owner is checked inside the store's atomic update, which spares a read.
-        principal = self._identity.principal(request.headers)
+        principal = self._identity.principal(headers)
         if method == "tasks/get":
             record = await self._store.get(task_id)
             if record is None or record.principal != principal:

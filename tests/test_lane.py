@@ -149,11 +149,11 @@ async def test_one_connection_carries_relayed_and_handed_over_requests_in_order(
         head = await reader.readuntil(b"\r\n\r\n")
         length = int(re.search(rb"Content-Length: (\d+)", head).group(1))
         got.append(json.loads(await reader.readexactly(length))["result"]["structuredContent"]["result"])
-    writer.write(http_post(request("tasks/get", {"taskId": "nope", "_meta": meta()})))  # the proxy's: handed over
+    writer.write(http_post(request("tasks/get", {"taskId": "nope", "_meta": meta()})))  # the proxy's: aiohttp answers
     head = await reader.readuntil(b"\r\n\r\n")
     length = int(re.search(rb"Content-Length: (\d+)", head).group(1))
     listed = json.loads(await reader.readexactly(length))
-    writer.write(http_post(call("add", {"a": 5, "b": 5})))  # after a hand-over, aiohttp keeps the connection
+    writer.write(http_post(call("add", {"a": 5, "b": 5})))  # and the lane reads the connection again
     head = await reader.readuntil(b"\r\n\r\n")
     length = int(re.search(rb"Content-Length: (\d+)", head).group(1))
     last = json.loads(await reader.readexactly(length))
@@ -161,7 +161,7 @@ async def test_one_connection_carries_relayed_and_handed_over_requests_in_order(
     assert got == [10, 11, 12]
     assert listed["error"]["code"] == -32602  # no such task, from the proxy's own tasks/get
     assert last["result"]["structuredContent"]["result"] == 10
-    assert lane_counts(proxy) == {"relayed": 3, "handed_over": 1}
+    assert lane_counts(proxy) == {"relayed": 4, "visited": 1, "handed_over": 0}
 
 
 async def test_a_request_pipelined_behind_a_relayed_post_closes_the_connection_after_the_first_answer(proxy):
@@ -246,11 +246,27 @@ async def test_calls_bridged_to_a_2025_server_take_the_lane_with_their_input_rou
     assert done.result["content"][0]["text"] == "hello Ada"
     used = await proxy.client.call("tools/call", retry)  # the handle was single use: the bridge's own refusal
     assert used.status == 400 and used.error["code"] == -32602
-    assert lane_counts(proxy) == {"relayed": 4, "handed_over": 0}
+    assert lane_counts(proxy) == {"relayed": 4, "visited": 0, "handed_over": 0}
     # The same call on aiohttp's path (a chunked body is handed over) answers the same.
     body = chunked(json.dumps(message).encode())
     async with proxy.client.session.post(proxy.url, data=body, headers=headers_for(message)) as response:
         assert response.status == lane.status == 200
         assert response.headers["Content-Type"] == lane.headers["Content-Type"]
         assert json.loads(await response.read()) == json.loads(lane.body)
-    assert lane_counts(proxy) == {"relayed": 4, "handed_over": 1}
+    assert lane_counts(proxy) == {"relayed": 4, "visited": 0, "handed_over": 1}
+
+
+async def test_a_client_that_opens_with_discover_and_polls_tasks_stays_on_the_lane(proxy):
+    """An SDK client's first request (server/discover) and a tasks client's polls are the proxy's: aiohttp answers
+    them on the lane's connection, and the calls between are still relayed on the lane."""
+    discovered = await proxy.client.call("server/discover")
+    assert discovered.result["capabilities"]["extensions"] == {"io.modelcontextprotocol/tasks": {}}
+    created = await proxy.client.call_tool("slow_report", {"topic": "t", "seconds": 0.1}, tasks=True)
+    task_id = created.result["taskId"]
+    for a in range(3):
+        reply = await proxy.client.send(call("add", {"a": a, "b": 1}))
+        assert reply.result["structuredContent"]["result"] == a + 1
+        polled = await proxy.client.get_task(task_id)
+        assert polled.result["taskId"] == task_id
+    counts = lane_counts(proxy)
+    assert counts["relayed"] == 3 and counts["visited"] == 5 and counts["handed_over"] == 0
