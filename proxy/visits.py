@@ -35,13 +35,15 @@ class Visit(asyncio.Transport):
         self._on_answered = on_answered
         """Called (soon, outside aiohttp's write) with whether the connection stays open, once an answer ended."""
         self._on_close = on_close
-        self._answer: httptools.HttpResponseParser | None = None
+        self._loop = asyncio.get_running_loop()
+        self._parser = httptools.HttpResponseParser(self)  # answers follow each other on it, as on a connection
+        self._answer: httptools.HttpResponseParser | None = None  # while one is under way
         self.handler = handlers()
         self.handler.connection_made(self)
 
     def request(self, data: bytes) -> None:
         """Give aiohttp one whole request."""
-        self._answer = httptools.HttpResponseParser(self)
+        self._answer = self._parser
         self.handler.data_received(data)
 
     @property
@@ -51,7 +53,7 @@ class Visit(asyncio.Transport):
     def on_message_complete(self) -> None:  # the response parser's: aiohttp's answer is written to its end
         answer, self._answer = self._answer, None
         keep_alive = answer is not None and answer.should_keep_alive()
-        asyncio.get_running_loop().call_soon(self._on_answered, keep_alive)
+        self._loop.call_soon(self._on_answered, keep_alive)
 
     # asyncio.Transport, as aiohttp's handler and writer use it
 
@@ -63,7 +65,8 @@ class Visit(asyncio.Transport):
                 answer.feed_data(bytes(data))
             except httptools.HttpParserError:
                 self._answer = None  # an answer the lane cannot frame: the connection ends with it
-                asyncio.get_running_loop().call_soon(self._on_answered, False)
+                self._parser = httptools.HttpResponseParser(self)
+                self._loop.call_soon(self._on_answered, False)
 
     def writelines(self, chunks: Any) -> None:
         self.write(b"".join(chunks))

@@ -270,3 +270,15 @@ async def test_a_client_that_opens_with_discover_and_polls_tasks_stays_on_the_la
         assert polled.result["taskId"] == task_id
     counts = lane_counts(proxy)
     assert counts["relayed"] == 3 and counts["visited"] == 5 and counts["handed_over"] == 0
+
+
+async def test_a_connection_of_the_proxy_s_own_requests_is_handed_to_aiohttp_for_good(proxy):
+    """Polling alone: the lane's parse would only add to aiohttp's, so after 8 visits in a row aiohttp reads it."""
+    created = await proxy.client.call_tool("slow_report", {"topic": "t", "seconds": 0.1}, tasks=True)
+    task_id = created.result["taskId"]
+    for _ in range(12):
+        assert (await proxy.client.get_task(task_id)).result["taskId"] == task_id
+    assert lane_counts(proxy) == {"relayed": 0, "visited": 8, "handed_over": 1}
+    reply = await proxy.client.send(call("add", {"a": 1, "b": 2}))  # aiohttp's path now, the same answer
+    assert reply.result["structuredContent"]["result"] == 3
+    assert lane_counts(proxy)["relayed"] == 0
