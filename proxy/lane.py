@@ -30,6 +30,7 @@ import httptools
 import structlog
 from aiohttp import web
 from aiohttp.http import SERVER_SOFTWARE
+from aiohttp.http_parser import SINGLETON_HEADERS
 from multidict import CIMultiDict
 
 from . import tracing
@@ -64,6 +65,7 @@ _VERBOSE_LEVELS = frozenset({"debug", "info"})
 _MCP_PATH = MCP_PATH.encode()
 _OWNED_METHODS = frozenset({"subscriptions/listen", "server/discover"})
 _SWEEP_S = 0.25
+_SINGLETONS = frozenset(name.lower().encode() for name in SINGLETON_HEADERS)
 _VISITS_IN_A_ROW = 8
 """Requests in a row that aiohttp answers on a lane connection before it is handed the connection for good."""
 _MAX_FIELDS = 100
@@ -79,6 +81,15 @@ class _HandOver(Exception):
 
 class _Pipelined(Exception):
     """A second request arrived in the same read as the end of one the lane relays."""
+
+
+class _Probe:
+    """Counts the requests a parser saw complete (_LaneConnection._split_pipelined)."""
+
+    complete = 0
+
+    def on_message_complete(self) -> None:
+        self.complete += 1
 
 
 class Lane:
@@ -106,6 +117,8 @@ class Lane:
         """Requests the lane relayed, requests aiohttp answered on the lane's connection (proxy/visits.py), and
         connections handed to aiohttp for good (mcp_tasks_proxy_lane_total)."""
         self.visitors = 0
+        self.own = False
+        """Set while aiohttp is given a connection the lane admitted already (proxy/serve.py's cap skips it)."""
         """Lane connections with an aiohttp handler of their own: both count them, the connection cap once."""
         self.metrics.watch("mcp_tasks_proxy_lane", "Requests the pass-through lane relayed without aiohttp "
                            "(relayed), requests aiohttp answered on its connections (visited), and connections it "
@@ -139,8 +152,12 @@ class Lane:
         """Give the connection, and the bytes of the request it is reading, to aiohttp."""
         self.connections.discard(connection)
         self.counts["handed_over"] += 1
-        handler = self._handlers()
-        handler.connection_made(transport)
+        self.own = True  # an admitted connection changing hands: the cap does not judge it again
+        try:
+            handler = self._handlers()
+            handler.connection_made(transport)
+        finally:
+            self.own = False
         transport.set_protocol(handler)
         if data:
             handler.data_received(data)
@@ -191,6 +208,7 @@ class _LaneConnection(asyncio.Protocol):
         self._visit: Visit | None = None
         self.visiting = False  # aiohttp's answer to a visit is under way
         self._visits_in_a_row = 0
+        self._pipelined = False  # a second request began in the read that ended this one
 
     # asyncio.Protocol
 
@@ -218,7 +236,7 @@ class _LaneConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._lane.connections.discard(self)
         if self._visit is not None:
-            self._drop_visit(exc)  # aiohttp's handler learns the client left (and cancels what it runs)
+            self._drop_visit(exc, now=True)  # aiohttp's handler learns the client left (and cancels what it runs)
         if self.running is not None:
             self.running.cancel()  # the client left: the upstream call is closed, as aiohttp's handler_cancellation
         if self._write_paused is not None and not self._write_paused.done():
@@ -249,21 +267,50 @@ class _LaneConnection(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade):
-            if self.running is not None:
-                # What followed a relayed request in the same read (a pipelined request, or junk): the relayed one
-                # is answered, then the connection closes.
+            rest = self._split_pipelined() if self._pipelined else None
+            self._pipelined = False
+            if rest is not None:
+                # Pipelined requests wait, in order, for the answer to this one.
+                self._pending[:0] = rest
+                self._parser = httptools.HttpRequestParser(self)
+            elif self.running is not None:
+                # What followed a relayed request cannot be told apart from it: the answer, then the end.
                 self._closing = True
             else:
                 # A request aiohttp must see as it came (or pipelined ones, or bytes only aiohttp will judge).
                 self._hand_over()
-            return
-        if self._visit_due:
+                return
+        if self.running is not None:
+            self._raw = bytearray()
+        elif self._visit_due:
             self._visit_due = False
             self._start_visit()
 
+    def _split_pipelined(self) -> bytes | None:
+        """The bytes after the request just read, when a second one began in the same read: its head ends at the
+        first blank line and its body has the Content-Length the lane required, checked by parsing it again.
+        None when that does not hold."""
+        raw = self._raw
+        head_end = raw.find(b"\r\n\r\n")
+        if head_end < 0:
+            return None
+        lengths = [value for name, value in self._fields if name.lower() == b"content-length"]
+        end = head_end + 4 + (int(lengths[0]) if lengths else 0)
+        probe = _Probe()
+        try:
+            httptools.HttpRequestParser(probe).feed_data(bytes(raw[:end]))
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade, ValueError):
+            return None
+        if probe.complete != 1:
+            return None
+        rest = bytes(raw[end:])
+        del raw[end:]
+        return rest
+
     def on_message_begin(self) -> None:
         if self.running is not None or self._visit_due:
-            raise _Pipelined  # POST is not idempotent: a client may not pipeline after it (RFC 9112 §9.3.2)
+            self._pipelined = True
+            raise _Pipelined  # parsed after this request's answer, from _pending
         self._url = b""
         self._fields = []
         self._body = []
@@ -290,7 +337,6 @@ class _LaneConnection(asyncio.Protocol):
         if request is None:
             self._visit_due = True  # once the parser has returned: anything after it in this read is pipelined
             return
-        self._raw = bytearray()
         self._head_sent = False
         self._reading = "answering"
         self.deadline = _NEVER  # the client's own wait: as long as the upstream call takes
@@ -311,10 +357,15 @@ class _LaneConnection(asyncio.Protocol):
         if path != _MCP_PATH or len(self._url) > _MAX_FIELD_BYTES or len(self._fields) > _MAX_FIELDS:
             return False  # past aiohttp's own limits: it refuses such a request, and so it must see it
         length = method = name = None
+        seen: set[bytes] = set()
         for field, value in self._fields:
             if not value.isascii() or len(value) > _MAX_FIELD_BYTES:
                 return False  # what the proxy says of a header that is not UTF-8 is aiohttp's to say
             lower = field.lower()
+            if lower in _SINGLETONS:
+                if lower in seen:
+                    return False  # aiohttp refuses a repeated Host, Content-Type...: it must see the request
+                seen.add(lower)
             if lower == b"content-length":
                 if length is not None:
                     return False
@@ -384,7 +435,7 @@ class _LaneConnection(asyncio.Protocol):
         self.deadline = _NEVER
         self._visit_due = False
         if self._visit is not None:
-            self._drop_visit(None)
+            self._drop_visit(None, now=True)  # before the new handler: the cap counts the connection once
         transport, self._transport = self._transport, None
         if transport is None or transport.is_closing():
             return
@@ -404,10 +455,15 @@ class _LaneConnection(asyncio.Protocol):
             self._hand_over()
             return
         if self._visit is None:
-            self._lane.visitors += 1  # first: aiohttp's handler counts against the cap as it is made
-            self._visit = Visit(
-                transport, self._lane._handlers, on_answered=self._visit_answered, on_close=self._visit_closed
-            )
+            lane = self._lane
+            lane.visitors += 1
+            lane.own = True  # an admitted connection: the cap does not judge it again
+            try:
+                self._visit = Visit(
+                    transport, lane._handlers, on_answered=self._visit_answered, on_close=self._visit_closed
+                )
+            finally:
+                lane.own = False
         self._lane.counts["visited"] += 1
         self.visiting, self._for_aiohttp = True, False
         self._reading, self.deadline = "answering", _NEVER
@@ -429,12 +485,16 @@ class _LaneConnection(asyncio.Protocol):
         elif self._visit is not None:
             self._drop_visit(None)
 
-    def _drop_visit(self, exc: Exception | None) -> None:
+    def _drop_visit(self, exc: Exception | None, *, now: bool = False) -> None:
+        """End aiohttp's handler for this connection; `now` unless aiohttp itself is closing it (no re-entry)."""
         visit, self._visit = self._visit, None
         if visit is None:
             return
         self._lane.visitors -= 1
-        self._lane.loop.call_soon(visit.handler.connection_lost, exc)
+        if now:
+            visit.handler.connection_lost(exc)
+        else:
+            self._lane.loop.call_soon(visit.handler.connection_lost, exc)
 
     # deadlines
 

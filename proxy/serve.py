@@ -85,7 +85,8 @@ def cap_connections(
 
     def connection_made(handler: web.RequestHandler, transport: asyncio.Transport) -> None:  # type: ignore[type-arg]
         accept(handler, transport)
-        admitted(transport)
+        if lane is None or not lane.own:  # a lane connection aiohttp takes over was admitted already
+            admitted(transport)
 
     server.connection_made = connection_made  # type: ignore[method-assign]
     return admitted
@@ -160,7 +161,7 @@ async def serve(
         await stopping.wait()
         # Open connections (streams, calls in flight) get up to the runner's shutdown_timeout before tasks drain.
         assert runner.server is not None
-        open_connections = len(runner.server.connections) + len(lane.connections)
+        open_connections = len(runner.server.connections) + len(lane.connections) - lane.visitors
         log.info("proxy_stopping", open_connections=open_connections, wait_s=SHUTDOWN_TIMEOUT_S)
     finally:
         await runner.cleanup()

@@ -12,6 +12,7 @@ import re
 import secrets
 from typing import Any
 
+import httptools
 import pytest
 
 from proxy.context import metrics_key
@@ -137,6 +138,10 @@ async def test_bytes_the_lane_will_not_read_go_to_aiohttp_whole(proxy):
     latin = http_post(message, extra=b"Mcp-Session-Id: caf\xe9\r\n")
     status, _, body = answers(await raw_exchange(port, latin, read_s=1))[0]
     assert status == 400 and b"Mcp-Session-Id" in body
+    # A repeated Host (the guard must not judge only its first copy) or Content-Type: aiohttp refuses them.
+    for repeated in (b"Host: evil.example\r\n", b"Content-Type: text/plain\r\n"):
+        status, _, _ = answers(await raw_exchange(port, http_post(message, extra=repeated), read_s=1))[0]
+        assert status == 400
     assert lane_counts(proxy).get("relayed", 0) == 0
 
 
@@ -164,14 +169,68 @@ async def test_one_connection_carries_relayed_and_handed_over_requests_in_order(
     assert lane_counts(proxy) == {"relayed": 4, "visited": 1, "handed_over": 0}
 
 
-async def test_a_request_pipelined_behind_a_relayed_post_closes_the_connection_after_the_first_answer(proxy):
+async def read_answers(reader: asyncio.StreamReader, count: int) -> list[Any]:
+    """The JSON-RPC messages of the next `count` HTTP answers on a connection (the last event of a stream)."""
+
+    class Answers:
+        def __init__(self) -> None:
+            self.bodies: list[bytes] = []
+            self.body = b""
+
+        def on_body(self, body: bytes) -> None:
+            self.body += body
+
+        def on_message_complete(self) -> None:
+            self.bodies.append(self.body)
+            self.body = b""
+
+    answers_ = Answers()
+    parser = httptools.HttpResponseParser(answers_)
+    while len(answers_.bodies) < count:
+        parser.feed_data(await asyncio.wait_for(reader.read(65536), 10))
+    out = []
+    for body in answers_.bodies:
+        text = body.decode()
+        data = [line[5:].strip() for line in text.splitlines() if line.startswith("data:")]
+        out.append(json.loads(data[-1] if data else text))
+    return out
+
+
+async def test_pipelined_requests_are_answered_in_order_whatever_the_writes(proxy, upstream_client):
     port = int(proxy.url.rsplit(":", 1)[1].split("/")[0])
-    first, second = http_post(call("add", {"a": 1, "b": 1})), http_post(call("add", {"a": 2, "b": 2}))
-    received = answers(await raw_exchange(port, first + second))
-    assert len(received) == 1  # POST is not idempotent: a client may not pipeline after one (RFC 9112 §9.3.2)
-    status, fields, body = received[0]
-    assert status == 200 and fields.get("Connection") == "close"
-    assert json.loads(body)["result"]["structuredContent"]["result"] == 2
+    one, two = call("add", {"a": 1, "b": 1}), call("add", {"a": 2, "b": 2})
+    owned = request("tasks/get", {"taskId": "nope", "_meta": meta()})
+    cases = [[one, two], [one, owned, two], [owned, one]]
+    for messages in cases:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"".join(http_post(message) for message in messages))  # one write
+        got = await read_answers(reader, len(messages))
+        writer.close()
+        assert [reply["id"] for reply in got] == [message["id"] for message in messages]
+    # A second request cut across two writes, the first write ending the first request.
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    data = http_post(one) + http_post(two)
+    cut = len(http_post(one)) + 7
+    writer.write(data[:cut])
+    await asyncio.sleep(0.2)
+    writer.write(data[cut:])
+    assert [reply["id"] for reply in await read_answers(reader, 2)] == [one["id"], two["id"]]
+    writer.close()
+    # Requests written while a slow call is answered wait for it, then are answered in order.
+    gate = secrets.token_hex(6)
+    slow = call("gated", {"tag": gate})
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(http_post(slow))
+    await asyncio.sleep(0.3)
+    writer.write(http_post(one))
+    writer.write(http_post(owned))
+    await asyncio.sleep(0.3)
+    await upstream_client.call_tool("release", {"tag": gate}, tasks=False)
+    got = await read_answers(reader, 3)
+    writer.close()
+    assert [reply["id"] for reply in got] == [slow["id"], one["id"], owned["id"]]
+    assert got[0]["result"]["content"][0]["text"] == f"gate {gate} opened"
+    assert got[1]["result"]["structuredContent"]["result"] == 2 and got[2]["error"]["code"] == -32602
 
 
 async def test_a_late_body_gets_408_and_a_late_head_a_closed_connection(proxy):
@@ -194,6 +253,23 @@ async def test_the_connection_cap_counts_the_lane_s_connections(make_proxy, mcp_
     assert refused.startswith(b"HTTP/1.1 503") and b"listen.max_connections" in refused
     for _, writer in held:
         writer.close()
+
+
+async def test_a_connection_aiohttp_takes_over_after_a_visit_is_not_refused_by_the_cap(make_proxy, mcp_upstream):
+    proxy = await make_proxy(mcp_upstream, protocol="modern", listen={"max_connections": 2})
+    port = int(proxy.url.rsplit(":", 1)[1].split("/")[0])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(http_post(request("tasks/get", {"taskId": "nope", "_meta": meta()})))  # a visit
+    assert (await read_answers(reader, 1))[0]["error"]["code"] == -32602
+    other = await asyncio.open_connection("127.0.0.1", port)  # the cap is reached
+    message = call("add", {"a": 3, "b": 4})
+    body = json.dumps(message).encode()
+    chunked_post = http_post(message, body=b"").replace(b"Content-Length: 0\r\n", b"Transfer-Encoding: chunked\r\n")
+    writer.write(chunked_post + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))  # aiohttp takes the connection
+    assert (await read_answers(reader, 1))[0]["result"]["structuredContent"]["result"] == 7
+    assert lane_counts(proxy)["handed_over"] == 1
+    writer.close()
+    other[1].close()
 
 
 async def test_a_client_that_leaves_mid_call_cancels_it_upstream(proxy, upstream_client):
