@@ -52,7 +52,7 @@ from .log import bind_request_id
 from .metrics import method_label
 from .upstream.http.client import CallError, CallResponse
 from .upstream.http.headers import relayed_request_fields
-from .upstream.http.relay import READ_WHOLE_BYTES, STREAM_TYPES, AnswerWatcher, HttpRelay
+from .upstream.http.relay import READ_WHOLE_BYTES, STREAM_TYPES, AnswerWatcher, HttpRelay, broken_stream_event
 from .visits import Visit
 
 log = structlog.get_logger(__name__)
@@ -613,12 +613,7 @@ class _LaneConnection(asyncio.Protocol):
             except (OSError, CallError) as exc:
                 log.warning("upstream_stream_broken", reason=str(exc) or type(exc).__name__)
                 if watcher is not None and not watcher.answered:
-                    error = error_object(
-                        INTERNAL_ERROR,
-                        "Upstream failure: the upstream connection broke before the response was sent",
-                        {"upstream": upstream_url},
-                    )
-                    event = b"event: message\ndata: " + dumps(error_response(request_id, error)) + b"\n\n"
+                    event = broken_stream_event(request_id, upstream_url)
                     self._write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(event), event))
                     return
                 self._closing = True  # the client sees a broken response, as the proxy did

@@ -142,14 +142,7 @@ async def _relay_stream(
         except (aiohttp.ClientError, OSError) as exc:  # CallError included
             log.warning("upstream_stream_broken", reason=str(exc) or type(exc).__name__)
             if watcher is not None and not watcher.answered:
-                error = error_object(
-                    INTERNAL_ERROR,
-                    "Upstream failure: the upstream connection broke before the response was sent",
-                    {"upstream": upstream.url},
-                )
-                await _write_to_client(
-                    request, relayed, b"event: message\ndata: " + dumps(error_response(request_id, error)) + b"\n\n"
-                )
+                await _write_to_client(request, relayed, broken_stream_event(request_id, upstream.url))
                 break
             if request.transport is not None:
                 request.transport.close()  # the client sees a broken response, as the proxy did
@@ -160,6 +153,16 @@ async def _relay_stream(
             return relayed
     await _write_to_client(request, relayed, b"", eof=True)
     return relayed
+
+
+def broken_stream_event(request_id: RequestId, upstream_url: str) -> bytes:
+    """The event that answers `request_id` when the upstream's stream broke before its answer went by."""
+    error = error_object(
+        INTERNAL_ERROR,
+        "Upstream failure: the upstream connection broke before the response was sent",
+        {"upstream": upstream_url},
+    )
+    return b"event: message\ndata: " + dumps(error_response(request_id, error)) + b"\n\n"
 
 
 async def _write_to_client(
