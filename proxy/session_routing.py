@@ -40,7 +40,9 @@ log = structlog.get_logger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 SESSION_TTL_S = 24 * 3600.0
-"""How long a session's owner is kept (from its creation): longer than any session a client keeps open."""
+"""How long a session's owner is kept after the session was last used through its replica."""
+SESSION_RENEW_S = 3600.0
+"""A session in use has its record written again at most this often (one SET an hour, not one per request)."""
 _MAX_LOCAL_SESSIONS = 100_000
 _HOP_SKEW_S = 60.0
 """How old (or how far ahead, between clocks) a signed hop may be."""
@@ -52,13 +54,21 @@ forwarded_key = web.RequestKey("forwarded_key", bool)
 
 class SessionRouting:
     def __init__(
-        self, store: TaskStore, identity: Identity, replica_id: Callable[[], str], *, connect_timeout_s: float = 5.0
+        self,
+        store: TaskStore,
+        identity: Identity,
+        replica_id: Callable[[], str],
+        *,
+        connect_timeout_s: float = 5.0,
+        timer: Callable[[], float] = time.monotonic,
     ) -> None:
         self._store = store
         self._identity = identity
         self._replica_id = replica_id
-        self._local: TTLCache[str, None] = TTLCache(maxsize=_MAX_LOCAL_SESSIONS, ttl=SESSION_TTL_S)
-        """The sessions made through this replica (their tags): answered here without asking the store."""
+        self._timer = timer
+        self._local: TTLCache[str, float] = TTLCache(maxsize=_MAX_LOCAL_SESSIONS, ttl=SESSION_TTL_S, timer=timer)
+        """The sessions made through this replica (their tags), with when their record was last written: answered
+        here without asking the store."""
         self._connect_timeout_s = connect_timeout_s
         self._client: aiohttp.ClientSession | None = None
 
@@ -85,12 +95,29 @@ class SessionRouting:
                 self._local.pop(tag, None)
                 await self._store.forget_session(tag)
                 return
-            if tag in self._local:
+            if self._recorded(tag):
                 return
-            await self._store.claim_session(tag, self._replica_id(), int(SESSION_TTL_S * 1000))
-            self._local[tag] = None  # only once recorded: a failed claim is tried again with the next answer
+            await self._record(tag)  # only once recorded: a failed claim is tried again with the next answer
         except StoreUnavailable:
             log.warning("session_not_recorded", reason="the store did not answer")  # only this replica will know
+
+    def _recorded(self, tag: str) -> bool:
+        """Whether this replica recorded the session `tag` as its own, less than SESSION_RENEW_S ago."""
+        written = self._local.get(tag)
+        return written is not None and self._timer() - written < SESSION_RENEW_S
+
+    async def _record(self, tag: str) -> None:
+        await self._store.claim_session(tag, self._replica_id(), int(SESSION_TTL_S * 1000))
+        self._local[tag] = self._timer()
+
+    async def _renew_if_due(self, tag: str) -> None:
+        """A session of this replica's, in use: its record lasts SESSION_TTL_S from now (renewed hourly), so a
+        session kept open for days is still routed here from every replica."""
+        if tag in self._local and not self._recorded(tag):
+            try:
+                await self._record(tag)
+            except StoreUnavailable:
+                log.warning("session_not_renewed", reason="the store did not answer")  # tried again next request
 
     async def _forward_if_elsewhere(self, request: web.Request) -> web.StreamResponse | None:
         session_id = request.headers.get("Mcp-Session-Id")
@@ -99,6 +126,8 @@ class SessionRouting:
         hop = request.headers.get(HOP_HEADER)
         if hop is not None:
             if self._signed(hop, request.method, request.path, session_id):
+                with contextlib.suppress(StoreUnavailable):
+                    await self._renew_if_due(self._tag(session_id))
                 return None  # sent here by the replica that got it: this one answers, whatever it knows
             log.warning("hop_header_refused", reason="not signed by a replica")
         try:
@@ -106,6 +135,7 @@ class SessionRouting:
         except StoreUnavailable:
             return None  # the shared key is not loaded yet (Redis not answering at start): tried here
         if tag in self._local:
+            await self._renew_if_due(tag)
             return None
         try:
             owner = await self._store.session_owner(tag)

@@ -273,3 +273,41 @@ async def test_a_deleted_session_is_forgotten_in_the_store(replicas_listen, one_
     keys = [k async for k in r.scan_iter(match="*session:*")]
     await r.aclose()
     assert not keys, keys
+
+
+async def test_a_session_in_use_keeps_its_record_past_a_day():
+    """A session's record lasted 24 h from its creation: a client that kept its session open longer was then unknown
+    to the other replicas (their server's 404). A session used through its replica is renewed, hourly."""
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    from proxy.config import SecurityConfig
+    from proxy.security import Identity
+    from proxy.session_routing import SESSION_RENEW_S, SESSION_TTL_S, SessionRouting
+    from proxy.tasks.store import MemoryTaskStore
+
+    class Recording(MemoryTaskStore):
+        def __init__(self):
+            super().__init__(max_tasks=10)
+            self.claims: list[tuple[float, int]] = []
+
+        async def claim_session(self, tag, replica_id, ttl_ms):
+            self.claims.append((now[0], ttl_ms))
+
+    now = [1000.0]
+    store = Recording()
+    routing = SessionRouting(store, Identity(SecurityConfig(principal_key="k")), lambda: "me", timer=lambda: now[0])
+    headers = {"Mcp-Session-Id": "s-1"}
+    await routing.on_response_prepare(make_mocked_request("POST", "/mcp", headers=headers),
+                                      web.Response(headers=headers))  # fmt: skip
+    assert store.claims == [(1000.0, int(SESSION_TTL_S * 1000))]
+    for hours in range(1, 49):  # two days of use, a request every hour and a bit
+        now[0] = 1000.0 + hours * (SESSION_RENEW_S + 1)
+        routed = await routing._forward_if_elsewhere(make_mocked_request("POST", "/mcp", headers=headers))
+        assert routed is None  # this replica's session: answered here
+    assert len(store.claims) == 49  # renewed once an hour, not once a request
+    assert [at for at, _ in store.claims][-1] == now[0]
+    quiet = len(store.claims)
+    now[0] += 60
+    await routing._forward_if_elsewhere(make_mocked_request("POST", "/mcp", headers=headers))
+    assert len(store.claims) == quiet  # within the hour: no write
