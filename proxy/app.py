@@ -28,6 +28,7 @@ from .context import (
     info_key,
     json_reply,
     kept_alive_key,
+    log_request_handled,
     metrics_key,
     policy_key,
     poll_guard_key,
@@ -237,18 +238,14 @@ async def _in_context(handler: Handler, request: web.Request) -> web.StreamRespo
             app = request.app
             app[metrics_key].observe_request(method_label(info.rpc_method), info.mode, status, elapsed_s)
             if app[policy_key].config.logging.level in VERBOSE_LEVELS:  # spare the work when not logged
-                log.info(
-                    "request_handled",
+                log_request_handled(
+                    info,
                     principal=app[identity_key].logged_principal(request.headers) if unreadable is None else None,
                     http_method=request.method,
                     path=request.path,
-                    method=info.rpc_method,
-                    tool=info.tool,
-                    task_id=info.task_id,
-                    mode=info.mode,
                     status=status,
                     client_closed=request[client_gone_key],
-                    duration_ms=round(elapsed_s * 1000, 2),
+                    elapsed_s=elapsed_s,
                 )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import structlog
 from aiohttp import web
 
 from .durable import DurableCalls
@@ -21,6 +22,8 @@ from .tasks2025 import Tasks2025
 from .tasks2026 import Tasks2026
 from .upstream.bridge import SyncBridge
 from .upstream.gateway import Gateway
+
+log = structlog.get_logger(__name__)
 
 policy_key = web.AppKey("policy_key", LivePolicy)
 store_key = web.AppKey("store_key", TaskStore)
@@ -75,3 +78,29 @@ def wire_error(exc: Exception) -> tuple[dict[str, Any], int] | None:
     if isinstance(exc, ShuttingDown):
         return error_object(INTERNAL_ERROR, f"Cannot create a task: {exc}"), 503
     return None
+
+
+def log_request_handled(
+    info: RequestInfo,
+    *,
+    principal: str | None,
+    http_method: str,
+    path: str,
+    status: int,
+    client_closed: bool,
+    elapsed_s: float,
+) -> None:
+    """The one line a request writes when it is done (app.py's boundary and the lane's), at level info."""
+    log.info(
+        "request_handled",
+        principal=principal,
+        http_method=http_method,
+        path=path,
+        method=info.rpc_method,
+        tool=info.tool,
+        task_id=info.task_id,
+        mode=info.mode,
+        status=status,
+        client_closed=client_closed,
+        duration_ms=round(elapsed_s * 1000, 2),
+    )

@@ -17,6 +17,7 @@ from . import TASKS_EXTENSION, idempotency, listen, tasks2025, tracing
 from .config import TaskMode, ToolRule
 from .context import (
     MCP_PATH,
+    RequestInfo,
     bridge_key,
     durable_key,
     gateway_key,
@@ -58,10 +59,11 @@ from .jsonrpc import (
     loads,
     result_response,
 )
-from .security import caller_of
+from .security import Identity, caller_of
 from .tasks.admission import LimitReached
 from .tasks.job import DirectOutcome, ToolCall
 from .tasks.model import TaskRecord
+from .tasks.runner import TaskRunner
 from .tasks.store import StoreFullError
 from .tasks2026 import missing_tasks_capability
 from .upstream.bridge import StreamReply
@@ -154,6 +156,20 @@ def relayed_as_is(message: Any, headers: MultiMapping[str], rule_for: Callable[[
     name = params.get("name")
     rule = rule_for(name) if isinstance(name, str) else None
     return rule is None or rule.task is TaskMode.NEVER
+
+
+def answered_here(message: Any, headers: MultiMapping[str]) -> str | None:
+    """Which of its own answers handle_mcp_post gives this message with nothing of aiohttp's: "tasks" for a 2026
+    tasks/* request (Tasks2026.handle), "create" for a 2026 tools/call that declares tasks (a task, when a rule
+    runs its tool as one: the caller looks), else None. proxy/lane serves these itself."""
+    if classify(message) != "request" or not is_modern(message, headers):
+        return None
+    method = message["method"]
+    if method.startswith("tasks/"):
+        return "tasks"
+    if method == "tools/call" and declares_tasks(message) and isinstance(params_of(message).get("name"), str):
+        return "create"
+    return None
 
 
 async def _relay(request: web.Request, message: dict[str, Any], body: bytes, *, modern: bool) -> web.StreamResponse:
@@ -403,40 +419,66 @@ async def _tools_call(
             return await relay()
         kept_alive = True  # a 2026 client without tasks: the call as in a sync window, with a stream kept alive
 
+    info.mode = "durable" if kept_alive else "task"
+    app = request.app
+    call, key = tool_call(message, request.headers, request.remote, app[identity_key])
+    if kept_alive:
+        with _refusals():
+            return await app[kept_alive_key].serve(request, message, call, rule, key)
+    outcome = await create_task(app[runner_key], app[identity_key], call, rule, key)
+    answer, status = task_answer(message["id"], outcome, info)
+    return json_reply(answer, status=status)
+
+
+def tool_call(
+    message: dict[str, Any], headers: MultiMapping[str], remote: str | None, identity: Identity
+) -> tuple[ToolCall, str | None]:
+    """The call a task (or a kept-alive call) runs for this tools/call, and the client's idempotency key."""
+    params = params_of(message)
     arguments = params.get("arguments")
     if arguments is not None and not isinstance(arguments, dict):
         raise JsonRpcError(INVALID_PARAMS, "Invalid params: arguments must be an object")
     # An MRTR retry (requestState) continues a call: it is no new request for a key to name.
     continued = params.get("requestState") is not None
-    key = idempotency.key_of(message, request.headers) if not continued else None
+    key = idempotency.key_of(message, headers) if not continued else None
     forwarded = without_tasks_declaration(idempotency.without_key(message))  # the proxy's key, never the upstream's
     capabilities = meta_of(forwarded).get(META_CLIENT_CAPABILITIES)
-    identity = request.app[identity_key]
-    principal = identity.principal(request.headers)
+    principal = identity.principal(headers)
     call = ToolCall(
-        tool=name,
+        tool=params["name"],
         message=forwarded,
-        headers=call_headers(request.headers, identity.principal_header),
+        headers=call_headers(headers, identity.principal_header),
         capabilities=capabilities if isinstance(capabilities, dict) else {},
         principal=principal,
-        credential=identity.credential(request.headers),
-        caller=caller_of(principal, request.remote),
+        credential=identity.credential(headers),
+        caller=caller_of(principal, remote),
     )
-    info.mode = "durable" if kept_alive else "task"
+    return call, key
+
+
+async def create_task(
+    runner: TaskRunner, identity: Identity, call: ToolCall, rule: ToolRule, key: str | None
+) -> TaskRecord | DirectOutcome:
+    """Submit a task-creating tools/call (dispatch's and the lane's): its task, or its answer within the sync
+    window."""
     with _refusals():
-        if kept_alive:
-            return await request.app[kept_alive_key].serve(request, message, call, rule, key)
-        if key is not None:
-            call.task_id = identity.keyed_task_id(principal, name, key, "task")
-            call.fingerprint = idempotency.fingerprint(name, arguments)
-            outcome = await request.app[runner_key].submit_keyed(call, rule, key)
-        else:
-            outcome = await request.app[runner_key].submit(call, rule)
+        if key is None:
+            return await runner.submit(call, rule)
+        call.task_id = identity.keyed_task_id(call.principal, call.tool, key, "task")
+        call.fingerprint = idempotency.fingerprint(call.tool, params_of(call.message).get("arguments"))
+        return await runner.submit_keyed(call, rule, key)
+
+
+def task_answer(request_id: Any, outcome: TaskRecord | DirectOutcome, info: RequestInfo) -> tuple[dict[str, Any], int]:
+    """The JSON-RPC answer to a task-creating tools/call, and its HTTP status."""
     if isinstance(outcome, TaskRecord):
         info.task_id = outcome.task_id
-        return json_reply(result_response(message["id"], {**outcome.to_wire(), "resultType": "task"}))
+        return result_response(request_id, {**outcome.to_wire(), "resultType": "task"}), 200
     info.mode = "sync_window"
-    return _direct_answer(message["id"], outcome)
+    if outcome.result is not None:
+        return result_response(request_id, outcome.result), 200
+    assert outcome.error is not None
+    return error_response(request_id, outcome.error), ERROR_HTTP_STATUS.get(outcome.error.get("code"), 200)
 
 
 @contextlib.contextmanager
@@ -446,12 +488,3 @@ def _refusals() -> Iterator[None]:
         yield
     except (StoreFullError, LimitReached) as exc:
         raise JsonRpcError(INTERNAL_ERROR, f"Cannot create a task: {exc}", getattr(exc, "data", None)) from exc
-
-
-def _direct_answer(request_id: Any, outcome: DirectOutcome) -> web.Response:
-    if outcome.result is not None:
-        return json_reply(result_response(request_id, outcome.result))
-    assert outcome.error is not None
-    return json_reply(
-        error_response(request_id, outcome.error), status=ERROR_HTTP_STATUS.get(outcome.error.get("code"), 200)
-    )

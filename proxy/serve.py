@@ -23,7 +23,7 @@ from aiohttp import web
 
 from .config import ListenConfig
 from .jsonrpc import INTERNAL_ERROR, dumps, error_object, error_response
-from .lane import Lane
+from .lane import Lane, open_lane
 
 log = structlog.get_logger(__name__)
 SHUTDOWN_TIMEOUT_S = 15
@@ -130,7 +130,7 @@ async def start(
     await runner.setup()
     try:
         assert runner.server is not None
-        lane = Lane(app, runner.server, header_timeout_s=listen.header_timeout_s)
+        lane = open_lane(app, runner.server, header_timeout_s=listen.header_timeout_s)
         lane.admit = cap_connections(runner.server, listen.max_connections, on_refused, lane=lane)
         lanes.append(lane)
         await _LaneSite(runner, sock, lane).start()

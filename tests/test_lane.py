@@ -16,7 +16,7 @@ import httptools
 import pytest
 
 from proxy.context import metrics_key
-from tests.conftest import eventually
+from tests.conftest import eventually, task_reaches
 from tests.factories import headers_for, meta, request
 
 
@@ -154,19 +154,19 @@ async def test_one_connection_carries_relayed_and_handed_over_requests_in_order(
         head = await reader.readuntil(b"\r\n\r\n")
         length = int(re.search(rb"Content-Length: (\d+)", head).group(1))
         got.append(json.loads(await reader.readexactly(length))["result"]["structuredContent"]["result"])
-    writer.write(http_post(request("tasks/get", {"taskId": "nope", "_meta": meta()})))  # the proxy's: aiohttp answers
+    writer.write(http_post(request("server/discover", {"_meta": meta()})))  # the proxy's: aiohttp answers it
     head = await reader.readuntil(b"\r\n\r\n")
     length = int(re.search(rb"Content-Length: (\d+)", head).group(1))
-    listed = json.loads(await reader.readexactly(length))
+    discovered = json.loads(await reader.readexactly(length))
     writer.write(http_post(call("add", {"a": 5, "b": 5})))  # and the lane reads the connection again
     head = await reader.readuntil(b"\r\n\r\n")
     length = int(re.search(rb"Content-Length: (\d+)", head).group(1))
     last = json.loads(await reader.readexactly(length))
     writer.close()
     assert got == [10, 11, 12]
-    assert listed["error"]["code"] == -32602  # no such task, from the proxy's own tasks/get
+    assert "io.modelcontextprotocol/tasks" in discovered["result"]["capabilities"]["extensions"]
     assert last["result"]["structuredContent"]["result"] == 10
-    assert lane_counts(proxy) == {"relayed": 4, "visited": 1, "handed_over": 0}
+    assert lane_counts(proxy) == {"relayed": 4, "served": 0, "visited": 1, "handed_over": 0}
 
 
 async def read_answers(reader: asyncio.StreamReader, count: int) -> list[Any]:
@@ -322,19 +322,19 @@ async def test_calls_bridged_to_a_2025_server_take_the_lane_with_their_input_rou
     assert done.result["content"][0]["text"] == "hello Ada"
     used = await proxy.client.call("tools/call", retry)  # the handle was single use: the bridge's own refusal
     assert used.status == 400 and used.error["code"] == -32602
-    assert lane_counts(proxy) == {"relayed": 4, "visited": 0, "handed_over": 0}
+    assert lane_counts(proxy) == {"relayed": 4, "served": 0, "visited": 0, "handed_over": 0}
     # The same call on aiohttp's path (a chunked body is handed over) answers the same.
     body = chunked(json.dumps(message).encode())
     async with proxy.client.session.post(proxy.url, data=body, headers=headers_for(message)) as response:
         assert response.status == lane.status == 200
         assert response.headers["Content-Type"] == lane.headers["Content-Type"]
         assert json.loads(await response.read()) == json.loads(lane.body)
-    assert lane_counts(proxy) == {"relayed": 4, "visited": 0, "handed_over": 1}
+    assert lane_counts(proxy) == {"relayed": 4, "served": 0, "visited": 0, "handed_over": 1}
 
 
 async def test_a_client_that_opens_with_discover_and_polls_tasks_stays_on_the_lane(proxy):
-    """An SDK client's first request (server/discover) and a tasks client's polls are the proxy's: aiohttp answers
-    them on the lane's connection, and the calls between are still relayed on the lane."""
+    """An SDK client's first request (server/discover) is answered by aiohttp on the lane's connection; the task it
+    creates and its polls are served by the lane itself, and the calls between are relayed there."""
     discovered = await proxy.client.call("server/discover")
     assert discovered.result["capabilities"]["extensions"] == {"io.modelcontextprotocol/tasks": {}}
     created = await proxy.client.call_tool("slow_report", {"topic": "t", "seconds": 0.1}, tasks=True)
@@ -344,17 +344,85 @@ async def test_a_client_that_opens_with_discover_and_polls_tasks_stays_on_the_la
         assert reply.result["structuredContent"]["result"] == a + 1
         polled = await proxy.client.get_task(task_id)
         assert polled.result["taskId"] == task_id
-    counts = lane_counts(proxy)
-    assert counts["relayed"] == 3 and counts["visited"] == 5 and counts["handed_over"] == 0
+    assert lane_counts(proxy) == {"relayed": 3, "served": 4, "visited": 1, "handed_over": 0}
+    done = await task_reaches(proxy.client, task_id, "completed")
+    assert done.result["result"]["content"]
 
 
-async def test_a_connection_of_the_proxy_s_own_requests_is_handed_to_aiohttp_for_good(proxy):
-    """Polling alone: the lane's parse would only add to aiohttp's, so after 8 visits in a row aiohttp reads it."""
-    created = await proxy.client.call_tool("slow_report", {"topic": "t", "seconds": 0.1}, tasks=True)
-    task_id = created.result["taskId"]
+async def test_a_connection_of_requests_the_lane_leaves_to_aiohttp_is_handed_over_for_good(proxy):
+    """The lane's parse would only add to aiohttp's: after 8 visits in a row aiohttp reads the connection."""
     for _ in range(12):
-        assert (await proxy.client.get_task(task_id)).result["taskId"] == task_id
-    assert lane_counts(proxy) == {"relayed": 0, "visited": 8, "handed_over": 1}
+        discovered = await proxy.client.call("server/discover")
+        assert "io.modelcontextprotocol/tasks" in discovered.result["capabilities"]["extensions"]
+    assert lane_counts(proxy) == {"relayed": 0, "served": 0, "visited": 8, "handed_over": 1}
     reply = await proxy.client.send(call("add", {"a": 1, "b": 2}))  # aiohttp's path now, the same answer
     assert reply.result["structuredContent"]["result"] == 3
     assert lane_counts(proxy)["relayed"] == 0
+
+
+def _owned_requests(task_id: str) -> list[tuple[str, dict[str, Any], dict[str, str]]]:
+    """Requests the lane answers itself (the proxy's), each with the headers it is sent with."""
+    arguments = {"topic": "t", "seconds": 0.1}
+    create = request("tools/call", {"name": "slow_report", "arguments": arguments, "_meta": meta()})
+    bad_arguments = request("tools/call", {"name": "slow_report", "arguments": [1], "_meta": meta()})
+    return [
+        ("tasks/get of the task", request("tasks/get", {"taskId": task_id, "_meta": meta()}), {}),
+        ("tasks/get of no task", request("tasks/get", {"taskId": "nope", "_meta": meta()}), {}),
+        ("tasks/get without the extension", request("tasks/get", {"taskId": task_id, "_meta": meta(tasks=False)}), {}),
+        ("tasks/get, another caller", request("tasks/get", {"taskId": task_id, "_meta": meta()}),
+         {"Authorization": "Bearer someone-else"}),
+        ("tasks/update, bad params", request("tasks/update", {"taskId": task_id, "inputResponses": 1, "_meta": meta()}),
+         {}),
+        ("tasks/cancel of no task", request("tasks/cancel", {"taskId": "nope", "_meta": meta()}), {}),
+        ("creation, header disagrees", create, {"Mcp-Name": "add"}),
+        ("creation, bad arguments", bad_arguments, {}),
+        ("creation", create, {}),
+    ]  # fmt: skip
+
+
+async def test_the_proxy_s_own_requests_are_served_on_the_lane_with_the_answers_aiohttp_gives(make_proxy, mcp_upstream):
+    """tasks/* and task creation: the lane's answer (status, type, body) is aiohttp's path's, request for request
+    (a chunked body is handed to aiohttp)."""
+    proxy = await make_proxy(
+        mcp_upstream,
+        protocol="modern",
+        tools=[{"match": "slow_report", "task": "optional"}],
+        security={"principal": "authorization"},
+    )
+    me = {"Authorization": "Bearer me"}
+    created = await proxy.client.call_tool("slow_report", {"topic": "t", "seconds": 0.1}, headers=me)
+    task_id = created.result["taskId"]
+    await task_reaches(proxy.client, task_id, "completed", headers=me)
+    for why, message, headers in _owned_requests(task_id):
+        # Connection: close: the connection handed to aiohttp is not the next request's.
+        sent = {**headers_for(message), **me, **headers, "Connection": "close"}
+        before = lane_counts(proxy)
+        lane = await proxy.client.send(message, headers={**me, **headers})
+        after = lane_counts(proxy)
+        async with proxy.client.session.post(
+            proxy.url, data=chunked(json.dumps(message).encode()), headers=sent
+        ) as response:
+            theirs, status, content_type = await response.json(), response.status, response.headers["Content-Type"]
+        assert (lane.status, lane.headers["Content-Type"]) == (status, content_type), why
+        ours = json.loads(lane.body)
+        if why == "creation":  # two tasks: the same answer but for the task's id and times
+            assert ours["result"]["resultType"] == theirs["result"]["resultType"] == "task"
+            assert ours["result"]["status"] == theirs["result"]["status"] == "working"
+            assert ours["result"]["taskId"] != theirs["result"]["taskId"]
+        else:
+            assert ours == theirs, why
+        if why == "creation, header disagrees":
+            # The body names another tool than the header: aiohttp's to refuse, on the lane's connection.
+            assert (after["served"], after["visited"]) == (before["served"], before["visited"] + 1), why
+        else:
+            assert after["served"] == before.get("served", 0) + 1, why
+    assert lane_counts(proxy)["handed_over"] == len(_owned_requests(task_id))
+
+
+async def test_an_idempotent_creation_on_the_lane_names_the_same_task(proxy):
+    params = {"name": "slow_report", "arguments": {"topic": "t", "seconds": 0.1}, "_meta": meta()}
+    key = {"Idempotency-Key": "k-1"}
+    first = await proxy.client.call("tools/call", params, headers=key)
+    again = await proxy.client.call("tools/call", params, headers=key)
+    assert first.result["taskId"] == again.result["taskId"]
+    assert lane_counts(proxy)["served"] == 2

@@ -1,0 +1,34 @@
+"""The lane: every client connection is read here first, by httptools (llhttp), without aiohttp's server machinery.
+
+aiohttp's request and response objects, payload writer and handler task cost more CPU per request than a bare
+forwarder's whole hop (bench/ab.py), and most requests need none of them. The lane serves three kinds itself:
+- a 2026-07-28 request the proxy does not own (`dispatch.relayed_as_is`), posted upstream with the lean client
+  and its answer written back as the upstream sent it, or bridged to a 2025-era upstream;
+- `tasks/get`, `tasks/update` and `tasks/cancel` of a 2026 client, and its `tools/call` that declares tasks for a
+  tool the policy runs as a task (`dispatch.answered_here`): the proxy's own answers, from the same code as
+  aiohttp's path.
+Any other request, and any the proxy would refuse before reading it (a bad header, Host or Origin, a body too
+large, JSON that does not parse), is answered by aiohttp on the lane's own connection (a visit,
+proxy/lane/visits.py); a request aiohttp must read as it arrives hands it the connection for good.
+
+What the lane's requests still get: the Host/Origin guard, the size and time bounds of `listen` and `limits`, the
+request's metrics and log line, cancellation upstream when the client leaves, and a JSON-RPC error for every
+failure. With tracing on, or with replicas routing sessions (`listen.advertise_url`), every request is aiohttp's.
+
+Modules: `server.py` (the protocol factory and the deadlines' one timer), `connection.py` (reading: parsing,
+pipelining, visits), `routing.py` (which requests it serves: the head in one pass, then the body), `answers.py`
+(serving one request, behind the error boundary), `writer.py` (framing the answers), `visits.py` (aiohttp on the
+lane's connection).
+"""
+
+from aiohttp import web
+
+from .connection import LaneConnection
+from .server import Lane
+
+__all__ = ["Lane", "open_lane"]
+
+
+def open_lane(app: web.Application, handlers: web.Server, *, header_timeout_s: float) -> Lane:
+    """The lane for a started `app`, handing what it does not serve to `handlers` (aiohttp's web.Server)."""
+    return Lane(app, handlers, LaneConnection, header_timeout_s=header_timeout_s)

@@ -1,0 +1,182 @@
+"""Serving one request the lane took: relayed as received, bridged to a 2025-era upstream, or the proxy's own
+(tasks/* and task creation), behind the same boundary as aiohttp's (proxy/app.py): a wire error for what can be
+answered, the request's metrics and log line, and no traceback for anyone."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from multidict import CIMultiDict
+
+from ..config import ToolRule
+from ..context import MCP_PATH, RequestInfo, log_request_handled, wire_error
+from ..dispatch import create_task, task_answer, tool_call
+from ..envelope import check_modern_request
+from ..jsonrpc import INTERNAL_ERROR, UpstreamError, error_object, result_response
+from ..log import bind_request_id
+from ..metrics import method_label
+from ..upstream.http.client import CallError, CallResponse
+from ..upstream.http.headers import relayed_request_fields
+from ..upstream.http.relay import READ_WHOLE_BYTES, STREAM_TYPES, AnswerWatcher, broken_stream_event
+from .writer import LaneReply, LaneWriter
+
+if TYPE_CHECKING:
+    from .server import Lane
+
+log = structlog.get_logger(__name__)
+
+_VERBOSE_LEVELS = frozenset({"debug", "info"})
+
+
+@dataclass(slots=True)
+class LaneRequest:
+    """A whole request the lane serves itself, checked (proxy/lane/connection.py)."""
+
+    kind: str
+    """"modern" (relayed as received), "legacy" (bridged) or "owned" (the proxy's: tasks/*, task creation)."""
+    headers: CIMultiDict[str]
+    body: bytes
+    message: dict[str, Any]
+    fields: tuple[tuple[bytes, bytes], ...]
+    query: bytes
+    remote: str | None
+    rule: ToolRule | None
+    """The policy's rule for a tools/call's tool, when the request is "owned"."""
+
+
+async def answer(lane: Lane, out: LaneWriter, request: LaneRequest, *, keep_alive: bool) -> bool:
+    """Answer `request` on `out`; whether the connection may carry another request."""
+    headers, message = request.headers, request.message
+    client_id = headers.get("X-Request-Id")
+    usable = client_id is not None and 0 < len(client_id) <= 128 and client_id.isprintable()
+    bind_request_id(client_id if usable else None)
+    started = time.perf_counter()
+    info = RequestInfo(jsonrpc_id=message["id"], rpc_method=message["method"])
+    status = 500
+    try:
+        if request.kind == "owned":
+            status = await _owned(lane, out, request, info, keep_alive=keep_alive)
+        elif request.kind == "legacy":
+            info.mode = "legacy"
+            status = await lane.bridge.relay(headers, message, LaneReply(out, keep_alive))
+        else:
+            status = await _relay(lane, out, request, keep_alive=keep_alive)
+    except asyncio.CancelledError:
+        status = 499
+        raise
+    except Exception as exc:  # the boundary: no client sees a traceback
+        wired = wire_error(exc)
+        if wired is not None and not out.head_sent:
+            if isinstance(exc, UpstreamError):
+                log.warning("upstream_error", reason=exc.reason)
+                lane.metrics.upstream_errors.labels("request").inc()
+            error, status = wired
+            if info.mode == "passthrough":
+                info.mode = "local"
+            lane.metrics.errors.labels(str(error.get("code"))).inc()
+            out.error(info.jsonrpc_id, error, status, keep_alive=keep_alive)
+        elif isinstance(exc, ConnectionResetError) and out.transport is None:
+            status = 499
+        else:
+            log.exception("unhandled_error", exc_info=exc)
+            keep_alive = False
+            if not out.head_sent:  # else mid-answer: the client sees it broken, never a second head
+                status, info.mode = 200, "local"
+                lane.metrics.errors.labels(str(INTERNAL_ERROR)).inc()
+                out.error(info.jsonrpc_id, error_object(INTERNAL_ERROR, "Internal error in the proxy"), 200,
+                          keep_alive=False)  # fmt: skip
+    finally:
+        elapsed_s = time.perf_counter() - started
+        lane.metrics.observe_request(method_label(info.rpc_method), info.mode, status, elapsed_s)
+        if lane.policy.config.logging.level in _VERBOSE_LEVELS:
+            if info.tool is None and info.rpc_method == "tools/call":
+                tool = message["params"].get("name") if isinstance(message.get("params"), dict) else None
+                info.tool = tool if isinstance(tool, str) else None
+            log_request_handled(
+                info,
+                principal=lane.identity.logged_principal(headers),
+                http_method="POST",
+                path=MCP_PATH,
+                status=status,
+                client_closed=status == 499,
+                elapsed_s=elapsed_s,
+            )
+    return keep_alive
+
+
+async def _owned(lane: Lane, out: LaneWriter, request: LaneRequest, info: RequestInfo, *, keep_alive: bool) -> int:
+    """tasks/* and a task-creating tools/call, as proxy/dispatch.py serves them."""
+    message = request.message
+    if request.rule is None:
+        info.mode = "local"
+        result = await lane.tasks2026.handle(request.headers, message, info)
+        out.json(result_response(message["id"], result), 200, keep_alive=keep_alive)
+        return 200
+    info.tool, info.mode = message["params"]["name"], "task"
+    check_modern_request(message, request.headers)  # the checks dispatch makes before a task is created
+    call, key = tool_call(message, request.headers, request.remote, lane.identity)
+    outcome = await create_task(lane.runner, lane.identity, call, request.rule, key)
+    reply, status = task_answer(message["id"], outcome, info)
+    out.json(reply, status, keep_alive=keep_alive)
+    return status
+
+
+async def _relay(lane: Lane, out: LaneWriter, request: LaneRequest, *, keep_alive: bool) -> int:
+    upstream = lane.gateway.relay.upstream  # type: ignore[attr-defined]  # an HttpRelay: Lane.route
+    message = request.message
+    try:
+        fields = relayed_request_fields(request.fields, request.headers)
+        response = await upstream.post(fields, request.body, query=request.query.decode(), relay=True)
+    except (OSError, ValueError) as exc:  # CallError included; ValueError: a header that cannot be sent
+        raise UpstreamError(f"upstream unreachable ({exc})", upstream=upstream.url) from exc
+    finally:
+        request.body = b""  # not held while the answer streams
+    with contextlib.closing(response):  # pooled when read to its end, else closed: the upstream sees a cancel
+        status = response.status
+        stream = response.content_type in STREAM_TYPES
+        length = response.headers.get("content-length")  # the parser refused a malformed one
+        empty = status in (204, 304)
+        if not empty and (stream or length is None or int(length) > READ_WHOLE_BYTES):
+            whole = None if stream or length is None else int(length)
+            await _relay_stream(lane, out, response, whole, message["id"], keep_alive=keep_alive)
+            return status
+        try:
+            payload = await response.read() if not empty else b""
+        except CallError as exc:
+            raise UpstreamError(f"the upstream connection broke mid-response ({exc})", upstream=upstream.url) from exc
+        out.write(out.relayed_head(response, keep_alive, None if empty else len(payload)) + payload)
+        return status
+
+
+async def _relay_stream(
+    lane: Lane, out: LaneWriter, response: CallResponse, length: int | None, request_id: Any, *, keep_alive: bool
+) -> None:
+    """Each chunk as it arrives (a stream is never buffered to its end), chunked unless a length is known."""
+    chunked = length is None
+    out.write(out.relayed_head(response, keep_alive, length))
+    watcher = AnswerWatcher(request_id) if response.content_type in STREAM_TYPES else None
+    chunks = response.iter_chunks()
+    while True:
+        try:
+            chunk = await anext(chunks, b"")
+        except (OSError, CallError) as exc:
+            log.warning("upstream_stream_broken", reason=str(exc) or type(exc).__name__)
+            if watcher is not None and not watcher.answered:
+                event = broken_stream_event(request_id, lane.gateway.url)
+                out.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(event), event))
+                return
+            out.closing = True  # the client sees a broken response, as the proxy did
+            return
+        if not chunk:
+            break
+        if watcher is not None:
+            watcher.feed(chunk)
+        out.write(b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunked else chunk)
+        await out.drain()
+    if chunked:
+        out.write(b"0\r\n\r\n")

@@ -1,0 +1,329 @@
+"""One client connection while the lane has it: requests parsed (httptools), the ones the lane serves answered in
+order (proxy/lane/answers.py), the others visited on aiohttp (proxy/lane/visits.py) or handed to it for good."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from typing import TYPE_CHECKING
+
+import httptools
+
+from ..jsonrpc import INVALID_REQUEST, error_object
+from .answers import LaneRequest, answer
+from .routing import Head, lane_request
+from .visits import Visit
+from .writer import LaneWriter
+
+if TYPE_CHECKING:
+    from .server import Lane
+
+MAX_HEAD_BYTES = 32 * 1024
+"""A longer head is aiohttp's to refuse (its limits are lower): the lane never buffers more of one."""
+_MAX_PENDING_BYTES = 64 * 1024
+"""Bytes a client may send ahead of an answer still owed before the lane stops reading its connection."""
+_VISITS_IN_A_ROW = 8
+"""Requests in a row that aiohttp answers on a lane connection before it is handed the connection for good."""
+_NEVER = float("inf")
+
+
+class _HandOver(Exception):
+    """This request is aiohttp's: raised out of a parser callback to stop parsing there."""
+
+
+class _Pipelined(Exception):
+    """A second request arrived in the same read as the end of one the lane serves."""
+
+
+class _Probe:
+    """Counts the requests a parser saw complete (LaneConnection._split_pipelined)."""
+
+    complete = 0
+
+    def on_message_complete(self) -> None:
+        self.complete += 1
+
+
+class LaneConnection(asyncio.Protocol):
+    """One client connection while the lane has it."""
+
+    def __init__(self, lane: Lane) -> None:
+        self._lane = lane
+        self._transport: asyncio.Transport | None = None
+        self.out: LaneWriter | None = None
+        self._parser = httptools.HttpRequestParser(self)
+        self._raw = bytearray()  # the bytes of the request being read, for aiohttp should it be handed over
+        self._url = b""
+        self._fields: list[tuple[bytes, bytes]] = []
+        self._body: list[bytes] = []
+        self._head: Head | None = None
+        self._head_bytes = 0
+        self._reading = "head"  # head | body | answering
+        self.deadline = lane.loop.time() + lane.header_timeout_s
+        """When the head (or, once it is in, the body) being read is late."""
+        self._pending = bytearray()  # bytes received while an answer is owed
+        self.running: asyncio.Task[None] | None = None
+        self._visit_due = False  # the request read is aiohttp's to answer (a visit), and it has been read whole
+        self._visit: Visit | None = None
+        self.visiting = False  # aiohttp's answer to a visit is under way
+        self._visits_in_a_row = 0
+        self._pipelined = False  # a second request began in the read that ended this one
+
+    # asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        self.out = LaneWriter(self._transport, self._lane.loop, self._lane.date)  # type: ignore[arg-type]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        self._lane.connections.add(self)
+        if not self._lane.admit(self._transport):  # type: ignore[arg-type]
+            self._lane.connections.discard(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self.running is not None or self.visiting:  # an answer is owed: what comes next waits for it
+            self._pending += data
+            if len(self._pending) > _MAX_PENDING_BYTES and self._transport is not None:
+                self._transport.pause_reading()
+            return
+        self._feed(data)
+
+    def eof_received(self) -> bool:
+        return False  # closes the transport; a call in flight is cancelled by connection_lost
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lane.connections.discard(self)
+        if self._visit is not None:
+            self._drop_visit(exc, now=True)  # aiohttp's handler learns the client left (and cancels what it runs)
+        if self.running is not None:
+            self.running.cancel()  # the client left: the upstream call is closed, as aiohttp's handler_cancellation
+        if self.out is not None:
+            self.out.lost()
+        self._transport = None
+
+    def pause_writing(self) -> None:
+        if self.visiting and self._visit is not None:
+            self._visit.handler.pause_writing()
+        if self.out is not None:
+            self.out.pause()
+
+    def resume_writing(self) -> None:
+        if self._visit is not None:
+            self._visit.handler.resume_writing()
+        if self.out is not None:
+            self.out.resume()
+
+    # parsing
+
+    def _feed(self, data: bytes) -> None:
+        self._raw += data
+        if self._reading == "head":
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._hand_over()
+                return
+        try:
+            self._parser.feed_data(data)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade):
+            rest = self._split_pipelined() if self._pipelined else None
+            self._pipelined = False
+            if rest is not None:
+                # Pipelined requests wait, in order, for the answer to this one.
+                self._pending[:0] = rest
+                self._parser = httptools.HttpRequestParser(self)
+            elif self.running is not None:
+                # What followed a request the lane serves cannot be told apart from it: the answer, then the end.
+                self.out.closing = True  # type: ignore[union-attr]
+            else:
+                # A request aiohttp must see as it came (or pipelined ones, or bytes only aiohttp will judge).
+                self._hand_over()
+                return
+        if self.running is not None:
+            self._raw = bytearray()
+        elif self._visit_due:
+            self._visit_due = False
+            self._start_visit()
+
+    def _split_pipelined(self) -> bytes | None:
+        """The bytes after the request just read, when a second one began in the same read: its head ends at the
+        first blank line and its body has the Content-Length the lane required, checked by parsing it again.
+        None when that does not hold."""
+        raw = self._raw
+        head_end = raw.find(b"\r\n\r\n")
+        if head_end < 0:
+            return None
+        lengths = [value for name, value in self._fields if name.lower() == b"content-length"]
+        end = head_end + 4 + (int(lengths[0]) if lengths else 0)
+        probe = _Probe()
+        try:
+            httptools.HttpRequestParser(probe).feed_data(bytes(raw[:end]))
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade, ValueError):
+            return None
+        if probe.complete != 1:
+            return None
+        rest = bytes(raw[end:])
+        del raw[end:]
+        return rest
+
+    def on_message_begin(self) -> None:
+        if self.running is not None or self._visit_due:
+            self._pipelined = True
+            raise _Pipelined  # parsed after this request's answer, from _pending
+        self._url = b""
+        self._fields = []
+        self._body = []
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._fields.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        lane = self._lane
+        config = lane.policy.config
+        self._head = head = Head(
+            self._parser,
+            self._url,
+            self._fields,
+            max_body_bytes=config.limits.max_body_bytes,
+            rule_for=config.rule_for,
+            lane_open=lane.open,
+        )
+        if head.kind is None and not head.whole:
+            raise _HandOver
+        self._reading = "body"
+        self.deadline = lane.loop.time() + config.listen.body_timeout_s
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        head = self._head
+        request = None if head is None else lane_request(self._lane, head, self._transport, self._url, self._fields,
+                                                         self._body)  # fmt: skip
+        if request is None:
+            self._visit_due = True  # once the parser has returned: anything after it in this read is pipelined
+            return
+        self.out.head_sent = False  # type: ignore[union-attr]
+        self._reading = "answering"
+        self.deadline = _NEVER  # the client's own wait: as long as the upstream call takes
+        self._lane.counts["served" if request.kind == "owned" else "relayed"] += 1
+        self._visits_in_a_row = 0
+        self.running = self._lane.loop.create_task(self._answer(request, self._parser.should_keep_alive()))
+
+    async def _answer(self, request: LaneRequest, keep_alive: bool) -> None:
+        keep_alive = await answer(self._lane, self.out, request, keep_alive=keep_alive)  # type: ignore[arg-type]
+        self.running = None
+        self._answered(keep_alive)
+
+    def _hand_over(self) -> None:
+        self.deadline = _NEVER
+        self._visit_due = False
+        if self._visit is not None:
+            self._drop_visit(None, now=True)  # before the new handler: the cap counts the connection once
+        transport, self._transport = self._transport, None
+        if transport is None or transport.is_closing():
+            return
+        self._parser = None  # type: ignore[assignment]  # no cycle back to this protocol
+        self.out = None
+        self._lane.hand_over(self, transport, bytes(self._raw))
+
+    # visits (proxy/lane/visits.py)
+
+    def _start_visit(self) -> None:
+        transport = self._transport
+        if transport is None:
+            return
+        self._visits_in_a_row += 1
+        if self._visits_in_a_row > _VISITS_IN_A_ROW:
+            # A connection of requests the lane leaves to aiohttp (GETs, a 2025 session's calls): the lane's parse
+            # only adds to aiohttp's, so aiohttp reads it from here on.
+            self._hand_over()
+            return
+        if self._visit is None:
+            lane = self._lane
+            lane.visitors += 1
+            lane.own = True  # an admitted connection: the cap does not judge it again
+            try:
+                self._visit = Visit(
+                    transport, lane.handlers, on_answered=self._visit_answered, on_close=self._visit_closed
+                )
+            finally:
+                lane.own = False
+        self._lane.counts["visited"] += 1
+        self.visiting = True
+        self._reading, self.deadline = "answering", _NEVER
+        raw, self._raw = bytes(self._raw), bytearray()
+        self._visit.request(raw)
+
+    def _visit_answered(self, keep_alive: bool) -> None:
+        if not self.visiting:
+            return
+        self.visiting = False
+        self._answered(keep_alive)
+
+    def _visit_closed(self) -> None:
+        """aiohttp closes its transport: mid-answer (an error, Connection: close, its shutdown) that ends the
+        client's connection; between requests (its keep-alive timer) only its handler ends."""
+        if self.visiting or (self._visit is not None and self._visit.answering):
+            self.visiting = False
+            self.abort()
+        elif self._visit is not None:
+            self._drop_visit(None)
+
+    def _drop_visit(self, exc: Exception | None, *, now: bool = False) -> None:
+        """End aiohttp's handler for this connection; `now` unless aiohttp itself is closing it (no re-entry)."""
+        visit, self._visit = self._visit, None
+        if visit is None:
+            return
+        self._lane.visitors -= 1
+        if now:
+            visit.handler.connection_lost(exc)
+        else:
+            self._lane.loop.call_soon(visit.handler.connection_lost, exc)
+
+    # deadlines
+
+    def expired(self) -> None:
+        """The head or body being read is late (Lane._expire): a late head closes the connection, as aiohttp's
+        keep-alive timer does; a late body gets 408, as proxy/dispatch.py's read does."""
+        self.deadline = _NEVER
+        if self._reading == "body" and self._transport is not None and self.out is not None:
+            lane = self._lane
+            body_timeout_s = lane.policy.config.listen.body_timeout_s
+            reason = f"Request body not received within {body_timeout_s:g} s (listen.body_timeout_s)"
+            lane.metrics.errors.labels(str(INVALID_REQUEST)).inc()
+            self.out.error(None, error_object(INVALID_REQUEST, reason), 408, keep_alive=False)
+            lane.metrics.observe_request("none", "local", 408, body_timeout_s)
+        self.abort()
+
+    def _answered(self, keep_alive: bool) -> None:
+        transport = self._transport
+        if transport is None:
+            return
+        if not keep_alive or (self.out is not None and self.out.closing):
+            transport.close()
+            return
+        self._reading, self._head_bytes = "head", 0
+        self.deadline = self._lane.loop.time() + self._lane.header_timeout_s
+        pending, self._pending = self._pending, bytearray()
+        if pending:
+            transport.resume_reading()
+            self._feed(bytes(pending))
+
+    # stopping
+
+    def close_when_idle(self) -> None:
+        if self.running is None and not self.visiting:
+            self.abort()
+        elif self.out is not None:
+            self.out.closing = True
+
+    def abort(self) -> None:
+        self.deadline = _NEVER
+        if self._transport is not None:
+            self._transport.close()

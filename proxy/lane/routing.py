@@ -1,0 +1,165 @@
+"""Which requests the lane serves itself: what the head allows, from one pass over its fields, then what the body
+says."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import httptools
+from aiohttp.http_parser import SINGLETON_HEADERS
+from multidict import CIMultiDict
+
+from ..config import TaskMode, ToolRule
+from ..context import MCP_PATH
+from ..dispatch import answered_here, relayed_as_is
+from ..envelope import TASK_METHODS, check_modern_request, check_routing_headers, decode_header_value
+from ..jsonrpc import JsonRpcError, loads
+from .answers import LaneRequest
+
+if TYPE_CHECKING:
+    from .server import Lane
+
+MAX_FIELDS = 100
+MAX_FIELD_BYTES = 8190
+"""aiohttp's server refuses longer lines and more fields: the lane hands such requests over rather than relay what
+aiohttp would refuse."""
+_MCP_PATH = MCP_PATH.encode()
+_SINGLETONS = frozenset(name.lower().encode() for name in SINGLETON_HEADERS)
+_FRAMING = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
+_NOT_LANES = frozenset({"subscriptions/listen", "server/discover"})
+
+
+class Head:
+    """One request head, read once: whether aiohttp may answer it on the lane's connection (`whole`), and whether
+    the lane may serve it itself (`kind`: "relay", a request the proxy does not own; "owned", tasks/* or a tool the
+    policy runs as a task; None: aiohttp's). The body decides in the end (proxy/lane/connection.py)."""
+
+    __slots__ = ("whole", "kind", "tool", "rule", "_rule_for")
+
+    def __init__(
+        self,
+        parser: httptools.HttpRequestParser,
+        url: bytes,
+        fields: list[tuple[bytes, bytes]],
+        *,
+        max_body_bytes: int,
+        rule_for: Callable[[str], ToolRule | None],
+        lane_open: bool,
+    ) -> None:
+        self._rule_for = rule_for
+        self.tool: str | None = None
+        self.rule: ToolRule | None = None
+        self.kind: str | None = None
+        method = parser.get_method()
+        self.whole = (
+            parser.get_http_version() == "1.1"
+            and method not in (b"HEAD", b"CONNECT")
+            and len(url) <= MAX_FIELD_BYTES
+            and len(fields) <= MAX_FIELDS
+        )
+        if not self.whole:
+            return
+        lengths = 0
+        length = mcp_method = name = None
+        plain = True  # ASCII, within bounds, no repeated singleton: nothing for aiohttp alone to judge
+        seen: set[bytes] = set()
+        for field, value in fields:
+            lower = field.lower()
+            if lower in _FRAMING:
+                self.whole = False  # aiohttp must read such a body as it arrives, or change the connection
+                return
+            if lower == b"content-length":
+                lengths += 1
+                length = value
+                try:
+                    if int(value) > max_body_bytes:
+                        self.whole = False
+                        return
+                except ValueError:
+                    self.whole = False
+                    return
+            if not value.isascii() or len(value) > MAX_FIELD_BYTES:
+                plain = False  # what the proxy says of a header that is not UTF-8 is aiohttp's to say
+            elif lower in _SINGLETONS:
+                if lower in seen:
+                    plain = False  # aiohttp refuses a repeated Host, Content-Type...: it must see the request
+                seen.add(lower)
+            elif lower == b"mcp-method":
+                mcp_method = value.decode().strip()
+            elif lower == b"mcp-name":
+                name = value
+        if not (lane_open and plain and method == b"POST" and lengths == 1 and mcp_method is not None):
+            return
+        if url.partition(b"?")[0] != _MCP_PATH or int(length) <= 0:  # type: ignore[arg-type]
+            return
+        if mcp_method in TASK_METHODS:
+            self.kind = "owned"
+        elif mcp_method.startswith("tasks/") or mcp_method in _NOT_LANES:
+            return
+        elif mcp_method == "tools/call" and name is not None:
+            # A tool the policy runs as a task is known from the header, without reading the body (which must
+            # agree: proxy/lane/connection.py checks).
+            self.tool = decode_header_value(name.decode())
+            self.rule = rule_for(self.tool) if self.tool is not None else None
+            self.kind = "owned" if self.rule is not None and self.rule.task is not TaskMode.NEVER else "relay"
+        else:
+            self.kind = "relay"
+
+    def rule_for(self, tool: str) -> ToolRule | None:
+        """The policy's rule for `tool`: the one looked up from the head when the body names the same tool."""
+        return self.rule if tool == self.tool and tool is not None else self._rule_for(tool)
+
+
+def lane_request(
+    lane: Lane,
+    head: Head,
+    transport: asyncio.Transport | None,
+    url: bytes,
+    fields: list[tuple[bytes, bytes]],
+    body_parts: list[bytes],
+) -> LaneRequest | None:
+    """The request just read, when the lane serves it itself: what its head allowed, and its body says; None
+    when it is aiohttp's."""
+    if head.kind is None:
+        return None
+    kind = head.kind if head.kind == "owned" else lane.route()
+    if kind is None:
+        return None
+    headers = CIMultiDict([(name.decode(), value.decode()) for name, value in fields])
+    if not lane.guard.host_allowed(headers.get("Host")) or not lane.guard.origin_allowed(headers.get("Origin")):
+        return None
+    body = b"".join(body_parts)
+    try:
+        message = loads(body)
+    except ValueError:
+        return None
+    if kind == "owned":
+        owned = answered_here(message, headers)
+        if owned is None or (owned == "create") != (head.rule is not None):
+            return None
+        if owned == "create" and message["params"]["name"] != head.tool:
+            return None  # aiohttp's path says how the headers disagree
+    else:
+        if not relayed_as_is(message, headers, head.rule_for):
+            return None
+        try:
+            if kind == "legacy":
+                check_modern_request(message, headers)  # a 2025 server cannot check the 2026 headers itself
+            else:
+                check_routing_headers(message, headers, required=False)
+        except JsonRpcError:
+            return None
+    peer = transport.get_extra_info("peername") if transport is not None else None
+    _, _, query = url.partition(b"?")
+    return LaneRequest(
+        kind=kind,
+        headers=headers,
+        body=body,
+        message=message,
+        fields=tuple(fields),
+        query=query,
+        remote=peer[0] if isinstance(peer, tuple) else None,
+        rule=head.rule if kind == "owned" else None,
+    )

@@ -1,0 +1,126 @@
+"""Writing a lane connection's answers: heads framed as aiohttp frames its own, bodies as they come, and the flow
+control of a client that reads slowly."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from http import HTTPStatus
+from typing import Any
+
+from aiohttp.http import SERVER_SOFTWARE
+
+from ..jsonrpc import dumps, error_response
+from ..upstream.http.client import CallResponse
+
+_SERVER = f"Server: {SERVER_SOFTWARE}\r\n".encode()
+
+
+class LaneWriter:
+    """One client connection's write side while the lane answers on it."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop, date: Callable[[], str]) -> None:
+        self.transport: asyncio.Transport | None = transport
+        """None once the client has gone."""
+        self.closing = False
+        """The connection ends after the answer being written (Connection: close)."""
+        self.head_sent = False
+        """Of the answer being written: past this, an error can only break the connection, not be answered."""
+        self._loop = loop
+        self._date = date
+        self._paused: asyncio.Future[None] | None = None
+
+    def write(self, data: bytes) -> None:
+        transport = self.transport
+        if transport is None:
+            raise ConnectionResetError("the client closed the connection")
+        self.head_sent = True
+        transport.write(data)
+
+    async def drain(self) -> None:
+        paused = self._paused
+        if paused is not None:
+            if not paused.done():
+                await paused
+            elif paused.exception() is not None:
+                raise ConnectionResetError("the client closed the connection")
+        if self.transport is None:
+            raise ConnectionResetError("the client closed the connection")
+
+    def pause(self) -> None:
+        if self._paused is None or self._paused.done():
+            self._paused = self._loop.create_future()
+
+    def resume(self) -> None:
+        if self._paused is not None and not self._paused.done():
+            self._paused.set_result(None)
+
+    def lost(self) -> None:
+        self.transport = None
+        if self._paused is not None and not self._paused.done():
+            self._paused.set_exception(ConnectionResetError("the client closed the connection"))
+
+    def relayed_head(self, response: CallResponse, keep_alive: bool, length: int | None) -> bytes:
+        """The upstream's status line and end-to-end fields as received, framed for this connection."""
+        relayed = response.relayed_headers
+        assert relayed is not None
+        status = response.status
+        lines = [b"HTTP/1.1 %d %s\r\n" % (status, response.reason.encode("latin-1"))]
+        # Decoded as latin-1 by the lean client: encoded back the same way, byte for byte.
+        lines.extend(f"{name}: {value}\r\n".encode("latin-1") for name, value in relayed.items())
+        if "Date" not in relayed:
+            lines.append(f"Date: {self._date()}\r\n".encode())
+        if "Server" not in relayed:
+            lines.append(_SERVER)
+        if length is not None:
+            lines.append(b"Content-Length: %d\r\n" % length)
+        elif status not in (204, 304):
+            lines.append(b"Transfer-Encoding: chunked\r\n")
+        if not keep_alive or self.closing:
+            lines.append(b"Connection: close\r\n")
+        lines.append(b"\r\n")
+        return b"".join(lines)
+
+    def own_head(self, status: int, content_type: str, keep_alive: bool, length: int | None) -> bytes:
+        """The head of an answer the proxy makes itself, as aiohttp would write it."""
+        head = f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: {content_type}\r\n"
+        head += f"Date: {self._date()}\r\nServer: {SERVER_SOFTWARE}\r\n"
+        head += f"Content-Length: {length}\r\n" if length is not None else "Transfer-Encoding: chunked\r\n"
+        if not keep_alive or self.closing:
+            head += "Connection: close\r\n"
+        return head.encode() + b"\r\n"
+
+    def json(self, message: dict[str, Any], status: int, *, keep_alive: bool) -> None:
+        body = dumps(message)
+        self.write(self.own_head(status, "application/json", keep_alive, len(body)) + body)
+
+    def error(self, request_id: Any, error: dict[str, Any], status: int, *, keep_alive: bool) -> None:
+        self.json(error_response(request_id, error), status, keep_alive=keep_alive)
+
+
+class LaneReply:
+    """A bridged call's answer (proxy/upstream/bridge.py) written by the lane: one JSON body, or an event stream
+    once progress came, as bridge.StreamReply writes it on aiohttp."""
+
+    def __init__(self, writer: LaneWriter, keep_alive: bool) -> None:
+        self._writer = writer
+        self._keep_alive = keep_alive
+        self._streaming = False
+
+    async def event(self, message: dict[str, Any]) -> None:
+        writer = self._writer
+        if not self._streaming:
+            self._streaming = True
+            head = writer.own_head(200, "text/event-stream", self._keep_alive, None)
+            writer.write(head[:-2] + b"Cache-Control: no-cache\r\n\r\n")
+        data = b"event: message\ndata: " + dumps(message) + b"\n\n"
+        writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+        await writer.drain()
+
+    async def finish(self, message: dict[str, Any], status: int = 200) -> int:
+        if not self._streaming:
+            self._writer.json(message, status, keep_alive=self._keep_alive)
+            return status
+        await self.event(message)
+        self._writer.write(b"0\r\n\r\n")
+        return 200
