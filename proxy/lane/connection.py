@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import httptools
 
 from ..jsonrpc import INVALID_REQUEST, error_object
-from .answers import LaneRequest, answer
+from .answers import answer
 from .routing import Head, lane_request
 from .visits import Visit
 from .writer import LaneWriter
@@ -203,8 +203,7 @@ class LaneConnection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         head = self._head
-        request = None if head is None else lane_request(self._lane, head, self._transport, self._url, self._fields,
-                                                         self._body)  # fmt: skip
+        request = None if head is None else lane_request(self._lane, head, self._url, self._fields, self._body)
         if request is None:
             self._visit_due = True  # once the parser has returned: anything after it in this read is pipelined
             return
@@ -213,10 +212,12 @@ class LaneConnection(asyncio.Protocol):
         self.deadline = _NEVER  # the client's own wait: as long as the upstream call takes
         self._lane.counts["served" if request.kind == "owned" else "relayed"] += 1
         self._visits_in_a_row = 0
-        self.running = self._lane.loop.create_task(self._answer(request, self._parser.should_keep_alive()))
+        keep_alive = self._parser.should_keep_alive()
+        self.running = self._lane.loop.create_task(
+            answer(self._lane, self.out, request, keep_alive=keep_alive, then=self._served)  # type: ignore[arg-type]
+        )
 
-    async def _answer(self, request: LaneRequest, keep_alive: bool) -> None:
-        keep_alive = await answer(self._lane, self.out, request, keep_alive=keep_alive)  # type: ignore[arg-type]
+    def _served(self, keep_alive: bool) -> None:
         self.running = None
         self._answered(keep_alive)
 

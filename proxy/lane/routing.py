@@ -3,7 +3,6 @@ says."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -26,8 +25,15 @@ MAX_FIELD_BYTES = 8190
 """aiohttp's server refuses longer lines and more fields: the lane hands such requests over rather than relay what
 aiohttp would refuse."""
 _MCP_PATH = MCP_PATH.encode()
-_SINGLETONS = frozenset(name.lower().encode() for name in SINGLETON_HEADERS)
-_FRAMING = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
+_FRAMING, _LENGTH, _SINGLETON, _METHOD, _NAME = "framing", "length", "singleton", "method", "name"
+_ROLES = {
+    **dict.fromkeys((name.lower().encode() for name in SINGLETON_HEADERS), _SINGLETON),
+    **dict.fromkeys((b"transfer-encoding", b"expect", b"upgrade"), _FRAMING),
+    b"content-length": _LENGTH,
+    b"mcp-method": _METHOD,
+    b"mcp-name": _NAME,
+}
+"""What a header field is to the lane: one lookup per field (SINGLETON_HEADERS: aiohttp refuses a repeated one)."""
 _NOT_LANES = frozenset({"subscriptions/listen", "server/discover"})
 
 
@@ -67,10 +73,11 @@ class Head:
         seen: set[bytes] = set()
         for field, value in fields:
             lower = field.lower()
-            if lower in _FRAMING:
+            role = _ROLES.get(lower)
+            if role is _FRAMING:
                 self.whole = False  # aiohttp must read such a body as it arrives, or change the connection
                 return
-            if lower == b"content-length":
+            if role is _LENGTH:
                 lengths += 1
                 length = value
                 try:
@@ -82,14 +89,16 @@ class Head:
                     return
             if not value.isascii() or len(value) > MAX_FIELD_BYTES:
                 plain = False  # what the proxy says of a header that is not UTF-8 is aiohttp's to say
-            elif lower in _SINGLETONS:
-                if lower in seen:
-                    plain = False  # aiohttp refuses a repeated Host, Content-Type...: it must see the request
-                seen.add(lower)
-            elif lower == b"mcp-method":
+            elif role is None:
+                continue
+            elif role is _METHOD:
                 mcp_method = value.decode().strip()
-            elif lower == b"mcp-name":
+            elif role is _NAME:
                 name = value
+            elif lower in seen:  # a singleton, Content-Length included
+                plain = False  # aiohttp refuses a repeated Host, Content-Type...: it must see the request
+            else:
+                seen.add(lower)
         if not (lane_open and plain and method == b"POST" and lengths == 1 and mcp_method is not None):
             return
         if url.partition(b"?")[0] != _MCP_PATH or int(length) <= 0:  # type: ignore[arg-type]
@@ -115,7 +124,6 @@ class Head:
 def lane_request(
     lane: Lane,
     head: Head,
-    transport: asyncio.Transport | None,
     url: bytes,
     fields: list[tuple[bytes, bytes]],
     body_parts: list[bytes],
@@ -151,7 +159,6 @@ def lane_request(
                 check_routing_headers(message, headers, required=False)
         except JsonRpcError:
             return None
-    peer = transport.get_extra_info("peername") if transport is not None else None
     _, _, query = url.partition(b"?")
     return LaneRequest(
         kind=kind,
@@ -160,6 +167,5 @@ def lane_request(
         message=message,
         fields=tuple(fields),
         query=query,
-        remote=peer[0] if isinstance(peer, tuple) else None,
         rule=head.rule if kind == "owned" else None,
     )
