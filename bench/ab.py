@@ -50,8 +50,8 @@ HEADERS = {"Content-Type": "application/json", "Accept": "application/json, text
 
 
 def package_of(tree: Path) -> str:
-    """The import name of the proxy in a tree (it was `proxy` before it had one of its own)."""
-    return "mcp_tasks_proxy" if (tree / "mcp_tasks_proxy" / "__init__.py").exists() else "proxy"
+    """The import name of the proxy installed from a tree (it was `proxy` before it had one of its own)."""
+    return "mcp_tasks_proxy" if '"mcp_tasks_proxy" = "proxy"' in (tree / "pyproject.toml").read_text() else "proxy"
 
 
 def base_python(commit: str) -> tuple[Path, str]:
@@ -213,7 +213,7 @@ def main() -> None:
     base, base_package = base_python(args.base)
     # A comparison of a tree with itself reads as "no change": make sure A and B are the trees they claim to be.
     a_tree, b_tree = imported_from(base, base_package), imported_from(sys.executable, package_of(ROOT))
-    if not a_tree.is_relative_to(CACHE.resolve()) or b_tree != (ROOT / package_of(ROOT)).resolve():
+    if not a_tree.is_relative_to(CACHE.resolve()) or b_tree != (ROOT / "proxy").resolve():
         raise SystemExit(f"A imports the proxy from {a_tree} and B from {b_tree}: not the two trees to compare")
     head = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True)
     print(f"# A/B: {args.base} (A) against the work tree {head.stdout.strip()} (B) · {os.cpu_count()} cores · "

@@ -98,7 +98,9 @@ def proxy(
     }
     path = WORK / f"policy-{port}.json"  # JSON is YAML too
     path.write_text(json.dumps(policy))
-    with process(sys.executable, "-m", "proxy", "--config", str(path), "--port", str(port), port=port) as proc:
+    with process(
+        sys.executable, "-m", "mcp_tasks_proxy", "--config", str(path), "--port", str(port), port=port
+    ) as proc:
         wait_ready(port)
         url = f"http://127.0.0.1:{port}/mcp"
         if command is not None:  # one request served (the tools list) before anything is measured

@@ -69,7 +69,7 @@ def main() -> int:
             wait_for_port(args.server_port, server, "the example server")
         config = str(HERE.parent / "config" / "example.yaml")
         proxy = subprocess.Popen(
-            [sys.executable, "-m", "proxy", "--config", config, "--port", str(args.proxy_port), *where]
+            [sys.executable, "-m", "mcp_tasks_proxy", "--config", config, "--port", str(args.proxy_port), *where]
         )
         wait_for_port(args.proxy_port, proxy, "mcp-tasks-proxy")
         wait_ready(args.proxy_port, proxy)

@@ -24,12 +24,14 @@ import trustme
 import yaml
 from aiohttp import web
 
-from proxy.app import create_app
-from proxy.config import parse_config
-from proxy.serve import bind, start
+from mcp_tasks_proxy.app import create_app
+from mcp_tasks_proxy.config import parse_config
+from mcp_tasks_proxy.serve import bind, start
 from tests.factories import McpClient, Reply
 
 ROOT = Path(__file__).resolve().parents[1]
+PROXY = [sys.executable, "-m", "mcp_tasks_proxy"]
+"""The proxy's command line, as installed."""
 
 # What the suite needs beyond the virtualenv: each prerequisite, the binaries it is, and the one reason given (the
 # same string every time, so that `-ra` folds its skips into one line).
@@ -151,7 +153,7 @@ def stop(process: subprocess.Popen[bytes]) -> None:
 def quiet_proxy(policy: Path, upstream: str, port: int) -> Iterator[subprocess.Popen[bytes]]:
     """The proxy command as a real process on `port` with this policy, logging errors only; stopped on exit."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "proxy", "--config", str(policy), "--upstream", upstream, "--port", str(port),
+        [*PROXY, "--config", str(policy), "--upstream", upstream, "--port", str(port),
          "--log-level", "error"],
         cwd=ROOT,
     )  # fmt: skip
@@ -539,7 +541,9 @@ def replicas(tmp_path, redis_url) -> Iterator:
         log = tmp_path / f"replica-{port}.log"
         with open(log, "wb") as sink:
             process = subprocess.Popen(
-                [sys.executable, "-m", "proxy", "--config", str(path), "--port", str(port)], stderr=sink, cwd=ROOT
+                [*PROXY, "--config", str(path), "--port", str(port)],
+                stderr=sink,
+                cwd=ROOT,
             )
         wait_for_port(port, process)
         replica = Replica(process, f"http://127.0.0.1:{port}/mcp", log)

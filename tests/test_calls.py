@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from proxy.upstream.http.client import CallClient, CallError
+from mcp_tasks_proxy.upstream.http.client import CallClient, CallError
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

@@ -7,11 +7,11 @@ import pytest
 import structlog
 from aiohttp import web
 
-from proxy.check import list_tools, unmatched_rules, warn_unmatched_rules
-from proxy.config import ToolRule, parse_config
-from proxy.security import Identity
-from proxy.upstream import build_gateway
-from proxy.upstream.tools import MAX_TOOL_PAGES
+from mcp_tasks_proxy.check import list_tools, unmatched_rules, warn_unmatched_rules
+from mcp_tasks_proxy.config import ToolRule, parse_config
+from mcp_tasks_proxy.security import Identity
+from mcp_tasks_proxy.upstream import build_gateway
+from mcp_tasks_proxy.upstream.tools import MAX_TOOL_PAGES
 
 TOOLS = ["slow_report", "slow_render", "personal_report", "add"]
 

@@ -16,7 +16,7 @@ import time
 import aiohttp
 from aiohttp import web
 
-from tests.conftest import ROOT, eventually, free_port, stop, task_reaches, wait_for_port
+from tests.conftest import PROXY, ROOT, eventually, free_port, stop, task_reaches, wait_for_port
 from tests.factories import McpClient
 
 
@@ -46,7 +46,7 @@ async def test_runs_from_environment_alone_and_serves_a_task(mcp_upstream, tmp_p
     }
     log_path = tmp_path / "proxy.log"
     with open(log_path, "wb") as log_file:
-        process = subprocess.Popen([sys.executable, "-m", "proxy"], env=env, stderr=log_file, cwd=ROOT)
+        process = subprocess.Popen([*PROXY], env=env, stderr=log_file, cwd=ROOT)
         try:
             wait_for_port(port, process)
             async with aiohttp.ClientSession() as session:
@@ -87,7 +87,7 @@ def test_a_policy_that_narrows_the_images_listen_address_to_loopback_is_warned_a
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MCP_TASKS_PROXY_")}
     log_path = tmp_path / "proxy.log"
     with open(log_path, "wb") as log_file:
-        process = subprocess.Popen([sys.executable, "-m", "proxy"], env=clean | env, stderr=log_file, cwd=ROOT)
+        process = subprocess.Popen([*PROXY], env=clean | env, stderr=log_file, cwd=ROOT)
         try:
             wait_for_port(port, process)
             deadline = time.monotonic() + 30  # logged once serving: the port may open a moment before
@@ -105,7 +105,7 @@ def test_a_policy_that_narrows_the_images_listen_address_to_loopback_is_warned_a
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MCP_TASKS_PROXY_")}
-    return subprocess.run([sys.executable, "-m", "proxy", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([*PROXY, *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=60, env={**clean, **(env or {})})  # fmt: skip
 
 
@@ -140,7 +140,7 @@ async def test_check_says_what_an_upstream_that_is_not_mcp_answered(fake_upstrea
     fake = await fake_upstream(not_found)
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MCP_TASKS_PROXY_")}
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "proxy", "check", "--upstream", fake.url,
+        sys.executable, "-m", "mcp_tasks_proxy", "check", "--upstream", fake.url,
         cwd=ROOT, env=clean, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     _, stderr = await process.communicate()  # async: this loop serves the fake upstream meanwhile
@@ -183,7 +183,7 @@ async def test_the_proxy_names_rules_that_match_no_tool_once_the_upstream_first_
     log_path = tmp_path / "proxy.log"
     upstream = None
     with open(log_path, "wb") as log_file:
-        process = subprocess.Popen([sys.executable, "-m", "proxy"], env=clean | env, stderr=log_file, cwd=ROOT)
+        process = subprocess.Popen([*PROXY], env=clean | env, stderr=log_file, cwd=ROOT)
         try:
             wait_for_port(port, process)
             async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{port}/readyz") as response:
@@ -239,11 +239,11 @@ async def test_start_and_stop_are_logged_and_health_finds_the_port(mcp_upstream,
     env.pop("MCP_TASKS_PROXY_PORT", None)
     log_path = tmp_path / "proxy.log"
     with open(log_path, "wb") as log_file:
-        process = subprocess.Popen([sys.executable, "-m", "proxy", "--upstream", mcp_upstream], env=env,
+        process = subprocess.Popen([*PROXY, "--upstream", mcp_upstream], env=env,
                                    stderr=log_file, cwd=ROOT)  # fmt: skip
         try:
             wait_for_port(port, process)
-            health = subprocess.run([sys.executable, "-m", "proxy", "health"], env=env, timeout=60)
+            health = subprocess.run([*PROXY, "health"], env=env, timeout=60)
             assert health.returncode == 0  # the policy's port, found from the same configuration
             async with aiohttp.ClientSession() as session:
                 client = McpClient(session, f"http://127.0.0.1:{port}/mcp")
@@ -263,4 +263,4 @@ async def test_start_and_stop_are_logged_and_health_finds_the_port(mcp_upstream,
     drained = lines[events.index("tasks_drained")]
     assert drained["failed_at_shutdown"] == 1
     assert stopping < events.index("tasks_draining") < events.index("tasks_drained") < events.index("proxy_stopped")
-    assert subprocess.run([sys.executable, "-m", "proxy", "health"], env=env, timeout=60).returncode == 1
+    assert subprocess.run([*PROXY, "health"], env=env, timeout=60).returncode == 1

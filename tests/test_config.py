@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import argparse
 import subprocess
-import sys
 
 import pytest
 
-from proxy.__main__ import build_parser, resolve_config, split_command
-from proxy.config import ConfigError, TaskMode, load_config, parse_config
-from tests.conftest import ROOT
+from mcp_tasks_proxy.__main__ import build_parser, resolve_config, split_command
+from mcp_tasks_proxy.config import ConfigError, TaskMode, load_config, parse_config
+from tests.conftest import PROXY, ROOT
 
 
 def write(tmp_path, text: str):
@@ -154,9 +153,7 @@ def test_no_upstream_anywhere_says_how_to_set_one():
 
 def test_cli_exits_2_with_one_line_naming_the_key(tmp_path):
     path = write(tmp_path, "upstream:\n  url: http://127.0.0.1:1/mcp\ntools:\n  - match: a\n    sync_window: 5\n")
-    done = subprocess.run(
-        [sys.executable, "-m", "proxy", "--config", str(path)], capture_output=True, text=True, timeout=60
-    )
+    done = subprocess.run([*PROXY, "--config", str(path)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         f"mcp-tasks-proxy: config error: {path}: tools.0.sync_window: unknown key"

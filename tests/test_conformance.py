@@ -79,7 +79,7 @@ def proxied_fixture(request: pytest.FixtureRequest) -> Iterator[str]:
             wait_for_port(server_port, server)
         proxy = subprocess.Popen(
             [
-                sys.executable, "-m", "proxy",
+                sys.executable, "-m", "mcp_tasks_proxy",
                 "--config", str(HERE / "policy.yaml"),
                 "--port", str(proxy_port),
                 "--log-level", "warning",

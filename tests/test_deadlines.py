@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from proxy.tasks.deadlines import Deadlines
+from mcp_tasks_proxy.tasks.deadlines import Deadlines
 
 
 async def test_an_expired_limit_raises_timeout_error() -> None:

@@ -15,8 +15,8 @@ import aiohttp
 import pytest
 import yaml
 
-from proxy.__main__ import build_parser, resolve_config
-from proxy.config import ProxyConfig, load_config, parse_config
+from mcp_tasks_proxy.__main__ import build_parser, resolve_config
+from mcp_tasks_proxy.config import ProxyConfig, load_config, parse_config
 from tests.conftest import ROOT, free_port, stop, task_reaches, wait_for_port
 from tests.factories import McpClient
 

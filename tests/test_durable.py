@@ -10,8 +10,8 @@ import secrets
 import aiohttp
 import pytest
 
-from proxy.durable_stream import parse_event_id
-from proxy.upstream.http.sse import SseParser
+from mcp_tasks_proxy.durable_stream import parse_event_id
+from mcp_tasks_proxy.upstream.http.sse import SseParser
 from tests.conftest import eventually
 
 VERSION = "2025-11-25"

@@ -205,7 +205,7 @@ async def test_a_sep_1686_tasks_id_does_not_resume_as_a_durable_stream(make_prox
 
 def test_every_update_moves_the_revision_forward_whatever_the_clock_says():
     """Replicas' clocks differ; a durable stream reads lastUpdatedAt as the record's revision."""
-    from proxy.tasks.model import TaskRecord, TaskStatus, transition, utc_now
+    from mcp_tasks_proxy.tasks.model import TaskRecord, TaskStatus, transition, utc_now
 
     now = utc_now()
     record = TaskRecord("t" * 22, "tool", TaskStatus.WORKING, now, now, 1000, 100)
@@ -217,8 +217,8 @@ def test_every_update_moves_the_revision_forward_whatever_the_clock_says():
 
 async def test_a_store_fault_reaches_a_2025_client_on_http_200(make_proxy, legacy_upstream, http, monkeypatch):
     """The SDK 1.x client ends its whole session on a 5xx to one of its requests: the fault comes as JSON-RPC."""
-    from proxy.context import store_key
-    from proxy.tasks.store import StoreUnavailable
+    from mcp_tasks_proxy.context import store_key
+    from mcp_tasks_proxy.tasks.store import StoreUnavailable
 
     proxy = await make_proxy(legacy_upstream, tools=[{"match": "slow"}])
     client = Client2025(http, proxy.url)

@@ -139,7 +139,7 @@ async def test_a_burst_against_a_refuse_limit_admits_exactly_the_limit(make_prox
 _RAISE_WITH_SECRETS = textwrap.dedent(
     """
     import structlog
-    from proxy.log import configure_logging
+    from mcp_tasks_proxy.log import configure_logging
 
     configure_logging(level="info", format="{format}")
     log = structlog.get_logger("test")

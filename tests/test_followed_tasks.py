@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from multidict import CIMultiDict
 
-from proxy.upstream import legacy_tasks
-from proxy.upstream.events import Failed, Finished, Progress, UpstreamTask, UpstreamUnavailable
-from proxy.upstream.legacy_tasks import run_as_upstream_task
-from proxy.upstream.routing import CallRoute, LegacySession
+from mcp_tasks_proxy.upstream import legacy_tasks
+from mcp_tasks_proxy.upstream.events import Failed, Finished, Progress, UpstreamTask, UpstreamUnavailable
+from mcp_tasks_proxy.upstream.legacy_tasks import run_as_upstream_task
+from mcp_tasks_proxy.upstream.routing import CallRoute, LegacySession
 
 CALL = {"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {"name": "slow", "arguments": {}}}
 FOLLOWED = UpstreamTask("server-task-1", "session-1", "2025-11-25")

@@ -9,14 +9,13 @@ import contextlib
 import gzip
 import json
 import subprocess
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
 import pytest
 
-from tests.conftest import ROOT, free_port, stop, task_reaches, wait_for_port
+from tests.conftest import PROXY, ROOT, free_port, stop, task_reaches, wait_for_port
 from tests.factories import McpClient, meta
 
 MAX_RESULT_BYTES = 1024 * 1024
@@ -154,7 +153,7 @@ async def hostile() -> AsyncIterator[tuple[HostileUpstream, RunningProxy]]:
         "tools:\n  - match: 'task_*'\n"
     )
     process = subprocess.Popen(
-        [sys.executable, "-m", "proxy", "--config", str(policy), "--upstream", upstream.url, "--port", str(port),
+        [*PROXY, "--config", str(policy), "--upstream", upstream.url, "--port", str(port),
          "--log-level", "error"],
         cwd=ROOT,
     )  # fmt: skip

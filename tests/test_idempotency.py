@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from proxy.idempotency import META_KEY
+from mcp_tasks_proxy.idempotency import META_KEY
 from tests.conftest import task_reaches
 from tests.factories import meta
 from tests.schemas import validate_response

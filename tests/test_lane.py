@@ -15,7 +15,7 @@ from typing import Any
 import httptools
 import pytest
 
-from proxy.context import metrics_key
+from mcp_tasks_proxy.context import metrics_key
 from tests.conftest import eventually, task_reaches
 from tests.factories import headers_for, meta, request
 

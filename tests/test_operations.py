@@ -6,7 +6,6 @@ import asyncio
 import secrets
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -14,10 +13,10 @@ import structlog
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.config import load_config
-from proxy.context import policy_key
-from proxy.policy import PolicyReloader
-from tests.conftest import ROOT, eventually, free_port, stop, task_reaches, wait_for_port
+from mcp_tasks_proxy.config import load_config
+from mcp_tasks_proxy.context import policy_key
+from mcp_tasks_proxy.policy import PolicyReloader
+from tests.conftest import PROXY, ROOT, eventually, free_port, stop, task_reaches, wait_for_port
 from tests.factories import headers_for, meta
 
 
@@ -261,7 +260,7 @@ def test_sighup_and_file_changes_reload_the_running_command(mcp_upstream, tmp_pa
     log_path = tmp_path / "proxy.log"
     with open(log_path, "wb") as sink:
         process = subprocess.Popen(
-            [sys.executable, "-m", "proxy", "--config", str(path), "--upstream", mcp_upstream,
+            [*PROXY, "--config", str(path), "--upstream", mcp_upstream,
              "--port", str(port), "--log-format", "json"],
             stderr=sink, cwd=ROOT,
         )  # fmt: skip
@@ -287,7 +286,7 @@ def test_sighup_and_file_changes_reload_the_running_command(mcp_upstream, tmp_pa
 
 def test_check_prints_the_rule_each_tool_gets(mcp_upstream, tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "proxy", "check", "config/sidecar.yaml", "export_all", "search", "delete_me", "other"],
+        [*PROXY, "check", "config/sidecar.yaml", "export_all", "search", "delete_me", "other"],
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -297,7 +296,7 @@ def test_check_prints_the_rule_each_tool_gets(mcp_upstream, tmp_path):
     assert lines[3].split() == ["search", "search", "optional", "2000", "300"]
     assert lines[5].split() == ["other", "(none)", "passthrough"]
     asked = subprocess.run(
-        [sys.executable, "-m", "proxy", "check", "config/example.yaml", "--upstream", mcp_upstream],
+        [*PROXY, "check", "config/example.yaml", "--upstream", mcp_upstream],
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert asked.returncode == 0, asked.stderr
@@ -305,7 +304,7 @@ def test_check_prints_the_rule_each_tool_gets(mcp_upstream, tmp_path):
     assert any(line.split()[:3] == ["slow_report", "slow_*", "optional"] for line in asked.stdout.splitlines())
     bad = tmp_path / "bad.yaml"
     bad.write_text("tools:\n  - match: a\n    taks: x\n")
-    refused = subprocess.run([sys.executable, "-m", "proxy", "check", str(bad)], capture_output=True, text=True)
+    refused = subprocess.run([*PROXY, "check", str(bad)], capture_output=True, text=True)
     assert refused.returncode == 2
     assert "tools.0.taks: unknown key" in refused.stderr
 
@@ -355,7 +354,7 @@ async def test_a_stream_the_client_closes_is_counted_and_logged_as_client_closed
 
 async def test_tool_names_from_clients_cannot_grow_the_metrics(make_proxy, mcp_upstream, monkeypatch):
     # A glob rule matches any name a client sends: past the bound, names count together as "_other".
-    monkeypatch.setattr("proxy.metrics.MAX_LABEL_VALUES", 3)
+    monkeypatch.setattr("mcp_tasks_proxy.metrics.MAX_LABEL_VALUES", 3)
     proxy = await make_proxy(mcp_upstream, tools=[{"match": "*", "task": "required"}])
     names = [f"no_such_tool_{n}" for n in range(6)]
     for name in names:

@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from proxy.upstream.http.sse import SseParser
+from mcp_tasks_proxy.upstream.http.sse import SseParser
 from tests.conftest import eventually
 from tests.factories import TASKS, headers_for, meta, parse_body, request
 
@@ -283,7 +283,7 @@ async def test_a_post_answer_is_relayed_as_sent_compressed_chunked_and_with_repe
 def test_relayed_request_headers_are_the_bytes_received_without_hop_by_hop_ones_and_never_carry_cr_or_lf():
     from multidict import CIMultiDict, CIMultiDictProxy
 
-    from proxy.upstream.http.headers import relayed_request_fields
+    from mcp_tasks_proxy.upstream.http.headers import relayed_request_fields
 
     raw = (
         (b"Host", b"proxy:8080"),

@@ -12,10 +12,10 @@ from datetime import UTC, datetime
 import pytest
 import redis.asyncio as redis_client
 
-from proxy.config import ConfigError, parse_config
-from proxy.tasks.model import TaskRecord, TaskStatus, new_task_id
-from proxy.tasks.redis_store import RedisTaskStore
-from proxy.tasks.store import StoreUnavailable
+from mcp_tasks_proxy.config import ConfigError, parse_config
+from mcp_tasks_proxy.tasks.model import TaskRecord, TaskStatus, new_task_id
+from mcp_tasks_proxy.tasks.redis_store import RedisTaskStore
+from mcp_tasks_proxy.tasks.store import StoreUnavailable
 from tests.conftest import free_port, stop, task_reaches, wait_for_port
 
 

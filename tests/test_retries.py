@@ -15,7 +15,7 @@ import time
 import pytest
 from aiohttp import web
 
-from proxy.upstream.events import retry_after_s
+from mcp_tasks_proxy.upstream.events import retry_after_s
 from tests.conftest import ROOT, eventually, free_port, legacy_python, stop, task_reaches, wait_for_port
 from tests.test_operations import scrape, value
 from tests.test_stdio import _gate_is, legacy_command, modern_command, stdio_proxy, tool_text

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from multidict import CIMultiDict
 
-from proxy.tasks.job import ToolCall
-from proxy.tasks.sealing import CallSeal
+from mcp_tasks_proxy.tasks.job import ToolCall
+from mcp_tasks_proxy.tasks.sealing import CallSeal
 
 
 def call() -> ToolCall:
@@ -56,7 +56,7 @@ def test_a_call_that_was_altered_moved_or_sealed_with_another_key_does_not_open(
 
 
 def test_a_durable_calls_own_upstream_session_is_kept_by_id():
-    from proxy.upstream.routing import LegacySession
+    from mcp_tasks_proxy.upstream.routing import LegacySession
 
     seal = CallSeal(b"the operator's key")
     durable = call()
@@ -69,7 +69,7 @@ def test_a_durable_calls_own_upstream_session_is_kept_by_id():
 
 
 def test_the_servers_own_task_and_its_session_are_kept_sealed_as_text():
-    from proxy.upstream.events import UpstreamTask
+    from mcp_tasks_proxy.upstream.events import UpstreamTask
 
     seal = CallSeal(b"the operator's key")
     made = UpstreamTask("upstream-task-1", "session-secret", "2025-11-25")

@@ -12,7 +12,7 @@ import redis.asyncio as redis_client
 import structlog
 from aiohttp import web
 
-from proxy.tasks.redis_store import RedisTaskStore
+from mcp_tasks_proxy.tasks.redis_store import RedisTaskStore
 from tests.conftest import eventually, task_reaches
 from tests.factories import McpClient
 

@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from proxy import tasks2025
+from mcp_tasks_proxy import tasks2025
 from tests.conftest import eventually
 from tests.schemas import validate
 from tests.test_durable import Client2025, events_of
@@ -292,8 +292,8 @@ async def test_polling_faster_than_min_poll_interval_is_refused(make_proxy, lega
 
 
 async def test_tasks_sharing_a_score_are_all_listed(monkeypatch):
-    from proxy.tasks.model import TaskRecord, TaskStatus, utc_now
-    from proxy.tasks.store import MemoryTaskStore
+    from mcp_tasks_proxy.tasks.model import TaskRecord, TaskStatus, utc_now
+    from mcp_tasks_proxy.tasks.store import MemoryTaskStore
 
     store = MemoryTaskStore(max_tasks=100)
     now = utc_now()

@@ -121,10 +121,10 @@ async def test_a_session_whose_claim_failed_once_is_never_recorded():
     from aiohttp import web
     from aiohttp.test_utils import make_mocked_request
 
-    from proxy.config import SecurityConfig
-    from proxy.security import Identity
-    from proxy.session_routing import SessionRouting
-    from proxy.tasks.store import MemoryTaskStore, StoreUnavailable
+    from mcp_tasks_proxy.config import SecurityConfig
+    from mcp_tasks_proxy.security import Identity
+    from mcp_tasks_proxy.session_routing import SessionRouting
+    from mcp_tasks_proxy.tasks.store import MemoryTaskStore, StoreUnavailable
 
     class Flaky(MemoryTaskStore):
         def __init__(self):
@@ -281,10 +281,10 @@ async def test_a_session_in_use_keeps_its_record_past_a_day():
     from aiohttp import web
     from aiohttp.test_utils import make_mocked_request
 
-    from proxy.config import SecurityConfig
-    from proxy.security import Identity
-    from proxy.session_routing import SESSION_RENEW_S, SESSION_TTL_S, SessionRouting
-    from proxy.tasks.store import MemoryTaskStore
+    from mcp_tasks_proxy.config import SecurityConfig
+    from mcp_tasks_proxy.security import Identity
+    from mcp_tasks_proxy.session_routing import SESSION_RENEW_S, SESSION_TTL_S, SessionRouting
+    from mcp_tasks_proxy.tasks.store import MemoryTaskStore
 
     class Recording(MemoryTaskStore):
         def __init__(self):

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.upstream.http import sse
-from proxy.upstream.http.sse import SseEvent, SseLimitError, SseParser
+from mcp_tasks_proxy.upstream.http import sse
+from mcp_tasks_proxy.upstream.http.sse import SseEvent, SseLimitError, SseParser
 
 STREAM = (
     b'event: message\r\nid: 1\r\ndata: {"a":1}\r\n\r\n'  # CRLF

@@ -11,7 +11,7 @@ import secrets
 
 import pytest
 
-from proxy.context import gateway_key
+from mcp_tasks_proxy.context import gateway_key
 from tests.conftest import LegacyClient, eventually, task_reaches
 from tests.factories import meta
 from tests.schemas import validate_response

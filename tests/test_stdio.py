@@ -19,8 +19,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from proxy.context import gateway_key
-from tests.conftest import EVERYTHING, ROOT, eventually, everything_node, legacy_python, task_reaches
+from mcp_tasks_proxy.context import gateway_key
+from tests.conftest import EVERYTHING, PROXY, ROOT, eventually, everything_node, legacy_python, task_reaches
 from tests.factories import McpClient, meta, request
 from tests.schemas import validate_response
 from tests.test_real_clients import sdk1_call
@@ -462,7 +462,7 @@ async def test_a_million_junk_lines_are_skipped(make_proxy):
 
 
 async def test_a_child_that_stops_reading_stdin_is_restarted_and_its_calls_fail(make_proxy, monkeypatch):
-    from proxy.upstream.stdio import process as stdio_process
+    from mcp_tasks_proxy.upstream.stdio import process as stdio_process
 
     monkeypatch.setattr(stdio_process, "_WRITE_TIMEOUT_S", 1.0)
     proxy = await stdio_proxy(
@@ -579,8 +579,8 @@ async def test_requests_past_max_in_flight_fail_at_once_even_in_a_burst(make_pro
 
 
 def test_a_caller_at_its_bound_ends_only_its_own_idle_sessions_and_is_refused_when_all_are_busy():
-    from proxy.upstream.session_table import SessionsFull
-    from proxy.upstream.stdio.sessions import FrontSessions
+    from mcp_tasks_proxy.upstream.session_table import SessionsFull
+    from mcp_tasks_proxy.upstream.stdio.sessions import FrontSessions
 
     sessions = FrontSessions(max_sessions=100, per_caller=2)
     alice = sessions.create("alice", "alice", "2025-11-25", {})
@@ -602,8 +602,8 @@ def test_a_caller_at_its_bound_ends_only_its_own_idle_sessions_and_is_refused_wh
 
 
 def test_at_the_global_bound_an_idle_session_goes_and_a_busy_one_never():
-    from proxy.upstream.session_table import SessionsFull
-    from proxy.upstream.stdio.sessions import FrontSessions
+    from mcp_tasks_proxy.upstream.session_table import SessionsFull
+    from mcp_tasks_proxy.upstream.stdio.sessions import FrontSessions
 
     sessions = FrontSessions(max_sessions=3, per_caller=64)
     busy = [sessions.create(name, name, "2025-11-25", {}) for name in ("a", "b")]
@@ -619,7 +619,7 @@ def test_at_the_global_bound_an_idle_session_goes_and_a_busy_one_never():
 
 
 def test_a_malformed_response_of_the_child_reaches_a_client_as_the_proxys_error():
-    from proxy.upstream.stdio.responses import _well_formed
+    from mcp_tasks_proxy.upstream.stdio.responses import _well_formed
 
     for bad in ({"id": 2}, {"id": 2, "result": 5}, {"id": 2, "result": {}, "error": {}}, {"id": 2, "error": "boom"}):
         answer = _well_formed({"jsonrpc": "2.0", **bad}, "stdio:x")
@@ -633,7 +633,7 @@ def test_a_malformed_response_of_the_child_reaches_a_client_as_the_proxys_error(
 
 async def _run_proxy(*argv: str, env: dict | None = None) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "proxy", *argv, cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        *PROXY, *argv, cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         env=env or os.environ.copy(),
     )  # fmt: skip
 
@@ -684,7 +684,7 @@ async def test_shutdown_stops_a_child_that_ignores_eof_and_sigterm(tmp_path: Pat
 
 
 async def test_a_childs_notifications_reach_2025_sessions_as_they_subscribed():
-    from proxy.upstream.stdio.sessions import FrontSessions
+    from mcp_tasks_proxy.upstream.stdio.sessions import FrontSessions
 
     sessions = FrontSessions(max_sessions=2)
     first, second = sessions.create("a", "a", "2025-11-25", {}), sessions.create("b", "b", "2025-11-25", {})
@@ -702,8 +702,8 @@ async def test_a_childs_notifications_reach_2025_sessions_as_they_subscribed():
 async def test_a_response_whose_id_is_no_string_is_dropped_and_reading_goes_on():
     from types import SimpleNamespace
 
-    from proxy.upstream.stdio.channel import StdioChannel
-    from proxy.upstream.stdio.process import ChildSpec
+    from mcp_tasks_proxy.upstream.stdio.channel import StdioChannel
+    from mcp_tasks_proxy.upstream.stdio.process import ChildSpec
 
     channel = StdioChannel(ChildSpec(argv=["server"], env={}), max_in_flight=10)
     child = SimpleNamespace(generation=1)
@@ -713,7 +713,7 @@ async def test_a_response_whose_id_is_no_string_is_dropped_and_reading_goes_on()
 
 
 def test_a_fifth_get_stream_ends_the_oldest_of_its_session():
-    from proxy.upstream.stdio.sessions import FrontSessions
+    from mcp_tasks_proxy.upstream.stdio.sessions import FrontSessions
 
     session = FrontSessions(max_sessions=2).create("a", "a", "2025-11-25", {})
     queues = [session.open_stream() for _ in range(5)]

@@ -21,8 +21,8 @@ import structlog
 import uvloop
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.upstream.stdio import process as stdio_process
-from proxy.upstream.stdio.process import ChildSpec, Supervisor, unreadable
+from mcp_tasks_proxy.upstream.stdio import process as stdio_process
+from mcp_tasks_proxy.upstream.stdio.process import ChildSpec, Supervisor, unreadable
 from tests.conftest import ROOT, eventually, task_reaches
 from tests.test_stdio import hostile_command, stdio_proxy, tool_text
 
@@ -111,7 +111,7 @@ def test_a_lenient_reading_tells_whose_answer_a_line_was():
 def test_a_message_that_is_neither_request_nor_response_is_counted_even_when_it_names_no_call():
     from types import SimpleNamespace
 
-    from proxy.upstream.stdio.channel import StdioChannel
+    from mcp_tasks_proxy.upstream.stdio.channel import StdioChannel
 
     channel = StdioChannel(ChildSpec(argv=["server"], env={}), max_in_flight=10)
     child = SimpleNamespace(generation=1, pid=None)

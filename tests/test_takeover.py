@@ -13,14 +13,14 @@ import pytest
 import redis.asyncio as redis_client
 from multidict import CIMultiDict
 
-from proxy.config import TaskDefaults, ToolRule
-from proxy.tasks.job import TAKEN_OVER, ToolCall
-from proxy.tasks.model import RELEASED, TaskRecord, TaskStatus, from_json, new_task_id, to_json
-from proxy.tasks.redis_store import RedisTaskStore
-from proxy.tasks.runner import TaskRunner
-from proxy.tasks.sealing import CallSeal
-from proxy.upstream.events import Finished, UpstreamTask, UpstreamUnavailable
-from proxy.upstream.gateway import Gateway
+from mcp_tasks_proxy.config import TaskDefaults, ToolRule
+from mcp_tasks_proxy.tasks.job import TAKEN_OVER, ToolCall
+from mcp_tasks_proxy.tasks.model import RELEASED, TaskRecord, TaskStatus, from_json, new_task_id, to_json
+from mcp_tasks_proxy.tasks.redis_store import RedisTaskStore
+from mcp_tasks_proxy.tasks.runner import TaskRunner
+from mcp_tasks_proxy.tasks.sealing import CallSeal
+from mcp_tasks_proxy.upstream.events import Finished, UpstreamTask, UpstreamUnavailable
+from mcp_tasks_proxy.upstream.gateway import Gateway
 
 
 class SlowCreate(RedisTaskStore):

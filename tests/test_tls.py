@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from proxy.config import ConfigError, parse_config
+from mcp_tasks_proxy.config import ConfigError, parse_config
 from tests.conftest import Pki, serve_script, task_reaches
 
 

@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from proxy import tracing
+from mcp_tasks_proxy import tracing
 from tests.conftest import ROOT, eventually, free_port, stop, task_reaches, wait_for_port
 from tests.factories import McpClient, meta
 
@@ -162,7 +162,17 @@ async def test_spans_reach_an_otlp_http_receiver(mcp_upstream, tmp_path, aiohttp
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MCP_TASKS_PROXY_", "OTEL_"))}
     env |= {"OTEL_EXPORTER_OTLP_ENDPOINT": str(receiver.make_url("")).rstrip("/"), "OTEL_BSP_SCHEDULE_DELAY": "100",
             "OTEL_SERVICE_NAME": "proxy-under-test"}  # fmt: skip
-    argv = [sys.executable, "-m", "proxy", "--config", str(policy), "--upstream", mcp_upstream, "--port", str(port)]
+    argv = [
+        sys.executable,
+        "-m",
+        "mcp_tasks_proxy",
+        "--config",
+        str(policy),
+        "--upstream",
+        mcp_upstream,
+        "--port",
+        str(port),
+    ]
     log = tmp_path / "proxy.log"
     with open(log, "wb") as sink:
         process = subprocess.Popen(argv, env=env, cwd=ROOT, stderr=sink)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.upstream.legacy_tasks import _poll_s
+from mcp_tasks_proxy.upstream.legacy_tasks import _poll_s
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,86 @@
+"""The package installs under a name of its own, `mcp_tasks_proxy`, from the source in proxy/; nothing is installed
+as a top-level `proxy` (a name other projects install too), and the Docker build context is what the image needs."""
+
+from __future__ import annotations
+
+import ast
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_every_subpackage_of_the_source_is_installed():
+    mapped = {
+        "mcp_tasks_proxy" + "".join(f".{part}" for part in init.parent.relative_to(ROOT / "proxy").parts)
+        for init in (ROOT / "proxy").rglob("__init__.py")
+    }
+    setuptools = PYPROJECT["tool"]["setuptools"]
+    assert setuptools["package-dir"] == {"mcp_tasks_proxy": "proxy"}
+    assert set(setuptools["packages"]) == mapped
+    assert PYPROJECT["project"]["scripts"]["mcp-tasks-proxy"] == "mcp_tasks_proxy.__main__:main"
+
+
+def test_imports_inside_the_package_are_relative():
+    """An absolute `proxy.` (or `mcp_tasks_proxy.`) import would load a second copy of a module, or none at all."""
+    absolute = []
+    for path in (ROOT / "proxy").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            absolute += [f"{path.relative_to(ROOT)}: {name}" for name in names
+                         if name.split(".")[0] in ("proxy", "mcp_tasks_proxy")]  # fmt: skip
+    assert not absolute
+
+
+def test_the_installed_name_is_mcp_tasks_proxy_and_not_proxy(tmp_path):
+    """Outside the checkout (-P, another directory), as any other program on the machine sees the install."""
+    found = subprocess.run(
+        [sys.executable, "-P", "-c", "import mcp_tasks_proxy, importlib.util; print(mcp_tasks_proxy.__file__); "
+         "print(importlib.util.find_spec('proxy'))"],
+        cwd=tmp_path, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    where, proxy_spec = found.stdout.split()
+    assert Path(where).resolve() == (ROOT / "proxy" / "__init__.py").resolve()
+    assert proxy_spec == "None"
+    started = subprocess.run([sys.executable, "-P", "-m", "mcp_tasks_proxy", "--version"], cwd=tmp_path,
+                             capture_output=True, text=True, check=True)  # fmt: skip
+    assert started.stdout.startswith("mcp-tasks-proxy ")
+
+
+def test_the_wheel_holds_mcp_tasks_proxy_only(tmp_path):
+    # Built from a copy of what the Dockerfile copies: no build/ of an earlier build, nothing left in the checkout.
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    shutil.copytree(ROOT / "proxy", source / "proxy", ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(source)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    (wheel,) = tmp_path.glob("*.whl")
+    tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
+    assert {top for top in tops if not top.endswith(".dist-info")} == {"mcp_tasks_proxy"}
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "mcp_tasks_proxy/lane/connection.py" in names and "mcp_tasks_proxy/upstream/stdio/__init__.py" in names
+
+
+def test_the_docker_build_context_is_what_the_dockerfile_copies():
+    """No .dockerignore sent the whole checkout (its virtual environments and node_modules: 748 MB) to the builder."""
+    ignore = [line for line in (ROOT / ".dockerignore").read_text().splitlines() if line and line[0] != "#"]
+    assert ignore[0] == "*"  # everything out, then what is copied back in
+    kept = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
+    copied = set()
+    for line in (ROOT / "Dockerfile").read_text().splitlines():
+        match = re.match(r"COPY (?!--from)(.+) \S+$", line)
+        if match:
+            copied.update(source.rstrip("/") for source in match.group(1).split())
+    assert copied == kept
