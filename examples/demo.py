@@ -22,6 +22,15 @@ sys.path.insert(0, str(HERE))
 import task_client  # noqa: E402  (a sibling script, not a package)
 
 
+def require_free(port: int, option: str) -> None:
+    """Refuse to start on a port another program holds: the walk-through would talk to that program instead."""
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            raise SystemExit(f"demo: port {port} is taken by another program: pass {option} with a free port") from None
+
+
 def wait_for_port(port: int, process: subprocess.Popen[bytes], what: str, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -55,6 +64,9 @@ def main() -> int:
     parser.add_argument("--stdio", action="store_true", help="let the proxy start the server as its stdio child")
     args = parser.parse_args()
 
+    if not args.stdio:
+        require_free(args.server_port, "--server-port")
+    require_free(args.proxy_port, "--proxy-port")
     server = None
     if args.stdio:
         upstream = "its stdio child, examples/slow_server.py --stdio"

@@ -191,6 +191,12 @@ def result_of(answer: dict[str, Any], what: str) -> dict[str, Any]:
 def as_response(request: dict[str, Any], answer: Any) -> dict[str, Any]:
     """Complete a short --answer into the InputResponse its request expects."""
     method = request.get("method")
+    if method == "elicitation/create" and isinstance(answer, str):
+        # Plain text answers a form of one field (or a URL-mode question, which has none).
+        fields = list(((request.get("params") or {}).get("requestedSchema") or {}).get("properties") or {})
+        if len(fields) > 1:
+            raise ClientError(f"--answer {answer!r}: the server asks for {', '.join(fields)}: give a JSON object")
+        return {"action": "accept", "content": {fields[0]: answer}} if fields else {"action": "accept"}
     if method == "elicitation/create" and not (isinstance(answer, dict) and "action" in answer):
         return {"action": "accept", "content": answer} if isinstance(answer, dict) else {"action": "accept"}
     if method == "sampling/createMessage" and isinstance(answer, str):
@@ -365,7 +371,7 @@ class Run:
             error = task.get("error")
             hint = ""
             if isinstance(error, dict) and error.get("code") == -32021 and not self.answerer.capabilities:
-                hint = " (give --answer JSON, or run on a terminal, to answer the server's questions)"
+                hint = " (give --answer, or run on a terminal, to answer the server's questions)"
             print(f"error: task {task_id} failed: {describe(error)}{hint}", file=sys.stderr)
         else:
             print(f"error: task {task_id} was cancelled: {task.get('statusMessage') or ''}".rstrip(), file=sys.stderr)
@@ -527,6 +533,14 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def _answer(text: str) -> Any:
+    """An --answer: JSON when it parses as JSON, else the text itself (`--answer 'Paris.'`)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 def _json(what: str, text: str, parser: Parser) -> Any:
     try:
         return json.loads(text)
@@ -549,11 +563,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--answer",
-        metavar="JSON",
+        metavar="JSON|TEXT",
         action="append",
         default=[],
         help="an answer to the next question the server asks (repeat for several): an ElicitResult, or just its "
-        'content (\'{"name": "Ada"}\'); for sampling a CreateMessageResult or just a string; for roots a list of '
+        'content (\'{"name": "Ada"}\'), or plain text for a form of one field; for sampling a CreateMessageResult or '
+        "just a string; for roots a list of "
         "URIs. Without it the client asks on a terminal, or declares no elicitation/sampling/roots at all",
     )
     parser.add_argument(
@@ -581,7 +596,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if not isinstance(arguments, dict):
         parser.error(f'JSON_ARGUMENTS must be a JSON object such as \'{{"topic": "tides"}}\', not {args.arguments!r}')
     args.arguments = arguments
-    args.answer = [_json("--answer", text, parser) for text in args.answer]
+    args.answer = [_answer(text) for text in args.answer]
     for option in ("poll_interval", "timeout"):
         value = getattr(args, option)
         if value is not None and not value > 0:

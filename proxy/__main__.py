@@ -40,19 +40,36 @@ OVERRIDES = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="mcp-tasks-proxy",
-        usage="%(prog)s [options] [-- COMMAND ARGS...]\n"
-        "       %(prog)s check [FILE] [TOOL ...] [--upstream URL] [--strict]\n"
-        "       %(prog)s health [options]",
-        description="Reverse proxy that adds the MCP tasks extension (SEP-2663) in front of an MCP server: an HTTP "
-        "one (--upstream URL) or a stdio one it starts (the command after --).",
-        epilog="commands:\n  check   validate a policy file and print the rule each tool gets (check --help)\n"
-        "  health  exit 0 if the proxy this configuration describes answers /healthz (for container health checks)\n\n"
-        "Precedence, the later winning: embedded defaults < --defaults file < --config file < environment < flags.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+_PRECEDENCE = (
+    "Precedence, the later winning: embedded defaults < --defaults file < --config file < environment < flags."
+)
+
+
+def build_parser(*, health: bool = False) -> argparse.ArgumentParser:
+    """The proxy's options; with `health`, the same options for `mcp-tasks-proxy health` (which reads them to find
+    the port of the proxy it asks)."""
+    if health:
+        parser = argparse.ArgumentParser(
+            prog="mcp-tasks-proxy health",
+            usage="%(prog)s [options]",
+            description="Exit 0 if the proxy this configuration describes answers GET /healthz, 1 if it does not (a "
+            "container's health check). The options, files and environment are the proxy's own: they say which port "
+            "to ask (on loopback when the proxy listens on every address).",
+            epilog=_PRECEDENCE,
+        )
+    else:
+        parser = argparse.ArgumentParser(
+            prog="mcp-tasks-proxy",
+            usage="%(prog)s [options] [-- COMMAND ARGS...]\n"
+            "       %(prog)s check [FILE] [TOOL ...] [--upstream URL] [--strict]\n"
+            "       %(prog)s health [options]",
+            description="Reverse proxy that adds the MCP tasks extension (SEP-2663) in front of an MCP server: an "
+            "HTTP one (--upstream URL) or a stdio one it starts (the command after --).",
+            epilog="commands:\n  check   validate a policy file and print the rule each tool gets (check --help)\n"
+            "  health  exit 0 if the proxy this configuration describes answers /healthz (health --help)\n\n"
+            + _PRECEDENCE,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
     parser.add_argument("--config", metavar="FILE", help=f"YAML policy file (env {ENV_PREFIX}CONFIG)")
     parser.add_argument(
         "--defaults", metavar="FILE", help=f"YAML defaults under the policy file: an image's (env {ENV_PREFIX}DEFAULTS)"
@@ -124,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ConfigError as exc:
         print(f"mcp-tasks-proxy: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    args = build_parser().parse_args(argv)
+    args = build_parser(health=health).parse_args(argv)
     config_path = args.config or os.environ.get(f"{ENV_PREFIX}CONFIG")
     defaults_path = args.defaults or os.environ.get(f"{ENV_PREFIX}DEFAULTS") or None
     loaded_stamp = file_stamp(config_path) if config_path else None  # before reading: see PolicyReloader

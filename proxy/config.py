@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import functools
 import ipaddress
 import os
 import re
 import ssl
+import typing
 from collections.abc import Callable, Mapping
 from enum import StrEnum
 from pathlib import Path
@@ -379,16 +381,48 @@ class ProxyConfig(_Strict):
 
 def _format_validation_error(exc: ValidationError, source: str) -> str:
     """Every error, on one line: unknown keys first (a typo is the likeliest mistake, and other errors often follow
-    from it), each as `path: message`."""
+    from it), each as `path: message`, an unknown key with the key it most likely meant."""
     errors = sorted(exc.errors(), key=lambda error: error["type"] != "extra_forbidden")
     described = []
     for error in errors:
         path = ".".join(str(part) for part in error["loc"]) or "(top level)"
-        message = "unknown key" if error["type"] == "extra_forbidden" else error["msg"]
+        if error["type"] == "extra_forbidden":
+            meant = _meant(error["loc"])
+            message = f"unknown key (did you mean {meant!r}?)" if meant else "unknown key"
+        else:
+            # pydantic prefixes the text of a validator's ValueError with its kind: the text alone says it.
+            message = error["msg"].removeprefix("Value error, ")
         described.append(f"{path}: {message}")
     if len(described) == 1:
         return f"{source}: {described[0]}"
     return f"{source}: {len(described)} errors: " + "; ".join(described)
+
+
+def _meant(loc: tuple[int | str, ...]) -> str | None:
+    """The key of the section at loc[:-1] closest to the unknown loc[-1], when one is close (difflib)."""
+    model: type[BaseModel] | None = ProxyConfig
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue  # an item of a list section (tools): its model is the list's
+        field = model.model_fields.get(str(part)) if model is not None else None
+        model = _model_in(field.annotation) if field is not None else None
+        if model is None:
+            return None
+    if model is None:
+        return None
+    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The model a field holds: itself, or inside Optional, list, Annotated."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for argument in typing.get_args(annotation):
+        found = _model_in(argument)
+        if found is not None:
+            return found
+    return None
 
 
 def parse_config(data: Any, *, source: str = "config") -> ProxyConfig:

@@ -116,6 +116,13 @@ def test_help_names_the_commands_and_the_precedence():
     assert "embedded defaults < --defaults file < --config file < environment < flags" in done.stdout
 
 
+def test_health_help_is_health_s_own():
+    done = run_cli("health", "--help")
+    assert done.returncode == 0
+    assert done.stdout.startswith("usage: mcp-tasks-proxy health [options]")
+    assert "/healthz" in done.stdout and "check [FILE]" not in done.stdout
+
+
 def test_check_needs_no_file_and_fails_when_the_upstream_cannot_be_asked(mcp_upstream):
     bare = run_cli("check")
     assert bare.returncode == 0, bare.stderr

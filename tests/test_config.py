@@ -6,6 +6,7 @@ import argparse
 import subprocess
 
 import pytest
+import yaml
 
 from mcp_tasks_proxy.__main__ import build_parser, resolve_config, split_command
 from mcp_tasks_proxy.config import ConfigError, TaskMode, load_config, parse_config
@@ -29,7 +30,7 @@ def write(tmp_path, text: str):
         ),
         ("tasks:\n  ttl_ms: soon\n", "tasks.ttl_ms: Input should be a valid integer"),
         ("listen:\n  port: 70000\n", "listen.port: Input should be less than or equal to 65535"),
-        ("tools:\n  - match: a\n  - match: a\n", "tools: Value error, the pattern 'a' appears twice"),
+        ("tools:\n  - match: a\n  - match: a\n", "tools: the pattern 'a' appears twice"),
         ("- just\n- a list\n", "the top level must be a mapping"),
         ("tools: [\n", "not valid YAML at line"),
         ("tools:\n  - task: required\n", "tools.0.match: Field required"),
@@ -77,7 +78,7 @@ def test_a_policy_file_overrides_the_defaults_file_section_by_section(tmp_path):
 def test_a_stdio_command_is_exclusive_with_a_url_and_owns_env_and_cwd():
     config = parse_config({"upstream": {"command": ["python", "server.py"], "env": {"K": "v"}, "cwd": "/srv"}})
     assert config.upstream_name == "stdio:python"  # never the arguments, which may hold secrets
-    with pytest.raises(ConfigError, match="upstream: Value error, url and command are exclusive"):
+    with pytest.raises(ConfigError, match="upstream: url and command are exclusive"):
         parse_config({"upstream": {"url": "http://127.0.0.1:9/mcp", "command": ["server"]}})
     with pytest.raises(ConfigError, match="env and cwd apply to upstream.command only"):
         parse_config({"upstream": {"url": "http://127.0.0.1:9/mcp", "env": {"K": "v"}}})
@@ -156,8 +157,28 @@ def test_cli_exits_2_with_one_line_naming_the_key(tmp_path):
     done = subprocess.run([*PROXY, "--config", str(path)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        f"mcp-tasks-proxy: config error: {path}: tools.0.sync_window: unknown key"
+        f"mcp-tasks-proxy: config error: {path}: tools.0.sync_window: unknown key (did you mean 'sync_window_ms'?)"
     ]
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("listen:\n  prot: 9\n", "listen.prot: unknown key (did you mean 'port'?)"),
+        ("upstreem: {}\n", "upstreem: unknown key (did you mean 'upstream'?)"),
+        ("upstream:\n  tls:\n    ca_fil: x\n", "upstream.tls.ca_fil: unknown key (did you mean 'ca_file'?)"),
+        (
+            "tools:\n  - match: a\n    retry:\n      attempt: 2\n",
+            "tools.0.retry.attempt: unknown key (did you mean 'attempts'?)",
+        ),
+        ("tools:\n  - match: a\n    zzzz: 1\n", "tools.0.zzzz: unknown key"),
+    ],
+)
+def test_an_unknown_key_names_the_key_it_likely_meant(text, message):
+    with pytest.raises(ConfigError) as raised:
+        parse_config(yaml.safe_load(text))
+    assert str(raised.value).endswith(message)
+    assert "Value error" not in str(raised.value)
 
 
 def test_store_override_is_memory_or_a_redis_url(tmp_path):
@@ -166,7 +187,7 @@ def test_store_override_is_memory_or_a_redis_url(tmp_path):
     assert (config.store.backend, config.store.url) == ("memory", None)
     config = resolve_config(_args("--config", str(path), "--store", "redis://flag:6380/1"), {})
     assert (config.store.backend, config.store.url) == ("redis", "redis://flag:6380/1")
-    with pytest.raises(ConfigError, match="store: Value error, the redis backend needs store.url"):
+    with pytest.raises(ConfigError, match="store: the redis backend needs store.url"):
         parse_config({"store": {"backend": "redis"}})
     with pytest.raises(ConfigError, match="must start with redis://"):
         resolve_config(_args("--upstream", "http://u/mcp", "--store", "http://not-redis"), {})

@@ -128,6 +128,29 @@ def test_kubernetes_sidecar_manifest():
     assert docs["Service"]["spec"]["ports"][0]["targetPort"] == "mcp"  # clients reach the proxy only
 
 
+def test_the_kubernetes_manifests_name_images_their_comments_build():
+    """No placeholder registry: the images are the two this repository builds, at its version, and each manifest
+    says how to build and load them."""
+    version = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    for path in [
+        *(ROOT / "examples" / "kubernetes").glob("*.yaml"),
+        *(ROOT / "examples" / "kubernetes-scaled").glob("*.yaml"),
+    ]:
+        text = path.read_text()
+        images = {
+            container["image"]
+            for doc in yaml.safe_load_all(text)
+            if doc and doc["kind"] == "Deployment"
+            for container in doc["spec"]["template"]["spec"]["containers"]
+        }
+        assert images == {f"mcp-tasks-proxy:{version}", f"mcp-example-server:{version}"}, path
+        for image, dockerfile in (
+            (f"mcp-tasks-proxy:{version}", ""),
+            (f"mcp-example-server:{version}", " -f examples/compose/example-server.Dockerfile"),
+        ):
+            assert f"docker build -t {image}{dockerfile} ." in text, path
+
+
 def test_compose_file_wires_proxy_server_and_redis():
     compose = yaml.safe_load((ROOT / "examples" / "compose" / "compose.yaml").read_text())
     services = compose["services"]

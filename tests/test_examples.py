@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -45,6 +46,20 @@ def test_demo_walks_the_task_flow_and_exits_cleanly(transport):
     assert "Done: three tasks completed" in out
 
 
+@pytest.mark.parametrize("option", ["--server-port", "--proxy-port"])
+def test_demo_refuses_a_port_another_program_holds(option):
+    """It used to walk its flow against whatever listened there, and end in a traceback."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        other = "--proxy-port" if option == "--server-port" else "--server-port"
+        done = subprocess.run([sys.executable, "examples/demo.py", "--exit", option, str(taken), other,
+                               str(free_port())], cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 1
+    assert done.stderr.strip() == f"demo: port {taken} is taken by another program: pass {option} with a free port"
+
+
 def client(*args: str, timeout: float = 50) -> subprocess.CompletedProcess[str]:
     """The example client as a user runs it, without a terminal on stdin (so it never prompts)."""
     return subprocess.run(
@@ -83,7 +98,7 @@ def test_client_help_exits_0_with_its_usage():
     done = client("--help")
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: task_client.py [options] URL [TOOL [JSON_ARGUMENTS]]")
-    for option in ("--answer JSON", "--poll-interval SECONDS", "--timeout SECONDS", "--verbose"):
+    for option in ("--answer JSON|TEXT", "--poll-interval SECONDS", "--timeout SECONDS", "--verbose"):
         assert option in done.stdout
     assert done.stderr == ""
 
@@ -96,7 +111,6 @@ def test_client_help_exits_0_with_its_usage():
         (["127.0.0.1:8080/mcp", "slow_report"], "URL must be an http:// or https:// URL"),
         (["ftp://127.0.0.1/mcp", "slow_report"], "URL must be an http:// or https:// URL"),
         (["http://127.0.0.1:80x/mcp", "slow_report"], "URL must be an http:// or https:// URL"),
-        (["http://127.0.0.1:8080/mcp", "personal_report", "{}", "--answer", "Ada"], "--answer is not valid JSON"),
         (["http://127.0.0.1:8080/mcp", "add", "{}", "--timeout", "0"], "--timeout must be a positive number"),
         (["http://127.0.0.1:8080/mcp", "add", "{}", "--poll-interval", "soon"], "--poll-interval: invalid float"),
         ([], "the following arguments are required: URL"),
@@ -132,8 +146,9 @@ def test_client_runs_a_tool_as_a_task_to_its_result(proxy_url):
     assert done.stderr == ""
 
 
-def test_client_answers_the_task_question_with_answer(proxy_url):
-    args = (proxy_url, "personal_report", '{"topic": "tides", "seconds": 1}', "--answer", '{"name": "Ada"}')
+@pytest.mark.parametrize("answer", ['{"name": "Ada"}', "Ada"])  # plain text answers a form of one field
+def test_client_answers_the_task_question_with_answer(proxy_url, answer):
+    args = (proxy_url, "personal_report", '{"topic": "tides", "seconds": 1}', "--answer", answer)
     done = client(*args, "--poll-interval", "0.2")
     assert done.returncode == 0, done.stderr
     assert "tasks/get: status='input_required'" in done.stdout
@@ -147,7 +162,7 @@ def test_client_without_answers_declares_no_elicitation_and_says_why_the_task_fa
     assert done.returncode == 1
     line = one_line_error(done)
     assert line.startswith("error: task ") and " failed: -32021 " in line, line
-    assert "give --answer JSON" in line
+    assert "give --answer, or run on a terminal" in line
 
 
 def test_client_passes_a_plain_tool_through_and_reports_tool_errors(proxy_url):

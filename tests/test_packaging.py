@@ -73,13 +73,14 @@ def test_the_wheel_holds_mcp_tasks_proxy_only(tmp_path):
     assert "mcp_tasks_proxy/lane/connection.py" in names and "mcp_tasks_proxy/upstream/stdio/__init__.py" in names
 
 
-def test_the_docker_build_context_is_what_the_dockerfile_copies():
+def test_the_docker_build_context_is_what_the_dockerfiles_copy():
     """No .dockerignore sent the whole checkout (its virtual environments and node_modules: 748 MB) to the builder."""
     ignore = [line for line in (ROOT / ".dockerignore").read_text().splitlines() if line and line[0] != "#"]
     assert ignore[0] == "*"  # everything out, then what is copied back in
     kept = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
     copied = set()
-    for line in (ROOT / "Dockerfile").read_text().splitlines():
+    dockerfiles = [ROOT / "Dockerfile", ROOT / "examples" / "compose" / "example-server.Dockerfile"]  # context: ROOT
+    for line in "\n".join(path.read_text() for path in dockerfiles).splitlines():
         match = re.match(r"COPY (?!--from)(.+) \S+$", line)
         if match:
             copied.update(source.rstrip("/") for source in match.group(1).split())

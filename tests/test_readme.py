@@ -3,9 +3,14 @@ commands make their own virtual environment (a stock Debian Python refuses pip o
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import re
+import signal
+import subprocess
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, free_port
 
 README = (ROOT / "README.md").read_text()
 
@@ -51,3 +56,21 @@ def test_the_sep_link_goes_to_the_sep():
     assert "[SEP-2663](https://github.com/modelcontextprotocol/modelcontextprotocol/pull/2663)" in README
     assert (ROOT / "LICENSE").read_text().lstrip().startswith("Apache License")
     assert "## [Unreleased]" in (ROOT / "CHANGELOG.md").read_text()
+
+
+def test_the_walkthrough_s_start_waits_for_the_proxy_instead_of_racing_it():
+    """The three lines that start the server and the proxy in the background, then ask /readyz, as a user pastes
+    them (on ports of this test's own: the environment moves the proxy, the server takes its port argument)."""
+    block = sh_blocks_after("## The wire, by hand (curl)")[0]
+    server_port, proxy_port = free_port(), free_port()
+    script = block.replace("9000", str(server_port)).replace("8080", str(proxy_port))
+    env = {**os.environ, "MCP_TASKS_PROXY_PORT": str(proxy_port),
+           "MCP_TASKS_PROXY_UPSTREAM": f"http://127.0.0.1:{server_port}/mcp", "PATH": os.environ["PATH"]}  # fmt: skip
+    shell = subprocess.Popen(["bash", "-c", script + "\nkill %1 %2; wait"], cwd=ROOT, env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    try:
+        out, _ = shell.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(shell.pid, signal.SIGTERM)
+    assert json.loads(out.strip().splitlines()[-1]) == {"status": "ready", "store": "ok", "upstream": "ok"}

@@ -428,6 +428,16 @@ async def test_a_child_that_exits_at_start_keeps_the_proxy_not_ready(make_proxy)
     await eventually(not_ready_with_reason, what="/readyz saying why the child is down")
     reply = await proxy.client.call_tool("echo", {"text": "x"}, tasks=False)
     assert reply.message["error"]["code"] == -32603, reply.message
+    assert reply.message["error"]["message"].count("Upstream failure") == 1, reply.message
+
+
+async def test_a_child_that_exits_on_its_first_request_is_named_once_in_the_error(make_proxy):
+    """The era probe's answer (the channel's own error, "Upstream failure: the stdio server exited...") was prefixed
+    again: "Upstream failure: Upstream failure: ..."."""
+    command = [sys.executable, "-c", "import sys; sys.stdin.readline(); sys.exit(3)"]
+    proxy = await make_proxy(command, upstream={"stdio": {"restart_min_s": 5, "start_timeout_s": 5}})
+    reply = await proxy.client.call_tool("echo", {"text": "x"}, tasks=False)
+    assert reply.message["error"]["message"] == "Upstream failure: the stdio server exited with status 3"
 
 
 async def test_a_child_that_never_answers_is_not_ready_and_calls_fail_in_time(make_proxy):

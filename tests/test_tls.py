@@ -76,7 +76,7 @@ async def test_verification_is_on_by_default_and_can_be_turned_off(make_proxy, t
 def test_tls_settings_are_checked_at_start_up(pki, tmp_path):
     https = "https://127.0.0.1:1/mcp"
     cases = [
-        ({"url": https, "tls": {"ca_file": str(tmp_path / "missing.pem")}}, "upstream.tls: Value error, ca_file"),
+        ({"url": https, "tls": {"ca_file": str(tmp_path / "missing.pem")}}, "upstream.tls: ca_file"),
         ({"url": https, "tls": {"key_file": str(pki.client_key)}}, "key_file needs cert_file"),
         ({"url": https, "tls": {"cert_file": str(pki.client_cert), "key_file": str(pki.ca)}}, "cert_file"),
         ({"url": "http://127.0.0.1:1/mcp", "tls": {"verify": False}}, "tls applies to an https:// upstream.url"),

@@ -128,11 +128,16 @@ RETRIED_STATUSES = frozenset({429, 502, 503, 504})
 """HTTP statuses that say "not now" rather than "no" (a gateway, a load balancer, a server shedding load)."""
 
 
+def failure_reason(error: dict[str, Any]) -> str:
+    """What went wrong, from an error the proxy made ("Upstream failure: <reason>"): the reason alone, which the
+    error that carries it on adds its own prefix to."""
+    return str(error.get("message", "")).removeprefix("Upstream failure: ")
+
+
 def cut_failure(error: dict[str, Any]) -> Failed:
     """The upstream went away with the call in it (the stdio channel's answer when its child exited): the error as
     the channel made it, and the call may be sent again for an idempotent rule."""
-    reason = str(error.get("message", "")).removeprefix("Upstream failure: ")
-    return Failed(error, reason, unread=True, transient="unanswered")
+    return Failed(error, failure_reason(error), unread=True, transient="unanswered")
 
 
 def proxy_failure(

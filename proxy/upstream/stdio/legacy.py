@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from multidict import MultiMapping
 
-from ..events import AnswerTooLarge, CallCut, UpstreamUnavailable
+from ..events import AnswerTooLarge, CallCut, UpstreamUnavailable, failure_reason
 from ..legacy import LEGACY_VERSION, LegacySession, proxy_initialize
 from ..routing import CallRoute
 from .channel import StdioChannel
@@ -89,7 +89,7 @@ class StdioLegacyLink:
         result = answer.get("result")
         if not isinstance(result, dict):
             error = answer.get("error")
-            message = error.get("message") if isinstance(error, dict) else None
+            message = failure_reason(error) if isinstance(error, dict) else None
             raise UpstreamUnavailable(f"the stdio server refused initialize: {str(message or error)[:200]}")
         await channel.notify({"jsonrpc": "2.0", "method": "notifications/initialized"})
         self.initialize_result = result

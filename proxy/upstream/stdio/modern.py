@@ -17,6 +17,7 @@ from ..events import (
     RequestUnsent,
     UpstreamUnavailable,
     cut_failure,
+    failure_reason,
     proxy_failure,
     too_large,
 )
@@ -51,7 +52,7 @@ class StdioModern:
             # Silent to both: still starting (an npx download), not 2025. The next request probes again.
             raise UpstreamUnavailable(f"the stdio server answers nothing yet ({self._start_timeout_s:g} s)")
         if answer is not None and carries_exit_status(answer):
-            raise UpstreamUnavailable(answer["error"]["message"])
+            raise UpstreamUnavailable(failure_reason(answer["error"]))  # _unavailable() adds the prefix
         return "modern" if is_discover_result(answer) else "legacy"
 
     async def answers(self, timeout_s: float, message: dict[str, Any] | None = None) -> bool:
