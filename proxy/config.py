@@ -27,7 +27,8 @@ class ConfigError(Exception):
 
 class _Strict(BaseModel):
     # extra="forbid": a typo in the YAML stops start-up with the key's path instead of being ignored.
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # use_attribute_docstrings: the docstring under a field is its description (the policy reference, docs/).
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 class TaskMode(StrEnum):
@@ -41,7 +42,9 @@ PositiveInt = Annotated[int, Field(gt=0)]
 
 class ListenConfig(_Strict):
     host: str = "127.0.0.1"
+    """The address to listen on: loopback by default (a sidecar's clients share its pod); 0.0.0.0 for every one."""
     port: Annotated[int, Field(ge=0, le=65535)] = 8080
+    """The port to listen on (0: one the system picks)."""
     header_timeout_s: Annotated[float, Field(gt=0)] = 15.0
     """How long a client connection may go without a complete request head: from its start to its first request,
     and between requests on a kept-alive connection. Past it the connection is closed (slow senders, idle ones)."""
@@ -79,6 +82,7 @@ class StdioConfig(_Strict):
     restart_min_s: Annotated[float, Field(gt=0)] = 0.5
     """The first delay before restarting a child that exited; it doubles on each exit in a row."""
     restart_max_s: Annotated[float, Field(gt=0)] = 30.0
+    """The longest delay between restarts of a child that keeps exiting."""
     stop_grace_s: Annotated[float, Field(ge=0)] = 2.0
     """On shutdown: how long the child has to exit once its stdin is closed, before SIGTERM."""
     term_grace_s: Annotated[float, Field(ge=0)] = 2.0
@@ -152,6 +156,7 @@ class TlsConfig(_Strict):
 
 class UpstreamConfig(_Strict):
     url: AnyHttpUrl | None = None
+    """The MCP endpoint of an HTTP server (Streamable HTTP, either era), e.g. http://127.0.0.1:9000/mcp."""
     command: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] | None = None
     """Instead of url: the argv of a stdio server the proxy starts and speaks to over stdin/stdout."""
     env: dict[str, str] = {}
@@ -205,12 +210,14 @@ class RetryPolicy(_Strict):
     """The wait before the first retry; it doubles with each later one, with random jitter, up to max_backoff_ms. A
     longer Retry-After from the server is honoured. Every attempt and wait fits in the rule's timeout_s."""
     max_backoff_ms: Annotated[int, Field(ge=0)] = 5000
+    """The longest wait between two attempts."""
 
 
 class ToolRule(_Strict):
     match: Annotated[str, Field(min_length=1)]
     """A tool name or a shell-style glob (`render_*`); the first rule that matches wins."""
     task: TaskMode = TaskMode.OPTIONAL
+    """optional: a task when the client declares the extension; required: only as a task; never: passes through."""
     sync_window_ms: Annotated[int, Field(ge=0)] = 0
     """Wait this long for the upstream; a result in time is returned directly, otherwise a task."""
     timeout_s: Annotated[float, Field(gt=0)] = 3600.0
@@ -331,6 +338,7 @@ class SecurityConfig(_Strict):
 
 class LoggingConfig(_Strict):
     level: Literal["debug", "info", "warning", "error"] = "info"
+    """info: a line per request and per task transition; warning: only what needs attention."""
     format: Literal["auto", "json", "console"] = "auto"
     """auto: console lines on a terminal, JSON lines otherwise."""
 

@@ -20,6 +20,12 @@ from mcp_tasks_proxy.config import ProxyConfig, load_config, parse_config
 from tests.conftest import ROOT, free_port, stop, task_reaches, wait_for_port
 from tests.factories import McpClient
 
+
+def manual() -> str:
+    """The README and the docs site's pages: where a user copies commands from."""
+    return "\n".join(path.read_text() for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+
+
 DOCKERFILES = [ROOT / "Dockerfile", ROOT / "examples" / "compose" / "example-server.Dockerfile"]
 
 
@@ -211,7 +217,7 @@ def container_deployments(tmp_path: Path) -> dict[str, ProxyConfig]:
                 mounts[mount["mountPath"]] = where
             environment = {e["name"]: e["value"] for e in container.get("env", [])}
             found[f"kubernetes {container['name']}"] = in_the_image(environment, mounts)
-    readme = (ROOT / "README.md").read_text()
+    readme = manual()
     for command in re.findall(r"^docker run .*?(?<!\\)$", readme, flags=re.MULTILINE | re.DOTALL):
         argv = shlex.split(command.replace("\\\n", " ").replace("$PWD", str(ROOT)))
         environment, mounts = {}, {}
@@ -274,8 +280,8 @@ async def test_the_compose_file_and_the_scale_out_one_liner_start_as_written(tmp
             env["MCP_TASKS_PROXY_HOST"] = "127.0.0.1"  # its own network namespace, where 0.0.0.0 is private
             assert "PRINCIPAL_KEY" not in " ".join(env)
             processes.append(subprocess.Popen(entrypoint, env=env, stderr=subprocess.DEVNULL))
-        # The README's scale-out one-liner, as printed there (README.md, "Scale out with Redis").
-        readme = (ROOT / "README.md").read_text()
+        # The scale-out one-liner, as printed there (docs/scale-out.md).
+        readme = manual()
         line = next(line for line in readme.splitlines() if line.startswith("mcp-tasks-proxy --config policy.yaml"))
         argv = shlex.split(line.split("#")[0].replace("redis.internal:6379", f"127.0.0.1:{redis_port}"))
         (tmp_path / "policy.yaml").write_text((ROOT / "config" / "example.yaml").read_text())
