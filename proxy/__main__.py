@@ -25,7 +25,7 @@ from .config import ENV_PREFIX, ConfigError, ProxyConfig, apply_overrides, load_
 from .context import MCP_PATH, gateway_key, metrics_key, policy_key
 from .log import configure_logging
 from .policy import PolicyReloader, file_stamp
-from .serve import BindError, bind, serve
+from .serve import BindError, bind, hold_stop_signals, serve
 from .upstream.events import UpstreamStartError
 
 # Each operator setting is declared once: (flag, config path, environment variable suffix, type).
@@ -158,6 +158,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     traces = tracing.configure()
     try:
         app = create_app(config)
+        hold_stop_signals()  # the socket takes connections from bind() on: a SIGTERM then is a graceful stop
         sock = bind(config.listen.host, config.listen.port)  # before anything starts: a port in use is one line
     except (ConfigError, BindError) as exc:
         print(f"mcp-tasks-proxy: {exc}", file=sys.stderr)

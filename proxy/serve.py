@@ -29,6 +29,21 @@ log = structlog.get_logger(__name__)
 SHUTDOWN_TIMEOUT_S = 15
 
 
+_stop_requested = False
+
+
+def hold_stop_signals() -> None:
+    """From now until serve() takes them over, SIGTERM and SIGINT are remembered instead of killing the process:
+    the socket takes connections from bind() on, and an orchestrator (or a test) may stop the proxy at once."""
+
+    def remember(signum: int, frame: object) -> None:
+        global _stop_requested
+        _stop_requested = True
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, remember)
+
+
 class BindError(Exception):
     """The listening address cannot be used; the message says which and why."""
 
@@ -155,6 +170,8 @@ async def serve(
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stopping.set)
+    if _stop_requested:  # a signal came between bind() and here (hold_stop_signals)
+        stopping.set()
     runner, lane = await start(app, sock, listen, on_refused=on_refused)
     try:
         announce()

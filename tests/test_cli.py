@@ -271,3 +271,17 @@ async def test_start_and_stop_are_logged_and_health_finds_the_port(mcp_upstream,
     assert drained["failed_at_shutdown"] == 1
     assert stopping < events.index("tasks_draining") < events.index("tasks_drained") < events.index("proxy_stopped")
     assert subprocess.run([*PROXY, "health"], env=env, timeout=60).returncode == 1
+
+
+def test_a_stop_signal_between_bind_and_serve_is_remembered_not_fatal():
+    """The socket takes connections from bind() on, before the loop's signal handlers exist: a SIGTERM in that
+    window (an orchestrator, a test that saw the port open) killed the process instead of stopping it gracefully."""
+    code = (
+        "import os, signal\n"
+        "from mcp_tasks_proxy import serve\n"
+        "serve.hold_stop_signals()\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "print(serve._stop_requested)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout.strip()) == (0, "True"), done.stderr
