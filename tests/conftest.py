@@ -96,6 +96,21 @@ def _missing_prerequisites() -> list[str]:
     return missing
 
 
+FAST_MODULES = frozenset({
+    "test_config", "test_store", "test_resp", "test_deadlines", "test_calls", "test_header_rules",
+    "test_upstream_tasks", "test_followed_tasks", "test_sealing", "test_errors", "test_passthrough",
+    "test_idempotency", "test_check", "test_security", "test_listen",
+})  # fmt: skip
+"""The fast subset (`python -m pytest -m fast`, well under a minute): the proxy in-process against the SDK's
+upstream, the stores, parsers and rules; no npm, Redis, second environment or proxy subprocesses."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.module is not None and item.module.__name__.rpartition(".")[2] in FAST_MODULES:
+            item.add_marker(pytest.mark.fast)
+
+
 def pytest_report_header(config: pytest.Config) -> list[str]:
     missing = _missing_prerequisites()
     if not missing:
@@ -182,12 +197,18 @@ def mcp_upstream() -> Iterator[str]:
     yield from serve_script(sys.executable, "upstream_server.py")
 
 
-LEGACY_VENV = ROOT / "tests" / ".legacy-venv"
+TEST_CACHE = Path(
+    os.environ.get("MCP_TASKS_PROXY_TEST_CACHE")
+    or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mcp-tasks-proxy-tests"
+)
+"""What the tests install on first use (npm packages with their Node.js, the SDK 1.x environment: about 600 MB),
+outside the checkout, kept between runs and checkouts."""
+LEGACY_VENV = TEST_CACHE / "legacy-venv"
 LEGACY_SDK = "mcp>=1.26,<2"
 
 
 def legacy_python() -> Path:
-    """A Python with the official SDK's 1.x line, the typical legacy server; built once into tests/.legacy-venv.
+    """A Python with the official SDK's 1.x line, the typical legacy server; built once into the test cache.
 
     `mcp` 1.x and 2.x cannot live in one environment, so the legacy server gets one of its own.
     """
@@ -268,14 +289,24 @@ def npm_installed(prefix: Path) -> bool:
 
 
 def npm_install(prefix: Path, what: str) -> None:
-    """Install the npm packages pinned in `prefix`/package.json (each brings its Node.js 22) into its node_modules;
-    without npm the test is skipped (failed under CI)."""
+    """Install the npm packages pinned in `prefix`/package.json (each brings its Node.js 22) into the test cache, and
+    link `prefix`/node_modules to them (the scripts beside package.json import them from there); without npm the test
+    is skipped (failed under CI)."""
     npm = require("npm")
+    home = TEST_CACHE / prefix.name
+    home.mkdir(parents=True, exist_ok=True)
+    shutil.copy(prefix / "package.json", home / "package.json")
     subprocess.run(
-        [npm, "install", "--no-audit", "--no-fund", "--no-package-lock", "--prefix", str(prefix)],
+        [npm, "install", "--no-audit", "--no-fund", "--no-package-lock", "--prefix", str(home)],
         check=True,
         timeout=600,
     )
+    link = prefix / "node_modules"
+    if link.is_symlink():
+        link.unlink()
+    elif link.exists():
+        shutil.rmtree(link)  # an install inside the checkout, from before the cache
+    link.symlink_to(home / "node_modules", target_is_directory=True)
 
 
 def everything_node() -> Path:
