@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import aiohttp
+import filelock
 import pytest
 import trustme
 import yaml
@@ -214,16 +215,28 @@ def legacy_python() -> Path:
     """
     python = LEGACY_VENV / "bin" / "python"
     probe = [str(python), "-c", "import mcp.server.fastmcp, importlib.metadata as m; assert m.version('mcp') < '2'"]
-    if python.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
-        return python
+    with cache_lock("legacy-venv"):  # test workers (pytest-xdist) build it once, not each over the other
+        if python.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
+            return python
+        _build_legacy_venv(python)
+    return python
+
+
+def _build_legacy_venv(python: Path) -> None:
     if not _legacy_venv_failed:  # tried once a session: without PyPI every attempt would wait for pip to give up
         try:
             subprocess.run([sys.executable, "-m", "venv", "--clear", str(LEGACY_VENV)], check=True, timeout=300)
             subprocess.run([str(python), "-m", "pip", "install", "--quiet", LEGACY_SDK], check=True, timeout=600)
-            return python
+            return
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
             _legacy_venv_failed.append(True)
     unavailable("legacy-venv")
+
+
+def cache_lock(name: str) -> filelock.FileLock:
+    """One test worker at a time installs `name` into the test cache; the others wait, then find it there."""
+    TEST_CACHE.mkdir(parents=True, exist_ok=True)
+    return filelock.FileLock(TEST_CACHE / f"{name}.lock", timeout=900)
 
 
 _legacy_venv_failed: list[bool] = []
@@ -294,19 +307,22 @@ def npm_install(prefix: Path, what: str) -> None:
     is skipped (failed under CI)."""
     npm = require("npm")
     home = TEST_CACHE / prefix.name
-    home.mkdir(parents=True, exist_ok=True)
-    shutil.copy(prefix / "package.json", home / "package.json")
-    subprocess.run(
-        [npm, "install", "--no-audit", "--no-fund", "--no-package-lock", "--prefix", str(home)],
-        check=True,
-        timeout=600,
-    )
-    link = prefix / "node_modules"
-    if link.is_symlink():
-        link.unlink()
-    elif link.exists():
-        shutil.rmtree(link)  # an install inside the checkout, from before the cache
-    link.symlink_to(home / "node_modules", target_is_directory=True)
+    with cache_lock(prefix.name):
+        if npm_installed(prefix):
+            return  # another test worker installed it while this one waited
+        home.mkdir(parents=True, exist_ok=True)
+        shutil.copy(prefix / "package.json", home / "package.json")
+        subprocess.run(
+            [npm, "install", "--no-audit", "--no-fund", "--no-package-lock", "--prefix", str(home)],
+            check=True,
+            timeout=600,
+        )
+        link = prefix / "node_modules"
+        if link.is_symlink():
+            link.unlink()
+        elif link.exists():
+            shutil.rmtree(link)  # an install inside the checkout, from before the cache
+        link.symlink_to(home / "node_modules", target_is_directory=True)
 
 
 def everything_node() -> Path:
