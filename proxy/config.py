@@ -413,7 +413,7 @@ def _meant(loc: tuple[int | str, ...]) -> str | None:
         if isinstance(part, int):
             continue  # an item of a list section (tools): its model is the list's
         field = model.model_fields.get(str(part)) if model is not None else None
-        model = _model_in(field.annotation) if field is not None else None
+        model = section_model(field.annotation) if field is not None else None
         if model is None:
             return None
     if model is None:
@@ -422,12 +422,13 @@ def _meant(loc: tuple[int | str, ...]) -> str | None:
     return close[0] if close else None
 
 
-def _model_in(annotation: Any) -> type[BaseModel] | None:
-    """The model a field holds: itself, or inside Optional, list, Annotated."""
+def section_model(annotation: Any) -> type[BaseModel] | None:
+    """The model a field holds (a section of the policy): itself, or inside Optional, list, Annotated; None for a
+    value."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     for argument in typing.get_args(annotation):
-        found = _model_in(argument)
+        found = section_model(argument)
         if found is not None:
             return found
     return None

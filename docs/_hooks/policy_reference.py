@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from mcp_tasks_proxy.__main__ import OVERRIDES
-from mcp_tasks_proxy.config import ENV_PREFIX, ProxyConfig
+from mcp_tasks_proxy.config import ENV_PREFIX, ProxyConfig, section_model
 
 PAGE = "policy-reference.md"
 
@@ -44,7 +44,7 @@ def render() -> str:
         for name, field in model.model_fields.items():
             key = f"{path}.{name}" if path else name
             description = " ".join((field.description or "").split())
-            if _model_in(field.annotation) is not None:
+            if section_model(field.annotation) is not None:
                 sub = key + ("[]" if typing.get_origin(field.annotation) is list else "")
                 description = f"{description} See [`{sub}`](#{_anchor(sub)}).".strip()
             if key in overrides:
@@ -59,21 +59,11 @@ def render() -> str:
 def _sections(model: type[BaseModel], path: str) -> list[tuple[str, type[BaseModel]]]:
     found = [(path, model)]
     for name, field in model.model_fields.items():
-        sub = _model_in(field.annotation)
+        sub = section_model(field.annotation)
         if sub is not None:
             key = f"{path}.{name}" if path else name
             found += _sections(sub, key + ("[]" if typing.get_origin(field.annotation) is list else ""))
     return found
-
-
-def _model_in(annotation: Any) -> type[BaseModel] | None:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for argument in typing.get_args(annotation):
-        found = _model_in(argument)
-        if found is not None:
-            return found
-    return None
 
 
 def _anchor(key: str) -> str:
