@@ -1,10 +1,10 @@
 """Follow a task through mcp-tasks-proxy with the official Python SDK 2.x client (`pip install mcp`).
 
-The SDK's `Client` does not declare the tasks extension by itself, so the proxy answers its calls in one long request,
-which the client's (or a gateway's) timeout ends. The `ClientExtension` below, passed to `Client(extensions=[...])`,
-makes the SDK declare `io.modelcontextprotocol/tasks` in every request's `_meta`; the proxy then answers a tools/call
-at once with a `CreateTaskResult` (`resultType: "task"`), which the extension's `ResultClaim` follows with `tasks/get`
-until the task ends. `client.call_tool()` returns the tool's result as usual; every request on the wire is short.
+Its `Client` declares no tasks extension by itself, so the proxy answers a call in one long request, which a client
+or gateway timeout ends. With the `ClientExtension` below in `Client(extensions=[...])`, the SDK declares
+`io.modelcontextprotocol/tasks` in every request's `_meta`: the proxy answers a tools/call at once with a
+`CreateTaskResult` (`resultType: "task"`), which the extension's `ResultClaim` follows with `tasks/get` until the task
+ends. `client.call_tool()` returns the tool's result as usual; every request on the wire is short.
 
     python examples/sdk_tasks_client.py http://127.0.0.1:8080/mcp slow_report '{"topic": "tides", "seconds": 4}'
 
@@ -53,8 +53,8 @@ class Task(Result):
     error: dict[str, Any] | None = None  # the JSON-RPC error, once failed
 
 
-class TaskEnded(Exception):
-    """The task ended without a result; call_tool() lets a resolver's exception through as it is."""
+class TaskEnded(Exception):  # raised in the resolver: client.call_tool() lets it through as it is
+    pass
 
 
 class Tasks(ClientExtension):
@@ -93,12 +93,9 @@ async def run(url: str, tool: str, arguments: dict[str, Any]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] in (["-h"], ["--help"]):
-        print(USAGE)
-        return 0
-    if len(argv) not in (2, 3) or not argv[0].startswith(("http://", "https://")):
-        print(USAGE, file=sys.stderr)
-        return 2
+    if argv[:1] in (["-h"], ["--help"]) or len(argv) not in (2, 3) or not argv[0].startswith(("http://", "https://")):
+        print(USAGE, file=sys.stdout if argv[:1] in (["-h"], ["--help"]) else sys.stderr)
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
     try:
         arguments = json.loads(argv[2]) if len(argv) == 3 else {}
     except ValueError:
