@@ -93,9 +93,10 @@ async def run(url: str, tool: str, arguments: dict[str, Any]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] in (["-h"], ["--help"]) or len(argv) not in (2, 3) or not argv[0].startswith(("http://", "https://")):
-        print(USAGE, file=sys.stdout if argv[:1] in (["-h"], ["--help"]) else sys.stderr)
-        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    wants_help = argv[:1] in (["-h"], ["--help"])
+    if wants_help or len(argv) not in (2, 3) or not argv[0].startswith(("http://", "https://")):
+        print(USAGE, file=sys.stdout if wants_help else sys.stderr)
+        return 0 if wants_help else 2
     try:
         arguments = json.loads(argv[2]) if len(argv) == 3 else {}
     except ValueError:

@@ -1,11 +1,17 @@
 """A TCP middlebox that cuts connections the way real infrastructure does: a load balancer's idle timeout (no byte
-either way for `idle_s`), or a gateway's limit on how long one connection may stay open (`max_open_s`)."""
+either way for `idle_s`), or a gateway's limit on how long one connection may stay open (`max_open_s`), enforced as
+gateways do at a quiet moment (nginx's keepalive_time, Envoy's max_connection_duration: between two exchanges, or
+in a silence of a long response), not in the middle of a request's few milliseconds."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
+
+QUIET_S = 0.1
+"""No byte either way for this long: between exchanges, or a pause in a long response, where a connection past
+max_open_s is cut."""
 
 
 class Middlebox:
@@ -59,7 +65,7 @@ class Middlebox:
                 await asyncio.wait(pumps, timeout=0.05, return_when=asyncio.ALL_COMPLETED)
                 now = time.monotonic()
                 if (self.idle_s is not None and now - last > self.idle_s) or (
-                    self.max_open_s is not None and now - opened > self.max_open_s
+                    self.max_open_s is not None and now - opened > self.max_open_s and now - last > QUIET_S
                 ):
                     self.cuts += 1
                     break

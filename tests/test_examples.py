@@ -189,25 +189,3 @@ def test_client_timeout_cancels_the_task_it_leaves(proxy_url):
         proxy_url, "tasks/get", {"taskId": task_id, "_meta": task_client.envelope()}, name=task_id, quiet=True
     )
     assert answer["result"]["status"] == "cancelled"
-
-
-def sdk2_client(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(ROOT / "examples" / "sdk2_tasks_client.py"), *args],
-                          capture_output=True, text=True, timeout=90)  # fmt: skip
-
-
-def test_the_sdk2_client_declares_the_extension_and_follows_the_task(proxy_url):
-    """`pip install mcp` alone gets no tasks; with the SDK's extension interface (examples/sdk2_tasks_client.py) the
-    same client.call_tool() gets a task at once and follows it with tasks/get to the tool's result."""
-    done = sdk2_client(proxy_url, "slow_report", '{"topic": "tides", "seconds": 2}')
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "Report on tides: all 5 steps done in 2 s."
-    lines = done.stderr.splitlines()
-    task_id = lines[0].split()[1].rstrip(":")
-    assert lines[0] == f"task {task_id}: working"
-    assert lines[-1] == f"task {task_id}: completed"
-
-
-def test_the_sdk2_client_s_calls_of_other_tools_pass_through(proxy_url):
-    done = sdk2_client(proxy_url, "add", '{"a": 2, "b": 3}')
-    assert (done.returncode, done.stdout.strip(), done.stderr) == (0, "5", "")
