@@ -26,6 +26,17 @@ def lane_counts(proxy: Any) -> dict[str, float]:
     return {m[0]: float(m[1]) for m in re.findall(r'mcp_tasks_proxy_lane_total\{outcome="(\w+)"\} (\S+)', text)}
 
 
+def request_counts(proxy: Any) -> dict[tuple[str, str, str], float]:
+    """mcp_tasks_proxy_requests_total by (method, mode, status), read as a scrape would."""
+    text = proxy.app[metrics_key].render().decode()
+    pattern = r'mcp_tasks_proxy_requests_total\{method="([^"]*)",mode="([^"]*)",status="(\d+)"\} (\S+)'
+    return {(m[0], m[1], m[2]): float(m[3]) for m in re.findall(pattern, text)}
+
+
+def counted(before: dict[Any, float], after: dict[Any, float]) -> dict[Any, float]:
+    return {key: after[key] - before.get(key, 0) for key in after if after[key] != before.get(key, 0)}
+
+
 def call(name: str, arguments: dict[str, Any], **extra: Any) -> dict[str, Any]:
     return request("tools/call", {"name": name, "arguments": arguments, "_meta": meta(tasks=False), **extra})
 
@@ -44,6 +55,10 @@ async def raw_exchange(port: int, data: bytes, *, read_s: float = 5.0) -> bytes:
         pass
     writer.close()
     return received
+
+
+def port_of(proxy: Any) -> int:
+    return int(proxy.url.rsplit(":", 1)[1].split("/")[0])
 
 
 def http_post(message: dict[str, Any], *, extra: bytes = b"", body: bytes | None = None) -> bytes:
@@ -126,7 +141,7 @@ async def test_a_task_rule_s_tool_is_not_relayed_by_the_lane(proxy):
 
 
 async def test_bytes_the_lane_will_not_read_go_to_aiohttp_whole(proxy):
-    port = int(proxy.url.rsplit(":", 1)[1].split("/")[0])
+    port = port_of(proxy)
     message = call("add", {"a": 1, "b": 2})
     # Not JSON; a body past limits.max_body_bytes; a header holding bytes that are not UTF-8.
     broken = http_post(message, body=json.dumps(message).encode()[:-1])
@@ -146,7 +161,7 @@ async def test_bytes_the_lane_will_not_read_go_to_aiohttp_whole(proxy):
 
 
 async def test_one_connection_carries_relayed_and_handed_over_requests_in_order(proxy):
-    port = int(proxy.url.rsplit(":", 1)[1].split("/")[0])
+    port = port_of(proxy)
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     got = []
     for a in range(3):  # three on the lane, kept alive
@@ -197,7 +212,7 @@ async def read_answers(reader: asyncio.StreamReader, count: int) -> list[Any]:
 
 
 async def test_pipelined_requests_are_answered_in_order_whatever_the_writes(proxy, upstream_client):
-    port = int(proxy.url.rsplit(":", 1)[1].split("/")[0])
+    port = port_of(proxy)
     one, two = call("add", {"a": 1, "b": 1}), call("add", {"a": 2, "b": 2})
     owned = request("tasks/get", {"taskId": "nope", "_meta": meta()})
     cases = [[one, two], [one, owned, two], [owned, one]]
@@ -234,7 +249,7 @@ async def test_pipelined_requests_are_answered_in_order_whatever_the_writes(prox
 
 
 async def test_a_late_body_gets_408_and_a_late_head_a_closed_connection(proxy):
-    port = int(proxy.url.rsplit(":", 1)[1].split("/")[0])
+    port = port_of(proxy)
     whole = http_post(call("add", {"a": 1, "b": 1}))
     started = asyncio.get_running_loop().time()
     status, fields, body = answers(await raw_exchange(port, whole[:-5], read_s=10))[0]
@@ -247,7 +262,7 @@ async def test_a_late_body_gets_408_and_a_late_head_a_closed_connection(proxy):
 
 async def test_the_connection_cap_counts_the_lane_s_connections(make_proxy, mcp_upstream):
     proxy = await make_proxy(mcp_upstream, protocol="modern", listen={"max_connections": 2})
-    port = int(proxy.url.rsplit(":", 1)[1].split("/")[0])
+    port = port_of(proxy)
     held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
     refused = await raw_exchange(port, http_post(call("add", {"a": 1, "b": 1})), read_s=3)
     assert refused.startswith(b"HTTP/1.1 503") and b"listen.max_connections" in refused
@@ -257,7 +272,7 @@ async def test_the_connection_cap_counts_the_lane_s_connections(make_proxy, mcp_
 
 async def test_a_connection_aiohttp_takes_over_after_a_visit_is_not_refused_by_the_cap(make_proxy, mcp_upstream):
     proxy = await make_proxy(mcp_upstream, protocol="modern", listen={"max_connections": 2})
-    port = int(proxy.url.rsplit(":", 1)[1].split("/")[0])
+    port = port_of(proxy)
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(http_post(request("tasks/get", {"taskId": "nope", "_meta": meta()})))  # a visit
     assert (await read_answers(reader, 1))[0]["error"]["code"] == -32602
@@ -275,7 +290,7 @@ async def test_a_connection_aiohttp_takes_over_after_a_visit_is_not_refused_by_t
 async def test_a_client_that_leaves_mid_call_cancels_it_upstream(proxy, upstream_client):
     gate = secrets.token_hex(6)
     message = call("gated", {"tag": gate}, _meta={**meta(tasks=False), "progressToken": 1})
-    port = int(proxy.url.rsplit(":", 1)[1].split("/")[0])
+    port = port_of(proxy)
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(http_post(message))
     head = await reader.readuntil(b"\r\n\r\n")  # the stream has begun: the call waits at its gate
@@ -365,6 +380,7 @@ def _owned_requests(task_id: str) -> list[tuple[str, dict[str, Any], dict[str, s
     arguments = {"topic": "t", "seconds": 0.1}
     create = request("tools/call", {"name": "slow_report", "arguments": arguments, "_meta": meta()})
     bad_arguments = request("tools/call", {"name": "slow_report", "arguments": [1], "_meta": meta()})
+    future = request("tools/call", {"name": "slow_report", "arguments": arguments, "_meta": meta(version="2099-01-01")})
     return [
         ("tasks/get of the task", request("tasks/get", {"taskId": task_id, "_meta": meta()}), {}),
         ("tasks/get of no task", request("tasks/get", {"taskId": "nope", "_meta": meta()}), {}),
@@ -376,6 +392,7 @@ def _owned_requests(task_id: str) -> list[tuple[str, dict[str, Any], dict[str, s
         ("tasks/cancel of no task", request("tasks/cancel", {"taskId": "nope", "_meta": meta()}), {}),
         ("creation, header disagrees", create, {"Mcp-Name": "add"}),
         ("creation, bad arguments", bad_arguments, {}),
+        ("creation, unsupported version", future, {"MCP-Protocol-Version": "2099-01-01"}),
         ("creation", create, {}),
     ]  # fmt: skip
 
@@ -396,14 +413,16 @@ async def test_the_proxy_s_own_requests_are_served_on_the_lane_with_the_answers_
     for why, message, headers in _owned_requests(task_id):
         # Connection: close: the connection handed to aiohttp is not the next request's.
         sent = {**headers_for(message), **me, **headers, "Connection": "close"}
-        before = lane_counts(proxy)
+        before, requests_before = lane_counts(proxy), request_counts(proxy)
         lane = await proxy.client.send(message, headers={**me, **headers})
-        after = lane_counts(proxy)
+        after, requests_lane = lane_counts(proxy), request_counts(proxy)
         async with proxy.client.session.post(
             proxy.url, data=chunked(json.dumps(message).encode()), headers=sent
         ) as response:
             theirs, status, content_type = await response.json(), response.status, response.headers["Content-Type"]
         assert (lane.status, lane.headers["Content-Type"]) == (status, content_type), why
+        # The same metric labels (method, mode, status) on either path: a refusal is not counted as a task.
+        assert counted(requests_before, requests_lane) == counted(requests_lane, request_counts(proxy)), why
         ours = json.loads(lane.body)
         if why == "creation":  # two tasks: the same answer but for the task's id and times
             assert ours["result"]["resultType"] == theirs["result"]["resultType"] == "task"
@@ -426,3 +445,42 @@ async def test_an_idempotent_creation_on_the_lane_names_the_same_task(proxy):
     again = await proxy.client.call("tools/call", params, headers=key)
     assert first.result["taskId"] == again.result["taskId"]
     assert lane_counts(proxy)["served"] == 2
+
+
+@pytest.mark.parametrize("spaces", [" ", "\t", " \t "])
+async def test_trailing_whitespace_in_a_header_does_not_change_the_caller_on_the_lane(make_proxy, mcp_upstream, spaces):
+    """llhttp keeps a value's trailing spaces, aiohttp strips them: `Bearer me ` is the caller `Bearer me` on both
+    paths, whichever of them created the task and whichever polls it."""
+    proxy = await make_proxy(
+        mcp_upstream,
+        protocol="modern",
+        tools=[{"match": "slow_report", "task": "optional"}],
+        security={"principal": "authorization"},
+    )
+    arguments = {"topic": "t", "seconds": 0.1}
+    create = request("tools/call", {"name": "slow_report", "arguments": arguments, "_meta": meta()})
+    padded = f"Authorization: Bearer me{spaces}\r\nConnection: close\r\n".encode()
+    [(status, _, body)] = answers(await raw_exchange(port_of(proxy), http_post(create, extra=padded)))
+    assert status == 200
+    on_lane = json.loads(body)["result"]["taskId"]
+    assert lane_counts(proxy)["served"] == 1
+    async with proxy.client.session.post(
+        proxy.url,
+        data=chunked(json.dumps(create).encode()),
+        headers={**headers_for(create), "Authorization": f"Bearer me{spaces}", "Connection": "close"},
+    ) as response:
+        on_aiohttp = (await response.json())["result"]["taskId"]
+    for task_id in (on_lane, on_aiohttp):
+        get = request("tasks/get", {"taskId": task_id, "_meta": meta()})
+        for headers in ({"Authorization": "Bearer me"}, {"Authorization": f"Bearer me{spaces}"}):
+            polled = await proxy.client.send(get, headers=headers)  # the lane
+            assert json.loads(polled.body)["result"]["taskId"] == task_id, (task_id, headers)
+            async with proxy.client.session.post(
+                proxy.url,
+                data=chunked(json.dumps(get).encode()),
+                headers={**headers_for(get), **headers, "Connection": "close"},  # not the lane's next connection
+            ) as response:  # aiohttp's path
+                assert (await response.json())["result"]["taskId"] == task_id, (task_id, headers)
+        stranger = await proxy.client.send(get, headers={"Authorization": "Bearer you "})
+        assert "error" in json.loads(stranger.body)
+    assert lane_counts(proxy)["served"] == 1 + 2 * 3  # the creation, then each task's two polls and the stranger's

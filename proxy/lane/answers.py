@@ -120,8 +120,9 @@ async def _owned(lane: Lane, out: LaneWriter, request: LaneRequest, info: Reques
         result = await lane.tasks2026.handle(request.headers, message, info)
         out.json(result_response(message["id"], result), 200, keep_alive=keep_alive)
         return 200
-    info.tool, info.mode = message["params"]["name"], "task"
+    info.tool = message["params"]["name"]
     check_modern_request(message, request.headers)  # the checks dispatch makes before a task is created
+    info.mode = "task"  # after the checks, as on aiohttp's path: a refusal is counted as "local"
     # The peer's address (a syscall on uvloop): asked only here, where an anonymous caller's limits need it.
     peer = out.transport.get_extra_info("peername") if out.transport is not None else None
     call, key = tool_call(message, request.headers, peer[0] if isinstance(peer, tuple) else None, lane.identity)

@@ -94,7 +94,7 @@ class Head:
             elif role is _METHOD:
                 mcp_method = value.decode().strip()
             elif role is _NAME:
-                name = value
+                name = value.rstrip(b" \t")
             elif lower in seen:  # a singleton, Content-Length included
                 plain = False  # aiohttp refuses a repeated Host, Content-Type...: it must see the request
             else:
@@ -135,7 +135,9 @@ def lane_request(
     kind = head.kind if head.kind == "owned" else lane.route()
     if kind is None:
         return None
-    headers = CIMultiDict([(name.decode(), value.decode()) for name, value in fields])
+    # llhttp keeps a value's trailing spaces and tabs; aiohttp strips them, and so must the lane, or `Bearer me ` would
+    # be a caller of its own here and another on aiohttp's path. The fields relayed stay as received.
+    headers = CIMultiDict([(name.decode(), value.decode().rstrip(" \t")) for name, value in fields])
     if not lane.guard.host_allowed(headers.get("Host")) or not lane.guard.origin_allowed(headers.get("Origin")):
         return None
     body = b"".join(body_parts)
