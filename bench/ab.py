@@ -4,6 +4,7 @@
     python bench/ab.py --base 1d897d4     # against any commit
     python bench/ab.py --quick            # 2 s runs, 3 repeats: a smoke test, not a figure
     python bench/ab.py --path create      # task creation at 1,000/s instead of pass-through (memory and Redis)
+    python bench/ab.py --path get         # tasks/get of a finished task, closed loop (memory and Redis)
 
 Both proxies stand in front of one fast upstream (bench/fast_upstream.py), beside the bare aiohttp forwarder
 (bench/minimal_forwarder.py) and, when it is installed, nginx, for an upstream of each era (the proxy translates a
@@ -15,7 +16,14 @@ each target sees the same noise. Medians, with the spread (min-max) of the repea
 `--path create` measures task creation instead: each proxy (a task rule for `echo`, the memory store, then Redis,
 with the operator's key so that calls are kept sealed for a takeover as deployed) gets `tools/call` with the tasks
 extension at 1,000 requests/s in Poisson arrivals (wrk, 16 connections); the figures are CPU µs per creation and
-the p99 latency of the `CreateTaskResult`, A and B interleaved in the same way.
+the p99 latency of the `CreateTaskResult`, A and B interleaved in the same way. Beside them is the p99 of the fast
+upstream answering a tools/call itself at the same rate: what an aiohttp server that does nothing else achieves on
+the machine. wrk's `delay()` counts whole milliseconds and its timers fire on millisecond ticks, so arrivals come in
+small bursts (one per tick on average, four or five now and then): the p99 is that of a creation that arrived
+behind a few others, a harsher load than arrivals spread evenly.
+
+`--path get` measures the proxy's own read path: each proxy makes one task (which completes at once), then wrk
+asks tasks/get for it with every connection count, closed loop; the figures are CPU µs per tasks/get and req/s.
 
 The base commit is installed once into a virtual environment of its own under bench/.ab/ (from `git archive`, so
 the work tree is untouched); the work tree runs from this interpreter (an editable install).
@@ -32,6 +40,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -85,13 +95,18 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS
 
 
-def wrk_total(url: str, connections: int, seconds: int) -> int:
-    """Requests wrk completed against `url` (every one a 2xx, or the run is void)."""
-    body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
-                       "params": {"name": "plain", "arguments": {}, "_meta": META}})  # fmt: skip
-    script = WORK / "passthrough.lua"
+def wrk_total(url: str, connections: int, seconds: int, task_id: str | None = None) -> int:
+    """Requests wrk completed against `url` (every one a 2xx, or the run is void): the pass-through tools/call, or
+    tasks/get of `task_id`."""
+    if task_id is None:
+        params, headers = {"name": "plain", "arguments": {}, "_meta": META}, HEADERS
+    else:
+        params = {"taskId": task_id, "_meta": META_TASKS}
+        headers = {**HEADERS, "Mcp-Method": "tasks/get", "Mcp-Name": task_id}
+    body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tasks/get" if task_id else "tools/call", "params": params})
+    script = WORK / ("passthrough.lua" if task_id is None else f"get-{task_id}.lua")
     lines = ['wrk.method = "POST"', f"wrk.body = {json.dumps(body)}"]
-    lines += [f'wrk.headers["{key}"] = "{value}"' for key, value in HEADERS.items()]
+    lines += [f'wrk.headers["{key}"] = "{value}"' for key, value in headers.items()]
     script.write_text("\n".join(lines) + "\n")
     done = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "-s", str(script), url],
                           capture_output=True, text=True)  # fmt: skip
@@ -99,6 +114,28 @@ def wrk_total(url: str, connections: int, seconds: int) -> int:
     if done.returncode != 0 or errors:
         raise SystemExit(f"wrk failed against {url}:\n{done.stdout}{done.stderr}")
     return int(re.search(r"(\d+) requests in", done.stdout).group(1))
+
+
+def finished_task(url: str) -> str:
+    """The id of a task made through the proxy at `url` (echo answers at once), once it is completed."""
+    headers = {**HEADERS, "Mcp-Name": "echo"}
+    create = {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+              "params": {"name": "echo", "arguments": {}, "_meta": META_TASKS}}  # fmt: skip
+    task_id = post(url, create, headers)["result"]["taskId"]
+    get = {"jsonrpc": "2.0", "id": 2, "method": "tasks/get", "params": {"taskId": task_id, "_meta": META_TASKS}}
+    for _ in range(100):
+        # What wrk will ask, asked once: an error here (no such task for this caller) would void the figures.
+        answer = post(url, get, {**headers, "Mcp-Method": "tasks/get", "Mcp-Name": task_id})
+        if answer["result"]["status"] == "completed":
+            return task_id
+        time.sleep(0.05)
+    raise SystemExit(f"the task made through {url} did not complete")
+
+
+def post(url: str, message: dict, headers: dict[str, str]) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(message).encode(), headers=headers, method="POST")
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.loads(response.read())
 
 
 @contextmanager
@@ -157,9 +194,12 @@ def summary(runs: list[float], digits: int = 0) -> str:
 
 
 def creation(base: Path, base_package: str, upstream: str, seconds: int, repeats: int) -> None:
-    """Task creation at 1,000/s through A and B, with the memory store and with Redis: CPU µs and p99 ms."""
-    header = ["store", "A µs/creation", "B µs/creation", "B/A", "A p99 ms", "B p99 ms"]
+    """Task creation at 1,000/s through A and B, with the memory store and with Redis: CPU µs and p99 ms; beside
+    them, the fast upstream answering a tools/call itself at the same rate (an aiohttp server doing nothing else)."""
+    header = ["store", "A µs/creation", "B µs/creation", "B/A", "A p99 ms", "B p99 ms", "aiohttp alone p99 ms"]
     rows = []
+    floor = [wrk(upstream, "tools/call", {"name": "plain", "arguments": {}}, meta=META, connections=16,
+                 seconds=seconds, name="plain", rate=1000)[2] for _ in range(repeats)]  # fmt: skip
     with ExitStack() as stack:
         redis_port = free_port()
         stack.enter_context(process("redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
@@ -186,8 +226,47 @@ def creation(base: Path, base_package: str, upstream: str, seconds: int, repeats
                         p99[target].append(tail)
                 ratio = statistics.median(cpu["B"]) / statistics.median(cpu["A"])
                 rows.append([name, summary(cpu["A"]), summary(cpu["B"]), f"{ratio:.3f}", summary(p99["A"], 2),
-                             summary(p99["B"], 2)])  # fmt: skip
+                             summary(p99["B"], 2), summary(floor, 2)])  # fmt: skip
                 print(f"  create, {name} store: B/A {ratio:.3f}", file=sys.stderr)
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
+def reads(base: Path, base_package: str, upstream: str, seconds: int, repeats: int, connections: list[int]) -> None:
+    """tasks/get of a finished task through A and B, closed loop, with the memory store and with Redis."""
+    header = ["store", "c", "A µs/get", "B µs/get", "B/A", "A req/s", "B req/s"]
+    rows = []
+    with ExitStack() as stack:
+        redis_port = free_port()
+        stack.enter_context(process("redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
+                                    "--appendonly", "no", port=redis_port))  # fmt: skip
+        stores = {
+            "memory": {"backend": "memory"},
+            "redis": {"backend": "redis", "url": f"redis://127.0.0.1:{redis_port}/0"},
+        }
+        for name, store in stores.items():
+            with (
+                proxy(base, base_package, upstream, "modern", store) as a,
+                proxy(sys.executable, package_of(ROOT), upstream, "modern", store) as b,
+            ):
+                targets = {"A": a, "B": b}
+                for count in connections:
+                    cpu: dict[str, list[float]] = {target: [] for target in targets}
+                    rate: dict[str, list[float]] = {target: [] for target in targets}
+                    for repeat in range(repeats):
+                        for target in ("A", "B") if repeat % 2 == 0 else ("B", "A"):
+                            url, pid = targets[target]
+                            task_id = finished_task(url)  # a new one each time: the run's tasks live a minute
+                            before = cpu_s(pid)
+                            total = wrk_total(url, count, seconds, task_id)
+                            cpu[target].append((cpu_s(pid) - before) / total * 1e6)
+                            rate[target].append(total / seconds)
+                    ratio = statistics.median(cpu["B"]) / statistics.median(cpu["A"])
+                    rows.append([name, str(count), summary(cpu["A"]), summary(cpu["B"]), f"{ratio:.3f}",
+                                 summary(rate["A"]), summary(rate["B"])])  # fmt: skip
+                    print(f"  tasks/get, {name} store, c={count}: B/A {ratio:.3f}", file=sys.stderr)
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for row in rows:
@@ -202,14 +281,15 @@ def main() -> None:
     parser.add_argument("--seconds", type=int, default=4, help="length of each wrk run")
     parser.add_argument("--repeats", type=int, default=7, help="runs of each target per concurrency")
     parser.add_argument("--quick", action="store_true", help="2 s runs, 3 repeats")
-    parser.add_argument("--path", choices=("passthrough", "create"), default="passthrough",
-                        help="what is measured: a pass-through tools/call, or task creation at 1,000/s")  # fmt: skip
+    parser.add_argument("--path", choices=("passthrough", "create", "get"), default="passthrough",
+                        help="what is measured: a pass-through tools/call, task creation at 1,000/s, or "
+                             "tasks/get of a finished task")  # fmt: skip
     args = parser.parse_args()
     seconds, repeats = (2, 3) if args.quick else (args.seconds, args.repeats)
     if shutil.which("wrk") is None:
         raise SystemExit("wrk is needed: apt-get install wrk")
-    if args.path == "create" and shutil.which("redis-server") is None:
-        raise SystemExit("redis-server is needed for --path create: apt-get install redis-server")
+    if args.path in ("create", "get") and shutil.which("redis-server") is None:
+        raise SystemExit(f"redis-server is needed for --path {args.path}: apt-get install redis-server")
     base, base_package = base_python(args.base)
     # A comparison of a tree with itself reads as "no change": make sure A and B are the trees they claim to be.
     a_tree, b_tree = imported_from(base, base_package), imported_from(sys.executable, package_of(ROOT))
@@ -225,6 +305,9 @@ def main() -> None:
                                     port=upstream_port))  # fmt: skip
         if args.path == "create":
             creation(base, base_package, upstream, seconds, repeats)
+            return
+        if args.path == "get":
+            reads(base, base_package, upstream, seconds, repeats, [int(c) for c in args.connections.split(",")])
             return
         forwarder_port = free_port()
         forwarder = stack.enter_context(process(sys.executable, str(HERE / "minimal_forwarder.py"),
