@@ -193,6 +193,31 @@ def summary(runs: list[float], digits: int = 0) -> str:
     return f"{statistics.median(runs):.{digits}f} ({min(runs):.{digits}f}-{max(runs):.{digits}f})"
 
 
+def proxies_by_store(base: Path, base_package: str, upstream: str) -> Iterator[tuple[str, dict[str, tuple[str, int]]]]:
+    """A's and B's proxy in front of `upstream` with the memory store, then both with one redis-server of the run's."""
+    with ExitStack() as stack:
+        redis_port = free_port()
+        stack.enter_context(process("redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
+                                    "--appendonly", "no", port=redis_port))  # fmt: skip
+        stores = {
+            "memory": {"backend": "memory"},
+            "redis": {"backend": "redis", "url": f"redis://127.0.0.1:{redis_port}/0"},
+        }
+        for name, store in stores.items():
+            with (
+                proxy(base, base_package, upstream, "modern", store) as a,
+                proxy(sys.executable, package_of(ROOT), upstream, "modern", store) as b,
+            ):
+                yield name, {"A": a, "B": b}
+
+
+def print_table(header: list[str], rows: list[list[str]]) -> None:
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
 def creation(base: Path, base_package: str, upstream: str, seconds: int, repeats: int) -> None:
     """Task creation at 1,000/s through A and B, with the memory store and with Redis: CPU µs and p99 ms; beside
     them, the fast upstream answering a tools/call itself at the same rate (an aiohttp server doing nothing else)."""
@@ -200,77 +225,45 @@ def creation(base: Path, base_package: str, upstream: str, seconds: int, repeats
     rows = []
     floor = [wrk(upstream, "tools/call", {"name": "plain", "arguments": {}}, meta=META, connections=16,
                  seconds=seconds, name="plain", rate=1000)[2] for _ in range(repeats)]  # fmt: skip
-    with ExitStack() as stack:
-        redis_port = free_port()
-        stack.enter_context(process("redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
-                                    "--appendonly", "no", port=redis_port))  # fmt: skip
-        stores = {
-            "memory": {"backend": "memory"},
-            "redis": {"backend": "redis", "url": f"redis://127.0.0.1:{redis_port}/0"},
-        }
-        for name, store in stores.items():
-            with (
-                proxy(base, base_package, upstream, "modern", store) as a,
-                proxy(sys.executable, package_of(ROOT), upstream, "modern", store) as b,
-            ):
-                targets = {"A": a, "B": b}
-                cpu: dict[str, list[float]] = {target: [] for target in targets}
-                p99: dict[str, list[float]] = {target: [] for target in targets}
-                for repeat in range(repeats):
-                    for target in ("A", "B") if repeat % 2 == 0 else ("B", "A"):
-                        url, pid = targets[target]
-                        before = cpu_s(pid)
-                        served, _, tail = wrk(url, "tools/call", {"name": "echo", "arguments": {}}, meta=META_TASKS,
-                                              connections=16, seconds=seconds, name="echo", rate=1000)  # fmt: skip
-                        cpu[target].append((cpu_s(pid) - before) / (served * seconds) * 1e6)
-                        p99[target].append(tail)
-                ratio = statistics.median(cpu["B"]) / statistics.median(cpu["A"])
-                rows.append([name, summary(cpu["A"]), summary(cpu["B"]), f"{ratio:.3f}", summary(p99["A"], 2),
-                             summary(p99["B"], 2), summary(floor, 2)])  # fmt: skip
-                print(f"  create, {name} store: B/A {ratio:.3f}", file=sys.stderr)
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
+    for name, targets in proxies_by_store(base, base_package, upstream):
+        cpu: dict[str, list[float]] = {target: [] for target in targets}
+        p99: dict[str, list[float]] = {target: [] for target in targets}
+        for repeat in range(repeats):
+            for target in ("A", "B") if repeat % 2 == 0 else ("B", "A"):
+                url, pid = targets[target]
+                before = cpu_s(pid)
+                served, _, tail = wrk(url, "tools/call", {"name": "echo", "arguments": {}}, meta=META_TASKS,
+                                      connections=16, seconds=seconds, name="echo", rate=1000)  # fmt: skip
+                cpu[target].append((cpu_s(pid) - before) / (served * seconds) * 1e6)
+                p99[target].append(tail)
+        ratio = statistics.median(cpu["B"]) / statistics.median(cpu["A"])
+        rows.append([name, summary(cpu["A"]), summary(cpu["B"]), f"{ratio:.3f}", summary(p99["A"], 2),
+                     summary(p99["B"], 2), summary(floor, 2)])  # fmt: skip
+        print(f"  create, {name} store: B/A {ratio:.3f}", file=sys.stderr)
+    print_table(header, rows)
 
 
 def reads(base: Path, base_package: str, upstream: str, seconds: int, repeats: int, connections: list[int]) -> None:
     """tasks/get of a finished task through A and B, closed loop, with the memory store and with Redis."""
     header = ["store", "c", "A µs/get", "B µs/get", "B/A", "A req/s", "B req/s"]
     rows = []
-    with ExitStack() as stack:
-        redis_port = free_port()
-        stack.enter_context(process("redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
-                                    "--appendonly", "no", port=redis_port))  # fmt: skip
-        stores = {
-            "memory": {"backend": "memory"},
-            "redis": {"backend": "redis", "url": f"redis://127.0.0.1:{redis_port}/0"},
-        }
-        for name, store in stores.items():
-            with (
-                proxy(base, base_package, upstream, "modern", store) as a,
-                proxy(sys.executable, package_of(ROOT), upstream, "modern", store) as b,
-            ):
-                targets = {"A": a, "B": b}
-                for count in connections:
-                    cpu: dict[str, list[float]] = {target: [] for target in targets}
-                    rate: dict[str, list[float]] = {target: [] for target in targets}
-                    for repeat in range(repeats):
-                        for target in ("A", "B") if repeat % 2 == 0 else ("B", "A"):
-                            url, pid = targets[target]
-                            task_id = finished_task(url)  # a new one each time: the run's tasks live a minute
-                            before = cpu_s(pid)
-                            total = wrk_total(url, count, seconds, task_id)
-                            cpu[target].append((cpu_s(pid) - before) / total * 1e6)
-                            rate[target].append(total / seconds)
-                    ratio = statistics.median(cpu["B"]) / statistics.median(cpu["A"])
-                    rows.append([name, str(count), summary(cpu["A"]), summary(cpu["B"]), f"{ratio:.3f}",
-                                 summary(rate["A"]), summary(rate["B"])])  # fmt: skip
-                    print(f"  tasks/get, {name} store, c={count}: B/A {ratio:.3f}", file=sys.stderr)
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
+    for name, targets in proxies_by_store(base, base_package, upstream):
+        for count in connections:
+            cpu: dict[str, list[float]] = {target: [] for target in targets}
+            rate: dict[str, list[float]] = {target: [] for target in targets}
+            for repeat in range(repeats):
+                for target in ("A", "B") if repeat % 2 == 0 else ("B", "A"):
+                    url, pid = targets[target]
+                    task_id = finished_task(url)  # a new one each time: the run's tasks live a minute
+                    before = cpu_s(pid)
+                    total = wrk_total(url, count, seconds, task_id)
+                    cpu[target].append((cpu_s(pid) - before) / total * 1e6)
+                    rate[target].append(total / seconds)
+            ratio = statistics.median(cpu["B"]) / statistics.median(cpu["A"])
+            rows.append([name, str(count), summary(cpu["A"]), summary(cpu["B"]), f"{ratio:.3f}",
+                         summary(rate["A"]), summary(rate["B"])])  # fmt: skip
+            print(f"  tasks/get, {name} store, c={count}: B/A {ratio:.3f}", file=sys.stderr)
+    print_table(header, rows)
 
 
 def main() -> None:
@@ -344,10 +337,7 @@ def main() -> None:
                     print(f"  {era} c={connections}: B/A {median['B'] / median['A']:.3f}", file=sys.stderr)
         header = ["upstream", "c", *(f"{name} µs/req" for name in ("A", "B", *fixed)), "B/A", "B/forwarder",
                   "B/nginx req/s"]  # fmt: skip
-        print("| " + " | ".join(header) + " |")
-        print("|" + "---|" * len(header))
-        for row in rows:
-            print("| " + " | ".join(row) + " |")
+        print_table(header, rows)
 
 
 if __name__ == "__main__":
