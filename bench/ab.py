@@ -32,6 +32,7 @@ the work tree is untouched); the work tree runs from this interpreter (an editab
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import re
@@ -40,17 +41,17 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+
+import aiohttp
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 CACHE = HERE / ".ab"
 sys.path.insert(0, str(HERE))
-from run import META_TASKS, free_port, process, wait_ready, wrk  # noqa: E402  (bench/ is a folder of scripts)
+from run import META_TASKS, create_tasks, free_port, process, rpc, wait_ready, wrk  # noqa: E402  (bench/ is a folder of scripts)
 
 WORK = Path(tempfile.mkdtemp(prefix="mcp-tasks-proxy-ab-"))
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -117,25 +118,19 @@ def wrk_total(url: str, connections: int, seconds: int, task_id: str | None = No
 
 
 def finished_task(url: str) -> str:
-    """The id of a task made through the proxy at `url` (echo answers at once), once it is completed."""
-    headers = {**HEADERS, "Mcp-Name": "echo"}
-    create = {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
-              "params": {"name": "echo", "arguments": {}, "_meta": META_TASKS}}  # fmt: skip
-    task_id = post(url, create, headers)["result"]["taskId"]
-    get = {"jsonrpc": "2.0", "id": 2, "method": "tasks/get", "params": {"taskId": task_id, "_meta": META_TASKS}}
-    for _ in range(100):
-        # What wrk will ask, asked once: an error here (no such task for this caller) would void the figures.
-        answer = post(url, get, {**headers, "Mcp-Method": "tasks/get", "Mcp-Name": task_id})
-        if answer["result"]["status"] == "completed":
-            return task_id
-        time.sleep(0.05)
-    raise SystemExit(f"the task made through {url} did not complete")
+    """The id of a task made through the proxy at `url` (echo answers at once), once it is completed: asked with
+    tasks/get as wrk will ask, so that an error (no such task for this caller) voids the run instead of its figures."""
+    task_id = asyncio.run(create_tasks(url, "echo", 1, concurrency=1))[0]
 
+    async def completed() -> str:
+        async with aiohttp.ClientSession() as session:
+            for _ in range(100):
+                if (await rpc(session, url, "tasks/get", {"taskId": task_id}))["result"]["status"] == "completed":
+                    return task_id
+                await asyncio.sleep(0.05)
+        raise SystemExit(f"the task made through {url} did not complete")
 
-def post(url: str, message: dict, headers: dict[str, str]) -> dict:
-    request = urllib.request.Request(url, data=json.dumps(message).encode(), headers=headers, method="POST")
-    with urllib.request.urlopen(request, timeout=10) as response:
-        return json.loads(response.read())
+    return asyncio.run(completed())
 
 
 @contextmanager

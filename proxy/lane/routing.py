@@ -94,7 +94,7 @@ class Head:
             elif role is _METHOD:
                 mcp_method = value.decode().strip()
             elif role is _NAME:
-                name = value.rstrip(b" \t")
+                name = value
             elif lower in seen:  # a singleton, Content-Length included
                 plain = False  # aiohttp refuses a repeated Host, Content-Type...: it must see the request
             else:
