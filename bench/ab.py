@@ -135,7 +135,12 @@ def finished_task(url: str) -> str:
 
 @contextmanager
 def proxy(
-    python: Path | str, package: str, upstream: str, protocol: str, store: dict | None = None
+    python: Path | str,
+    package: str,
+    upstream: str,
+    protocol: str,
+    store: dict | None = None,
+    ttl_ms: int = 60_000,
 ) -> Iterator[tuple[str, int]]:
     port = free_port()
     policy = {
@@ -144,9 +149,9 @@ def proxy(
         "security": {"principal_key": "bench"},
         "logging": {"level": "warning", "format": "json"},
     }
-    if store is not None:  # creation: room for every task a run makes
+    if store is not None:  # the task paths: room for every task a run makes, each kept `ttl_ms`
         policy["store"] = {**store, "key_prefix": f"ab{port}:"} if store["backend"] == "redis" else store
-        policy["tasks"] = {"max_tasks": 200_000, "ttl_ms": 60_000}
+        policy["tasks"] = {"max_tasks": 200_000, "ttl_ms": ttl_ms}
         policy["limits"] = {"max_running_tasks": 20_000}
     path = WORK / f"policy-{port}.json"
     path.write_text(json.dumps(policy))
@@ -188,8 +193,11 @@ def summary(runs: list[float], digits: int = 0) -> str:
     return f"{statistics.median(runs):.{digits}f} ({min(runs):.{digits}f}-{max(runs):.{digits}f})"
 
 
-def proxies_by_store(base: Path, base_package: str, upstream: str) -> Iterator[tuple[str, dict[str, tuple[str, int]]]]:
-    """A's and B's proxy in front of `upstream` with the memory store, then both with one redis-server of the run's."""
+def proxies_by_store(
+    base: Path, base_package: str, upstream: str, ttl_ms: int = 60_000
+) -> Iterator[tuple[str, dict[str, tuple[str, int]]]]:
+    """A's and B's proxy in front of `upstream` with the memory store, then both with one redis-server of the run's;
+    tasks kept `ttl_ms` (creation makes 1,000 a second: a minute of them)."""
     with ExitStack() as stack:
         redis_port = free_port()
         stack.enter_context(process("redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
@@ -200,8 +208,8 @@ def proxies_by_store(base: Path, base_package: str, upstream: str) -> Iterator[t
         }
         for name, store in stores.items():
             with (
-                proxy(base, base_package, upstream, "modern", store) as a,
-                proxy(sys.executable, package_of(ROOT), upstream, "modern", store) as b,
+                proxy(base, base_package, upstream, "modern", store, ttl_ms) as a,
+                proxy(sys.executable, package_of(ROOT), upstream, "modern", store, ttl_ms) as b,
             ):
                 yield name, {"A": a, "B": b}
 
@@ -242,14 +250,15 @@ def reads(base: Path, base_package: str, upstream: str, seconds: int, repeats: i
     """tasks/get of a finished task through A and B, closed loop, with the memory store and with Redis."""
     header = ["store", "c", "A µs/get", "B µs/get", "B/A", "A req/s", "B req/s"]
     rows = []
-    for name, targets in proxies_by_store(base, base_package, upstream):
+    # A task a day: it must outlive the longest run that polls it (one made before each wrk run).
+    for name, targets in proxies_by_store(base, base_package, upstream, ttl_ms=86_400_000):
         for count in connections:
             cpu: dict[str, list[float]] = {target: [] for target in targets}
             rate: dict[str, list[float]] = {target: [] for target in targets}
             for repeat in range(repeats):
                 for target in ("A", "B") if repeat % 2 == 0 else ("B", "A"):
                     url, pid = targets[target]
-                    task_id = finished_task(url)  # a new one each time: the run's tasks live a minute
+                    task_id = finished_task(url)  # a new one each time, as in a run of its own
                     before = cpu_s(pid)
                     total = wrk_total(url, count, seconds, task_id)
                     cpu[target].append((cpu_s(pid) - before) / total * 1e6)

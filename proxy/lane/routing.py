@@ -136,7 +136,7 @@ def lane_request(
     if kind is None:
         return None
     # llhttp keeps a value's trailing spaces and tabs; aiohttp strips them, and so must the lane, or `Bearer me ` would
-    # be a caller of its own here and another on aiohttp's path. The fields relayed stay as received.
+    # be a caller of its own here and another on aiohttp's path (relayed_request_fields strips the relayed ones).
     headers = CIMultiDict([(name.decode(), value.decode().rstrip(" \t")) for name, value in fields])
     if not lane.guard.host_allowed(headers.get("Host")) or not lane.guard.origin_allowed(headers.get("Origin")):
         return None

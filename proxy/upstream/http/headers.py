@@ -86,6 +86,11 @@ def relayed_request_fields(
     # The parser refuses CR and LF inside a field; never trusted alone, as one would end the line early upstream.
     if fields.count(b"\n") != len(lines) or fields.count(b"\r") != len(lines):
         raise ValueError("a header holds CR or LF and cannot be sent")
+    if b" \r\n" in fields or b"\t\r\n" in fields:
+        # llhttp keeps a value's trailing spaces and tabs, aiohttp strips them: the upstream gets the same bytes
+        # whichever path relayed the request. Two searches of the whole block, not a strip per field.
+        stripped = ((name, value.rstrip(b" \t")) for name, value in raw_headers if name.lower() not in drop)
+        fields = b"".join(b"%s: %s\r\n" % field for field in stripped)
     return fields
 
 
