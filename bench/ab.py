@@ -5,13 +5,16 @@
     python bench/ab.py --quick            # 2 s runs, 3 repeats: a smoke test, not a figure
     python bench/ab.py --path create      # task creation at 1,000/s instead of pass-through (memory and Redis)
     python bench/ab.py --path get         # tasks/get of a finished task, closed loop (memory and Redis)
+    python bench/ab.py --client tasks     # pass-through from a client that declares the tasks extension
 
 Both proxies stand in front of one fast upstream (bench/fast_upstream.py), beside the bare aiohttp forwarder
 (bench/minimal_forwarder.py) and, when it is installed, nginx, for an upstream of each era (the proxy translates a
 2026 client's calls for a 2025 one). For each concurrency every repeat runs each target once, in an order that
 rotates, with wrk posting the same pass-through tools/call; the figure is the CPU time (utime + stime from /proc)
 the target's process spent per request served. On a shared, noisy machine that moves far less than throughput, and
-each target sees the same noise. Medians, with the spread (min-max) of the repeats.
+each target sees the same noise. Medians, with the spread (min-max) of the repeats. The client declares nothing by
+default; with `--client tasks` it declares the tasks extension in every request, as a tasks-capable client does,
+and the proxy removes the declaration from what it relays (the upstream must not make tasks of its own).
 
 `--path create` measures task creation instead: each proxy (a task rule for `echo`, the memory store, then Redis,
 with the operator's key so that calls are kept sealed for a takeover as deployed) gets `tools/call` with the tasks
@@ -96,11 +99,11 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS
 
 
-def wrk_total(url: str, connections: int, seconds: int, task_id: str | None = None) -> int:
-    """Requests wrk completed against `url` (every one a 2xx, or the run is void): the pass-through tools/call, or
-    tasks/get of `task_id`."""
+def wrk_total(url: str, connections: int, seconds: int, task_id: str | None = None, meta: dict = META) -> int:
+    """Requests wrk completed against `url` (every one a 2xx, or the run is void): the pass-through tools/call with
+    `meta`, or tasks/get of `task_id`."""
     if task_id is None:
-        params, headers = {"name": "plain", "arguments": {}, "_meta": META}, HEADERS
+        params, headers = {"name": "plain", "arguments": {}, "_meta": meta}, HEADERS
     else:
         params = {"taskId": task_id, "_meta": META_TASKS}
         headers = {**HEADERS, "Mcp-Method": "tasks/get", "Mcp-Name": task_id}
@@ -278,6 +281,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=int, default=4, help="length of each wrk run")
     parser.add_argument("--repeats", type=int, default=7, help="runs of each target per concurrency")
     parser.add_argument("--quick", action="store_true", help="2 s runs, 3 repeats")
+    parser.add_argument("--client", choices=("plain", "tasks"), default="plain",
+                        help="pass-through: a client that declares nothing, or the tasks extension")  # fmt: skip
     parser.add_argument("--path", choices=("passthrough", "create", "get"), default="passthrough",
                         help="what is measured: a pass-through tools/call, task creation at 1,000/s, or "
                              "tasks/get of a finished task")  # fmt: skip
@@ -293,8 +298,10 @@ def main() -> None:
     if not a_tree.is_relative_to(CACHE.resolve()) or b_tree != (ROOT / "proxy").resolve():
         raise SystemExit(f"A imports the proxy from {a_tree} and B from {b_tree}: not the two trees to compare")
     head = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True)
+    declares = " · the client declares tasks" if args.client == "tasks" and args.path == "passthrough" else ""
     print(f"# A/B: {args.base} (A) against the work tree {head.stdout.strip()} (B) · {os.cpu_count()} cores · "
-          f"wrk -t1, {seconds} s runs, {repeats} repeats, interleaved · CPU µs/request, median (min-max)")  # fmt: skip
+          f"wrk -t1, {seconds} s runs, {repeats} repeats, interleaved · CPU µs/request, median (min-max)"
+          f"{declares}")  # fmt: skip
     upstream_port = free_port()
     upstream = f"http://127.0.0.1:{upstream_port}/mcp"
     with ExitStack() as stack:
@@ -314,6 +321,7 @@ def main() -> None:
         if web is not None:
             fixed["nginx"] = web
         rows = []
+        meta = META_TASKS if args.client == "tasks" else META
         for era in args.eras.split(","):
             with (
                 proxy(base, base_package, upstream, era) as a,
@@ -329,7 +337,7 @@ def main() -> None:
                         for name in names[turn:] + names[:turn]:  # each target first in turn
                             url, pid = targets[name]
                             before = cpu_s(pid)
-                            total = wrk_total(url, connections, seconds)
+                            total = wrk_total(url, connections, seconds, meta=meta)
                             cpu[name].append((cpu_s(pid) - before) / total * 1e6)
                             rate[name].append(total / seconds)
                     median = {name: statistics.median(values) for name, values in cpu.items()}

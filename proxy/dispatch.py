@@ -120,9 +120,8 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
         info.mode = "local"
         answer = await app[tasks2026_key].handle(request.headers, message, info)
         return json_reply(result_response(message["id"], answer))
-    if modern and (declares_tasks(message) or "task" in params_of(message)):
-        # Tasks are the proxy's: the upstream never sees the declaration nor a legacy params.task opt-in.
-        body = dumps(without_tasks_declaration(message))
+    if modern:
+        body = upstream_body(message, body)
     if method == "tools/call":
         # The era is not needed up front: a task learns it in the background, a pass-through call in _relay.
         return await _tools_call(request, message, body, modern=modern)
@@ -138,24 +137,30 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
     return await _relay(request, message, body, modern=modern)
 
 
-def relayed_as_is(message: Any, headers: MultiMapping[str], rule_for: Callable[[str], ToolRule | None]) -> bool:
-    """Whether handle_mcp_post relays this message, as received, to a 2026-07-28 upstream (when its routing headers
-    agree with it): a 2026 request, not a notification, response or batch, of a method the proxy does not own, that
-    declares no tasks and, for tools/call, names a tool no rule runs as a task. proxy/lane.py relays exactly these
-    without aiohttp; tests/test_lane.py holds the two paths to the same answers."""
+def relayed_unowned(message: Any, headers: MultiMapping[str], rule_for: Callable[[str], ToolRule | None]) -> bool:
+    """Whether handle_mcp_post relays this message to a 2026-07-28 upstream (when its routing headers agree with
+    it), as `upstream_body` has it: a 2026 request, not a notification, response or batch, of a method the proxy does
+    not own and, for tools/call, of a tool no rule runs as a task. proxy/lane relays exactly these without aiohttp;
+    tests/test_lane.py holds the two paths to the same answers."""
     if classify(message) != "request" or not is_modern(message, headers):
         return False
     method = message["method"]
     if method.startswith("tasks/") or method in ("subscriptions/listen", "server/discover"):
         return False
-    params = params_of(message)
-    if "task" in params or declares_tasks(message):
-        return False
     if method != "tools/call":
         return True
-    name = params.get("name")
+    name = params_of(message).get("name")
     rule = rule_for(name) if isinstance(name, str) else None
     return rule is None or rule.task is TaskMode.NEVER
+
+
+def upstream_body(message: dict[str, Any], body: bytes) -> bytes:
+    """The body a 2026 request goes upstream with: tasks are the proxy's, so the upstream never sees the declaration
+    (nor a legacy params.task opt-in), which would let it answer with a task of its own the proxy knows nothing of.
+    The body as received when it has neither: most requests, kept byte for byte."""
+    if declares_tasks(message) or "task" in params_of(message):
+        return dumps(without_tasks_declaration(message))
+    return body
 
 
 def answered_here(message: Any, headers: MultiMapping[str]) -> str | None:

@@ -2,7 +2,7 @@
 
 aiohttp's request and response objects, payload writer and handler task cost more CPU per request than a bare
 forwarder's whole hop (bench/ab.py), and most requests need none of them. The lane serves three kinds itself:
-- a 2026-07-28 request the proxy does not own (`dispatch.relayed_as_is`), posted upstream with the lean client
+- a 2026-07-28 request the proxy does not own (`dispatch.relayed_unowned`), posted upstream with the lean client
   and its answer written back as the upstream sent it, or bridged to a 2025-era upstream;
 - `tasks/get`, `tasks/update` and `tasks/cancel` of a 2026 client, and its `tools/call` that declares tasks for a
   tool the policy runs as a task (`dispatch.answered_here`): the proxy's own answers, from the same code as

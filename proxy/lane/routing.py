@@ -12,7 +12,7 @@ from multidict import CIMultiDict
 
 from ..config import TaskMode, ToolRule
 from ..context import MCP_PATH
-from ..dispatch import answered_here, relayed_as_is
+from ..dispatch import answered_here, relayed_unowned, upstream_body
 from ..envelope import TASK_METHODS, check_modern_request, check_routing_headers, decode_header_value
 from ..jsonrpc import JsonRpcError, loads
 from .answers import LaneRequest
@@ -152,13 +152,14 @@ def lane_request(
         if owned == "create" and message["params"]["name"] != head.tool:
             return None  # aiohttp's path says how the headers disagree
     else:
-        if not relayed_as_is(message, headers, head.rule_for):
+        if not relayed_unowned(message, headers, head.rule_for):
             return None
         try:
             if kind == "legacy":
                 check_modern_request(message, headers)  # a 2025 server cannot check the 2026 headers itself
             else:
                 check_routing_headers(message, headers, required=False)
+                body = upstream_body(message, body)  # a client that declares tasks in every request: most of them
         except JsonRpcError:
             return None
     _, _, query = url.partition(b"?")
