@@ -44,6 +44,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -108,6 +109,12 @@ def wrk_total(url: str, connections: int, seconds: int, task_id: str | None = No
         params = {"taskId": task_id, "_meta": META_TASKS}
         headers = {**HEADERS, "Mcp-Method": "tasks/get", "Mcp-Name": task_id}
     body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tasks/get" if task_id else "tools/call", "params": params})
+    # wrk counts a JSON-RPC error on HTTP 200 as served: one request first, read here, voids a run of errors.
+    check = urllib.request.Request(url, data=body.encode(), headers=headers, method="POST")
+    with urllib.request.urlopen(check, timeout=10) as response:
+        answer = json.loads(response.read())
+    if "result" not in answer:
+        raise SystemExit(f"{url} answers the measured request with {answer}: no figure for it")
     script = WORK / ("passthrough.lua" if task_id is None else f"get-{task_id}.lua")
     lines = ['wrk.method = "POST"', f"wrk.body = {json.dumps(body)}"]
     lines += [f'wrk.headers["{key}"] = "{value}"' for key, value in headers.items()]

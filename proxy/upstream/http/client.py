@@ -61,6 +61,7 @@ class _Connection(asyncio.Protocol):
     """One response at a time off a socket, parsed by httptools; decoded body bytes wait in `_ready`."""
 
     __slots__ = (
+        "_loop",
         "transport",
         "_parser",
         "_head",
@@ -85,6 +86,8 @@ class _Connection(asyncio.Protocol):
     )
 
     def __init__(self) -> None:
+        # Asked once: on CPython 3.11 every get_running_loop() is a getpid() syscall (its fork check).
+        self._loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self._parser: httptools.HttpResponseParser | None = None
         self._head: asyncio.Future[None] | None = None
@@ -294,7 +297,7 @@ class _Connection(asyncio.Protocol):
         if self._paused:
             self._paused = False
             self.transport.resume_reading()
-        self._head = asyncio.get_running_loop().create_future()
+        self._head = self._loop.create_future()
         self.transport.write(data)
         return self._head
 
@@ -324,7 +327,7 @@ class _Connection(asyncio.Protocol):
                 return b""
             if self._closed:
                 raise CallError("the upstream connection was lost before the response was complete")
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = self._loop.create_future()
             try:
                 await self._waiter
             finally:
