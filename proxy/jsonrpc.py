@@ -121,14 +121,40 @@ def loads(body: bytes | str) -> Any:
         raise ValueError("nested too deeply") from None  # one exception type for every caller to catch
 
 
+MAX_DUMPS_DEPTH = 512
+"""The deepest nesting `dumps` writes. orjson stops at 254 levels; the standard library's encoder recurses once per
+level, so without a bound of its own a message would fail at a depth set by how deep the caller's stack happens to
+be (the lane's and aiohttp's differ), and as a RecursionError."""
+
+
 def dumps(message: Any) -> bytes:
     """Compact UTF-8 JSON. orjson on the hot path; the standard library for what orjson refuses: integers past
-    64 bits (JSON-RPC ids may be) and lone surrogates a client sent as escapes, which only ASCII output (escaped
-    again) can carry back."""
+    64 bits (JSON-RPC ids may be), lone surrogates a client sent as escapes, which only ASCII output (escaped
+    again) can carry back, and nesting past orjson's 254 levels. ValueError past MAX_DUMPS_DEPTH."""
     try:
         return orjson.dumps(message)
     except TypeError:
+        if _nested_deeper(message, MAX_DUMPS_DEPTH):
+            raise ValueError(f"nested more than {MAX_DUMPS_DEPTH} levels deep") from None
         return json.dumps(message, separators=(",", ":")).encode()
+
+
+def _nested_deeper(value: Any, limit: int) -> bool:
+    """Whether arrays and objects nest more than `limit` levels in `value`: a walk with a stack of its own, so that
+    the answer never depends on the caller's."""
+    pending = [(value, 0)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth >= limit:
+            return True
+        pending.extend((child, depth + 1) for child in children)
+    return False
 
 
 def is_valid_id(value: Any) -> bool:

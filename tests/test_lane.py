@@ -151,6 +151,38 @@ async def test_a_client_that_declares_tasks_is_relayed_on_the_lane_with_the_byte
         assert sent["params"]["_meta"]["io.modelcontextprotocol/protocolVersion"] == "2026-07-28"
 
 
+@pytest.mark.parametrize("depth", [400, 600])
+async def test_a_deeply_nested_declaring_request_gets_the_same_answer_on_both_paths(make_proxy, fake_upstream, depth):
+    """The declaration is removed by re-encoding the body: past orjson's 254 levels the standard library does it,
+    within a bound of its own (jsonrpc.MAX_DUMPS_DEPTH), so where it stops never depends on the path's stack."""
+
+    async def handler(request):
+        from aiohttp import web
+
+        body = json.loads(await request.read())
+        return web.json_response({"jsonrpc": "2.0", "id": body["id"], "result": {"resultType": "complete"}})
+
+    fake = await fake_upstream(handler)
+    proxy = await make_proxy(fake.url, protocol="modern")
+    message = request("tools/list", {"_meta": meta(), "n": json.loads("[" * depth + "]" * depth)})
+    body = json.dumps(message).encode()
+    lane = await proxy.client.send(message)
+    async with proxy.client.session.post(
+        proxy.url, data=chunked(body), headers={**headers_for(message), "Connection": "close"}
+    ) as response:
+        on_aiohttp = (response.status, json.loads(await response.read()))
+    assert (lane.status, json.loads(lane.body)) == on_aiohttp
+    if depth <= 512:
+        assert on_aiohttp[1]["result"] == {"resultType": "complete"}
+        on_lane, on_aiohttp_path = (sent["body"] for sent in fake.received)
+        assert on_lane == on_aiohttp_path and b"io.modelcontextprotocol/tasks" not in on_lane
+        assert lane_counts(proxy)["relayed"] == 1
+    else:
+        assert on_aiohttp[0] == 400 and on_aiohttp[1]["error"]["code"] == -32600
+        assert "nested more than 512 levels deep" in on_aiohttp[1]["error"]["message"]
+        assert fake.received == []
+
+
 @pytest.mark.parametrize(
     ("why", "message", "headers", "status", "code"),
     [

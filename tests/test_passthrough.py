@@ -215,6 +215,46 @@ async def test_declaration_and_legacy_task_param_are_not_forwarded(make_proxy, f
     assert second["id"] != created.message["id"]  # the background call has an id of its own
 
 
+async def test_a_listen_the_proxy_passes_on_goes_without_the_declaration(make_proxy, fake_upstream):
+    """subscriptions/listen without taskIds is the upstream's: like any request passed on, without the tasks
+    declaration or a params.task."""
+
+    async def handler(request: web.Request) -> web.Response:
+        body = json.loads(await request.read())
+        return web.json_response({"jsonrpc": "2.0", "id": body["id"], "result": {"resultType": "complete"}})
+
+    fake = await fake_upstream(handler)
+    proxy = await make_proxy(fake.url, protocol="modern")
+    params = {"notifications": {"toolsListChanged": True}, "_meta": meta(tasks=True, sampling={}), "task": {}}
+    await proxy.client.call("subscriptions/listen", params)
+    [sent] = fake.received
+    forwarded = json.loads(sent["body"])["params"]
+    assert "task" not in forwarded
+    assert forwarded["_meta"]["io.modelcontextprotocol/clientCapabilities"] == {"sampling": {}}
+    assert forwarded["notifications"] == {"toolsListChanged": True}
+
+
+def test_dumps_stops_at_a_depth_of_its_own_whatever_the_stack():
+    from mcp_tasks_proxy.jsonrpc import MAX_DUMPS_DEPTH, dumps
+
+    def nested(depth: int, leaf: object = 1) -> object:
+        for _ in range(depth):
+            leaf = [leaf]
+        return leaf
+
+    assert dumps(nested(254)) == b"[" * 254 + b"1" + b"]" * 254  # orjson's
+    assert dumps(nested(MAX_DUMPS_DEPTH - 1)) == b"[" * (MAX_DUMPS_DEPTH - 1) + b"1" + b"]" * (MAX_DUMPS_DEPTH - 1)
+    assert dumps(nested(300, 2**70)) == b"[" * 300 + b"%d" % 2**70 + b"]" * 300  # the standard library's
+    for value in (nested(MAX_DUMPS_DEPTH + 1), {"a": nested(MAX_DUMPS_DEPTH)}, nested(MAX_DUMPS_DEPTH + 1, 2**70)):
+        with pytest.raises(ValueError, match="levels deep"):
+            dumps(value)
+
+    def deep_in_the_stack(frames: int) -> bytes:
+        return dumps(nested(MAX_DUMPS_DEPTH - 1)) if frames == 0 else deep_in_the_stack(frames - 1)
+
+    assert deep_in_the_stack(200).startswith(b"[[")  # 200 frames deeper, the same answer
+
+
 async def _received(fake, count: int) -> bool:
     return len(fake.received) >= count
 
