@@ -514,6 +514,24 @@ async def test_an_idempotent_creation_on_the_lane_names_the_same_task(proxy):
     assert lane_counts(proxy)["served"] == 2
 
 
+async def test_working_tasks_made_on_the_lane_share_the_names_of_the_headers_they_keep(proxy):
+    """Ten thousand working tasks each keep the headers their upstream calls pass on: the lane decodes a header name
+    once, for every request that sends it (as aiohttp does for the names it knows), not once per task."""
+    from mcp_tasks_proxy.context import runner_key
+
+    params = {"name": "slow_report", "arguments": {"topic": "t", "seconds": 5}, "_meta": meta()}
+    created = [await proxy.client.call("tools/call", params, headers={"X-Tenant": "a"}) for _ in range(2)]
+    assert lane_counts(proxy)["served"] == 2
+    jobs = proxy.app[runner_key]._state.jobs
+    first, second = (jobs[reply.result["taskId"]].call.headers for reply in created)
+    kept = {name.lower(): name for name in first}
+    assert {"x-tenant", "mcp-method", "mcp-protocol-version"} <= set(kept)
+    for name in second:
+        assert name is kept[name.lower()], name
+    for reply in created:
+        await proxy.client.call("tasks/cancel", {"taskId": reply.result["taskId"], "_meta": meta()})
+
+
 @pytest.mark.parametrize("spaces", [" ", "\t", " \t "])
 async def test_trailing_whitespace_in_a_header_does_not_change_the_caller_on_the_lane(make_proxy, mcp_upstream, spaces):
     """llhttp keeps a value's trailing spaces, aiohttp strips them: `Bearer me ` is the caller `Bearer me` on both
