@@ -100,9 +100,11 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS
 
 
-def wrk_total(url: str, connections: int, seconds: int, task_id: str | None = None, meta: dict = META) -> int:
-    """Requests wrk completed against `url` (every one a 2xx, or the run is void): the pass-through tools/call with
-    `meta`, or tasks/get of `task_id`."""
+def wrk_total(
+    url: str, pid: int, connections: int, seconds: int, task_id: str | None = None, meta: dict = META
+) -> tuple[int, float]:
+    """Requests wrk completed against `url` (every one a 2xx, or the run is void), and the CPU seconds the process
+    `pid` spent meanwhile: the pass-through tools/call with `meta`, or tasks/get of `task_id`."""
     if task_id is None:
         params, headers = {"name": "plain", "arguments": {}, "_meta": meta}, HEADERS
     else:
@@ -119,12 +121,14 @@ def wrk_total(url: str, connections: int, seconds: int, task_id: str | None = No
     lines = ['wrk.method = "POST"', f"wrk.body = {json.dumps(body)}"]
     lines += [f'wrk.headers["{key}"] = "{value}"' for key, value in headers.items()]
     script.write_text("\n".join(lines) + "\n")
+    before = cpu_s(pid)
     done = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "-s", str(script), url],
                           capture_output=True, text=True)  # fmt: skip
+    spent = cpu_s(pid) - before
     errors = re.search(r"Non-2xx or 3xx responses: (\d+)", done.stdout)
     if done.returncode != 0 or errors:
         raise SystemExit(f"wrk failed against {url}:\n{done.stdout}{done.stderr}")
-    return int(re.search(r"(\d+) requests in", done.stdout).group(1))
+    return int(re.search(r"(\d+) requests in", done.stdout).group(1)), spent
 
 
 def finished_task(url: str) -> str:
@@ -269,9 +273,8 @@ def reads(base: Path, base_package: str, upstream: str, seconds: int, repeats: i
                 for target in ("A", "B") if repeat % 2 == 0 else ("B", "A"):
                     url, pid = targets[target]
                     task_id = finished_task(url)  # a new one each time, as in a run of its own
-                    before = cpu_s(pid)
-                    total = wrk_total(url, count, seconds, task_id)
-                    cpu[target].append((cpu_s(pid) - before) / total * 1e6)
+                    total, spent = wrk_total(url, pid, count, seconds, task_id)
+                    cpu[target].append(spent / total * 1e6)
                     rate[target].append(total / seconds)
             ratio = statistics.median(cpu["B"]) / statistics.median(cpu["A"])
             rows.append([name, str(count), summary(cpu["A"]), summary(cpu["B"]), f"{ratio:.3f}",
@@ -343,9 +346,8 @@ def main() -> None:
                         turn = repeat % len(names)
                         for name in names[turn:] + names[:turn]:  # each target first in turn
                             url, pid = targets[name]
-                            before = cpu_s(pid)
-                            total = wrk_total(url, connections, seconds, meta=meta)
-                            cpu[name].append((cpu_s(pid) - before) / total * 1e6)
+                            total, spent = wrk_total(url, pid, connections, seconds, meta=meta)
+                            cpu[name].append(spent / total * 1e6)
                             rate[name].append(total / seconds)
                     median = {name: statistics.median(values) for name, values in cpu.items()}
                     rows.append([era, str(connections)] + [summary(cpu[name]) for name in names] + [

@@ -48,6 +48,7 @@ from .jsonrpc import (
     INTERNAL_ERROR,
     INVALID_PARAMS,
     INVALID_REQUEST,
+    MAX_DUMPS_DEPTH,
     METHOD_NOT_FOUND,
     PARSE_ERROR,
     JsonRpcError,
@@ -58,6 +59,7 @@ from .jsonrpc import (
     is_valid_id,
     loads,
     result_response,
+    too_deep,
 )
 from .security import Identity, caller_of
 from .tasks.admission import LimitReached
@@ -120,19 +122,18 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
         info.mode = "local"
         answer = await app[tasks2026_key].handle(request.headers, message, info)
         return json_reply(result_response(message["id"], answer))
-    if modern:
-        body = upstream_body(message, body)
     if method == "tools/call":
         # The era is not needed up front: a task learns it in the background, a pass-through call in _relay.
         return await _tools_call(request, message, body, modern=modern)
     if not modern and method in _SEP1686_ANNOUNCED and await _serves_2025_tasks(request, method):
         return await _sep1686(request, message, body, method)
     if method == "subscriptions/listen" and modern:
-        return await _listen(request, message, body)
+        return await _listen(request, message, upstream_body(message, body))
     if method == "server/discover":
         if modern and await _era(request) == "legacy":
             return await _discover_from_legacy(request, message)
         limit = app[policy_key].config.limits.max_result_bytes
+        body = upstream_body(message, body) if modern else body
         return await app[gateway_key].relay.relay_rewritten(request, body, message["id"], _advertise_tasks, limit=limit)
     return await _relay(request, message, body, modern=modern)
 
@@ -155,15 +156,24 @@ def relayed_unowned(message: Any, headers: MultiMapping[str], rule_for: Callable
 
 
 def upstream_body(message: dict[str, Any], body: bytes) -> bytes:
-    """The body a 2026 request goes upstream with: tasks are the proxy's, so the upstream never sees the declaration
-    (nor a legacy params.task opt-in), which would let it answer with a task of its own the proxy knows nothing of.
-    The body as received when it has neither: most requests, kept byte for byte."""
+    """The body a 2026 request the proxy relays goes upstream with: tasks are the proxy's, so the upstream never sees
+    the declaration (nor a legacy params.task opt-in), which would let it answer with a task of its own the proxy
+    knows nothing of. The body as received when it has neither, byte for byte."""
     if declares_tasks(message) or "task" in params_of(message):
-        try:
-            return dumps(without_tasks_declaration(message))
-        except ValueError as exc:
-            raise JsonRpcError(INVALID_REQUEST, f"Invalid request: cannot be passed on, {exc}") from None
+        check_reencodable(message, body)
+        return dumps(without_tasks_declaration(message))
     return body
+
+
+def check_reencodable(message: Any, body: bytes) -> None:
+    """Refuse a request the proxy must encode again (to remove the tasks declaration, to bridge it to a 2025-era
+    upstream, to run it as a task) when `dumps` would refuse it: nested deeper than jsonrpc.MAX_DUMPS_DEPTH. The
+    same answer on the lane and on aiohttp's path, before anything starts."""
+    if too_deep(message, body):
+        raise JsonRpcError(
+            INVALID_REQUEST, f"Invalid request: nested more than {MAX_DUMPS_DEPTH} levels deep, which the proxy "
+            "cannot pass on"
+        )  # fmt: skip
 
 
 def answered_here(message: Any, headers: MultiMapping[str]) -> str | None:
@@ -185,11 +195,13 @@ async def _relay(request: web.Request, message: dict[str, Any], body: bytes, *, 
     if modern and await _era(request) == "legacy":
         # The proxy reads this body to translate it; a legacy upstream cannot check the 2026 headers itself.
         check_modern_request(message, request.headers)
+        check_reencodable(message, body)
         request[info_key].mode = "legacy"
         return await request.app[bridge_key].relay(request.headers, message, StreamReply(request))
     # Routing headers must not say something the body does not (SEP-2243), in any copy: a gateway in front may
     # have routed on any of them, and a server may check only the first (or, of 2025, none).
     check_routing_headers(message, request.headers, required=False)
+    body = upstream_body(message, body) if modern else body
     return await request.app[gateway_key].relay.relay(request, body, message, request_id=message["id"])
 
 
@@ -428,6 +440,7 @@ async def _tools_call(
             return await relay()
         kept_alive = True  # a 2026 client without tasks: the call as in a sync window, with a stream kept alive
 
+    check_reencodable(message, body)  # the call goes upstream encoded again, from the background
     info.mode = "durable" if kept_alive else "task"
     app = request.app
     call, key = tool_call(message, request.headers, request.remote, app[identity_key])

@@ -124,7 +124,8 @@ def loads(body: bytes | str) -> Any:
 MAX_DUMPS_DEPTH = 512
 """The deepest nesting `dumps` writes. orjson stops at 254 levels; the standard library's encoder recurses once per
 level, so without a bound of its own a message would fail at a depth set by how deep the caller's stack happens to
-be (the lane's and aiohttp's differ), and as a RecursionError."""
+be (the lane's and aiohttp's differ), and as a RecursionError. The proxy's stacks are far shallower than the
+interpreter's limit less this."""
 
 
 def dumps(message: Any) -> bytes:
@@ -136,7 +137,16 @@ def dumps(message: Any) -> bytes:
     except TypeError:
         if _nested_deeper(message, MAX_DUMPS_DEPTH):
             raise ValueError(f"nested more than {MAX_DUMPS_DEPTH} levels deep") from None
-        return json.dumps(message, separators=(",", ":")).encode()
+        try:
+            return json.dumps(message, separators=(",", ":")).encode()
+        except RecursionError:  # a caller already deep in its own stack: one exception type for every caller
+            raise ValueError("nested too deeply for this call's stack") from None
+
+
+def too_deep(message: Any, body: bytes) -> bool:
+    """Whether `dumps` refuses `message` (parsed from `body`) for its nesting. Brackets are counted first (two C
+    scans): only a body with more than MAX_DUMPS_DEPTH of them is walked."""
+    return body.count(b"[") + body.count(b"{") > MAX_DUMPS_DEPTH and _nested_deeper(message, MAX_DUMPS_DEPTH)
 
 
 def _nested_deeper(value: Any, limit: int) -> bool:

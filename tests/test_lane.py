@@ -152,9 +152,14 @@ async def test_a_client_that_declares_tasks_is_relayed_on_the_lane_with_the_byte
 
 
 @pytest.mark.parametrize("depth", [400, 600])
-async def test_a_deeply_nested_declaring_request_gets_the_same_answer_on_both_paths(make_proxy, fake_upstream, depth):
-    """The declaration is removed by re-encoding the body: past orjson's 254 levels the standard library does it,
-    within a bound of its own (jsonrpc.MAX_DUMPS_DEPTH), so where it stops never depends on the path's stack."""
+@pytest.mark.parametrize("case", ["relayed", "bridged", "task"])
+async def test_a_deeply_nested_request_the_proxy_encodes_again_gets_the_same_answer_on_both_paths(
+    make_proxy, fake_upstream, legacy_upstream, mcp_upstream, case, depth
+):
+    """What the proxy encodes again (a relayed body without its tasks declaration, a call bridged to a 2025-era
+    server, a task's call) past orjson's 254 levels is encoded by the standard library, within a bound of its own
+    (jsonrpc.MAX_DUMPS_DEPTH): where it stops never depends on the path's stack, and past it both paths refuse the
+    request before anything starts."""
 
     async def handler(request):
         from aiohttp import web
@@ -162,25 +167,51 @@ async def test_a_deeply_nested_declaring_request_gets_the_same_answer_on_both_pa
         body = json.loads(await request.read())
         return web.json_response({"jsonrpc": "2.0", "id": body["id"], "result": {"resultType": "complete"}})
 
-    fake = await fake_upstream(handler)
-    proxy = await make_proxy(fake.url, protocol="modern")
-    message = request("tools/list", {"_meta": meta(), "n": json.loads("[" * depth + "]" * depth)})
-    body = json.dumps(message).encode()
+    deep = json.loads("[" * depth + "]" * depth)
+    if case == "relayed":
+        fake = await fake_upstream(handler)
+        proxy = await make_proxy(fake.url, protocol="modern")
+        message = request("tools/list", {"_meta": meta(), "n": deep})
+    elif case == "bridged":
+        proxy = await make_proxy(legacy_upstream, protocol="legacy")
+        message = request("tools/list", {"_meta": meta(), "n": deep})
+    else:
+        proxy = await make_proxy(mcp_upstream, protocol="modern", tools=[{"match": "slow_report", "task": "optional"}])
+        message = request("tools/call", {"name": "slow_report", "arguments": {"topic": deep}, "_meta": meta()})
     lane = await proxy.client.send(message)
     async with proxy.client.session.post(
-        proxy.url, data=chunked(body), headers={**headers_for(message), "Connection": "close"}
+        proxy.url, data=chunked(json.dumps(message).encode()), headers={**headers_for(message), "Connection": "close"}
     ) as response:
         on_aiohttp = (response.status, json.loads(await response.read()))
-    assert (lane.status, json.loads(lane.body)) == on_aiohttp
-    if depth <= 512:
-        assert on_aiohttp[1]["result"] == {"resultType": "complete"}
-        on_lane, on_aiohttp_path = (sent["body"] for sent in fake.received)
-        assert on_lane == on_aiohttp_path and b"io.modelcontextprotocol/tasks" not in on_lane
-        assert lane_counts(proxy)["relayed"] == 1
-    else:
-        assert on_aiohttp[0] == 400 and on_aiohttp[1]["error"]["code"] == -32600
+    on_lane = (lane.status, json.loads(lane.body))
+    counts = lane_counts(proxy)
+    if depth > 512:
+        assert on_lane == on_aiohttp, case
+        assert on_aiohttp[0] == 400 and on_aiohttp[1]["error"]["code"] == -32600, case
         assert "nested more than 512 levels deep" in on_aiohttp[1]["error"]["message"]
-        assert fake.received == []
+        assert counts.get("relayed", 0) == 0, case  # nothing sent upstream: refused by aiohttp, or the lane's own
+        if case == "relayed":
+            assert fake.received == []
+        return
+    assert counts.get("relayed", 0) + counts.get("served", 0) == 1, case  # taken by the lane, encoded there
+    if case == "task":
+        assert on_lane[0] == on_aiohttp[0] == 200
+        assert on_lane[1]["result"]["resultType"] == on_aiohttp[1]["result"]["resultType"] == "task"
+    else:  # relayed: the fake's answer; bridged: the 2025 SDK server's refusal of the unknown parameter
+        assert on_lane == on_aiohttp, case
+    if case == "relayed":
+        sent_on_lane, sent_on_aiohttp = (sent["body"] for sent in fake.received)
+        assert sent_on_lane == sent_on_aiohttp and b"io.modelcontextprotocol/tasks" not in sent_on_lane
+
+
+async def test_a_header_name_longer_than_aiohttp_reads_is_aiohttp_s_to_refuse(proxy):
+    """aiohttp refuses a header name past 8,190 bytes (400): the lane hands such a request over rather than relay
+    what aiohttp's path would refuse."""
+    message = call("add", {"a": 1, "b": 1})
+    long_name = b"X-" + b"n" * 9000 + b": 1\r\nConnection: close\r\n"
+    [(status, _, _)] = answers(await raw_exchange(port_of(proxy), http_post(message, extra=long_name)))
+    assert status == 400
+    assert lane_counts(proxy).get("relayed", 0) == 0
 
 
 @pytest.mark.parametrize(

@@ -253,6 +253,8 @@ def test_dumps_stops_at_a_depth_of_its_own_whatever_the_stack():
         return dumps(nested(MAX_DUMPS_DEPTH - 1)) if frames == 0 else deep_in_the_stack(frames - 1)
 
     assert deep_in_the_stack(200).startswith(b"[[")  # 200 frames deeper, the same answer
+    with pytest.raises(ValueError, match="stack"):  # a caller deeper than the proxy's ever are: still a ValueError
+        deep_in_the_stack(700)
 
 
 async def _received(fake, count: int) -> bool:

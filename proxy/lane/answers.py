@@ -16,7 +16,7 @@ from multidict import CIMultiDict
 
 from ..config import ToolRule
 from ..context import MCP_PATH, RequestInfo, log_request_handled, wire_error
-from ..dispatch import create_task, task_answer, tool_call
+from ..dispatch import check_reencodable, create_task, task_answer, tool_call
 from ..envelope import check_modern_request
 from ..jsonrpc import INTERNAL_ERROR, UpstreamError, error_object, result_response
 from ..log import bind_request_id
@@ -122,6 +122,7 @@ async def _owned(lane: Lane, out: LaneWriter, request: LaneRequest, info: Reques
         return 200
     info.tool = message["params"]["name"]
     check_modern_request(message, request.headers)  # the checks dispatch makes before a task is created
+    check_reencodable(message, request.body)
     info.mode = "task"  # after the checks, as on aiohttp's path: a refusal is counted as "local"
     # The peer's address (a syscall on uvloop): asked only here, where an anonymous caller's limits need it.
     peer = out.transport.get_extra_info("peername") if out.transport is not None else None

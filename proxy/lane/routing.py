@@ -13,7 +13,7 @@ from multidict import CIMultiDict, istr
 
 from ..config import TaskMode, ToolRule
 from ..context import MCP_PATH
-from ..dispatch import answered_here, relayed_unowned, upstream_body
+from ..dispatch import answered_here, check_reencodable, relayed_unowned, upstream_body
 from ..envelope import TASK_METHODS, check_modern_request, check_routing_headers, decode_header_value
 from ..jsonrpc import JsonRpcError, loads
 from .answers import LaneRequest
@@ -38,11 +38,15 @@ _ROLES = {
 _NOT_LANES = frozenset({"subscriptions/listen", "server/discover"})
 
 
+_SHARED_NAME_BYTES = 64
+"""Longer header names are decoded per request, never kept: 1,024 names of 64 bytes at most, whatever clients send."""
+
+
 @functools.lru_cache(maxsize=1024)
-def _header_name(raw: bytes) -> istr:
+def _shared_name(raw: bytes) -> istr:
     """A header name, decoded once for every request that sends it: one string shared by each request's headers
-    and by every working task that keeps them (10,000 tasks keep 0.5 KB each less), and an istr, whose lowercase
-    form multidict computes once rather than per request. aiohttp's parser does the same for the names it knows."""
+    and by every working task that keeps them (10,000 tasks keep 0.8 KB each less), and an istr, whose lowercase
+    form multidict computes once rather than per request. aiohttp's parser caches names of up to 64 bytes too."""
     return istr(raw.decode())
 
 
@@ -96,7 +100,7 @@ class Head:
                 except ValueError:
                     self.whole = False
                     return
-            if not value.isascii() or len(value) > MAX_FIELD_BYTES:
+            if not value.isascii() or len(value) > MAX_FIELD_BYTES or len(field) > MAX_FIELD_BYTES:
                 plain = False  # what the proxy says of a header that is not UTF-8 is aiohttp's to say
             elif role is None:
                 continue
@@ -146,7 +150,12 @@ def lane_request(
         return None
     # llhttp keeps a value's trailing spaces and tabs; aiohttp strips them, and so must the lane, or `Bearer me ` would
     # be a caller of its own here and another on aiohttp's path (relayed_request_fields strips the relayed ones).
-    headers = CIMultiDict([(_header_name(name), value.decode().rstrip(" \t")) for name, value in fields])
+    headers = CIMultiDict(
+        [
+            (_shared_name(name) if len(name) <= _SHARED_NAME_BYTES else name.decode(), value.decode().rstrip(" \t"))
+            for name, value in fields
+        ]
+    )
     if not lane.guard.host_allowed(headers.get("Host")) or not lane.guard.origin_allowed(headers.get("Origin")):
         return None
     body = b"".join(body_parts)
@@ -166,9 +175,10 @@ def lane_request(
         try:
             if kind == "legacy":
                 check_modern_request(message, headers)  # a 2025 server cannot check the 2026 headers itself
+                check_reencodable(message, body)  # the bridge encodes it again
             else:
                 check_routing_headers(message, headers, required=False)
-                body = upstream_body(message, body)  # a client that declares tasks in every request: most of them
+                body = upstream_body(message, body)  # the upstream must not see a tasks declaration
         except JsonRpcError:
             return None
     _, _, query = url.partition(b"?")
