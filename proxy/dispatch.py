@@ -410,6 +410,7 @@ async def _tools_call(
         check_routing_headers(message, request.headers, required=False)
         info.mode = "sep1686"
         info.answers_2025 = True
+        check_reencodable(message, body)  # its call goes upstream encoded again
         with _refusals():
             return await request.app[tasks2025_key].create(request, message, rule)
     if not modern and not declares_tasks(message) and rule.durable and wants_event_stream(request.headers):
@@ -418,6 +419,7 @@ async def _tools_call(
         check_routing_headers(message, request.headers, required=False)
         info.mode = "durable"
         info.answers_2025 = True
+        check_reencodable(message, body)  # its call goes upstream encoded again
         with _refusals():
             return await request.app[durable_key].start(request, message, rule)
     if modern or declares_tasks(message):

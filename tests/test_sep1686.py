@@ -105,6 +105,16 @@ async def test_a_task_is_created_followed_and_its_exact_result_read(proxy, http)
     assert again["result"] == final["result"]
 
 
+async def test_a_task_call_nested_too_deeply_to_send_again_is_refused_before_it_starts(proxy, http):
+    """The proxy sends a task's call upstream encoded again; past jsonrpc.MAX_DUMPS_DEPTH it could not, so the
+    request is refused at once (on HTTP 200, as this era's clients expect errors), and no task is made."""
+    client, _ = await initialized(http, proxy.url)
+    deep = json.loads("[" * 600 + "]" * 600)
+    refused = await rpc(client, "tools/call", {"name": "slow", "arguments": {"seconds": deep}, "task": {"ttl": 60_000}})
+    assert refused["error"]["code"] == -32600 and "512 levels" in refused["error"]["message"]
+    assert (await rpc(client, "tasks/list"))["result"]["tasks"] == []
+
+
 async def test_the_servers_question_comes_on_tasks_result_and_its_answer_goes_back(proxy, http):
     client, _ = await initialized(http, proxy.url)
     created = await rpc(client, "tools/call", {"name": "ask_name", "arguments": {}, "task": {}})
