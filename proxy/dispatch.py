@@ -128,7 +128,7 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
     if not modern and method in _SEP1686_ANNOUNCED and await _serves_2025_tasks(request, method):
         return await _sep1686(request, message, body, method)
     if method == "subscriptions/listen" and modern:
-        return await _listen(request, message, upstream_body(message, body))
+        return await _listen(request, message, body)
     if method == "server/discover":
         if modern and await _era(request) == "legacy":
             return await _discover_from_legacy(request, message)
@@ -267,13 +267,12 @@ def _is_legacy_cancel(kind: str, message: Any, request: web.Request) -> bool:
 
 
 async def _listen(request: web.Request, message: dict[str, Any], body: bytes) -> web.StreamResponse:
-    """subscriptions/listen: task notifications are the proxy's, every other kind the upstream's (merged). `body`
-    is `upstream_body`'s."""
+    """subscriptions/listen: task notifications are the proxy's, every other kind the upstream's (merged)."""
     params = params_of(message)
     task_ids, rest = listen.parse_filter(params)
     relay_to = request.app[gateway_key].relay
     if task_ids is None:
-        return await relay_to.relay(request, body, message, request_id=message["id"])
+        return await relay_to.relay(request, upstream_body(message, body), message, request_id=message["id"])
     if not declares_tasks(message):
         raise missing_tasks_capability(
             f"notifications.taskIds needs the {TASKS_EXTENSION} extension declared in this request's "
