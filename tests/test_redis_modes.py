@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 
 import pytest
 import redis.asyncio as redis_client
+from redis.exceptions import MovedError
 
 from mcp_tasks_proxy.config import ConfigError, parse_config
 from mcp_tasks_proxy.tasks.model import TaskRecord, TaskStatus, new_task_id
@@ -291,6 +292,45 @@ async def test_the_store_on_a_cluster_follows_its_slot_through_a_migration(clust
         assert during, "the migration ended before the store was used during it"
         assert set(await store.running_task_ids()) == set()  # the running set (a terminal record is in none)
     finally:
+        await store.aclose()
+
+
+async def test_the_store_on_a_cluster_waits_out_nodes_that_disagree_about_its_slot(cluster):
+    """A migration ends with `SETSLOT NODE` on each node in turn. Once the source has handed the slot over and
+    before the target has taken it, each answers MOVED to the other: the store follows the bounce, pausing, until
+    they agree, instead of failing the command after one redirection."""
+    await cluster_ready(cluster)
+    seed = redis_client.Redis(port=cluster[0])
+    slot = await seed.execute_command("CLUSTER", "KEYSLOT", PREFIX)
+    await seed.aclose()
+    owner, others = await slot_owner(cluster, slot)
+    store = RedisTaskStore(f"redis+cluster://127.0.0.1:{owner}", key_prefix=PREFIX, lease_s=5, timeout_s=3)
+    src, dst = redis_client.Redis(port=owner), redis_client.Redis(port=others[1])
+    try:
+        kept = record()
+        await store.create(kept)
+        src_id = (await src.execute_command("CLUSTER", "MYID")).decode()
+        dst_id = (await dst.execute_command("CLUSTER", "MYID")).decode()
+        await dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+        await src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+        while keys := await src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
+            await src.execute_command("MIGRATE", "127.0.0.1", others[1], "", 0, 5000, "KEYS", *keys)
+        await src.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)  # the source first: they disagree
+        with pytest.raises(MovedError, match=f":{owner}$"):
+            await dst.get(f"{PREFIX}anything")  # the target, still importing, sends a plain command back
+        reading = asyncio.ensure_future(store.get(kept.task_id))
+        await asyncio.sleep(0.3)  # several bounces' worth
+        assert not reading.done(), reading
+        for port in (others[1], others[0]):
+            node = redis_client.Redis(port=port)
+            try:
+                await node.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+            finally:
+                await node.aclose()
+        assert (await reading).task_id == kept.task_id
+    finally:
+        await src.aclose()
+        await dst.aclose()
         await store.aclose()
 
 

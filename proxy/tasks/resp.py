@@ -47,6 +47,8 @@ class _Protocol(asyncio.Protocol):
         self._unanswered_bytes = 0
         """Bytes received since the last complete reply: what one reply in progress holds, give or take a read."""
         self.broken: str | None = None
+        self.address: tuple[str, int] | None = None
+        """The node it talks to (None on a Unix socket)."""
         self.retiring = False
         """Takes no new commands (its node no longer holds the proxy's slot); closed once its replies are in."""
 
@@ -187,6 +189,7 @@ class RespClient:
                 if address == self._moved_to:
                     self._moved_to = None  # that node is gone too: the cluster's layout is asked again
                 raise
+            protocol.address = address
         if self._hello:
             try:
                 await self._send(protocol, self._hello, encode(self._hello))
@@ -204,35 +207,45 @@ class RespClient:
 
         One write keeps a MULTI ... EXEC block contiguous on the shared connection, so it stays atomic. With Redis
         Cluster, a MOVED reply (the proxy's slot lives on another node now; nothing was done) sends the commands
-        again there, once, and the connection follows; an ASK reply (the slot is being migrated, and the key is
-        already on the other node) sends them there once, each after ASKING, on a connection of their own; TRYAGAIN
-        (a script whose keys are split between the two nodes meanwhile: nothing was done) sends them again after a
-        moment, within the timeout, as redis-py's cluster client does.
+        again there and the connection follows; an ASK reply (the slot is being migrated, and the key is already on
+        the other node) sends them there, each after ASKING, on a connection of their own; TRYAGAIN (a script whose
+        keys are split between the two nodes meanwhile: nothing was done) sends them again after a moment. While
+        a migration ends, the nodes disagree for a moment about who holds the slot and MOVED may bounce between
+        them: redirections are followed as long as the timeout allows, with a pause from the second one on.
         """
         request = encode(commands)  # before any connection or reply slot is involved
-        deadline = asyncio.get_running_loop().time() + self._timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout_s
+        asked: tuple[str, int] | None = None
+        redirections = 0
         while True:
             try:
-                return await self._redirected(commands, request)
+                if asked is not None:
+                    return await self._asking(asked, commands)
+                return await self._pipeline(commands, request)
             except RespError as exc:
-                if not str(exc).startswith("TRYAGAIN") or asyncio.get_running_loop().time() + _TRYAGAIN_S > deadline:
+                redirect = _redirect(exc, self._host)
+                again = redirect is None and str(exc).startswith("TRYAGAIN")
+                if redirect is not None:
+                    redirections += 1
+                elif not again:
                     raise
-            await asyncio.sleep(_TRYAGAIN_S)
-
-    async def _redirected(self, commands: list[Command], request: bytes) -> list[Reply]:
-        try:
-            return await self._pipeline(commands, request)
-        except RespError as exc:
-            redirect = _redirect(exc, self._host)
-            if redirect is None:
-                raise
-        kind, address = redirect
-        if kind == "ASK":
-            return await self._asking(address, commands)
-        self._moved_to = address
-        if self._protocol is not None:
-            self._protocol.retire()  # the replies it still owes (MOVED too) reach their callers first
-        return await self._pipeline(commands, request)
+                pause = again or redirections > 1
+                if pause and loop.time() + _TRYAGAIN_S > deadline:
+                    raise
+            asked = None
+            if redirect is not None:
+                kind, address = redirect
+                if kind == "ASK":
+                    asked = address
+                else:
+                    self._moved_to = address
+                    if self._protocol is not None and self._protocol.address != address:
+                        # The replies it still owes (MOVED too) reach their callers first. A MOVED to the node the
+                        # connection already follows (a concurrent command's, sent before it moved) leaves it be.
+                        self._protocol.retire()
+            if pause:
+                await asyncio.sleep(_TRYAGAIN_S)
 
     async def _asking(self, address: tuple[str, int], commands: list[Command]) -> list[Reply]:
         asked: list[Command] = [part for command in commands for part in (("ASKING",), command)]
