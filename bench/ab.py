@@ -23,9 +23,7 @@ the p99 latency of the `CreateTaskResult`, A and B interleaved in the same way. 
 upstream answering a tools/call itself at the same rate: what an aiohttp server that does nothing else achieves on
 the machine. wrk's `delay()` counts whole milliseconds and its timers fire on millisecond ticks, so arrivals come in
 small bursts (one per tick on average, four or five now and then): the p99 is that of a creation that arrived
-behind a few others, a harsher load than arrivals spread evenly. Each target is then loaded again by
-bench/poisson.py, whose Poisson arrivals are timed to the microsecond and whose latency counts from each request's
-scheduled time (its own lag included): the "µs-timed" columns.
+behind a few others, a harsher load than arrivals spread evenly.
 
 `--path get` measures the proxy's own read path: each proxy makes one task (which completes at once), then wrk
 asks tasks/get for it with every connection count, closed loop; the figures are CPU µs per tasks/get and req/s.
@@ -57,8 +55,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 CACHE = HERE / ".ab"
 sys.path.insert(0, str(HERE))
-import poisson  # noqa: E402  (bench/ is a folder of scripts)
-from run import META_TASKS, create_tasks, free_port, process, rpc, wait_ready, wrk  # noqa: E402
+from run import META_TASKS, create_tasks, free_port, process, rpc, wait_ready, wrk  # noqa: E402  (bench/ is a folder of scripts)
 
 WORK = Path(tempfile.mkdtemp(prefix="mcp-tasks-proxy-ab-"))
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -238,29 +235,16 @@ def print_table(header: list[str], rows: list[list[str]]) -> None:
         print("| " + " | ".join(row) + " |")
 
 
-def timed_p99(url: str, tool: str, meta: dict, seconds: int) -> float:
-    """The p99 ms at 1,000/s in Poisson arrivals timed to the microsecond (bench/poisson.py), not wrk's ticks."""
-    body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
-                       "params": {"name": tool, "arguments": {}, "_meta": meta}}).encode()  # fmt: skip
-    return poisson.run(url, body, {**HEADERS, "Mcp-Name": tool}, rate=1000, seconds=seconds).p99_ms
-
-
 def creation(base: Path, base_package: str, upstream: str, seconds: int, repeats: int) -> None:
-    """Task creation at 1,000/s through A and B, with the memory store and with Redis: CPU µs and p99 ms, under
-    wrk's arrivals and under bench/poisson.py's; beside them, the fast upstream answering a tools/call itself at
-    the same rate (an aiohttp server doing nothing else)."""
-    header = ["store", "A µs/creation", "B µs/creation", "B/A", "A p99 ms", "B p99 ms", "aiohttp alone p99 ms",
-              "A p99 ms, µs-timed", "B p99 ms, µs-timed", "aiohttp alone, µs-timed"]  # fmt: skip
+    """Task creation at 1,000/s through A and B, with the memory store and with Redis: CPU µs and p99 ms; beside
+    them, the fast upstream answering a tools/call itself at the same rate (an aiohttp server doing nothing else)."""
+    header = ["store", "A µs/creation", "B µs/creation", "B/A", "A p99 ms", "B p99 ms", "aiohttp alone p99 ms"]
     rows = []
-    floor, timed_floor = [], []
-    for _ in range(repeats):
-        floor.append(wrk(upstream, "tools/call", {"name": "plain", "arguments": {}}, meta=META, connections=16,
-                         seconds=seconds, name="plain", rate=1000)[2])  # fmt: skip
-        timed_floor.append(timed_p99(upstream, "plain", META, seconds))
+    floor = [wrk(upstream, "tools/call", {"name": "plain", "arguments": {}}, meta=META, connections=16,
+                 seconds=seconds, name="plain", rate=1000)[2] for _ in range(repeats)]  # fmt: skip
     for name, targets in proxies_by_store(base, base_package, upstream):
         cpu: dict[str, list[float]] = {target: [] for target in targets}
         p99: dict[str, list[float]] = {target: [] for target in targets}
-        timed: dict[str, list[float]] = {target: [] for target in targets}
         for repeat in range(repeats):
             for target in ("A", "B") if repeat % 2 == 0 else ("B", "A"):
                 url, pid = targets[target]
@@ -269,11 +253,9 @@ def creation(base: Path, base_package: str, upstream: str, seconds: int, repeats
                                       connections=16, seconds=seconds, name="echo", rate=1000)  # fmt: skip
                 cpu[target].append((cpu_s(pid) - before) / (served * seconds) * 1e6)
                 p99[target].append(tail)
-                timed[target].append(timed_p99(url, "echo", META_TASKS, seconds))
         ratio = statistics.median(cpu["B"]) / statistics.median(cpu["A"])
         rows.append([name, summary(cpu["A"]), summary(cpu["B"]), f"{ratio:.3f}", summary(p99["A"], 2),
-                     summary(p99["B"], 2), summary(floor, 2), summary(timed["A"], 2), summary(timed["B"], 2),
-                     summary(timed_floor, 2)])  # fmt: skip
+                     summary(p99["B"], 2), summary(floor, 2)])  # fmt: skip
         print(f"  create, {name} store: B/A {ratio:.3f}", file=sys.stderr)
     print_table(header, rows)
 
