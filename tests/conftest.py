@@ -76,13 +76,19 @@ def require(prerequisite: str) -> str:
     return str(found[0])
 
 
+CALL_FAILED = pytest.StashKey[bool]()
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     """A skip for want of a prerequisite is reported at this file, not at each test, so that `-ra` shows one line per
-    missing prerequisite (pytest puts a fixture's skip at the test's own line, which would be a line per test)."""
+    missing prerequisite (pytest puts a fixture's skip at the test's own line, which would be a line per test). The
+    test's own outcome is kept on the item, for fixtures that show more of a failure (`replicas`: their logs)."""
     report = yield
+    if report.when == "call":
+        item.stash[CALL_FAILED] = report.failed
     if report.skipped and isinstance(report.longrepr, tuple):
         reason = str(report.longrepr[2]).removeprefix("Skipped: ")
         if reason in {why for _, why in PREREQUISITES.values()}:
@@ -541,6 +547,9 @@ async def task_reaches(client: McpClient, task_id: str, *statuses: str, headers:
 # --- proxy replicas as processes, sharing a redis-server -----------------------------------------------------
 
 
+_LOG_TAIL = 80
+
+
 @dataclasses.dataclass
 class Replica:
     process: subprocess.Popen[bytes]
@@ -549,9 +558,9 @@ class Replica:
 
 
 @pytest.fixture
-def replicas(tmp_path, redis_url) -> Iterator:
+def replicas(request, tmp_path, redis_url) -> Iterator:
     """start(upstream, store_url=...) runs one more proxy process (upstream: a URL, or a stdio server's argv); all
-    are stopped at the end."""
+    are stopped at the end, and a failed test shows the end of each one's log (a flake in CI is read from there)."""
     started: list[Replica] = []
 
     def start(
@@ -564,6 +573,7 @@ def replicas(tmp_path, redis_url) -> Iterator:
         lease_s: float = 1,
         advertise: bool = False,
         listen: dict | None = None,
+        wait_started: bool = True,
         **tasks,
     ) -> Replica:
         port = free_port()
@@ -592,14 +602,28 @@ def replicas(tmp_path, redis_url) -> Iterator:
                 stderr=sink,
                 cwd=ROOT,
             )
-        wait_for_port(port, process)
         replica = Replica(process, f"http://127.0.0.1:{port}/mcp", log)
         started.append(replica)
+        wait_for_port(port, process)
+        if wait_started:
+            # The socket takes connections before the replica has started (subscribed to the others' events,
+            # among other things): a test that counts on it waits for its "started" line, as a rollout waits for
+            # readiness.
+            deadline = time.monotonic() + 60
+            while '"event": "proxy_started"' not in log.read_text(errors="replace"):
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the replica on {port} did not start:\n{log.read_text(errors='replace')}")
+                time.sleep(0.05)
         return replica
 
     yield start
     for replica in started:
         stop(replica.process)
+    if request.node.stash.get(CALL_FAILED, False):
+        for replica in started:
+            lines = replica.log.read_text(errors="replace").splitlines()
+            print(f"--- the last {min(len(lines), _LOG_TAIL)} lines of {replica.url}'s log ---", *lines[-_LOG_TAIL:],
+                  sep="\n")  # fmt: skip
 
 
 @pytest.fixture

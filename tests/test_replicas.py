@@ -552,7 +552,7 @@ async def test_a_replica_told_to_stop_while_it_starts_stops_gracefully(replicas,
     redis_process, url = start_redis()
     try:
         os.kill(redis_process.pid, signal.SIGSTOP)  # a store that does not answer: the start waits on it
-        starting = replicas(mcp_upstream, store_url=url)
+        starting = replicas(mcp_upstream, store_url=url, wait_started=False)
         starting.process.send_signal(signal.SIGTERM)
         assert starting.process.wait(timeout=30) == 0
         assert '"event": "proxy_stopped"' in starting.log.read_text()
