@@ -21,6 +21,7 @@ from typing import Any, NoReturn
 import aiohttp
 import filelock
 import pytest
+import redis as sync_redis
 import trustme
 import yaml
 from aiohttp import web
@@ -555,6 +556,8 @@ class Replica:
     process: subprocess.Popen[bytes]
     url: str
     log: Path
+    channel: tuple[str, str]
+    """The Redis and the channel of its replicas' events."""
 
 
 @pytest.fixture
@@ -602,18 +605,24 @@ def replicas(request, tmp_path, redis_url) -> Iterator:
                 stderr=sink,
                 cwd=ROOT,
             )
-        replica = Replica(process, f"http://127.0.0.1:{port}/mcp", log)
+        channel = (store_url, f"{policy['store']['key_prefix']}events")
+        replica = Replica(process, f"http://127.0.0.1:{port}/mcp", log, channel)
         started.append(replica)
         wait_for_port(port, process)
         if wait_started:
-            # The socket takes connections before the replica has started (subscribed to the others' events,
-            # among other things): a test that counts on it waits for its "started" line, as a rollout waits for
-            # readiness.
+            # The socket takes connections before the replica has started: a test that counts on it waits for its
+            # "started" line, as a rollout waits for readiness, and for its subscription to the others' events
+            # (which a start under load may leave to a retry after its first second).
             deadline = time.monotonic() + 60
-            while '"event": "proxy_started"' not in log.read_text(errors="replace"):
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the replica on {port} did not start:\n{log.read_text(errors='replace')}")
-                time.sleep(0.05)
+            peers = sum(1 for other in started if other.channel == channel and other.process.poll() is None)
+            with sync_redis.Redis.from_url(store_url) as store:
+                while not (
+                    '"event": "proxy_started"' in log.read_text(errors="replace")
+                    and store.pubsub_numsub(channel[1])[0][1] >= peers
+                ):
+                    if process.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"the replica on {port} did not start:\n{log.read_text(errors='replace')}")
+                    time.sleep(0.05)
         return replica
 
     yield start

@@ -6,6 +6,8 @@ import os
 import secrets
 import signal
 
+import redis.asyncio as redis
+
 from tests.conftest import Replica, eventually, start_redis, stop, task_reaches
 from tests.factories import McpClient, meta
 from tests.test_durable import Client2025, events_of
@@ -376,10 +378,19 @@ async def test_a_lost_replicas_call_that_the_2025_server_runs_as_its_own_task_is
     created = await a_client.call_tool("simulate-research-query", arguments)
     task_id = created.result["taskId"]
 
-    async def server_task_made() -> bool:
-        return "upstream_task_created" in doomed.log.read_text()
+    store_url, channel = doomed.channel
+    store = redis.Redis.from_url(store_url)
 
-    await eventually(server_task_made, what="the server making a task of the call")
+    async def server_task_kept() -> bool:
+        # Kept in the task's record, not only logged: a replica lost between the two leaves nothing to follow, and
+        # its task ends "unknown" (the right outcome then, and not what this test is about).
+        stored = await store.get(f"{channel.removesuffix('events')}task:{task_id}")
+        return stored is not None and b'"upstream_task"' in stored
+
+    try:
+        await eventually(server_task_kept, what="the server's task kept in the record")
+    finally:
+        await store.aclose()
     killed(doomed)
     done = await task_reaches(b_client, task_id, "completed", "failed")
     assert done.result["status"] == "completed", (done.result.get("statusMessage"), done.result.get("error"))

@@ -76,8 +76,9 @@ class LyingRedis:
     """A fake Redis for faults a real one never makes: `answer` maps each read's bytes to what goes back; what
     each connection sent is recorded."""
 
-    def __init__(self, answer) -> None:
+    def __init__(self, answer, delay_s: float = 0) -> None:
         self.answer = answer
+        self.delay_s = delay_s
         self.sent: list[list[bytes]] = []
         self.server: asyncio.Server | None = None
         self.writers: list[asyncio.StreamWriter] = []
@@ -89,6 +90,8 @@ class LyingRedis:
         try:
             while data := await reader.read(65536):
                 seen.append(data)
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
                 writer.write(self.answer(data))
         except ConnectionError:
             pass
@@ -131,6 +134,51 @@ async def test_credentials_and_database_from_the_url_and_a_reconnect_after_a_tim
                 b"*3\r\n$4\r\nAUTH\r\n$4\r\nuser\r\n$6\r\nsecret\r\n*2\r\n$6\r\nSELECT\r\n$1\r\n3\r\n"
             )
             assert sent.endswith(b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n")
+        finally:
+            await client.aclose()
+
+
+def port_of(fake: LyingRedis) -> int:
+    assert fake.server is not None
+    return fake.server.sockets[0].getsockname()[1]
+
+
+async def test_two_nodes_bouncing_a_moved_are_followed_with_pauses_within_the_timeout() -> None:
+    """While a migration ends, each of two nodes may say the other holds the slot: the client follows, pausing once
+    the redirections come back to a node already tried, and gives up when its timeout is spent."""
+    ports: dict[str, int] = {}
+    first = LyingRedis(lambda data: b"-MOVED 1 127.0.0.1:%d\r\n" % ports["second"])
+    second = LyingRedis(lambda data: b"-MOVED 1 127.0.0.1:%d\r\n" % ports["first"])
+    async with first as url, second:
+        ports.update(first=port_of(first), second=port_of(second))
+        client = RespClient(url, timeout_s=0.5)
+        try:
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(RespError, match="MOVED"):
+                await client.execute("GET", "k")
+            elapsed = asyncio.get_running_loop().time() - started
+        finally:
+            await client.aclose()
+    assert 0.4 <= elapsed < 0.9  # it kept following until the timeout, and no longer
+    # Each redirection is a connection: followed more than once, but paused (without pauses: thousands).
+    assert 3 <= first.connections + second.connections <= 20
+
+
+async def test_a_moved_to_a_node_that_never_answers_stays_within_the_timeout_and_is_not_followed_again() -> None:
+    """The seed answers MOVED late, to a node that accepts connections and never answers (a paused or partitioned
+    Redis): the call fails within its timeout, not the timeout again after the redirection, and the next call asks
+    the seed again instead of the node that did not answer."""
+    silent = LyingRedis(lambda data: b"")
+    seed = LyingRedis(lambda data: b"-MOVED 1 127.0.0.1:%d\r\n" % port_of(silent), delay_s=0.6)
+    async with seed as url, silent:
+        client = RespClient(url, timeout_s=1.0)
+        try:
+            for attempt in (1, 2):
+                started = asyncio.get_running_loop().time()
+                with pytest.raises(TimeoutError):
+                    await client.execute("GET", "k")
+                assert asyncio.get_running_loop().time() - started < 1.4  # one timeout: 0.6 s + 1 s before
+                assert seed.connections == attempt  # the second call went to the seed again
         finally:
             await client.aclose()
 

@@ -156,7 +156,8 @@ class RespClient:
         self._protocol: _Protocol | None = None
         self._connecting = asyncio.Lock()
         self._moved_to: tuple[str, int] | None = None
-        """Redis Cluster: the node a MOVED reply named for the proxy's slot, until a connection to it fails."""
+        """Redis Cluster: the node a MOVED reply named for the proxy's slot, until a connection to it fails or it
+        does not answer in time."""
 
     async def _connection(self) -> _Protocol:
         protocol = self._protocol
@@ -211,31 +212,33 @@ class RespClient:
         the other node) sends them there, each after ASKING, on a connection of their own; TRYAGAIN (a script whose
         keys are split between the two nodes meanwhile: nothing was done) sends them again after a moment. While
         a migration ends, the nodes disagree for a moment about who holds the slot and MOVED may bounce between
-        them: redirections are followed as long as the timeout allows, with a pause from the second one on.
+        them: redirections are followed, with a pause when one comes back to a node already tried, and the whole
+        call, every attempt included, stays within the timeout.
         """
         request = encode(commands)  # before any connection or reply slot is involved
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout_s
         asked: tuple[str, int] | None = None
-        redirections = 0
+        named: set[tuple[str, int]] = set()
+        judges = True
         while True:
             try:
                 if asked is not None:
-                    return await self._asking(asked, commands)
-                return await self._pipeline(commands, request)
+                    return await self._asking(asked, commands, deadline)
+                return await self._pipeline(commands, request, deadline, judges)
             except RespError as exc:
                 redirect = _redirect(exc, self._host)
-                again = redirect is None and str(exc).startswith("TRYAGAIN")
-                if redirect is not None:
-                    redirections += 1
-                elif not again:
+                if redirect is None and not str(exc).startswith("TRYAGAIN"):
                     raise
-                pause = again or redirections > 1
-                if pause and loop.time() + _TRYAGAIN_S > deadline:
+                # TRYAGAIN, or a redirection back to a node this call was sent to already (two nodes bouncing it
+                # while a migration ends), waits a moment; any other redirection goes at once.
+                pause = redirect is None or redirect[1] in named
+                if loop.time() + (_TRYAGAIN_S if pause else 0) >= deadline:
                     raise
             asked = None
             if redirect is not None:
                 kind, address = redirect
+                named.add(address)
                 if kind == "ASK":
                     asked = address
                 else:
@@ -246,10 +249,13 @@ class RespClient:
                         self._protocol.retire()
             if pause:
                 await asyncio.sleep(_TRYAGAIN_S)
+            # A connection is judged stuck only by an attempt that gave it at least half the timeout: a redirected
+            # command's last few milliseconds must not end the connection every other caller shares.
+            judges = deadline - loop.time() >= self._timeout_s / 2
 
-    async def _asking(self, address: tuple[str, int], commands: list[Command]) -> list[Reply]:
+    async def _asking(self, address: tuple[str, int], commands: list[Command], deadline: float) -> list[Reply]:
         asked: list[Command] = [part for command in commands for part in (("ASKING",), command)]
-        async with asyncio.timeout(self._timeout_s):
+        async with asyncio.timeout_at(deadline):
             protocol = await self._connect(address)
             try:
                 replies = await self._send(protocol, asked, encode(asked))
@@ -257,14 +263,19 @@ class RespClient:
                 protocol.fail("the connection for an ASK redirection is done")
         return replies[1::2]
 
-    async def _pipeline(self, commands: list[Command], request: bytes) -> list[Reply]:
+    async def _pipeline(self, commands: list[Command], request: bytes, deadline: float, judges: bool) -> list[Reply]:
         protocol: _Protocol | None = None
         try:
-            async with asyncio.timeout(self._timeout_s):
+            async with asyncio.timeout_at(deadline):
                 protocol = await self._connection()
                 return await self._send(protocol, commands, request)
         except TimeoutError:
-            if protocol is not None:
+            # A node MOVED named that does not answer (or one not reached in time) is not followed again: the next
+            # connection goes to the cluster's seed (or the Sentinel's master), which says where to go.
+            abandoned = protocol is not None and self._moved_to is not None and protocol.address == self._moved_to
+            if protocol is None or abandoned:
+                self._moved_to = None
+            if protocol is not None and (judges or abandoned):
                 protocol.fail(f"Redis did not answer within {self._timeout_s:g} s")  # reconnect next time
             raise
         except OSError as exc:
