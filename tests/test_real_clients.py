@@ -142,9 +142,10 @@ async def test_a_sep_1686_client_gets_the_proxys_tasks_and_survives_a_middlebox(
     A connection per request, as for the 2026 client above: the SDK's pooled connection, opened for one poll, would be
     reused for the next just as the middlebox cuts it (pollInterval 2 s, max_open_s 2 s), and the poll lost on the way
     would end the SDK 1.x client's session (tests/clients/sdk1_client.py)."""
-    url, _ = await middlebox(proxy.url, **limits)
+    url, box = await middlebox(proxy.url, **limits)
     outcome = await sdk1_call(url, "quiet", {"seconds": CALL_S}, "--as-task", "--connection-per-request")
     assert outcome == {"text": f"quiet for {CALL_S:g} s", "isError": False, "statuses": ["completed"]}
+    assert box.cuts >= 1  # its standalone GET stream, at least: what the client survived
 
     straight, _ = await middlebox(plain_legacy_upstream, **limits)
     refused = await sdk1_call(straight, "quiet", {"seconds": CALL_S}, "--as-task")
