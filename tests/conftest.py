@@ -29,6 +29,7 @@ from aiohttp import web
 from mcp_tasks_proxy.app import create_app
 from mcp_tasks_proxy.config import parse_config
 from mcp_tasks_proxy.serve import bind, start
+from mcp_tasks_proxy.tasks.redis_keys import RedisKeys
 from tests.factories import McpClient, Reply
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -556,8 +557,12 @@ class Replica:
     process: subprocess.Popen[bytes]
     url: str
     log: Path
-    channel: tuple[str, str]
-    """The Redis and the channel of its replicas' events."""
+    store_url: str
+    keys: RedisKeys
+    """Where its store keeps what (the task records, the replicas' events channel)."""
+
+    def shares_events_with(self, other: Replica) -> bool:
+        return self.store_url == other.store_url and self.keys == other.keys
 
 
 @pytest.fixture
@@ -605,8 +610,8 @@ def replicas(request, tmp_path, redis_url) -> Iterator:
                 stderr=sink,
                 cwd=ROOT,
             )
-        channel = (store_url, f"{policy['store']['key_prefix']}events")
-        replica = Replica(process, f"http://127.0.0.1:{port}/mcp", log, channel)
+        keys = RedisKeys(policy["store"]["key_prefix"])
+        replica = Replica(process, f"http://127.0.0.1:{port}/mcp", log, store_url, keys)
         started.append(replica)
         wait_for_port(port, process)
         if wait_started:
@@ -614,11 +619,11 @@ def replicas(request, tmp_path, redis_url) -> Iterator:
             # "started" line, as a rollout waits for readiness, and for its subscription to the others' events
             # (which a start under load may leave to a retry after its first second).
             deadline = time.monotonic() + 60
-            peers = sum(1 for other in started if other.channel == channel and other.process.poll() is None)
+            peers = sum(1 for other in started if other.shares_events_with(replica) and other.process.poll() is None)
             with sync_redis.Redis.from_url(store_url) as store:
                 while not (
                     '"event": "proxy_started"' in log.read_text(errors="replace")
-                    and store.pubsub_numsub(channel[1])[0][1] >= peers
+                    and store.pubsub_numsub(replica.keys.events)[0][1] >= peers
                 ):
                     if process.poll() is not None or time.monotonic() > deadline:
                         raise RuntimeError(f"the replica on {port} did not start:\n{log.read_text(errors='replace')}")

@@ -238,27 +238,47 @@ async def slot_owner(ports, slot: int) -> tuple[int, list[int]]:
     raise AssertionError(f"no node holds slot {slot}")
 
 
-async def migrate(slot: int, source: int, target: int, ports, moving: asyncio.Event) -> None:
-    """Move one slot from node `source` to node `target` the way redis-cli reshard does, a few keys at a time."""
+async def start_migration(slot: int, source: int, target: int) -> str:
+    """Mark `slot` migrating from node `source` to node `target` (redis-cli reshard's first step); the target's id."""
     src, dst = redis_client.Redis(port=source), redis_client.Redis(port=target)
     try:
         src_id = (await src.execute_command("CLUSTER", "MYID")).decode()
         dst_id = (await dst.execute_command("CLUSTER", "MYID")).decode()
         await dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
         await src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
-        moving.set()
-        while keys := await src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 5):
-            await src.execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", *keys)
-            await asyncio.sleep(0.02)  # the store works on meanwhile: some keys here, some there (ASK)
-        for port in ports:
-            node = redis_client.Redis(port=port)
-            try:
-                await node.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
-            finally:
-                await node.aclose()
+        return dst_id
     finally:
         await src.aclose()
         await dst.aclose()
+
+
+async def move_keys(slot: int, source: int, target: int, *, batch: int = 5, pause_s: float = 0.0) -> None:
+    src = redis_client.Redis(port=source)
+    try:
+        while keys := await src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, batch):
+            await src.execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", *keys)
+            await asyncio.sleep(pause_s)
+    finally:
+        await src.aclose()
+
+
+async def assign(slot: int, node_id: str, ports) -> None:
+    """`CLUSTER SETSLOT slot NODE node_id` on each node of `ports`, in that order (the migration's last step)."""
+    for port in ports:
+        node = redis_client.Redis(port=port)
+        try:
+            await node.execute_command("CLUSTER", "SETSLOT", slot, "NODE", node_id)
+        finally:
+            await node.aclose()
+
+
+async def migrate(slot: int, source: int, target: int, ports, moving: asyncio.Event) -> None:
+    """Move one slot from node `source` to node `target` the way redis-cli reshard does, a few keys at a time."""
+    dst_id = await start_migration(slot, source, target)
+    moving.set()
+    # The store works on meanwhile: some keys here, some there (ASK).
+    await move_keys(slot, source, target, pause_s=0.02)
+    await assign(slot, dst_id, ports)
 
 
 async def test_the_store_on_a_cluster_follows_its_slot_through_a_migration(cluster):
@@ -305,32 +325,25 @@ async def test_the_store_on_a_cluster_waits_out_nodes_that_disagree_about_its_sl
     await seed.aclose()
     owner, others = await slot_owner(cluster, slot)
     store = RedisTaskStore(f"redis+cluster://127.0.0.1:{owner}", key_prefix=PREFIX, lease_s=5, timeout_s=3)
-    src, dst = redis_client.Redis(port=owner), redis_client.Redis(port=others[1])
+    target = redis_client.Redis(port=others[1])
+    reading = None
     try:
         kept = record()
         await store.create(kept)
-        src_id = (await src.execute_command("CLUSTER", "MYID")).decode()
-        dst_id = (await dst.execute_command("CLUSTER", "MYID")).decode()
-        await dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
-        await src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
-        while keys := await src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
-            await src.execute_command("MIGRATE", "127.0.0.1", others[1], "", 0, 5000, "KEYS", *keys)
-        await src.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)  # the source first: they disagree
+        dst_id = await start_migration(slot, owner, others[1])
+        await move_keys(slot, owner, others[1], batch=100)
+        await assign(slot, dst_id, [owner])  # the source first: they disagree
         with pytest.raises(MovedError, match=f":{owner}$"):
-            await dst.get(f"{PREFIX}anything")  # the target, still importing, sends a plain command back
+            await target.get(f"{PREFIX}anything")  # the target, still importing, sends a plain command back
         reading = asyncio.ensure_future(store.get(kept.task_id))
         await asyncio.sleep(0.3)  # several bounces' worth
         assert not reading.done(), reading
-        for port in (others[1], others[0]):
-            node = redis_client.Redis(port=port)
-            try:
-                await node.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
-            finally:
-                await node.aclose()
+        await assign(slot, dst_id, [others[1], others[0]])
         assert (await reading).task_id == kept.task_id
     finally:
-        await src.aclose()
-        await dst.aclose()
+        if reading is not None:
+            reading.cancel()
+        await target.aclose()
         await store.aclose()
 
 

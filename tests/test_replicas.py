@@ -378,13 +378,12 @@ async def test_a_lost_replicas_call_that_the_2025_server_runs_as_its_own_task_is
     created = await a_client.call_tool("simulate-research-query", arguments)
     task_id = created.result["taskId"]
 
-    store_url, channel = doomed.channel
-    store = redis.Redis.from_url(store_url)
+    store = redis.Redis.from_url(doomed.store_url)
 
     async def server_task_kept() -> bool:
         # Kept in the task's record, not only logged: a replica lost between the two leaves nothing to follow, and
         # its task ends "unknown" (the right outcome then, and not what this test is about).
-        stored = await store.get(f"{channel.removesuffix('events')}task:{task_id}")
+        stored = await store.get(doomed.keys.task(task_id))
         return stored is not None and b'"upstream_task"' in stored
 
     try:
