@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 
 import pytest
 import redis.asyncio as redis
@@ -179,6 +180,55 @@ async def test_a_moved_to_a_node_that_never_answers_stays_within_the_timeout_and
                     await client.execute("GET", "k")
                 assert asyncio.get_running_loop().time() - started < 1.4  # one timeout: 0.6 s + 1 s before
                 assert seed.connections == attempt  # the second call went to the seed again
+        finally:
+            await client.aclose()
+
+
+_HUGE_HOST = b"h" * 70_000
+_UNRESOLVABLE = "^cannot connect to Redis \\(an address that cannot be resolved"
+
+
+@pytest.mark.parametrize(
+    "reply, error",
+    [(b"-MOVED 1 127.0.0.1:notaport\r\n", "^MOVED 1 127.0.0.1:notaport$"), (b"-MOVED\r\n", "^MOVED$"),
+     (b"-ASK 1 2 3 4\r\n", "^ASK 1 2 3 4$"), (b"-MOVED 1 " + _HUGE_HOST + b":1\r\n", _UNRESOLVABLE),
+     (b"-ASK 1 " + _HUGE_HOST + b":1\r\n", _UNRESOLVABLE), (b"-MOVED 1 \xff\xfe:1\r\n", "^cannot connect to Redis")],
+    ids=["port", "bare", "words", "huge-host", "huge-ask-host", "not-utf8"],
+)  # fmt: skip
+async def test_a_redirection_that_cannot_be_followed_is_the_callers_error_and_crosses_to_no_one(reply, error) -> None:
+    """A node whose MOVED or ASK names nothing usable (hostile, or broken): the command fails with a RespError (the
+    store's "unavailable", never another exception), and a neighbour's command on the same connection still gets
+    its own reply."""
+
+    def answer(data: bytes) -> bytes:
+        return b"".join(reply if b"bad" in command else b"$4\r\nmine\r\n" for command in data.split(b"*2\r\n")[1:])
+
+    fake = LyingRedis(answer)
+    async with fake as url:
+        client = RespClient(url, timeout_s=1)
+        try:
+            bad, good = await asyncio.gather(client.execute("GET", "bad"), client.execute("GET", "good"),
+                                             return_exceptions=True)  # fmt: skip
+        finally:
+            await client.aclose()
+    assert isinstance(bad, RespError), bad
+    assert re.search(error, str(bad)), str(bad)[:200]
+    assert good == b"mine"
+    assert fake.connections == 1
+
+
+async def test_a_moved_to_where_nothing_listens_fails_and_the_next_command_asks_the_seed() -> None:
+    from tests.conftest import free_port
+
+    nowhere = free_port()
+    fake = LyingRedis(lambda data: b"-MOVED 1 127.0.0.1:%d\r\n" % nowhere)
+    async with fake as url:
+        client = RespClient(url, timeout_s=1)
+        try:
+            for attempt in (1, 2):
+                with pytest.raises(RespError, match="cannot connect"):
+                    await client.execute("GET", "k")
+                assert fake.connections == attempt  # the seed again, not the node that is gone
         finally:
             await client.aclose()
 

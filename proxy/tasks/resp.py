@@ -186,9 +186,11 @@ class RespClient:
                 _, protocol = await loop.create_connection(
                     factory, host, port, ssl=self._ssl, server_hostname=host if self._ssl else None
                 )
-            except OSError:
+            except (OSError, ValueError) as exc:
                 if address == self._moved_to:
                     self._moved_to = None  # that node is gone too: the cluster's layout is asked again
+                if isinstance(exc, ValueError):  # a host no resolver takes (UnicodeError: a label over 63 bytes)
+                    raise RespError(f"cannot connect to Redis (an address that cannot be resolved: {exc})") from exc
                 raise
             protocol.address = address
         if self._hello:
