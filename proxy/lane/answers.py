@@ -5,7 +5,6 @@ answered, the request's metrics and log line, and no traceback for anyone."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -143,7 +142,7 @@ async def _relay(lane: Lane, out: LaneWriter, request: LaneRequest, *, keep_aliv
         raise UpstreamError(f"upstream unreachable ({exc})", upstream=upstream.url) from exc
     finally:
         request.body = b""  # not held while the answer streams
-    with contextlib.closing(response):  # pooled when read to its end, else closed: the upstream sees a cancel
+    try:
         status = response.status
         stream = response.content_type in STREAM_TYPES
         length = response.headers.get("content-length")  # the parser refused a malformed one
@@ -158,6 +157,8 @@ async def _relay(lane: Lane, out: LaneWriter, request: LaneRequest, *, keep_aliv
             raise UpstreamError(f"the upstream connection broke mid-response ({exc})", upstream=upstream.url) from exc
         out.write(out.relayed_head(response, keep_alive, None if empty else len(payload)) + payload)
         return status
+    finally:
+        response.close()  # pooled when read to its end, else closed: the upstream sees a cancel
 
 
 async def _relay_stream(

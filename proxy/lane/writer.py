@@ -65,9 +65,10 @@ class LaneWriter:
         relayed = response.relayed_headers
         assert relayed is not None
         status = response.status
-        lines = [b"HTTP/1.1 %d %s\r\n" % (status, response.reason.encode("latin-1"))]
-        # Decoded as latin-1 by the lean client: encoded back the same way, byte for byte.
-        lines.extend(f"{name}: {value}\r\n".encode("latin-1") for name, value in relayed.items())
+        # Decoded as latin-1 by the lean client: encoded back the same way, byte for byte (at once: one encode,
+        # not one per field).
+        fields = "".join([f"{name}: {value}\r\n" for name, value in relayed.items()])
+        lines = [b"HTTP/1.1 %d %s\r\n" % (status, response.reason.encode("latin-1")), fields.encode("latin-1")]
         if "Date" not in relayed:
             lines.append(f"Date: {self._date()}\r\n".encode())
         if "Server" not in relayed:
