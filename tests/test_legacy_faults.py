@@ -12,6 +12,15 @@ from aiohttp import web
 from tests.conftest import eventually, task_reaches
 from tests.factories import headers_for, meta, request
 
+_ODD_ANSWERS = {
+    "garbage": b"\x00\x01 not json",
+    "array": b'[{"jsonrpc": "2.0", "id": 1, "result": {}}]',
+    "string": b'"done"',
+    "empty": b"",
+    "huge": json.dumps({"jsonrpc": "2.0", "id": 1, "result": {"content": [{"type": "text", "text": "x" * 300_000}]}}),
+}
+"""JSON answers to a tools/call that carry no response object, or one past max_result_bytes."""
+
 
 class ScriptedLegacyServer:
     """A 2025-11-25 server reduced to what these tests script; it records every message it receives."""
@@ -97,6 +106,9 @@ class ScriptedLegacyServer:
                 await response.write(f"data: {json.dumps(ask)}\n\n".encode())
             await self.release.wait()
             return response
+        if method == "tools/call" and message["params"]["name"] in _ODD_ANSWERS:
+            body = _ODD_ANSWERS[message["params"]["name"]]
+            return web.Response(body=body, content_type="application/json")
         if method == "tools/call" and message["params"]["name"] == "stall":
             await self.release.wait()  # no response headers until the test ends
         result = {"content": [{"type": "text", "text": f"ok on {session}"}], "isError": False}
@@ -256,3 +268,25 @@ async def test_a_create_task_result_without_a_usable_task_id_fails_the_call(make
     reply = await asyncio.wait_for(proxy.client.call_tool("nameless-task", tasks=False), timeout=30)
     assert reply.error is not None and reply.error["code"] == -32603
     assert "no usable taskId" in reply.error["message"]
+
+
+@pytest.mark.parametrize("tool", list(_ODD_ANSWERS))
+async def test_a_json_answer_without_a_response_object_fails_the_call_and_the_next_one_goes_through(
+    make_proxy, fake_upstream, tool
+):
+    """Read once as the call's one message: not JSON, not an object, nothing at all, or too large. A 2026 client's
+    synchronous call and a task both end with the reason; the next call on the same session is answered."""
+    server, fake = await scripted(fake_upstream)
+    proxy = await make_proxy(fake.url, tools=[{"match": "task-*"}], limits={"max_result_bytes": 100_000})
+    reason = "exceeds limits.max_result_bytes" if tool == "huge" else "closed its event stream before answering"
+    reply = await asyncio.wait_for(proxy.client.call_tool(tool, tasks=False), timeout=30)
+    assert reply.error is not None and reply.error["code"] == -32603, reply.message
+    assert reason in reply.error["message"]
+
+    as_task = await make_proxy(fake.url, tools=[{"match": tool}], limits={"max_result_bytes": 100_000})
+    created = await as_task.client.call_tool(tool)
+    failed = await task_reaches(as_task.client, created.result["taskId"], "failed")
+    assert reason in failed.result["statusMessage"]
+
+    again = await asyncio.wait_for(proxy.client.call_tool("plain", tasks=False), timeout=30)
+    assert again.result is not None and again.result["content"][0]["text"] == "ok on s1", again.message

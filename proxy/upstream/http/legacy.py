@@ -33,6 +33,34 @@ ASK_TIMEOUT_S = 30.0
 """How long a request of the proxy's own, or its answer to a server request, may take upstream."""
 
 
+class _JsonAnswer:
+    """The one message of a JSON answer, as an iterator: most answers are JSON, and an async generator would cost
+    each a registration with the event loop (its asyncgen hooks) for a single item. None for a body that is not a
+    JSON object: the caller then finds the stream ended without an answer."""
+
+    __slots__ = ("_response", "_max_bytes")
+
+    def __init__(self, response: CallResponse, max_bytes: int) -> None:
+        self._response: CallResponse | None = response
+        self._max_bytes = max_bytes
+
+    def __aiter__(self) -> _JsonAnswer:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        response, self._response = self._response, None
+        if response is None:
+            raise StopAsyncIteration
+        body = await response.read(self._max_bytes)
+        try:
+            message = loads(body)
+        except ValueError:
+            raise StopAsyncIteration from None
+        if not isinstance(message, dict):
+            raise StopAsyncIteration
+        return message
+
+
 class HttpReply:
     """The server's answer to one POSTed request: its status, then its messages."""
 
@@ -62,23 +90,19 @@ class HttpReply:
         """The call ends unfinished: a legacy server does not read a dropped stream as a cancellation."""
         self._link.cancel_later(self._session, self._client_headers, self._request_id, reason)
 
-    async def messages(self, max_bytes: int) -> AsyncIterator[dict[str, Any]]:
+    def messages(self, max_bytes: int) -> AsyncIterator[dict[str, Any]]:
         """Every JSON-RPC message of the answer, JSON or event stream.
 
         A 2025-11-25 server may close the connection without ending the stream (after a `retry:`); the call is
         then resumed with GET and Last-Event-ID, honouring the retry delay. Priming events carry no message. A body
         or event longer than `max_bytes` raises BodyTooLarge or SseLimitError.
         """
+        if self._response.content_type != "text/event-stream":
+            return _JsonAnswer(self._response, max_bytes)
+        return self._events(max_bytes)
+
+    async def _events(self, max_bytes: int) -> AsyncIterator[dict[str, Any]]:
         response = self._response
-        if response.content_type != "text/event-stream":
-            body = await response.read(max_bytes)
-            try:
-                message = loads(body)
-            except ValueError:
-                return
-            if isinstance(message, dict):
-                yield message
-            return
         position = StreamPosition()
         resumes = 0
         current: CallResponse | aiohttp.ClientResponse = response
