@@ -445,6 +445,27 @@ async def test_calls_bridged_to_a_2025_server_take_the_lane_with_their_input_rou
     assert lane_counts(proxy) == {"relayed": 4, "served": 0, "visited": 0, "handed_over": 1}
 
 
+async def test_a_question_on_the_standalone_stream_is_answered_by_the_task_that_brings_it(make_proxy, legacy_upstream):
+    """The lane reads a bridged call in the request's own task. A question for it on the session's standalone stream
+    (roots/list with no related request) comes while that task waits on the call's own stream: the task that brings
+    it answers the client, the client makes another call meanwhile, the retry finishes the call, and each request is
+    counted once, with its status."""
+    proxy = await make_proxy(legacy_upstream, protocol="legacy")
+    before = request_counts(proxy)
+    params = {"name": "ask_roots_standalone", "arguments": {}, "_meta": meta(tasks=False, roots={})}
+    first = await asyncio.wait_for(proxy.client.call("tools/call", params), timeout=30)
+    ((key, question),) = first.result["inputRequests"].items()
+    assert question["method"] == "roots/list"
+    added = await proxy.client.send(call("add", {"a": 1, "b": 2}))
+    assert added.result["content"][0]["text"] == "3"
+    roots = {"roots": [{"uri": "file:///srv/project", "name": "project"}]}
+    retry = {**params, "inputResponses": {key: roots}, "requestState": first.result["requestState"]}
+    done = await asyncio.wait_for(proxy.client.call("tools/call", retry), timeout=30)
+    assert done.result["content"][0]["text"] == "file:///srv/project"
+    assert counted(before, request_counts(proxy)) == {("tools/call", "legacy", "200"): 3}
+    assert lane_counts(proxy)["relayed"] == 3
+
+
 async def test_a_client_that_opens_with_discover_and_polls_tasks_stays_on_the_lane(proxy):
     """An SDK client's first request (server/discover) is answered by aiohttp on the lane's connection; the task it
     creates and its polls are served by the lane itself, and the calls between are relayed there."""

@@ -60,18 +60,29 @@ async def answer(
     started = time.perf_counter()
     info = RequestInfo(jsonrpc_id=message["id"], rpc_method=message["method"])
     status = 500
+    reply = None
     try:
         if request.kind == "owned":
             status = await _owned(lane, out, request, info, keep_alive=keep_alive)
         elif request.kind == "legacy":
             info.mode = "legacy"
-            status = await lane.bridge.relay(headers, message, LaneReply(out, keep_alive))
+
+            def answered_elsewhere(final: int) -> None:
+                _account(lane, info, headers, message, final, started)
+                then(keep_alive)
+
+            # The bridge may answer the client from another task and read the call on in this one (bridge.py).
+            reply = LaneReply(out, keep_alive, answered_elsewhere)
+            status = await lane.bridge.relay(headers, message, reply)
         else:
             status = await _relay(lane, out, request, keep_alive=keep_alive)
     except asyncio.CancelledError:
         status = 499
         raise
     except Exception as exc:  # the boundary: no client sees a traceback
+        if reply is not None and reply.taken:  # answered by another task: the connection may serve another request
+            log.exception("unhandled_error", exc_info=exc)
+            return
         wired = wire_error(exc)
         if wired is not None and not out.head_sent:
             if isinstance(exc, UpstreamError):
@@ -93,22 +104,31 @@ async def answer(
                 out.error(info.jsonrpc_id, error_object(INTERNAL_ERROR, "Internal error in the proxy"), 200,
                           keep_alive=False)  # fmt: skip
     finally:
-        elapsed_s = time.perf_counter() - started
-        lane.metrics.observe_request(method_label(info.rpc_method), info.mode, status, elapsed_s)
-        if lane.policy.config.logging.level in _VERBOSE_LEVELS:
-            if info.tool is None and info.rpc_method == "tools/call":
-                tool = message["params"].get("name") if isinstance(message.get("params"), dict) else None
-                info.tool = tool if isinstance(tool, str) else None
-            log_request_handled(
-                info,
-                principal=lane.identity.logged_principal(headers),
-                http_method="POST",
-                path=MCP_PATH,
-                status=status,
-                client_closed=status == 499,
-                elapsed_s=elapsed_s,
-            )
-    then(keep_alive)
+        if reply is None or not reply.taken:
+            _account(lane, info, headers, message, status, started)
+    if reply is None or not reply.taken:
+        then(keep_alive)
+
+
+def _account(
+    lane: Lane, info: RequestInfo, headers: CIMultiDict[str], message: dict[str, Any], status: int, started: float
+) -> None:
+    """The request's metrics and log line, once it is answered."""
+    elapsed_s = time.perf_counter() - started
+    lane.metrics.observe_request(method_label(info.rpc_method), info.mode, status, elapsed_s)
+    if lane.policy.config.logging.level in _VERBOSE_LEVELS:
+        if info.tool is None and info.rpc_method == "tools/call":
+            tool = message["params"].get("name") if isinstance(message.get("params"), dict) else None
+            info.tool = tool if isinstance(tool, str) else None
+        log_request_handled(
+            info,
+            principal=lane.identity.logged_principal(headers),
+            http_method="POST",
+            path=MCP_PATH,
+            status=status,
+            client_closed=status == 499,
+            elapsed_s=elapsed_s,
+        )
 
 
 async def _owned(lane: Lane, out: LaneWriter, request: LaneRequest, info: RequestInfo, *, keep_alive: bool) -> int:

@@ -109,10 +109,23 @@ class LaneReply:
     """A bridged call's answer (proxy/upstream/bridge.py) written by the lane: one JSON body, or an event stream
     once progress came, as bridge.StreamReply writes it on aiohttp."""
 
-    def __init__(self, writer: LaneWriter, keep_alive: bool) -> None:
+    separable = True
+    """Another task may answer the client (`take`); the request's own task then reads the call on."""
+
+    def __init__(self, writer: LaneWriter, keep_alive: bool, answered: Callable[[int], None]) -> None:
         self._writer = writer
         self._keep_alive = keep_alive
         self._streaming = False
+        self._answered = answered
+        self.taken = False
+        """Another task answers the client: the request ends when that one says so (`answered_elsewhere`), not
+        when the request's own task ends, which may read the call on in the background."""
+
+    def take(self) -> Callable[[int], None]:
+        """For the task that answers the client instead of the request's own (bridge.py): the call that ends the
+        request with its status, once."""
+        self.taken = True
+        return self._answered
 
     async def event(self, message: dict[str, Any]) -> None:
         writer = self._writer

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -66,10 +67,24 @@ class _Feed:
         self._questions = 0
         self._max_questions = max_questions
         self._upstream_url = upstream_url
+        self.split = True
+        """Events go through the queue, from the task that reads the call to the one that follows it. False while
+        the request's own task does both (SyncBridge._drive): then `take_over` runs on the first question that
+        comes from elsewhere (the session's standalone stream), in the task that brings it."""
+        self.take_over: Callable[[], Awaitable[None]] | None = None
 
     async def put(self, event: Event) -> None:
         if self.closed:
             return
+        if not self.split:
+            self.split = True
+            self._queue(event)
+            if self.take_over is not None:
+                await self.take_over()
+            return
+        self._queue(event)
+
+    def _queue(self, event: Event) -> None:
         if isinstance(event, Progress):
             if self.queue.qsize() < _MAX_QUEUED_PROGRESS:
                 self.queue.put_nowait(event)
@@ -166,8 +181,76 @@ class SyncBridge:
                 max_bytes=self._max_bytes(),
                 on_request=feed.put,  # a request for this call on the standalone stream joins its round
             )
+            if reply.separable:
+                call = _Call(feed=feed, pump=asyncio.current_task())  # type: ignore[arg-type]
+                return await self._drive(headers, message, call, events, reply)
             call = _Call(feed=feed, pump=asyncio.get_running_loop().create_task(_pump(events, feed)))
         return await self._follow(headers, message, call, reply)
+
+    async def _drive(
+        self, headers: MultiMapping[str], message: dict[str, Any], call: _Call, events: AsyncIterator[Event],
+        reply: Reply[_R],
+    ) -> _R:  # fmt: skip
+        """Read a new call and answer it from the request's own task: most calls only finish, and a second task
+        with a queue between the two cost a 2025 upstream's relayed call a tenth of its CPU (bench/ab.py).
+
+        When input is needed, the call's reading and following part. Asked on the call's own stream, the events go
+        on in a pump task and this task follows them, as for aiohttp's requests. Asked on the session's standalone
+        stream while this task waits on the call's: the task that brings the question follows the call and answers
+        the client (`reply.take`), and this one reads on for it, the request already ended for the lane."""
+        feed = call.feed
+        feed.split = False
+        feed.take_over = functools.partial(self._take_over, headers, message, call, reply)
+        reading: AsyncIterator[Event] | None = events
+        try:
+            while True:
+                try:
+                    event = await anext(events)
+                except StopAsyncIteration:
+                    event = _proxy_fault("the call's events ended without its answer")
+                except Exception:
+                    log.exception("legacy_call_error")
+                    event = _proxy_fault("internal proxy error")
+                if feed.split:  # another task follows the call now: this one only reads it
+                    await feed.put(event)
+                    if feed.closed:
+                        return 499  # type: ignore[return-value]  # the request was answered and counted there
+                    continue
+                if isinstance(event, Progress):
+                    if event.raw is not None:
+                        await reply.event(event.raw)
+                elif isinstance(event, InputNeeded):
+                    feed.split, feed.take_over = True, None  # this task follows: nobody else takes over
+                    await feed.put(event)  # counted against max_input_rounds: it may come back as Failed
+                    call.pump = asyncio.get_running_loop().create_task(_pump(events, feed))
+                    reading = None  # the pump reads it, and closes it
+                    return await self._follow(headers, message, call, reply)
+                else:
+                    feed.closed = True  # a question from elsewhere now finds the call over, as a queued answer would
+                    if isinstance(event, Finished):
+                        return await reply.finish(result_response(message["id"], event.result))
+                    assert isinstance(event, Failed)
+                    return await self._failed(message, call, event, reply)
+        finally:
+            feed.take_over = None
+            if reading is not None:
+                await reading.aclose()  # type: ignore[attr-defined]  # ending early posts notifications/cancelled
+
+    async def _take_over(
+        self, headers: MultiMapping[str], message: dict[str, Any], call: _Call, reply: Reply[_R]
+    ) -> None:
+        """A question for a call that the request's own task reads: this task follows the call from here and
+        answers the client; the request ends with that answer."""
+        answered = reply.take()
+        status = 499
+        try:
+            status = await self._follow(headers, message, call, reply)  # type: ignore[assignment]
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the client left meanwhile: its request ends with that
+            log.info("legacy_call_client_gone")
+        finally:
+            answered(status)
 
     async def _follow(self, headers: MultiMapping[str], message: dict[str, Any], call: _Call, reply: Reply[_R]) -> _R:
         try:
@@ -237,23 +320,40 @@ async def _pump(events: AsyncIterator[Event], feed: _Feed) -> None:
     except Exception:
         # A fault of the proxy's own while reading the call: the client waiting on the queue must still hear.
         log.exception("legacy_call_error")
-        error = error_object(INTERNAL_ERROR, "Proxy failure: internal error while following the upstream call")
-        await feed.put(Failed(error, "internal proxy error"))
+        await feed.put(_proxy_fault("internal proxy error"))
     finally:
         await events.aclose()  # type: ignore[attr-defined]
 
 
+def _proxy_fault(reason: str) -> Failed:
+    """A fault of the proxy's own while reading a call: the client must still hear of it."""
+    return Failed(
+        error_object(INTERNAL_ERROR, "Proxy failure: internal error while following the upstream call"), reason
+    )
+
+
 class Reply(Protocol[_R_co]):
     """Where a bridged call's answer goes: progress as events (the first one starts an event stream), then the last
-    message, as one JSON body when no event went before it."""
+    message, as one JSON body when no event went before it. A `separable` reply may be written by another task than
+    the request's (`take` says so, and returns what ends the request with its status)."""
+
+    separable: bool
 
     async def event(self, message: dict[str, Any]) -> None: ...
 
     async def finish(self, message: dict[str, Any], status: int = 200) -> _R_co: ...
 
+    def take(self) -> Callable[[int], None]: ...
+
 
 class StreamReply:
-    """A bridged call's answer on an aiohttp request."""
+    """A bridged call's answer on an aiohttp request: written by the handler's task only, which answers by
+    returning."""
+
+    separable = False
+
+    def take(self) -> Callable[[int], None]:
+        raise NotImplementedError("aiohttp answers a request by returning from its handler")
 
     def __init__(self, request: web.Request) -> None:
         self._request = request
