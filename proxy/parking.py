@@ -84,6 +84,9 @@ class ParkedCalls(Generic[T]):
             return None
         return self._table.pop(handle, None)
 
+    def __len__(self) -> int:
+        return len(self._table)
+
     def drain(self) -> list[T]:
         """Everything still parked, removed without being dropped (the caller stops them itself)."""
         if self._sweeper is not None:

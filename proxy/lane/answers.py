@@ -67,11 +67,13 @@ async def answer(
         elif request.kind == "legacy":
             info.mode = "legacy"
 
-            def answered_elsewhere(final: int) -> None:
+            def answered_elsewhere(final: int, reusable: bool) -> None:
                 _account(lane, info, headers, message, final, started)
-                then(keep_alive)
+                then(keep_alive and reusable)
 
-            # The bridge may answer the client from another task and read the call on in this one (bridge.py).
+            # The bridge may answer the client from another task and read the call on in this one (bridge.py),
+            # for as long as it waits parked: the body, parsed, is not held that long.
+            request.body = b""
             reply = LaneReply(out, keep_alive, answered_elsewhere)
             status = await lane.bridge.relay(headers, message, reply)
         else:
@@ -81,7 +83,8 @@ async def answer(
         raise
     except Exception as exc:  # the boundary: no client sees a traceback
         if reply is not None and reply.taken:  # answered by another task: the connection may serve another request
-            log.exception("unhandled_error", exc_info=exc)
+            if not isinstance(exc, ConnectionResetError):
+                log.exception("unhandled_error", exc_info=exc)
             return
         wired = wire_error(exc)
         if wired is not None and not out.head_sent:

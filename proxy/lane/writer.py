@@ -112,7 +112,7 @@ class LaneReply:
     separable = True
     """Another task may answer the client (`take`); the request's own task then reads the call on."""
 
-    def __init__(self, writer: LaneWriter, keep_alive: bool, answered: Callable[[int], None]) -> None:
+    def __init__(self, writer: LaneWriter, keep_alive: bool, answered: Callable[[int, bool], None]) -> None:
         self._writer = writer
         self._keep_alive = keep_alive
         self._streaming = False
@@ -121,9 +121,9 @@ class LaneReply:
         """Another task answers the client: the request ends when that one says so (`answered_elsewhere`), not
         when the request's own task ends, which may read the call on in the background."""
 
-    def take(self) -> Callable[[int], None]:
+    def take(self) -> Callable[[int, bool], None]:
         """For the task that answers the client instead of the request's own (bridge.py): the call that ends the
-        request with its status, once."""
+        request with its status and whether the connection may carry another, once."""
         self.taken = True
         return self._answered
 

@@ -9,6 +9,8 @@ on reading the same call.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import itertools
@@ -164,7 +166,7 @@ class SyncBridge:
                 call.pump.cancel()  # the client left with the call claimed: nobody else can resume it
                 raise
             if call.requests:  # some are still unanswered: ask for those again (SEP-2322 SHOULD)
-                return await reply.finish(self._input_required(headers, message, call))
+                return await self._ask(headers, message, call, reply)
         else:
             capabilities = meta_of(message).get(META_CLIENT_CAPABILITIES)
             upstream_message = {
@@ -200,7 +202,9 @@ class SyncBridge:
         the client (`reply.take`), and this one reads on for it, the request already ended for the lane."""
         feed = call.feed
         feed.split = False
-        feed.take_over = functools.partial(self._take_over, headers, message, call, reply)
+        # The request's context (its request id in every log line) for a task that takes the call over.
+        context = contextvars.copy_context()
+        feed.take_over = functools.partial(self._take_over, headers, message, call, reply, context)
         reading: AsyncIterator[Event] | None = events
         try:
             while True:
@@ -237,20 +241,37 @@ class SyncBridge:
                 await reading.aclose()  # type: ignore[attr-defined]  # ending early posts notifications/cancelled
 
     async def _take_over(
-        self, headers: MultiMapping[str], message: dict[str, Any], call: _Call, reply: Reply[_R]
+        self,
+        headers: MultiMapping[str],
+        message: dict[str, Any],
+        call: _Call,
+        reply: Reply[_R],
+        context: contextvars.Context,
     ) -> None:
         """A question for a call that the request's own task reads: this task follows the call from here and
-        answers the client; the request ends with that answer."""
+        answers the client, in the request's context (not the one of whoever opened the standalone stream); the
+        request ends with that answer."""
+        for variable, value in context.items():
+            variable.set(value)  # this task's own context: the reader that spawned it keeps its own
         answered = reply.take()
-        status = 499
+        status, reusable = 499, True
         try:
             status = await self._follow(headers, message, call, reply)  # type: ignore[assignment]
         except asyncio.CancelledError:
             raise
-        except Exception:  # the client left meanwhile: its request ends with that
-            log.info("legacy_call_client_gone")
+        except ConnectionResetError:
+            pass  # the client left meanwhile (which cancelled the call): its request ends with that
+        except Exception:
+            # A fault of the proxy's own: as the lane's boundary does, the client hears of it and the connection
+            # ends; the call with it.
+            log.exception("unhandled_error")
+            call.pump.cancel()
+            status, reusable = 200, False
+            failure = error_response(message["id"], error_object(INTERNAL_ERROR, "Internal error in the proxy"))
+            with contextlib.suppress(Exception):
+                await reply.finish(failure, 200)
         finally:
-            answered(status)
+            answered(status, reusable)
 
     async def _follow(self, headers: MultiMapping[str], message: dict[str, Any], call: _Call, reply: Reply[_R]) -> _R:
         try:
@@ -270,7 +291,9 @@ class SyncBridge:
                             await reply.event(more.raw)
                         elif isinstance(more, Failed):  # past max_input_rounds, or the call broke meanwhile
                             return await self._failed(message, call, more, reply)
-                    return await reply.finish(self._input_required(headers, message, call))
+                        elif isinstance(more, Finished):  # answered without the input: nothing left to ask
+                            return await reply.finish(result_response(message["id"], more.result))
+                    return await self._ask(headers, message, call, reply)
                 elif isinstance(event, Finished):
                     return await reply.finish(result_response(message["id"], event.result))
                 elif isinstance(event, Failed):
@@ -292,10 +315,16 @@ class SyncBridge:
             call.requests[key] = input_request
             call.replies[key] = needed.reply
 
-    def _input_required(self, headers: MultiMapping[str], message: dict[str, Any], call: _Call) -> dict[str, Any]:
-        token = self._parked.park(call, self._binding(headers, message))
+    async def _ask(self, headers: MultiMapping[str], message: dict[str, Any], call: _Call, reply: Reply[_R]) -> _R:
+        """The call's open questions as an MRTR round, the call parked for the client's retry."""
+        binding = self._binding(headers, message)
+        token = self._parked.park(call, binding)
         result = {"resultType": "input_required", "inputRequests": dict(call.requests), "requestState": token}
-        return result_response(message["id"], result)
+        try:
+            return await reply.finish(result_response(message["id"], result))
+        except BaseException:
+            self._parked.claim(token, binding)  # never delivered: nobody could claim it, and it would hold a slot
+            raise
 
     def _claim(self, token: Any, headers: MultiMapping[str], message: dict[str, Any]) -> _Call:
         """The parked call a requestState names; single use, and only for the caller and request it was made for."""
@@ -343,7 +372,7 @@ class Reply(Protocol[_R_co]):
 
     async def finish(self, message: dict[str, Any], status: int = 200) -> _R_co: ...
 
-    def take(self) -> Callable[[int], None]: ...
+    def take(self) -> Callable[[int, bool], None]: ...
 
 
 class StreamReply:
@@ -352,7 +381,7 @@ class StreamReply:
 
     separable = False
 
-    def take(self) -> Callable[[int], None]:
+    def take(self) -> Callable[[int, bool], None]:
         raise NotImplementedError("aiohttp answers a request by returning from its handler")
 
     def __init__(self, request: web.Request) -> None:

@@ -1,0 +1,188 @@
+"""A 2026 client's synchronous call bridged to a 2025 server whose question comes on the session's standalone
+stream while the lane reads the call in the request's own task (proxy/upstream/bridge.py, `SyncBridge._drive`):
+the task that brings the question answers the client, as the request itself would have."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import urllib.parse
+
+import structlog
+from aiohttp import web
+
+from mcp_tasks_proxy.context import bridge_key
+from mcp_tasks_proxy.log import _add_request_id
+from tests.conftest import eventually
+from tests.factories import headers_for, meta, request
+
+
+class StandaloneAsker:
+    """A 2025-11-25 server whose `slow` tool waits for the answer to roots/list, which the test sends on the
+    session's standalone stream (`ask`); `quick` answers at once."""
+
+    def __init__(self) -> None:
+        self.pushed: asyncio.Queue[dict | None] = asyncio.Queue()
+        self.answered: asyncio.Future[dict] = asyncio.get_running_loop().create_future()
+        self.received: list[dict] = []
+        self.sessions = itertools.count(1)
+
+    def ask(self, **params: object) -> None:
+        self.pushed.put_nowait({"jsonrpc": "2.0", "id": "roots-1", "method": "roots/list", "params": params})
+
+    def cancelled(self) -> list[object]:
+        return [m["params"]["requestId"] for m in self.received if m.get("method") == "notifications/cancelled"]
+
+    async def handle(self, http: web.Request) -> web.StreamResponse:
+        if http.method == "DELETE":
+            return web.Response()
+        if http.method == "GET":
+            stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await stream.prepare(http)
+            while (pushed := await self.pushed.get()) is not None:
+                await stream.write(f"data: {json.dumps(pushed)}\n\n".encode())
+            return stream
+        message = json.loads(await http.read())
+        self.received.append(message)
+        method = message.get("method")
+        if method == "initialize":
+            result = {"protocolVersion": "2025-11-25", "capabilities": {"tools": {}}, "serverInfo": {"name": "s"}}
+            answer = {"jsonrpc": "2.0", "id": message["id"], "result": result}
+            return web.json_response(answer, headers={"Mcp-Session-Id": f"s{next(self.sessions)}"})
+        if method is None:  # the proxy's answer to roots-1
+            if not self.answered.done():
+                self.answered.set_result(message)
+            return web.Response(status=202)
+        if method.startswith("notifications/"):
+            return web.Response(status=202)
+        if method == "tools/list":
+            tools = [{"name": name, "inputSchema": {"type": "object"}} for name in ("quick", "slow")]
+            return web.json_response({"jsonrpc": "2.0", "id": message["id"], "result": {"tools": tools}})
+        if message["params"]["name"] == "hasty":  # asks on the call's stream, then answers without waiting
+            stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await stream.prepare(http)
+            ask = {"jsonrpc": "2.0", "id": "roots-2", "method": "roots/list", "params": {}}
+            done = {"jsonrpc": "2.0", "id": message["id"], "result": {"content": [{"type": "text", "text": "gone"}]}}
+            await stream.write(f"data: {json.dumps(ask)}\n\ndata: {json.dumps(done)}\n\n".encode())
+            return stream
+        if message["params"]["name"] == "quick":
+            result = {"content": [{"type": "text", "text": "quick"}]}
+            return web.json_response({"jsonrpc": "2.0", "id": message["id"], "result": result})
+        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await stream.prepare(http)
+        roots = (await self.answered).get("result", {}).get("roots", [])
+        done = {"jsonrpc": "2.0", "id": message["id"], "result": {"content": [{"type": "text", "text": str(roots)}]}}
+        await stream.write(f"data: {json.dumps(done)}\n\n".encode())
+        return stream
+
+
+def slow_call() -> dict:
+    return request("tools/call", {"name": "slow", "arguments": {}, "_meta": meta(tasks=False, roots={})})
+
+
+async def started(make_proxy, fake_upstream):
+    server = StandaloneAsker()
+    fake = await fake_upstream(server.handle)
+    proxy = await make_proxy(fake.url, protocol="legacy", logging={"level": "info"})
+    # A first call opens the session and its standalone stream.
+    opened = await proxy.client.call("tools/call", {"name": "quick", "arguments": {}, "_meta": meta(tasks=False)})
+    assert opened.result["content"][0]["text"] == "quick"
+    return server, proxy
+
+
+async def raw_post(url: str, message: dict) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    where = urllib.parse.urlparse(url)
+    reader, writer = await asyncio.open_connection(where.hostname, where.port)
+    body = json.dumps(message).encode()
+    fields = {**headers_for(message), "Host": where.netloc, "Content-Length": str(len(body))}
+    writer.write(f"POST {where.path} HTTP/1.1\r\n".encode())
+    writer.write("".join(f"{name}: {value}\r\n" for name, value in fields.items()).encode() + b"\r\n" + body)
+    return reader, writer
+
+
+async def calls_of(server: StandaloneAsker, tool: str) -> list[object]:
+    return [m["id"] for m in server.received if m.get("method") == "tools/call" and m["params"]["name"] == tool]
+
+
+async def test_the_round_is_the_requests_own_in_its_answer_count_and_log_line(make_proxy, fake_upstream):
+    server, proxy = await started(make_proxy, fake_upstream)
+    try:
+        with structlog.testing.capture_logs(processors=[_add_request_id]) as logs:
+            asking = asyncio.ensure_future(proxy.client.send(slow_call(), headers={"X-Request-Id": "caller-B"}))
+            await eventually(lambda: calls_of(server, "slow"), what="the slow call upstream")
+            server.ask()
+            first = await asyncio.wait_for(asking, timeout=30)
+            ((key, question),) = first.result["inputRequests"].items()
+            assert question["method"] == "roots/list"
+            roots = {"roots": [{"uri": "file:///srv", "name": "srv"}]}
+            retry = slow_call()
+            retry["params"].update(inputResponses={key: roots}, requestState=first.result["requestState"])
+            done = await asyncio.wait_for(proxy.client.send(retry), timeout=30)
+        assert "file:///srv" in done.result["content"][0]["text"]
+        handled = [(line.get("tool"), line.get("request_id")) for line in logs if line["event"] == "request_handled"]
+        assert handled[0] == ("slow", "caller-B")  # not the id of the request that opened the standalone stream
+        assert len(handled) == 2
+        assert len(proxy.app[bridge_key]._parked) == 0
+    finally:
+        server.pushed.put_nowait(None)
+
+
+async def test_a_client_that_leaves_while_its_round_is_gathered_leaves_nothing_parked(make_proxy, fake_upstream):
+    server, proxy = await started(make_proxy, fake_upstream)
+    try:
+        _, writer = await raw_post(proxy.url, slow_call())
+        await eventually(lambda: calls_of(server, "slow"), what="the slow call upstream")
+        server.ask()
+        await asyncio.sleep(0.02)  # inside the 50 ms in which questions sent together are gathered
+        writer.transport.abort()
+        (call_id,) = await calls_of(server, "slow")
+
+        async def cancelled_upstream():
+            return call_id in server.cancelled()
+
+        await eventually(cancelled_upstream, what="notifications/cancelled for the call")
+        await asyncio.sleep(0.1)  # past the gather
+        assert len(proxy.app[bridge_key]._parked) == 0  # the round that could not be delivered holds no slot
+    finally:
+        server.pushed.put_nowait(None)
+
+
+async def test_a_question_the_proxy_cannot_encode_ends_the_request_with_an_error_and_the_call(
+    make_proxy, fake_upstream
+):
+    server, proxy = await started(make_proxy, fake_upstream)
+    try:
+        reader, writer = await raw_post(proxy.url, slow_call())
+        await eventually(lambda: calls_of(server, "slow"), what="the slow call upstream")
+        deep: dict = {}
+        for _ in range(600):  # past what the proxy encodes again (512 levels)
+            deep = {"a": deep}
+        server.ask(_meta=deep)
+        answer = await asyncio.wait_for(reader.read(), timeout=10)  # then the connection ends
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200")
+        assert json.loads(body)["error"] == {"code": -32603, "message": "Internal error in the proxy"}
+        (call_id,) = await calls_of(server, "slow")
+
+        async def cancelled_upstream():
+            return call_id in server.cancelled()
+
+        await eventually(cancelled_upstream, what="notifications/cancelled for the call")
+        assert len(proxy.app[bridge_key]._parked) == 0
+        writer.close()
+    finally:
+        server.pushed.put_nowait(None)
+
+
+async def test_a_call_that_ends_while_its_questions_are_gathered_is_answered(make_proxy, fake_upstream):
+    """The server asks, then answers the call at once: the client gets the answer, not a round whose retry would
+    wait for an answer already read."""
+    server, proxy = await started(make_proxy, fake_upstream)
+    try:
+        call = request("tools/call", {"name": "hasty", "arguments": {}, "_meta": meta(tasks=False, roots={})})
+        reply = await asyncio.wait_for(proxy.client.send(call), timeout=30)
+        assert reply.result["content"][0]["text"] == "gone", reply.message
+        assert len(proxy.app[bridge_key]._parked) == 0
+    finally:
+        server.pushed.put_nowait(None)
