@@ -194,12 +194,13 @@ class SyncBridge:
         reply: Reply[_R],
     ) -> _R:  # fmt: skip
         """Read a new call and answer it from the request's own task: most calls only finish, and a second task
-        with a queue between the two cost a 2025 upstream's relayed call a tenth of its CPU (bench/ab.py).
+        with a queue between the two cost a bridged call 5-10 % of its CPU (bench/ab.py, docs/benchmarks.md).
 
-        When input is needed, the call's reading and following part. Asked on the call's own stream, the events go
-        on in a pump task and this task follows them, as for aiohttp's requests. Asked on the session's standalone
-        stream while this task waits on the call's: the task that brings the question follows the call and answers
-        the client (`reply.take`), and this one reads on for it, the request already ended for the lane."""
+        When input is needed, reading and following split into two tasks. Asked on the call's own stream, the
+        events go on in a pump task and this task follows them, as for aiohttp's requests. Asked on the session's
+        standalone stream while this task waits on the call's: the task that brings the question follows the call
+        and answers the client (`reply.take`), and this one reads on for it, the request already ended for the
+        lane."""
         feed = call.feed
         feed.split = False
         # The request's context (its request id in every log line) for a task that takes the call over.
@@ -381,12 +382,12 @@ class StreamReply:
 
     separable = False
 
-    def take(self) -> Callable[[int, bool], None]:
-        raise NotImplementedError("aiohttp answers a request by returning from its handler")
-
     def __init__(self, request: web.Request) -> None:
         self._request = request
         self._stream: web.StreamResponse | None = None
+
+    def take(self) -> Callable[[int, bool], None]:
+        raise NotImplementedError("aiohttp answers a request by returning from its handler")
 
     async def event(self, message: dict[str, Any]) -> None:
         if self._stream is None:
