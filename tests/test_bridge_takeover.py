@@ -31,8 +31,15 @@ class StandaloneAsker:
     def ask(self, **params: object) -> None:
         self.pushed.put_nowait({"jsonrpc": "2.0", "id": "roots-1", "method": "roots/list", "params": params})
 
-    def cancelled(self) -> list[object]:
-        return [m["params"]["requestId"] for m in self.received if m.get("method") == "notifications/cancelled"]
+    async def told_of_cancel(self, tool: str) -> None:
+        """Wait until the proxy has posted notifications/cancelled for the one call of `tool`."""
+        (call_id,) = await calls_of(self, tool)
+
+        async def told() -> bool:
+            cancelled = [m for m in self.received if m.get("method") == "notifications/cancelled"]
+            return any(m["params"]["requestId"] == call_id for m in cancelled)
+
+        await eventually(told, what=f"notifications/cancelled for the call of {tool}")
 
     async def handle(self, http: web.Request) -> web.StreamResponse:
         if http.method == "DELETE":
@@ -136,12 +143,7 @@ async def test_a_client_that_leaves_while_its_round_is_gathered_leaves_nothing_p
         server.ask()
         await asyncio.sleep(0.02)  # inside the 50 ms in which questions sent together are gathered
         writer.transport.abort()
-        (call_id,) = await calls_of(server, "slow")
-
-        async def cancelled_upstream():
-            return call_id in server.cancelled()
-
-        await eventually(cancelled_upstream, what="notifications/cancelled for the call")
+        await server.told_of_cancel("slow")
         await asyncio.sleep(0.1)  # past the gather
         assert len(proxy.app[bridge_key]._parked) == 0  # the round that could not be delivered holds no slot
     finally:
@@ -163,12 +165,7 @@ async def test_a_question_the_proxy_cannot_encode_ends_the_request_with_an_error
         head, _, body = answer.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200")
         assert json.loads(body)["error"] == {"code": -32603, "message": "Internal error in the proxy"}
-        (call_id,) = await calls_of(server, "slow")
-
-        async def cancelled_upstream():
-            return call_id in server.cancelled()
-
-        await eventually(cancelled_upstream, what="notifications/cancelled for the call")
+        await server.told_of_cancel("slow")
         assert len(proxy.app[bridge_key]._parked) == 0
         writer.close()
     finally:

@@ -78,13 +78,11 @@ class _Feed:
     async def put(self, event: Event) -> None:
         if self.closed:
             return
+        self._queue(event)
         if not self.split:
             self.split = True
-            self._queue(event)
             if self.take_over is not None:
                 await self.take_over()
-            return
-        self._queue(event)
 
     def _queue(self, event: Event) -> None:
         if isinstance(event, Progress):
@@ -216,11 +214,12 @@ class SyncBridge:
                 except Exception:
                     log.exception("legacy_call_error")
                     event = _proxy_fault("internal proxy error")
-                if feed.split:  # another task follows the call now: this one only reads it
+                if feed.split:  # another task follows the call now: this one reads the rest as a pump would
                     await feed.put(event)
-                    if feed.closed:
-                        return 499  # type: ignore[return-value]  # the request was answered and counted there
-                    continue
+                    if not feed.closed:
+                        reading = None  # the pump closes it
+                        await _pump(events, feed)
+                    return 499  # type: ignore[return-value]  # the request was answered and counted there
                 if isinstance(event, Progress):
                     if event.raw is not None:
                         await reply.event(event.raw)
@@ -347,6 +346,8 @@ async def _pump(events: AsyncIterator[Event], feed: _Feed) -> None:
             await feed.put(event)
             if feed.closed:
                 return  # the call failed here (too many questions): closing its events cancels it upstream
+        # The events end with Finished or Failed; should they not, the follower must not wait for ever.
+        await feed.put(_proxy_fault("the call's events ended without its answer"))
     except Exception:
         # A fault of the proxy's own while reading the call: the client waiting on the queue must still hear.
         log.exception("legacy_call_error")

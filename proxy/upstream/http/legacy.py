@@ -35,8 +35,8 @@ ASK_TIMEOUT_S = 30.0
 
 class _JsonAnswer:
     """The one message of a JSON answer, as an iterator: most answers are JSON, and an async generator would cost
-    each a registration with the event loop (its asyncgen hooks) for a single item. None for a body that is not a
-    JSON object: the caller then finds the stream ended without an answer."""
+    each a registration with the event loop (its asyncgen hooks) for a single item. Nothing for a body that is not
+    a JSON object: the caller then finds the stream ended without an answer."""
 
     __slots__ = ("_response", "_max_bytes")
 
