@@ -448,7 +448,9 @@ async def _tools_call(
     if kept_alive:
         with _refusals():
             return await app[kept_alive_key].serve(request, message, call, rule, key)
-    outcome = await create_task(app[runner_key], app[identity_key], call, rule, key)
+    runner = app[runner_key]
+    with runner.precedence.creating(rule):
+        outcome = await create_task(runner, app[identity_key], call, rule, key)
     answer, status = task_answer(message["id"], outcome, info)
     return json_reply(answer, status=status)
 

@@ -68,6 +68,7 @@ class Lane:
         self.identity = app[identity_key]
         self.bridge = app[bridge_key]
         self.runner = app[runner_key]
+        self.precedence = self.runner.precedence
         self.tasks2026 = app[tasks2026_key]
         self.loop = asyncio.get_running_loop()
         self._date = ("", 0)

@@ -167,6 +167,8 @@ class Attempts:
             return outcome
 
     async def _call_upstream(self, job: Job, message: dict[str, Any], deadline: float) -> Outcome:
+        if self._state.precedence.pending and job.is_task:  # the creations being answered first (precedence.py)
+            await self._state.precedence.give_way()  # (not in a sync window: its creation waits for this call)
         job.upstream_id = message["id"]
         job.upstream_busy = True
         events = self._state.upstream.call_tool(

@@ -95,6 +95,7 @@ class TaskRunner:
         self._recovery.sweep = self._takeover.sweep
         self.replica_id = self._state.replica_id
         self.watchers = self._state.watchers
+        self.precedence = self._state.precedence
         self._state.metrics.watch_running(self._running_by_status)
 
     @property

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from ..metrics import Metrics
 from .deadlines import Deadlines
 from .job import Job
+from .precedence import Precedence
 from .sealing import CallSeal
 from .store import TaskStore
 from .watchers import TaskWatchers
@@ -31,6 +32,8 @@ class RunnerState:
     """The calls this replica runs, by task id, from admission until their asyncio task ends."""
     deadlines: Deadlines = dataclasses.field(default_factory=Deadlines)
     """The calls' time limits (timeout_s)."""
+    precedence: Precedence = dataclasses.field(default_factory=Precedence)
+    """The creations being answered, which the tasks' upstream calls and settlements give way to."""
     accepting: bool = True
     """False once shutdown began: no new task is taken."""
     seal: CallSeal | None = None

@@ -187,6 +187,8 @@ class Settlement:
         await job.wait_stored()
         job.settled = True  # from here the call is over: a late cancel or reconciliation must not stop this write
         job.unwritten = (status, fields)
+        if self._state.precedence.pending:  # the creations being answered first (precedence.py)
+            await self._state.precedence.give_way()
         elsewhere = self._taken_elsewhere
         written = await self.until_stored(
             job, lambda: self.transition(job.task_id, status, job=job, unless=elsewhere, **fields)
