@@ -134,6 +134,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@contextlib.contextmanager
+def refused_port() -> Iterator[int]:
+    """A port where nothing listens for as long as the block runs: bound and never listening, so a connection to it
+    is refused and no other test's server can take it meanwhile (a closed free_port() can be taken by another)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
+
+
 def wait_for_port(port: int, process: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

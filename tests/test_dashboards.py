@@ -17,7 +17,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import ROOT, free_port, task_reaches
+from tests.conftest import ROOT, refused_port, task_reaches
 from tests.factories import meta
 
 DASHBOARD = ROOT / "examples" / "grafana" / "mcp-tasks-proxy-dashboard.json"
@@ -135,27 +135,30 @@ async def exported(make_proxy, mcp_upstream) -> dict[str, tuple[str, set[str]]]:
     texts = [await scrape(proxy)]
     await proxy.client.cancel_task(asking.result["taskId"])
 
-    broken = await make_proxy(
-        f"http://127.0.0.1:{free_port()}/mcp",
-        protocol="modern",
-        store={"backend": "redis", "url": f"redis://127.0.0.1:{free_port()}/0", "key_prefix": "dashboards:",
-               "timeout_s": 0.5, "lease_s": 1, "reap_interval_s": 0.3},
-        tools=[{"match": "slow_report"}],
-    )  # fmt: skip
-    no_store = await broken.client.call_tool("slow_report", {"topic": "dashboards", "seconds": 0})
-    assert no_store.status == 503, no_store.body
-    no_upstream = await broken.client.call_tool("echo", {"text": "dashboards"}, tasks=False)
-    assert no_upstream.status == 502, no_upstream.body
-    texts.append(await scrape(broken))
+    with refused_port() as upstream_port, refused_port() as redis_port:
+        broken = await make_proxy(
+            f"http://127.0.0.1:{upstream_port}/mcp",
+            protocol="modern",
+            store={"backend": "redis", "url": f"redis://127.0.0.1:{redis_port}/0", "key_prefix": "dashboards:",
+                   "timeout_s": 0.5, "lease_s": 1, "reap_interval_s": 0.3},
+            tools=[{"match": "slow_report"}],
+        )  # fmt: skip
+        no_store = await broken.client.call_tool("slow_report", {"topic": "dashboards", "seconds": 0})
+        assert no_store.status == 503, no_store.body
+        no_upstream = await broken.client.call_tool("echo", {"text": "dashboards"}, tasks=False)
+        assert no_upstream.status == 502, no_upstream.body
+        texts.append(await scrape(broken))
 
     # An upstream where nothing listens, with a working store: the call is sent again (a retry), then fails.
-    unreachable = await make_proxy(
-        f"http://127.0.0.1:{free_port()}/mcp", protocol="modern",
-        tools=[{"match": "slow_report", "retry": {"attempts": 2, "backoff_ms": 1}}],
-    )  # fmt: skip
-    retried = await unreachable.client.call_tool("slow_report", {"topic": "dashboards", "seconds": 0})
-    await task_reaches(unreachable.client, retried.result["taskId"], "failed")
-    texts.append(await scrape(unreachable))
+    with refused_port() as upstream_port:
+        unreachable = await make_proxy(
+            f"http://127.0.0.1:{upstream_port}/mcp", protocol="modern",
+            tools=[{"match": "slow_report", "retry": {"attempts": 2, "backoff_ms": 1}}],
+        )  # fmt: skip
+        retried = await unreachable.client.call_tool("slow_report", {"topic": "dashboards", "seconds": 0})
+        failed = await task_reaches(unreachable.client, retried.result["taskId"], "failed")
+        assert "(2 attempts)" in failed.result["statusMessage"], failed.result  # sent again once: a retry counted
+        texts.append(await scrape(unreachable))
 
     labels: dict[str, set[str]] = {}
     names: dict[str, set[str]] = {}
