@@ -449,8 +449,14 @@ async def _tools_call(
         with _refusals():
             return await app[kept_alive_key].serve(request, message, call, rule, key)
     runner = app[runner_key]
-    with runner.precedence.creating(rule):
+    counted = runner.precedence.counts(rule, params)  # (the lane counts from the read: proxy/tasks/precedence.py)
+    if counted:
+        runner.precedence.begin()
+    try:
         outcome = await create_task(runner, app[identity_key], call, rule, key)
+    finally:
+        if counted:
+            runner.precedence.end()
     answer, status = task_answer(message["id"], outcome, info)
     return json_reply(answer, status=status)
 

@@ -574,6 +574,10 @@ class Replica:
         return self.store_url == other.store_url and self.keys == other.keys
 
 
+class PortTaken(Exception):
+    """A replica could not listen on the free port it was given: something else took it meanwhile."""
+
+
 @pytest.fixture
 def replicas(request, tmp_path, redis_url) -> Iterator:
     """start(upstream, store_url=...) runs one more proxy process (upstream: a URL, or a stdio server's argv); all
@@ -592,6 +596,26 @@ def replicas(request, tmp_path, redis_url) -> Iterator:
         listen: dict | None = None,
         wait_started: bool = True,
         **tasks,
+    ) -> Replica:
+        for _ in range(2):
+            try:
+                return launch(upstream, store_url, prefix, tools, security, lease_s, advertise, listen, wait_started,
+                              tasks)  # fmt: skip
+            except PortTaken:
+                pass  # the free port was taken by another test's server before the replica bound it: another port
+        return launch(upstream, store_url, prefix, tools, security, lease_s, advertise, listen, wait_started, tasks)
+
+    def launch(
+        upstream: str | list[str],
+        store_url: str,
+        prefix: str | None,
+        tools: list[dict] | None,
+        security: dict | None,
+        lease_s: float,
+        advertise: bool,
+        listen: dict | None,
+        wait_started: bool,
+        tasks: dict,
     ) -> Replica:
         port = free_port()
         policy = {
@@ -635,7 +659,11 @@ def replicas(request, tmp_path, redis_url) -> Iterator:
                     and store.pubsub_numsub(replica.keys.events)[0][1] >= peers
                 ):
                     if process.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"the replica on {port} did not start:\n{log.read_text(errors='replace')}")
+                        text = log.read_text(errors="replace")
+                        if "Address already in use" in text:
+                            started.remove(replica)
+                            raise PortTaken(port)
+                        raise RuntimeError(f"the replica on {port} did not start:\n{text}")
                     time.sleep(0.05)
         return replica
 

@@ -216,7 +216,7 @@ class LaneConnection(asyncio.Protocol):
         self.running = self._lane.loop.create_task(
             answer(self._lane, self.out, request, keep_alive=keep_alive, then=self._served)  # type: ignore[arg-type]
         )
-        if request.rule is not None and self._lane.precedence.counts(request.rule):
+        if request.rule is not None and self._lane.precedence.counts(request.rule, request.message["params"]):
             # Counted from now, before its answer's first step: task work already waiting to run gives way to it
             # (proxy/tasks/precedence.py). A done callback: the answer's task may be cancelled before it starts.
             self._lane.precedence.begin()

@@ -8,17 +8,15 @@ task's attempt (before its upstream call is sent) and its settlement (before the
 is counted: until as many creations have been answered as were counted when it began to wait, and never longer than
 MAX_WAIT_S, so no stream of creations holds a task back for long.
 
-Only creations that answer from the proxy's own work are counted (no sync window: such a creation waits for the
-call itself, and must not make its call wait for it).
+Only creations that answer from the proxy's own work are counted: not one with a sync window, nor an MRTR retry
+that resumes a call parked in its window (such a creation waits for the call itself).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import heapq
 import itertools
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -43,21 +41,10 @@ class Precedence:
         self._release: asyncio.TimerHandle | None = None
 
     @staticmethod
-    def counts(rule: ToolRule) -> bool:
-        """Whether a creation under `rule` is counted: not one with a sync window."""
-        return rule.sync_window_ms == 0
-
-    @contextlib.contextmanager
-    def creating(self, rule: ToolRule) -> Iterator[None]:
-        """Count a creation for as long as the block answers it (aiohttp's path; the lane counts from the read)."""
-        if not self.counts(rule):
-            yield
-            return
-        self.begin()
-        try:
-            yield
-        finally:
-            self.end()
+    def counts(rule: ToolRule, params: dict[str, Any]) -> bool:
+        """Whether a creation is counted: not under a rule with a sync window, nor an MRTR retry (which resumes a
+        call parked in its window): both wait for their own call."""
+        return rule.sync_window_ms == 0 and params.get("requestState") is None
 
     def begin(self) -> None:
         """A creation was read; it is answered next."""
