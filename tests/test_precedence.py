@@ -18,10 +18,10 @@ from mcp_tasks_proxy.tasks.model import TaskStatus
 from mcp_tasks_proxy.tasks.precedence import Precedence
 from mcp_tasks_proxy.tasks.runner import TaskRunner
 from mcp_tasks_proxy.tasks.store import MemoryTaskStore
-from mcp_tasks_proxy.upstream.events import Finished
 from tests.conftest import eventually
 from tests.factories import meta, request
 from tests.test_lane import http_post, lane_counts, port_of
+from tests.test_takeover import GatedUpstream
 
 
 @pytest.fixture(autouse=True)
@@ -88,32 +88,6 @@ def test_a_creation_that_waits_for_its_own_call_is_not_counted():
     assert Precedence.counts(plain, {"name": "t"})
     assert not Precedence.counts(window, {"name": "t"})  # its answer may be the call's own
     assert not Precedence.counts(plain, {"name": "t", "requestState": "s"})  # an MRTR retry resumes a parked call
-
-
-class GatedUpstream:
-    """Fault injection: each call waits at its own gate; records what was sent."""
-
-    url = "http://upstream.invalid/mcp"
-    known_era = "modern"
-    tasks_reach_replicas = False
-
-    def __init__(self) -> None:
-        self.sent: list[str] = []
-        self.gates: dict[str, asyncio.Event] = {}
-
-    def call_tool(self, message, headers, capabilities, *, max_bytes, on_request, session, follow, detached=None):
-        tag = message["params"]["arguments"]["tag"]
-        self.sent.append(tag)
-        gate = self.gates.setdefault(tag, asyncio.Event())
-
-        async def events():
-            await gate.wait()
-            yield Finished(result={"content": [], "isError": False})
-
-        return events()
-
-    async def notify_cancelled(self, request_id, headers, reason) -> None:
-        pass
 
 
 def tool_call(tag: str) -> ToolCall:
