@@ -257,8 +257,6 @@ class SyncBridge:
         status, reusable = 499, True
         try:
             status = await self._follow(headers, message, call, reply)  # type: ignore[assignment]
-        except asyncio.CancelledError:
-            raise
         except ConnectionResetError:
             pass  # the client left meanwhile (which cancelled the call): its request ends with that
         except Exception:
