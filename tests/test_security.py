@@ -12,6 +12,7 @@ import redis.asyncio as redis_client
 import structlog
 from aiohttp import web
 
+from mcp_tasks_proxy.context import runner_key
 from mcp_tasks_proxy.tasks.redis_store import RedisTaskStore
 from tests.conftest import eventually, task_reaches
 from tests.factories import McpClient
@@ -87,6 +88,21 @@ async def test_running_task_limits_refuse_with_clear_errors(make_proxy, mcp_upst
     for gate in gates:
         await upstream_client.call_tool("release", {"tag": gate}, tasks=False)
     await task_reaches(proxy.client, first.result["taskId"], "completed", headers=ALICE)
+    await task_reaches(proxy.client, other.result["taskId"], "completed", headers=BOB)
+    # A call that ended frees its place: Alice may start another, and the per-caller counts (kept as jobs come and
+    # go, not counted over the table) hold no entry for a caller with nothing running.
+    admission = proxy.app[runner_key]._admission
+    again_gate = tag()
+    again = await proxy.client.call_tool("gated", {"tag": again_gate}, headers=ALICE)
+    assert again.result["resultType"] == "task", again.message
+    assert list(admission._per_caller.values()) == [1]
+    await upstream_client.call_tool("release", {"tag": again_gate}, tasks=False)
+    await task_reaches(proxy.client, again.result["taskId"], "completed", headers=ALICE)
+
+    async def emptied() -> bool:  # the job leaves the table in its runner's done callback, after the record is stored
+        return admission._per_caller == {}
+
+    await eventually(emptied, what="the per-caller counts emptying")
 
     total = await make_proxy(mcp_upstream, tools=[{"match": "gated"}], limits={"max_running_tasks": 1})
     gate = tag()

@@ -57,6 +57,9 @@ class Admission:
         self._defaults = defaults
         self._limits = limits
         self._slots: dict[tuple[str, int], asyncio.Semaphore] = {}
+        self._per_caller: dict[str, int] = {}
+        """Jobs in the table per caller, kept as they come and go: limits.max_tasks_per_principal is checked on
+        every creation, and a count over the table would cost each one a pass over every running call."""
         self._on_runner_done = self._runner_done
 
     async def submit(self, call: ToolCall, rule: ToolRule) -> TaskRecord | DirectOutcome:
@@ -94,7 +97,7 @@ class Admission:
             raise TaskIdTaken(job.task_id)
         call.message = retry_message(call.message, None, None, keep_client_round=True)
         # Known before its record exists, so that no lost-replica sweep takes a task being created for a stray.
-        self._state.jobs[job.task_id] = job
+        self._enter(job)
         if rule.sync_window_ms == 0:
             try:
                 record = await self._create_record(job)  # durable before anyone hears of it (SEP-2663)
@@ -170,7 +173,7 @@ class Admission:
         )
         # Keys asked before are not asked again under the same name (SEP-2663: unique within the task).
         job.issued_keys = {*(record.input_requests or {}), *(record.collected_responses or {})}
-        self._state.jobs[job.task_id] = job
+        self._enter(job)
         return job
 
     def start(self, job: Job) -> None:
@@ -207,7 +210,7 @@ class Admission:
                 limit="max_running_tasks",
             )
         if limits.max_tasks_per_principal is not None:
-            mine = sum(1 for job in self._state.jobs.values() if job.call.caller == call.caller)
+            mine = self._per_caller.get(call.caller, 0)
             if mine >= limits.max_tasks_per_principal:
                 raise LimitReached(
                     f"this caller already has {mine} tasks running, the most allowed "
@@ -254,6 +257,11 @@ class Admission:
         log.info("task_transition", task_id=job.task_id, tool=job.call.tool, to=record.status.value, duration_ms=0)
         return record
 
+    def _enter(self, job: Job) -> None:
+        self._state.jobs[job.task_id] = job
+        caller = job.call.caller
+        self._per_caller[caller] = self._per_caller.get(caller, 0) + 1
+
     def _spawn(self, job: Job) -> None:
         job.runner = asyncio.create_task(self._attempts.run(job), name=f"{_RUNNER_PREFIX}{job.task_id}")
         # One bound method and one context for every job: a closure and a copied context each cost 300 bytes
@@ -273,6 +281,12 @@ class Admission:
             job.span = None
         if self._state.jobs.get(job.task_id) is job:  # never another job under the same id
             del self._state.jobs[job.task_id]
+            caller = job.call.caller
+            left = self._per_caller[caller] - 1
+            if left:
+                self._per_caller[caller] = left
+            else:
+                del self._per_caller[caller]  # no entry outlives its caller's last job
         if job.holds_slot and job.slots is not None:
             job.holds_slot = False
             job.slots.release()
