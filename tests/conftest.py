@@ -28,6 +28,7 @@ from aiohttp import web
 
 from mcp_tasks_proxy.app import create_app
 from mcp_tasks_proxy.config import parse_config
+from mcp_tasks_proxy.lane.server import Lane
 from mcp_tasks_proxy.serve import bind, start
 from mcp_tasks_proxy.tasks.redis_keys import RedisKeys
 from tests.factories import McpClient, Reply
@@ -452,6 +453,7 @@ class Proxy:
     app: web.Application
     url: str
     client: McpClient
+    lane: Lane
 
 
 @pytest.fixture
@@ -481,12 +483,12 @@ async def make_proxy() -> AsyncIterator[Callable[..., Awaitable[Proxy]]]:
         kwargs = {k: v for k, v in {"store": store, "timer": timer, "now": now}.items() if v is not None}
         app = create_app(config, **kwargs)
         sock = bind("127.0.0.1", 0)
-        runner, _ = await start(app, sock, config.listen, on_refused=lambda: None)
+        runner, lane = await start(app, sock, config.listen, on_refused=lambda: None)
         runners.append(runner)
         session = aiohttp.ClientSession()
         sessions.append(session)
         url = f"http://127.0.0.1:{sock.getsockname()[1]}/mcp"
-        return Proxy(app=app, url=url, client=McpClient(session, url))
+        return Proxy(app=app, url=url, client=McpClient(session, url), lane=lane)
 
     yield build
     for session in sessions:

@@ -164,6 +164,7 @@ async def test_a_question_the_proxy_cannot_encode_ends_the_request_with_an_error
         answer = await asyncio.wait_for(reader.read(), timeout=10)  # then the connection ends
         head, _, body = answer.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200")
+        assert b"\r\nconnection: close" in head.lower()  # no client sends another request on a connection that ends
         assert json.loads(body)["error"] == {"code": -32603, "message": "Internal error in the proxy"}
         await server.told_of_cancel("slow")
         assert len(proxy.app[bridge_key]._parked) == 0
@@ -181,5 +182,31 @@ async def test_a_call_that_ends_while_its_questions_are_gathered_is_answered(mak
         reply = await asyncio.wait_for(proxy.client.send(call), timeout=30)
         assert reply.result["content"][0]["text"] == "gone", reply.message
         assert len(proxy.app[bridge_key]._parked) == 0
+    finally:
+        server.pushed.put_nowait(None)
+
+
+async def test_a_question_taken_over_while_the_proxy_stops_ends_the_wait_for_answers(make_proxy, fake_upstream):
+    """The lane waits up to 15 s for the answers it owes when the proxy stops. A question on the standalone stream
+    answers the request from another task while the request's own task reads the call on for the parked round:
+    the wait ends with the answer, not with that task."""
+    server, proxy = await started(make_proxy, fake_upstream)
+    try:
+        reader, writer = await raw_post(proxy.url, slow_call())
+        await eventually(lambda: calls_of(server, "slow"), what="the slow call upstream")
+        stopping = asyncio.ensure_future(proxy.lane.shutdown(15))
+        await asyncio.sleep(0.05)
+        assert not stopping.done()  # an answer is owed
+        server.ask()
+        answer = await asyncio.wait_for(reader.read(), timeout=10)  # the round, then the connection ends
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert b"\r\nconnection: close" in head.lower()
+        assert json.loads(body)["result"]["resultType"] == "input_required"
+        await asyncio.wait_for(stopping, timeout=5)  # before the fix: the whole 15 s
+        bridge = proxy.app[bridge_key]
+        assert len(bridge._parked) == 1  # the round stays for a retry until the bridge closes, next in the stop
+        await bridge.aclose()
+        await server.told_of_cancel("slow")
+        writer.close()
     finally:
         server.pushed.put_nowait(None)

@@ -25,6 +25,8 @@ from ..context import (
 from ..upstream.http.relay import HttpRelay
 
 _SWEEP_S = 0.25
+_OWED_RECHECK_S = 0.1
+"""While stopping: how often to look again whether answers are still owed (Lane.shutdown)."""
 
 
 class LaneConnection(Protocol):
@@ -138,9 +140,15 @@ class Lane:
             self._sweep.cancel()
         for connection in list(self.connections):
             connection.close_when_idle()
-        running = [c.running for c in self.connections if c.running is not None]
-        if running:
-            await asyncio.wait(running, timeout=timeout_s)
+        deadline = self.loop.time() + timeout_s
+        while running := [c.running for c in self.connections if c.running is not None]:
+            left = deadline - self.loop.time()
+            if left <= 0:
+                break
+            # Another task may answer a request (a bridged call's question taken over: proxy/upstream/bridge.py)
+            # while the request's own task reads the call on for a parked round: what is owed is the answer, so
+            # look again now and then instead of waiting for that task.
+            await asyncio.wait(running, timeout=min(left, _OWED_RECHECK_S))
         for connection in list(self.connections):
             if not connection.visiting:  # aiohttp's shutdown, next, gives its answers their time
                 connection.abort()

@@ -127,6 +127,10 @@ class LaneReply:
         self.taken = True
         return self._answered
 
+    def closing(self) -> None:
+        """The connection ends after this answer: its head, when not yet written, says `Connection: close`."""
+        self._writer.closing = True
+
     async def event(self, message: dict[str, Any]) -> None:
         writer = self._writer
         if not self._streaming:

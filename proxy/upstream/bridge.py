@@ -266,6 +266,7 @@ class SyncBridge:
             call.pump.cancel()
             status, reusable = 200, False
             failure = error_response(message["id"], error_object(INTERNAL_ERROR, "Internal error in the proxy"))
+            reply.closing()  # the answer's head says the connection ends, so that no client sends another on it
             with contextlib.suppress(Exception):
                 await reply.finish(failure, 200)
         finally:
@@ -374,6 +375,9 @@ class Reply(Protocol[_R_co]):
 
     def take(self) -> Callable[[int, bool], None]: ...
 
+    def closing(self) -> None:
+        """The connection ends after this answer: its head, when not yet written, says so."""
+
 
 class StreamReply:
     """A bridged call's answer on an aiohttp request: written by the handler's task only, which answers by
@@ -387,6 +391,9 @@ class StreamReply:
 
     def take(self) -> Callable[[int, bool], None]:
         raise NotImplementedError("aiohttp answers a request by returning from its handler")
+
+    def closing(self) -> None:
+        raise NotImplementedError("aiohttp's boundary decides how its connections end")
 
     async def event(self, message: dict[str, Any]) -> None:
         if self._stream is None:
