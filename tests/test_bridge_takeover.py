@@ -13,6 +13,7 @@ import structlog
 from aiohttp import web
 
 from mcp_tasks_proxy.context import bridge_key
+from mcp_tasks_proxy.lane import server as lane_server
 from mcp_tasks_proxy.log import _add_request_id
 from tests.conftest import eventually
 from tests.factories import headers_for, meta, request
@@ -208,5 +209,74 @@ async def test_a_question_taken_over_while_the_proxy_stops_ends_the_wait_for_ans
         await bridge.aclose()
         await server.told_of_cancel("slow")
         writer.close()
+    finally:
+        server.pushed.put_nowait(None)
+
+
+class RacingAsker(StandaloneAsker):
+    """`race` answers on its stream when the test says so: after its question was asked on the standalone stream,
+    while the proxy gathers the questions sent with it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = asyncio.Event()
+
+    async def handle(self, http: web.Request) -> web.StreamResponse:
+        if http.method == "POST":
+            message = json.loads(await http.read())  # aiohttp keeps the body: the parent's handler reads it again
+            if message.get("method") == "tools/call" and message["params"]["name"] == "race":
+                self.received.append(message)
+                stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await stream.prepare(http)
+                await self.go.wait()
+                result = {"content": [{"type": "text", "text": "raced"}]}
+                done = {"jsonrpc": "2.0", "id": message["id"], "result": result}
+                await stream.write(f"data: {json.dumps(done)}\n\n".encode())
+                return stream
+        return await super().handle(http)
+
+
+class _CountedWaits:
+    """The lane's asyncio, counting the stop's passes (each waits or sleeps once)."""
+
+    def __init__(self) -> None:
+        self.passes = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(asyncio, name)
+
+    async def wait(self, *args: object, **kwargs: object) -> object:
+        self.passes += 1
+        return await asyncio.wait(*args, **kwargs)
+
+    async def sleep(self, delay: float) -> None:
+        self.passes += 1
+        await asyncio.sleep(delay)
+
+
+async def test_a_stop_that_waits_for_a_taken_over_answer_does_not_spin(make_proxy, fake_upstream, monkeypatch):
+    """The request's own task may end (the call answered upstream) while the task that took the question over still
+    owes the client its answer: the stop waits for that answer without spinning on the ended task."""
+    server = RacingAsker()
+    fake = await fake_upstream(server.handle)
+    proxy = await make_proxy(fake.url, protocol="legacy")
+    opened = await proxy.client.call("tools/call", {"name": "quick", "arguments": {}, "_meta": meta(tasks=False)})
+    assert opened.result["content"][0]["text"] == "quick"
+    counted = _CountedWaits()
+    monkeypatch.setattr(lane_server, "asyncio", counted)
+    try:
+        race = request("tools/call", {"name": "race", "arguments": {}, "_meta": meta(tasks=False, roots={})})
+        reader, writer = await raw_post(proxy.url, race)
+        await eventually(lambda: calls_of(server, "race"), what="the race call upstream")
+        stopping = asyncio.ensure_future(proxy.lane.shutdown(15))
+        await asyncio.sleep(0.05)
+        server.ask()  # taken over by the task that brings it, which gathers for 50 ms ...
+        await asyncio.sleep(0.01)
+        server.go.set()  # ... while the call ends upstream and the request's own task with it
+        await asyncio.wait_for(stopping, timeout=5)
+        answer = await asyncio.wait_for(reader.read(), timeout=5)
+        assert b'"raced"' in answer  # the client has the call's answer
+        writer.close()
+        assert counted.passes < 100, f"{counted.passes} passes of the stop's wait"  # a spin makes thousands
     finally:
         server.pushed.put_nowait(None)

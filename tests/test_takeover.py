@@ -21,6 +21,7 @@ from mcp_tasks_proxy.tasks.runner import TaskRunner
 from mcp_tasks_proxy.tasks.sealing import CallSeal
 from mcp_tasks_proxy.upstream.events import Finished, UpstreamTask, UpstreamUnavailable
 from mcp_tasks_proxy.upstream.gateway import Gateway
+from tests.conftest import eventually
 
 
 class SlowCreate(RedisTaskStore):
@@ -365,6 +366,46 @@ async def test_a_call_taken_just_before_the_grace_ends_stops_as_taken_over_not_f
         assert job.cancel_reason == TAKEN_OVER and job.detached  # the server task is left to replica-b
         after = await store.get(record.task_id)
         assert after.status is TaskStatus.WORKING and after.owner == "replica-b"
+    finally:
+        await runner.aclose()
+        await store.aclose()
+
+
+async def test_a_lost_replicas_task_is_not_taken_while_a_run_of_it_still_ends_here(redis_url):
+    """This replica ran the task before another took it, and that run is still ending here when the other replica
+    is lost in turn: the sweep leaves the task to a later sweep rather than start a second job under its id (which
+    would also leave the first one's place in the per-caller counts for ever)."""
+    store = RedisTaskStore(redis_url, key_prefix=f"twice-{secrets.token_hex(3)}:", lease_s=0.01, timeout_s=2)
+    seal = CallSeal(b"k")
+    rule = ToolRule(match="t", idempotent=True)
+    now = datetime.now(UTC)
+    task_id = new_task_id()
+    record = TaskRecord(task_id, "t", TaskStatus.WORKING, now, now, 600_000, 50, owner="ghost")
+    await store.create(record, seal.seal(task_id, call("again")))
+    upstream = GatedUpstream()
+    runner = TaskRunner(store, upstream, TaskDefaults, lease_s=0.01, seal=seal, rule_for=lambda tool: rule)
+    admission = runner._admission
+    try:
+        earlier = admission.adopt(call("earlier"), rule, record)  # the run this replica still ends
+        admission.start(earlier)
+        await asyncio.sleep(0.05)  # the store answered for longer than a lease: "ghost" is known to be gone
+        assert await runner.reap_lost() == 0
+        assert runner._state.jobs == {task_id: earlier}
+        assert "again" not in upstream.sent
+        assert admission._per_caller == {"": 1}
+        upstream.gates["earlier"].set()
+
+        async def ended() -> bool:
+            return not runner._state.jobs
+
+        await eventually(ended, what="the earlier run leaving the table")
+        assert admission._per_caller == {}
+        # The counts follow the table whoever enters a job: one entered under the id of another takes its place.
+        admission.adopt(call("first"), rule, record)
+        second = admission.adopt(call("second"), rule, record)
+        assert admission._per_caller == {"": 1}
+        admission.forget(second)
+        assert admission._per_caller == {} and runner._state.jobs == {}
     finally:
         await runner.aclose()
         await store.aclose()

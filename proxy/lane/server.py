@@ -145,10 +145,14 @@ class Lane:
             left = deadline - self.loop.time()
             if left <= 0:
                 break
-            # Another task may answer a request (a bridged call's question taken over: proxy/upstream/bridge.py)
-            # while the request's own task reads the call on for a parked round: what is owed is the answer, so
-            # look again now and then instead of waiting for that task.
-            await asyncio.wait(running, timeout=min(left, _OWED_RECHECK_S))
+            # Another task may answer a request (a bridged call's question taken over: proxy/upstream/bridge.py),
+            # and the request's own task may end before or after that answer: what is owed is the answer, so look
+            # again now and then, woken early by a request task that ends, never by one that has ended.
+            pending = [task for task in running if not task.done()]
+            if pending:
+                await asyncio.wait(pending, timeout=min(left, _OWED_RECHECK_S))
+            else:
+                await asyncio.sleep(min(left, _OWED_RECHECK_S))
         for connection in list(self.connections):
             if not connection.visiting:  # aiohttp's shutdown, next, gives its answers their time
                 connection.abort()

@@ -258,9 +258,20 @@ class Admission:
         return record
 
     def _enter(self, job: Job) -> None:
-        self._state.jobs[job.task_id] = job
+        jobs = self._state.jobs
+        replaced = jobs.get(job.task_id)
+        if replaced is not None:  # (callers check first) it leaves the table here, where its _forget will not see it
+            self._uncount(replaced.call.caller)
+        jobs[job.task_id] = job
         caller = job.call.caller
         self._per_caller[caller] = self._per_caller.get(caller, 0) + 1
+
+    def _uncount(self, caller: str) -> None:
+        left = self._per_caller[caller] - 1
+        if left:
+            self._per_caller[caller] = left
+        else:
+            del self._per_caller[caller]  # no entry outlives its caller's last job
 
     def _spawn(self, job: Job) -> None:
         job.runner = asyncio.create_task(self._attempts.run(job), name=f"{_RUNNER_PREFIX}{job.task_id}")
@@ -281,12 +292,7 @@ class Admission:
             job.span = None
         if self._state.jobs.get(job.task_id) is job:  # never another job under the same id
             del self._state.jobs[job.task_id]
-            caller = job.call.caller
-            left = self._per_caller[caller] - 1
-            if left:
-                self._per_caller[caller] = left
-            else:
-                del self._per_caller[caller]  # no entry outlives its caller's last job
+            self._uncount(job.call.caller)
         if job.holds_slot and job.slots is not None:
             job.holds_slot = False
             job.slots.release()

@@ -93,13 +93,15 @@ class Takeover:
         record = await store.get(task_id)
         if record is None or record.is_terminal or record.owner is None:
             return 0
+        if task_id in self._state.jobs:
+            # A call for it still runs here: this replica's own, or an earlier run of it that another replica took
+            # and that is still ending. Never a second job under one id: the next sweep looks again.
+            return 0
         owner = record.owner.removeprefix(RELEASED)
         # A released call still runs on its replica until another takes it: one that may not be taken here is
         # left to it, unless that replica is gone too.
         released = owner != record.owner
         if owner == self._state.replica_id:
-            if task_id in self._state.jobs:
-                return 0
             owner_alive = False  # ours, but no call runs for it here any more
         elif not leases_known:
             owner_alive = None if released else True  # unknown: only a call handed over may be taken
