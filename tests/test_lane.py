@@ -204,6 +204,17 @@ async def test_a_deeply_nested_request_the_proxy_encodes_again_gets_the_same_ans
         assert sent_on_lane == sent_on_aiohttp and b"io.modelcontextprotocol/tasks" not in sent_on_lane
 
 
+async def test_a_connection_between_requests_holds_no_copy_of_the_last_body(proxy):
+    """The chunks a served request's body was read into are let go with the request: an idle kept-alive connection,
+    or a bridged call parked after a take-over (which holds its connection), keeps no copy of the body."""
+    before = lane_counts(proxy)
+    reply = await proxy.client.send(call("add", {"a": 2, "b": 3, "padding": "x" * 20_000}))
+    assert reply.status == 200
+    assert lane_counts(proxy)["relayed"] == before.get("relayed", 0) + 1
+    held = [sum(map(len, connection._body)) for connection in proxy.lane.connections]
+    assert held and max(held) == 0, held
+
+
 async def test_a_header_name_longer_than_aiohttp_reads_is_aiohttp_s_to_refuse(proxy):
     """aiohttp refuses a header name past 8,190 bytes (400): the lane hands such a request over rather than relay
     what aiohttp's path would refuse."""

@@ -204,6 +204,9 @@ class LaneConnection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         head = self._head
         request = None if head is None else lane_request(self._lane, head, self._url, self._fields, self._body)
+        # Joined into the request, or for aiohttp in the raw bytes: an idle connection, or a bridged call parked
+        # after a take-over (which holds its connection), keeps no copy of the body.
+        self._body = []
         if request is None:
             self._visit_due = True  # once the parser has returned: anything after it in this read is pipelined
             return
