@@ -260,7 +260,9 @@ class Admission:
     def _enter(self, job: Job) -> None:
         jobs = self._state.jobs
         replaced = jobs.get(job.task_id)
-        if replaced is not None:  # (callers check first) it leaves the table here, where its _forget will not see it
+        if replaced is not None:
+            # Not expected (submit refuses an id in the table, the takeover sweep skips one), but should it happen
+            # the replaced job leaves the counts here: its _forget will not find it in the table.
             self._uncount(replaced.call.caller)
         jobs[job.task_id] = job
         caller = job.call.caller
