@@ -7,15 +7,19 @@ what only the lane can get wrong (framing, hand-over, deadlines, pipelining, the
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import re
 import secrets
+import socket
 from typing import Any
 
 import httptools
 import pytest
+from aiohttp import web
 
 from mcp_tasks_proxy.context import metrics_key
+from mcp_tasks_proxy.lane.writer import LaneWriter
 from tests.conftest import eventually, task_reaches
 from tests.factories import headers_for, meta, request
 
@@ -213,6 +217,61 @@ async def test_a_connection_between_requests_holds_no_copy_of_the_last_body(prox
     assert lane_counts(proxy)["relayed"] == before.get("relayed", 0) + 1
     held = [sum(map(len, connection._body)) for connection in proxy.lane.connections]
     assert held and max(held) == 0, held
+
+
+async def test_a_client_that_pipelines_and_never_reads_gets_no_more_answers_than_its_socket_holds(
+    make_proxy, fake_upstream
+):
+    """Answers wait for the client to read them: what it pipelines meanwhile is not answered into the transport's
+    buffer without end (aiohttp's path holds back the same way). Once it reads, every answer comes, in order."""
+    big = "x" * 200_000
+
+    async def answer(http: web.Request) -> web.Response:
+        message = json.loads(await http.read())
+        result = {"content": [{"type": "text", "text": big}], "n": message["params"]["arguments"]["n"]}
+        return web.json_response({"jsonrpc": "2.0", "id": message["id"], "result": result})
+
+    fake = await fake_upstream(answer)
+    proxy = await make_proxy(fake.url, protocol="modern")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: no autotuned megabytes
+    sock.connect(("127.0.0.1", port_of(proxy)))
+    reader, writer = await asyncio.open_connection(sock=sock, limit=2**20)
+    writer.transport.pause_reading()  # the client reads nothing for now
+    for n in range(60):
+        writer.write(http_post(call("echo", {"n": n})))
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.5)
+    (connection,) = proxy.lane.connections
+    assert connection._transport.get_write_buffer_size() < 1_000_000  # before: 9 MB and growing with each request
+    writer.transport.resume_reading()
+    for n in range(60):
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=10)
+        length = int(re.search(rb"(?i)\r\ncontent-length: *(\d+)", head).group(1))
+        assert json.loads(await reader.readexactly(length))["result"]["n"] == n
+    writer.close()
+
+
+async def test_a_client_that_leaves_while_its_answers_wait_leaves_no_error_behind():
+    """A writer paused by a client that then leaves: nothing waits on the pause, and asyncio has no exception of it
+    to log ("Future exception was never retrieved")."""
+    loop = asyncio.get_running_loop()
+    reported: list[str] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _, context: reported.append(context["message"]))
+    try:
+        writer = LaneWriter(None, loop, lambda: "")  # type: ignore[arg-type]
+        writer.pause()
+        writer.lost()
+        assert not writer.paused
+        with pytest.raises(ConnectionResetError):
+            await writer.drain()
+        del writer
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(previous)
+    assert reported == []
 
 
 async def test_a_header_name_longer_than_aiohttp_reads_is_aiohttp_s_to_refuse(proxy):

@@ -69,6 +69,7 @@ class LaneConnection(asyncio.Protocol):
         self.visiting = False  # aiohttp's answer to a visit is under way
         self._visits_in_a_row = 0
         self._pipelined = False  # a second request began in the read that ended this one
+        self._held = False  # answered, but the client reads none of it: the next request waits until it does
 
     # asyncio.Protocol
 
@@ -84,7 +85,7 @@ class LaneConnection(asyncio.Protocol):
             self._lane.connections.discard(self)
 
     def data_received(self, data: bytes) -> None:
-        if self.running is not None or self.visiting:  # an answer is owed: what comes next waits for it
+        if self.running is not None or self.visiting or self._held:  # what comes next waits for the answer
             self._pending += data
             if len(self._pending) > _MAX_PENDING_BYTES and self._transport is not None:
                 self._transport.pause_reading()
@@ -115,6 +116,9 @@ class LaneConnection(asyncio.Protocol):
             self._visit.handler.resume_writing()
         if self.out is not None:
             self.out.resume()
+        if self._held:
+            self._held = False
+            self._next()
 
     # parsing
 
@@ -318,10 +322,20 @@ class LaneConnection(asyncio.Protocol):
             transport.close()
             return
         self._reading, self._head_bytes = "head", 0
+        if self.out is not None and self.out.paused:
+            # The client does not read its answers: nothing more is read or answered until it does, so what it
+            # pipelines cannot pile answers up in the transport's buffer (aiohttp's path holds back the same way).
+            self._held = True
+            self.deadline = _NEVER  # the client's own pace, not a late head
+            return
+        self._next()
+
+    def _next(self) -> None:
+        """Ready for the next request: what came meanwhile is read now."""
         self.deadline = self._lane.loop.time() + self._lane.header_timeout_s
         pending, self._pending = self._pending, bytearray()
-        if pending:
-            transport.resume_reading()
+        if pending and self._transport is not None:
+            self._transport.resume_reading()
             self._feed(bytes(pending))
 
     # stopping

@@ -45,13 +45,15 @@ class LaneWriter:
 
     async def drain(self) -> None:
         paused = self._paused
-        if paused is not None:
-            if not paused.done():
-                await paused
-            elif paused.exception() is not None:
-                raise ConnectionResetError("the client closed the connection")
+        if paused is not None and not paused.done():
+            await paused
         if self.transport is None:
             raise ConnectionResetError("the client closed the connection")
+
+    @property
+    def paused(self) -> bool:
+        """The client reads slower than it is written to: the transport's buffer is past its high-water mark."""
+        return self._paused is not None and not self._paused.done()
 
     def pause(self) -> None:
         if self._paused is None or self._paused.done():
@@ -63,8 +65,9 @@ class LaneWriter:
 
     def lost(self) -> None:
         self.transport = None
-        if self._paused is not None and not self._paused.done():
-            self._paused.set_exception(ConnectionResetError("the client closed the connection"))
+        # A result, not an exception: a drain waiting now raises on the lost transport, and no future is left
+        # with an exception nobody retrieves (asyncio would log it).
+        self.resume()
 
     def relayed_head(self, response: CallResponse, keep_alive: bool, length: int | None) -> bytes:
         """The upstream's status line and end-to-end fields as received, framed for this connection."""
