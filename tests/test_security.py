@@ -75,6 +75,22 @@ async def test_credentials_are_never_stored_nor_logged(make_proxy, mcp_upstream,
     assert logs and all(line.get("principal") != ALICE["Authorization"] for line in logs)
 
 
+async def test_a_task_keeps_a_bounded_share_of_the_request_headers(make_proxy, mcp_upstream, upstream_client):
+    """A working task keeps the client's end-to-end headers for its upstream calls. aiohttp reads heads of about
+    1 MB: a creation whose kept headers pass 32 KB is refused, rather than held that long by every task it makes."""
+    proxy = await make_proxy(mcp_upstream, tools=[{"match": "gated"}])
+    padded = {f"X-Pad-{i}": "p" * 8000 for i in range(100)}
+    refused = await proxy.client.call_tool("gated", {"tag": tag()}, headers=padded)
+    assert refused.error["code"] == -32600, refused.message
+    assert "at most 32768 bytes" in refused.error["message"]
+    assert proxy.app[runner_key]._state.jobs == {}  # nothing started, nothing kept
+    gate = tag()
+    within = await proxy.client.call_tool("gated", {"tag": gate}, headers={"X-Pad": "p" * 8000})
+    assert within.result["resultType"] == "task", within.message
+    await upstream_client.call_tool("release", {"tag": gate}, tasks=False)
+    await task_reaches(proxy.client, within.result["taskId"], "completed")
+
+
 async def test_running_task_limits_refuse_with_clear_errors(make_proxy, mcp_upstream, upstream_client):
     proxy = await make_proxy(mcp_upstream, tools=[{"match": "gated"}], limits={"max_tasks_per_principal": 1})
     gates = [tag(), tag()]

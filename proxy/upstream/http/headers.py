@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from multidict import CIMultiDict, MultiMapping
 
 from ... import tracing
+from ...jsonrpc import INVALID_REQUEST, JsonRpcError
 
 if TYPE_CHECKING:
     from ..routing import LegacySession
@@ -54,12 +55,25 @@ def end_to_end_headers(
     return out
 
 
+MAX_KEPT_HEADER_BYTES = 32 * 1024
+"""The most of a request's headers (names and values) a task keeps for its upstream calls: as much as the lane
+reads of a whole request head. aiohttp reads heads of up to about 1 MB, and a working task would keep all of it."""
+
+
 def call_headers(headers: MultiMapping[str], keep: str | None = None) -> CIMultiDict[str]:
     """The client's headers a task keeps for the upstream requests it makes later: what own_request_headers passes
     on, and `keep` (the header that names the caller, whichever it is). No more: ten thousand working tasks each
-    hold theirs for as long as they run."""
+    hold theirs for as long as they run; past MAX_KEPT_HEADER_BYTES the request is refused (-32600)."""
     skip = TASK_CALL_SKIP if keep is None else TASK_CALL_SKIP - {keep.lower()}
-    return end_to_end_headers(headers, skip)
+    kept = end_to_end_headers(headers, skip)
+    size = sum(len(name) + len(value) for name, value in kept.items())
+    if size > MAX_KEPT_HEADER_BYTES:
+        raise JsonRpcError(
+            INVALID_REQUEST,
+            f"Invalid request: a task keeps the request's headers for its upstream calls, at most "
+            f"{MAX_KEPT_HEADER_BYTES} bytes of them, and these are {size}",
+        )
+    return kept
 
 
 def request_headers(headers: MultiMapping[str]) -> CIMultiDict[str]:
