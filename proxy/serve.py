@@ -132,16 +132,24 @@ async def start(
         # handler_cancellation: a client that closes its stream cancels the relay, which closes the upstream one.
         handler_cancellation=True,
         keepalive_timeout=listen.header_timeout_s,
-        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+        # aiohttp waits this long twice for a handler still running (for it to end, then once more after it
+        # cancelled the request's body): half the budget each, so that its answers get SHUTDOWN_TIMEOUT_S in all.
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S / 2,
     )
     lanes: list[Lane] = []
+    stopping: list[asyncio.Task[None]] = []
 
     async def stop_lane(_: web.Application) -> None:
-        # After the socket stopped taking connections, before the upstream client closes: answers owed get time.
-        for lane in lanes:
-            await lane.shutdown(SHUTDOWN_TIMEOUT_S)
+        # After the socket stopped taking connections: the lane's answers owed get their time beside aiohttp's
+        # (which the runner waits for next), not before them, so that a stop takes SHUTDOWN_TIMEOUT_S, not twice.
+        stopping.extend(asyncio.create_task(lane.shutdown(SHUTDOWN_TIMEOUT_S)) for lane in lanes)
+
+    async def lane_stopped(_: web.Application) -> None:
+        # Before the upstream client closes (the first of the cleanups, ahead of the app's contexts).
+        await asyncio.gather(*stopping)
 
     app.on_shutdown.append(stop_lane)
+    app.on_cleanup.insert(0, lane_stopped)
     await runner.setup()
     try:
         assert runner.server is not None

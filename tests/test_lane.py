@@ -12,12 +12,16 @@ import json
 import re
 import secrets
 import socket
+import time
 from typing import Any
 
 import httptools
 import pytest
 from aiohttp import web
 
+from mcp_tasks_proxy import serve
+from mcp_tasks_proxy.app import create_app
+from mcp_tasks_proxy.config import parse_config
 from mcp_tasks_proxy.context import metrics_key
 from mcp_tasks_proxy.lane.writer import LaneWriter
 from tests.conftest import eventually, task_reaches
@@ -691,3 +695,42 @@ async def test_trailing_whitespace_in_a_header_does_not_change_the_caller_on_the
         stranger = await proxy.client.send(get, headers={"Authorization": "Bearer you "})
         assert "error" in json.loads(stranger.body)
     assert lane_counts(proxy)["served"] == 1 + 2 * 3  # the creation, then each task's two polls and the stranger's
+
+
+async def test_a_stop_gives_calls_on_the_lane_and_on_aiohttp_one_budget_not_two(fake_upstream, monkeypatch):
+    """A call in flight on the lane and one on aiohttp's path when the proxy stops: the lane's wait runs beside
+    aiohttp's, and aiohttp's two waits share the budget, so the stop takes SHUTDOWN_TIMEOUT_S, not three of it."""
+    release = asyncio.Event()
+
+    async def hang(http: web.Request) -> web.Response:
+        await http.read()
+        await release.wait()
+        return web.Response()
+
+    fake = await fake_upstream(hang)
+    monkeypatch.setattr(serve, "SHUTDOWN_TIMEOUT_S", 2)
+    config = parse_config({"upstream": {"url": fake.url, "protocol": "modern"}, "tasks": {"shutdown_grace_s": 0}})
+    app = create_app(config)
+    sock = serve.bind("127.0.0.1", 0)
+    runner, lane = await serve.start(app, sock, config.listen, on_refused=lambda: None)
+    port = sock.getsockname()[1]
+    message = call("hang", {})
+    body = json.dumps(message).encode()
+    try:
+        _, on_lane = await asyncio.open_connection("127.0.0.1", port)
+        on_lane.write(http_post(message))
+        chunked = http_post(message, body=b"").replace(b"Content-Length: 0\r\n", b"Transfer-Encoding: chunked\r\n")
+        _, on_aiohttp = await asyncio.open_connection("127.0.0.1", port)  # a chunked body is aiohttp's to read
+        on_aiohttp.write(chunked + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+
+        async def both_upstream() -> bool:
+            return len(fake.received) == 2
+
+        await eventually(both_upstream, what="both calls upstream")
+        started = time.monotonic()
+        await runner.cleanup()
+        assert time.monotonic() - started < 3.5  # before: 2 s for the lane, then 2 x 2 s for aiohttp
+        on_lane.close()
+        on_aiohttp.close()
+    finally:
+        release.set()
