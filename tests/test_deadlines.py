@@ -32,6 +32,24 @@ async def test_a_block_that_ends_in_time_is_not_cancelled_later() -> None:
     assert deadlines._buckets == {}
 
 
+async def test_limits_that_end_early_keep_neither_their_tenth_nor_its_timer() -> None:
+    """Calls that end long before their limit (most do, under timeout_s of an hour) leave nothing waiting for it:
+    not one set per tenth of a second, however many were in it, and not one timer."""
+    deadlines = Deadlines()
+    loop = asyncio.get_running_loop()
+    for i in range(300):  # 300 tenths of a second an hour ahead, each limit ended at once
+        with deadlines.limit(3600 + i / 10):
+            pass
+    held = [deadlines.limit(7200) for _ in range(1000)]  # a burst in one tenth, then all end
+    for limit in held:
+        limit.__enter__()
+    for limit in held:
+        limit.__exit__(None, None, None)
+    assert deadlines._buckets == {} and deadlines._timers == {}
+    timers = [h for h in loop._scheduled if h._callback == deadlines._expire]  # type: ignore[attr-defined]
+    assert all(handle.cancelled() for handle in timers)
+
+
 async def test_limits_ending_together_share_one_timer() -> None:
     deadlines = Deadlines()
     loop = asyncio.get_running_loop()

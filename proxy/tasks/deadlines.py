@@ -20,10 +20,11 @@ _TICKS_PER_S = 10
 class Deadlines:
     """The limits of one event loop, grouped by the tenth of a second they end in."""
 
-    __slots__ = ("_buckets",)
+    __slots__ = ("_buckets", "_timers")
 
     def __init__(self) -> None:
         self._buckets: dict[int, set[Limit]] = {}
+        self._timers: dict[int, asyncio.TimerHandle] = {}
 
     def limit(self, seconds: float) -> Limit:
         """A limit of `seconds` on the current task, from now, for a `with` block."""
@@ -36,8 +37,7 @@ class Deadlines:
         bucket = self._buckets.get(tick)
         if bucket is None:
             bucket = self._buckets[tick] = set()
-            loop = asyncio.get_running_loop()
-            loop.call_at(tick / _TICKS_PER_S, self._expire, tick)
+            self._timers[tick] = asyncio.get_running_loop().call_at(tick / _TICKS_PER_S, self._expire, tick)
         bucket.add(limit)
         return tick
 
@@ -47,8 +47,14 @@ class Deadlines:
         bucket = self._buckets.get(tick)
         if bucket is not None:
             bucket.discard(limit)
+            if not bucket:
+                # No limit ends in that tenth any more: neither its set (however large it grew) nor its timer is
+                # kept until then, which is the calls' whole timeout_s (an hour by default) after they started.
+                del self._buckets[tick]
+                self._timers.pop(tick).cancel()
 
     def _expire(self, tick: int) -> None:
+        self._timers.pop(tick, None)
         for limit in self._buckets.pop(tick, ()):
             limit.expire()
 
