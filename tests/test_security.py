@@ -180,6 +180,22 @@ async def test_per_tool_concurrency_queues_or_refuses_as_the_rule_says(make_prox
     await upstream_client.call_tool("release", {"tag": gate}, tasks=False)
 
 
+async def test_a_rule_that_limits_any_name_keeps_no_slots_for_names_no_call_uses(make_proxy, mcp_upstream):
+    """Under a rule matching any name with max_concurrency, each tool name gets its own slots: they go with the
+    name's last call, so the names a client makes up leave nothing behind, and the limit still holds for each."""
+    proxy = await make_proxy(mcp_upstream, tools=[{"match": "made_up_*", "max_concurrency": 1}])
+    admission = proxy.app[runner_key]._admission
+    created = [await proxy.client.call_tool(f"made_up_{i}", {}) for i in range(20)]
+    for reply in created:  # the upstream has no such tool: each task fails, and its job ends
+        await task_reaches(proxy.client, reply.result["taskId"], "failed", "completed")
+
+    async def emptied() -> bool:
+        return not proxy.app[runner_key]._state.jobs
+
+    await eventually(emptied, what="the jobs leaving the table")
+    assert admission._slots == {}  # before: one Semaphore per name, for ever
+
+
 async def test_oversized_result_fails_the_task_and_names_the_limit(make_proxy, mcp_upstream):
     proxy = await make_proxy(mcp_upstream, tools=[{"match": "slow_report"}], limits={"max_result_bytes": 100})
     created = await proxy.client.call_tool("slow_report", {"topic": "a long topic " * 10, "seconds": 0})

@@ -56,7 +56,9 @@ class Admission:
         self._rounds = rounds
         self._defaults = defaults
         self._limits = limits
-        self._slots: dict[tuple[str, int], asyncio.Semaphore] = {}
+        self._slots: dict[tuple[str, int], tuple[asyncio.Semaphore, int]] = {}
+        """Each limited tool's slots and how many jobs in the table use them: kept while one does, so that a rule
+        matching any name (`match: "*"` with max_concurrency) keeps no entry per name a client ever sent."""
         self._per_caller: dict[str, int] = {}
         """Jobs in the table per caller, kept as they come and go: limits.max_tasks_per_principal is checked on
         every creation, and a count over the table would cost each one a pass over every running call."""
@@ -197,9 +199,12 @@ class Admission:
         )
 
     def _slots_of(self, tool: str, rule: ToolRule) -> asyncio.Semaphore | None:
+        """The tool's slots under this rule: the ones its jobs in the table use, else new ones, kept once a job
+        that uses them enters the table (`_enter`, in the same step: no other call comes between)."""
         if rule.max_concurrency is None:
             return None
-        return self._slots.setdefault((tool, rule.max_concurrency), asyncio.Semaphore(rule.max_concurrency))
+        kept = self._slots.get((tool, rule.max_concurrency))
+        return kept[0] if kept is not None else asyncio.Semaphore(rule.max_concurrency)
 
     def _admit(self, call: ToolCall, rule: ToolRule, limits: LimitsConfig) -> asyncio.Semaphore | None:
         """Apply the policy's concurrency limits to a new task; returns the tool's slots when it has a limit."""
@@ -263,17 +268,30 @@ class Admission:
         if replaced is not None:
             # Not expected (submit refuses an id in the table, the takeover sweep skips one), but should it happen
             # the replaced job leaves the counts here: its _forget will not find it in the table.
-            self._uncount(replaced.call.caller)
+            self._uncount(replaced)
         jobs[job.task_id] = job
         caller = job.call.caller
         self._per_caller[caller] = self._per_caller.get(caller, 0) + 1
+        if job.slots is not None:
+            key = (job.call.tool, job.rule.max_concurrency)
+            slots, users = self._slots.get(key, (job.slots, 0))
+            self._slots[key] = (slots, users + 1)
 
-    def _uncount(self, caller: str) -> None:
+    def _uncount(self, job: Job) -> None:
+        """`job` left the table: it no longer counts against its caller, nor keeps its tool's slots."""
+        caller = job.call.caller
         left = self._per_caller[caller] - 1
         if left:
             self._per_caller[caller] = left
         else:
             del self._per_caller[caller]  # no entry outlives its caller's last job
+        if job.slots is not None:
+            key = (job.call.tool, job.rule.max_concurrency)
+            slots, users = self._slots[key]
+            if users > 1:
+                self._slots[key] = (slots, users - 1)
+            else:
+                del self._slots[key]  # nothing holds or waits for them: the next call makes new ones
 
     def _spawn(self, job: Job) -> None:
         job.runner = asyncio.create_task(self._attempts.run(job), name=f"{_RUNNER_PREFIX}{job.task_id}")
@@ -294,7 +312,7 @@ class Admission:
             job.span = None
         if self._state.jobs.get(job.task_id) is job:  # never another job under the same id
             del self._state.jobs[job.task_id]
-            self._uncount(job.call.caller)
+            self._uncount(job)
         if job.holds_slot and job.slots is not None:
             job.holds_slot = False
             job.slots.release()
