@@ -196,6 +196,27 @@ async def test_a_rule_that_limits_any_name_keeps_no_slots_for_names_no_call_uses
     assert admission._slots == {}  # before: one Semaphore per name, for ever
 
 
+async def test_a_call_does_not_outlive_its_tasks_time_to_live(make_proxy, mcp_upstream, upstream_client):
+    """With the memory store, a task's record goes when its TTL ends: its call goes with it (cancelled upstream),
+    rather than run on for timeout_s, counted against its caller, for an outcome nobody can read."""
+    proxy = await make_proxy(
+        mcp_upstream, tools=[{"match": "gated", "ttl_ms": 300}], limits={"max_tasks_per_principal": 1}
+    )
+    runner = proxy.app[runner_key]
+    gate = tag()
+    created = await proxy.client.call_tool("gated", {"tag": gate}, headers=ALICE)
+    assert created.result["resultType"] == "task"
+
+    async def gone() -> bool:
+        return not runner._state.jobs
+
+    await eventually(gone, timeout_s=10, what="the call ending with its task's TTL")
+    assert runner._admission._per_caller == {}
+    again = await proxy.client.call_tool("gated", {"tag": tag()}, headers=ALICE)  # its place is free again
+    assert again.result["resultType"] == "task", again.message
+    await upstream_client.call_tool("release", {"tag": gate}, tasks=False)
+
+
 async def test_oversized_result_fails_the_task_and_names_the_limit(make_proxy, mcp_upstream):
     proxy = await make_proxy(mcp_upstream, tools=[{"match": "slow_report"}], limits={"max_result_bytes": 100})
     created = await proxy.client.call_tool("slow_report", {"topic": "a long topic " * 10, "seconds": 0})

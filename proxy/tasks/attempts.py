@@ -89,7 +89,9 @@ class Attempts:
         input_rounds = 0
         loop = asyncio.get_running_loop()
         while True:
-            deadline = loop.time() + job.rule.timeout_s  # for the round, its retries included
+            # For the round, its retries included; never past the task's TTL, after which nobody can read its
+            # outcome (the memory store has dropped the record: no reconcile stops the call as with Redis).
+            deadline = loop.time() + min(job.rule.timeout_s, max(self._settlement.remaining_s(job), 0))
             needed = await self._attempt(job, message, deadline)
             if isinstance(needed, Failed):  # transient, and the rule may let it be sent again
                 if not await self._repeatable(job, needed, deadline):
@@ -223,7 +225,10 @@ class Attempts:
         except TimeoutError:
             outcome = "timeout"
             self._state.metrics.upstream_errors.labels("task").inc()
-            reason = f"the upstream call exceeded its {job.rule.timeout_s:g} s limit (timeout_s)"
+            if self._settlement.remaining_s(job) <= 0:
+                reason = f"the task's time to live ({job.ttl_ms} ms, ttl_ms) ended while its upstream call still ran"
+            else:
+                reason = f"the upstream call exceeded its {job.rule.timeout_s:g} s limit (timeout_s)"
             error = error_object(INTERNAL_ERROR, f"Upstream failure: {reason}", {"upstream": self._state.upstream.url})
             settle = (TaskStatus.FAILED, {"error": error, "status_message": reason})
         finally:
