@@ -211,14 +211,18 @@ async def test_a_deeply_nested_request_the_proxy_encodes_again_gets_the_same_ans
         assert sent_on_lane == sent_on_aiohttp and b"io.modelcontextprotocol/tasks" not in sent_on_lane
 
 
-async def test_a_connection_between_requests_holds_no_copy_of_the_last_body(proxy):
-    """The chunks a served request's body was read into are let go with the request: an idle kept-alive connection,
-    or a bridged call parked after a take-over (which holds its connection), keeps no copy of the body."""
+async def test_a_connection_between_requests_holds_no_copy_of_the_last_request(proxy):
+    """A served request's body chunks, header fields and URL are let go with the request: an idle kept-alive
+    connection, or a bridged call parked after a take-over (which holds its connection), keeps no copy of them."""
     before = lane_counts(proxy)
-    reply = await proxy.client.send(call("add", {"a": 2, "b": 3, "padding": "x" * 20_000}))
+    padding = {f"X-Pad-{i}": "v" * 300 for i in range(60)}  # 18 KB of head, within the lane's 32 KB
+    reply = await proxy.client.send(call("add", {"a": 2, "b": 3, "padding": "x" * 8_000}), headers=padding)
     assert reply.status == 200
     assert lane_counts(proxy)["relayed"] == before.get("relayed", 0) + 1
-    held = [sum(map(len, connection._body)) for connection in proxy.lane.connections]
+    held = [
+        sum(map(len, connection._body)) + sum(len(n) + len(v) for n, v in connection._fields) + len(connection._url)
+        for connection in proxy.lane.connections
+    ]
     assert held and max(held) == 0, held
 
 

@@ -150,6 +150,11 @@ class LaneConnection(asyncio.Protocol):
         elif self._visit_due:
             self._visit_due = False
             self._start_visit()
+        else:
+            return  # a request still being read
+        # The request is its answer's or aiohttp's now: an idle connection keeps nothing of it (its head's fields
+        # were needed up to here, to split off what was pipelined behind it).
+        self._fields, self._url, self._head = [], b"", None
 
     def _split_pipelined(self) -> bytes | None:
         """The bytes after the request just read, when a second one began in the same read: its head ends at the
