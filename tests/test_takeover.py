@@ -14,11 +14,13 @@ import redis.asyncio as redis_client
 from multidict import CIMultiDict
 
 from mcp_tasks_proxy.config import TaskDefaults, ToolRule
+from mcp_tasks_proxy.tasks.attempts import SHUTDOWN
 from mcp_tasks_proxy.tasks.job import TAKEN_OVER, ToolCall
 from mcp_tasks_proxy.tasks.model import RELEASED, TaskRecord, TaskStatus, from_json, new_task_id, to_json
 from mcp_tasks_proxy.tasks.redis_store import RedisTaskStore
 from mcp_tasks_proxy.tasks.runner import TaskRunner
 from mcp_tasks_proxy.tasks.sealing import CallSeal
+from mcp_tasks_proxy.tasks.store import MemoryTaskStore
 from mcp_tasks_proxy.upstream.events import Finished, UpstreamTask, UpstreamUnavailable
 from mcp_tasks_proxy.upstream.gateway import Gateway
 from tests.conftest import eventually
@@ -409,3 +411,34 @@ async def test_a_lost_replicas_task_is_not_taken_while_a_run_of_it_still_ends_he
     finally:
         await runner.aclose()
         await store.aclose()
+
+
+async def test_a_task_whose_record_is_written_while_the_proxy_stops_sends_nothing_and_fails():
+    """The proxy begins to stop while a task's record is being written (a slow store): when the record is in, the
+    call is not sent after the runner has closed; the task fails as the calls stopped at shutdown do."""
+
+    class SlowMemory(MemoryTaskStore):
+        async def create(self, record, context=None):
+            await asyncio.sleep(0.2)
+            await super().create(record, context)
+
+    store = SlowMemory(max_tasks=100)
+    upstream = GatedUpstream()
+    runner = TaskRunner(store, upstream, TaskDefaults)
+    creation = asyncio.ensure_future(runner.submit(call("late"), ToolRule(match="t")))
+    await asyncio.sleep(0.05)  # the record is being written
+    await runner.aclose(grace_s=0)
+    record = await creation  # the client hears of its task: the record was made
+
+    async def settled() -> bool:
+        stored = await store.get(record.task_id)
+        return stored is not None and stored.status is TaskStatus.FAILED
+
+    await eventually(settled, what="the task failing at shutdown")
+    assert upstream.sent == []
+    assert (await store.get(record.task_id)).status_message == SHUTDOWN
+
+    async def forgotten() -> bool:
+        return not runner._state.jobs
+
+    await eventually(forgotten, what="the job leaving the table")

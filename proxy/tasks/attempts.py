@@ -52,6 +52,12 @@ class Attempts:
         """The job's own asyncio task: the call (in one of its tool's slots when the rule limits them); stopped, it
         is cancelled upstream, or its task fails when the proxy shuts down."""
         structlog.contextvars.bind_contextvars(task_id=job.task_id, tool=job.call.tool)
+        if not self._state.accepting:
+            # Started after the proxy began to stop (its record was being written when TaskRunner.aclose looked,
+            # so no call was there to wait for or stop): nothing is sent, and the task fails as those stopped do.
+            error = error_object(INTERNAL_ERROR, f"Proxy failure: {SHUTDOWN}")
+            await self._settlement.settle(job, TaskStatus.FAILED, error=error, status_message=SHUTDOWN)
+            return
         try:
             if job.slots is None or job.holds_slot:
                 # (A call taken over from a lost replica may still be marked queued, slots or not.)
