@@ -37,12 +37,33 @@ class _Pipelined(Exception):
 
 
 class _Probe:
-    """Counts the requests a parser saw complete (LaneConnection._split_pipelined)."""
+    """Counts the requests a parser saw complete (split_pipelined)."""
 
     complete = 0
 
     def on_message_complete(self) -> None:
         self.complete += 1
+
+
+def split_pipelined(raw: bytearray, fields: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The bytes after the request just read into `raw` (its head's `fields`), when a second one began in the same
+    read, cut from `raw`: the first head ends at the first blank line and its body has the Content-Length the lane
+    required, checked by parsing it again. None (and `raw` as it was) when that does not hold."""
+    head_end = raw.find(b"\r\n\r\n")
+    if head_end < 0:
+        return None
+    lengths = [value for name, value in fields if name.lower() == b"content-length"]
+    end = head_end + 4 + (int(lengths[0]) if lengths else 0)
+    probe = _Probe()
+    try:
+        httptools.HttpRequestParser(probe).feed_data(bytes(raw[:end]))
+    except (httptools.HttpParserError, httptools.HttpParserUpgrade, ValueError):
+        return None
+    if probe.complete != 1:
+        return None
+    rest = bytes(raw[end:])
+    del raw[end:]
+    return rest
 
 
 class LaneConnection(asyncio.Protocol):
@@ -132,7 +153,7 @@ class LaneConnection(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade):
-            rest = self._split_pipelined() if self._pipelined else None
+            rest = split_pipelined(self._raw, self._fields) if self._pipelined else None
             self._pipelined = False
             if rest is not None:
                 # Pipelined requests wait, in order, for the answer to this one.
@@ -155,27 +176,6 @@ class LaneConnection(asyncio.Protocol):
         # The request is its answer's or aiohttp's now: an idle connection keeps nothing of it (its head's fields
         # were needed up to here, to split off what was pipelined behind it).
         self._fields, self._url, self._head = [], b"", None
-
-    def _split_pipelined(self) -> bytes | None:
-        """The bytes after the request just read, when a second one began in the same read: its head ends at the
-        first blank line and its body has the Content-Length the lane required, checked by parsing it again.
-        None when that does not hold."""
-        raw = self._raw
-        head_end = raw.find(b"\r\n\r\n")
-        if head_end < 0:
-            return None
-        lengths = [value for name, value in self._fields if name.lower() == b"content-length"]
-        end = head_end + 4 + (int(lengths[0]) if lengths else 0)
-        probe = _Probe()
-        try:
-            httptools.HttpRequestParser(probe).feed_data(bytes(raw[:end]))
-        except (httptools.HttpParserError, httptools.HttpParserUpgrade, ValueError):
-            return None
-        if probe.complete != 1:
-            return None
-        rest = bytes(raw[end:])
-        del raw[end:]
-        return rest
 
     def on_message_begin(self) -> None:
         if self.running is not None or self._visit_due:
