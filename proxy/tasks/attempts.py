@@ -55,8 +55,7 @@ class Attempts:
         if not self._state.accepting:
             # Started after the proxy began to stop (its record was being written when TaskRunner.aclose looked,
             # so no call was there to wait for or stop): nothing is sent, and the task fails as those stopped do.
-            error = error_object(INTERNAL_ERROR, f"Proxy failure: {SHUTDOWN}")
-            await self._settlement.settle(job, TaskStatus.FAILED, error=error, status_message=SHUTDOWN)
+            await self._fail_at_shutdown(job)
             return
         try:
             if job.slots is None or job.holds_slot:
@@ -77,8 +76,7 @@ class Attempts:
                     status, fields = job.unwritten
                     await self._settlement.settle(job, status, **fields)
                 else:
-                    error = error_object(INTERNAL_ERROR, f"Proxy failure: {SHUTDOWN}")
-                    await self._settlement.settle(job, TaskStatus.FAILED, error=error, status_message=SHUTDOWN)
+                    await self._fail_at_shutdown(job)
             elif job.cancel_reason is None:
                 raise
             elif job.upstream_busy and job.call.client_session is None:  # (taken over: another replica runs it)
@@ -88,6 +86,10 @@ class Attempts:
             log.exception("task_runner_error")
             error = error_object(INTERNAL_ERROR, "Proxy failure: internal error while following the upstream call")
             await self._settlement.settle(job, TaskStatus.FAILED, error=error, status_message="internal proxy error")
+
+    async def _fail_at_shutdown(self, job: Job) -> None:
+        error = error_object(INTERNAL_ERROR, f"Proxy failure: {SHUTDOWN}")
+        await self._settlement.settle(job, TaskStatus.FAILED, error=error, status_message=SHUTDOWN)
 
     async def _drive(self, job: Job) -> None:
         """Run upstream attempts until one ends the call; MRTR input_required answers start the next round."""
