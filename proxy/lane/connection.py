@@ -173,9 +173,10 @@ class LaneConnection(asyncio.Protocol):
             self._start_visit()
         else:
             return  # a request still being read
-        # The request is its answer's or aiohttp's now: an idle connection keeps nothing of it (its head's fields
-        # were needed up to here, to split off what was pipelined behind it).
-        self._fields, self._url, self._head = [], b"", None
+        # The request is its answer's or aiohttp's now (the body joined into the request, or for aiohttp in the raw
+        # bytes): an idle connection, or a bridged call parked after a take-over (which holds its connection), keeps
+        # nothing of it. Its head's fields were needed up to here, to split off what was pipelined behind it.
+        self._fields, self._url, self._head, self._body = [], b"", None, []
 
     def on_message_begin(self) -> None:
         if self.running is not None or self._visit_due:
@@ -213,9 +214,6 @@ class LaneConnection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         head = self._head
         request = None if head is None else lane_request(self._lane, head, self._url, self._fields, self._body)
-        # Joined into the request, or for aiohttp in the raw bytes: an idle connection, or a bridged call parked
-        # after a take-over (which holds its connection), keeps no copy of the body.
-        self._body = []
         if request is None:
             self._visit_due = True  # once the parser has returned: anything after it in this read is pipelined
             return
