@@ -29,7 +29,10 @@ behind a few others, a harsher load than arrivals spread evenly.
 asks tasks/get for it with every connection count, closed loop; the figures are CPU µs per tasks/get and req/s.
 
 The base commit is installed once into a virtual environment of its own under bench/.ab/ (from `git archive`, so
-the work tree is untouched); the work tree runs from this interpreter (an editable install).
+the work tree is untouched), and the work tree, as it is now (its tracked and untracked files, not the ignored ones),
+into another, bench/.ab/worktree/, afresh at every run: both proxies run from a regular install in a virtual
+environment of their own, so that how each was installed cannot weigh on one side (the editable install B once ran
+from read about 2 % high at one connection in A/A runs).
 """
 
 from __future__ import annotations
@@ -64,12 +67,17 @@ HEADERS = {"Content-Type": "application/json", "Accept": "application/json, text
            "MCP-Protocol-Version": "2026-07-28", "Mcp-Method": "tools/call", "Mcp-Name": "plain"}  # fmt: skip
 
 
+Install = tuple[Path, str]
+"""A proxy installed in a virtual environment of its own: the environment's interpreter, and the name the
+package imports as."""
+
+
 def package_of(tree: Path) -> str:
     """The import name of the proxy installed from a tree (it was `proxy` before it had one of its own)."""
     return "mcp_tasks_proxy" if '"mcp_tasks_proxy" = "proxy"' in (tree / "pyproject.toml").read_text() else "proxy"
 
 
-def base_python(commit: str) -> tuple[Path, str]:
+def base_python(commit: str) -> Install:
     """The interpreter of a virtual environment holding `commit`'s proxy (made once, then reused), and the name
     its package imports as."""
     sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", commit], capture_output=True, text=True, check=True)
@@ -86,6 +94,43 @@ def base_python(commit: str) -> tuple[Path, str]:
         print(f"installing {sha_text[:12]} into {home / 'venv'} ...", file=sys.stderr)
         subprocess.run([str(python), "-m", "pip", "install", "--quiet", str(source)], check=True)
     return python, package_of(source)
+
+
+def worktree_python() -> Install:
+    """The interpreter of a virtual environment holding the work tree's proxy as it is now, installed afresh (its
+    dependencies stay between runs), and the name its package imports as."""
+    home = CACHE / "worktree"
+    python = home / "venv" / "bin" / "python"
+    source = home / "src"
+    shutil.rmtree(source, ignore_errors=True)
+    source.mkdir(parents=True)
+    listed = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            capture_output=True, check=True)  # fmt: skip
+    for name in filter(None, listed.stdout.decode().split("\0")):
+        origin = ROOT / name
+        if origin.is_file():  # a tracked file deleted in the work tree is not part of it
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(origin, source / name)
+    stamp = home / "pyproject.toml"  # what the dependencies were installed from
+    fresh = not python.exists() or not stamp.exists() or stamp.read_bytes() != (source / "pyproject.toml").read_bytes()
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(home / "venv")], check=True)
+    print(f"installing the work tree into {home / 'venv'} ...", file=sys.stderr)
+    if fresh:  # the dependencies again only when pyproject.toml changed
+        subprocess.run([str(python), "-m", "pip", "install", "--quiet", str(source)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--force-reinstall", "--no-deps", str(source)],
+                   check=True)  # fmt: skip
+    shutil.copy2(source / "pyproject.toml", stamp)
+    return python, package_of(source)
+
+
+def same_sources(installed: Path, tree: Path) -> bool:
+    """Whether the package installed at `installed` holds exactly the Python files of the source folder `tree`."""
+
+    def sources(root: Path) -> dict[str, bytes]:
+        return {str(path.relative_to(root)): path.read_bytes() for path in root.rglob("*.py")}
+
+    return sources(installed) == sources(tree)
 
 
 def imported_from(python: Path | str, package: str) -> Path:
@@ -208,7 +253,7 @@ def summary(runs: list[float], digits: int = 0) -> str:
 
 
 def proxies_by_store(
-    base: Path, base_package: str, upstream: str, ttl_ms: int = 60_000
+    a_install: Install, b_install: Install, upstream: str, ttl_ms: int = 60_000
 ) -> Iterator[tuple[str, dict[str, tuple[str, int]]]]:
     """A's and B's proxy in front of `upstream` with the memory store, then both with one redis-server of the run's;
     tasks kept `ttl_ms` (creation makes 1,000 a second: a minute of them)."""
@@ -222,8 +267,8 @@ def proxies_by_store(
         }
         for name, store in stores.items():
             with (
-                proxy(base, base_package, upstream, "modern", store, ttl_ms) as a,
-                proxy(sys.executable, package_of(ROOT), upstream, "modern", store, ttl_ms) as b,
+                proxy(*a_install, upstream, "modern", store, ttl_ms) as a,
+                proxy(*b_install, upstream, "modern", store, ttl_ms) as b,
             ):
                 yield name, {"A": a, "B": b}
 
@@ -235,14 +280,14 @@ def print_table(header: list[str], rows: list[list[str]]) -> None:
         print("| " + " | ".join(row) + " |")
 
 
-def creation(base: Path, base_package: str, upstream: str, seconds: int, repeats: int) -> None:
+def creation(a_install: Install, b_install: Install, upstream: str, seconds: int, repeats: int) -> None:
     """Task creation at 1,000/s through A and B, with the memory store and with Redis: CPU µs and p99 ms; beside
     them, the fast upstream answering a tools/call itself at the same rate (an aiohttp server doing nothing else)."""
     header = ["store", "A µs/creation", "B µs/creation", "B/A", "A p99 ms", "B p99 ms", "aiohttp alone p99 ms"]
     rows = []
     floor = [wrk(upstream, "tools/call", {"name": "plain", "arguments": {}}, meta=META, connections=16,
                  seconds=seconds, name="plain", rate=1000)[2] for _ in range(repeats)]  # fmt: skip
-    for name, targets in proxies_by_store(base, base_package, upstream):
+    for name, targets in proxies_by_store(a_install, b_install, upstream):
         cpu: dict[str, list[float]] = {target: [] for target in targets}
         p99: dict[str, list[float]] = {target: [] for target in targets}
         for repeat in range(repeats):
@@ -260,12 +305,14 @@ def creation(base: Path, base_package: str, upstream: str, seconds: int, repeats
     print_table(header, rows)
 
 
-def reads(base: Path, base_package: str, upstream: str, seconds: int, repeats: int, connections: list[int]) -> None:
+def reads(
+    a_install: Install, b_install: Install, upstream: str, seconds: int, repeats: int, connections: list[int]
+) -> None:
     """tasks/get of a finished task through A and B, closed loop, with the memory store and with Redis."""
     header = ["store", "c", "A µs/get", "B µs/get", "B/A", "A req/s", "B req/s"]
     rows = []
     # A task a day: it must outlive the longest run that polls it (one made before each wrk run).
-    for name, targets in proxies_by_store(base, base_package, upstream, ttl_ms=86_400_000):
+    for name, targets in proxies_by_store(a_install, b_install, upstream, ttl_ms=86_400_000):
         for count in connections:
             cpu: dict[str, list[float]] = {target: [] for target in targets}
             rate: dict[str, list[float]] = {target: [] for target in targets}
@@ -302,10 +349,10 @@ def main() -> None:
         raise SystemExit("wrk is needed: apt-get install wrk")
     if args.path in ("create", "get") and shutil.which("redis-server") is None:
         raise SystemExit(f"redis-server is needed for --path {args.path}: apt-get install redis-server")
-    base, base_package = base_python(args.base)
+    a_install, b_install = base_python(args.base), worktree_python()
     # A comparison of a tree with itself reads as "no change": make sure A and B are the trees they claim to be.
-    a_tree, b_tree = imported_from(base, base_package), imported_from(sys.executable, package_of(ROOT))
-    if not a_tree.is_relative_to(CACHE.resolve()) or b_tree != (ROOT / "proxy").resolve():
+    a_tree, b_tree = imported_from(*a_install), imported_from(*b_install)
+    if not a_tree.is_relative_to(CACHE.resolve()) or not same_sources(b_tree, ROOT / "proxy"):
         raise SystemExit(f"A imports the proxy from {a_tree} and B from {b_tree}: not the two trees to compare")
     head = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True)
     declares = " · the client declares tasks" if args.client == "tasks" and args.path == "passthrough" else ""
@@ -318,10 +365,10 @@ def main() -> None:
         stack.enter_context(process(sys.executable, str(HERE / "fast_upstream.py"), str(upstream_port),
                                     port=upstream_port))  # fmt: skip
         if args.path == "create":
-            creation(base, base_package, upstream, seconds, repeats)
+            creation(a_install, b_install, upstream, seconds, repeats)
             return
         if args.path == "get":
-            reads(base, base_package, upstream, seconds, repeats, [int(c) for c in args.connections.split(",")])
+            reads(a_install, b_install, upstream, seconds, repeats, [int(c) for c in args.connections.split(",")])
             return
         forwarder_port = free_port()
         forwarder = stack.enter_context(process(sys.executable, str(HERE / "minimal_forwarder.py"),
@@ -334,8 +381,8 @@ def main() -> None:
         meta = META_TASKS if args.client == "tasks" else META
         for era in args.eras.split(","):
             with (
-                proxy(base, base_package, upstream, era) as a,
-                proxy(sys.executable, package_of(ROOT), upstream, era) as b,
+                proxy(*a_install, upstream, era) as a,
+                proxy(*b_install, upstream, era) as b,
             ):
                 targets = {"A": a, "B": b, **fixed}
                 for connections in (int(c) for c in args.connections.split(",")):
