@@ -7,6 +7,7 @@ what only the lane can get wrong (framing, hand-over, deadlines, pipelining, the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import secrets
@@ -156,6 +157,72 @@ async def test_a_client_that_declares_tasks_is_relayed_on_the_lane_with_the_byte
         capabilities = sent["params"]["_meta"]["io.modelcontextprotocol/clientCapabilities"]
         assert "io.modelcontextprotocol/tasks" not in capabilities.get("extensions", {})
         assert sent["params"]["_meta"]["io.modelcontextprotocol/protocolVersion"] == "2026-07-28"
+
+
+async def test_the_upstream_s_response_fields_are_relayed_as_the_bytes_received_without_hop_by_hop_ones(make_proxy):
+    """The lane writes the upstream's end-to-end response fields back byte for byte (case, order, repeats, bytes
+    that are not ASCII), without the hop-by-hop ones or those the upstream's Connection header names, and with one
+    Date and one Server: the upstream's own, or the proxy's where the upstream sent none (or named its own in
+    Connection)."""
+    body = b'{"jsonrpc":"2.0","id":1,"result":{"resultType":"complete"}}'
+    shapes = {
+        b"own": b"Date: Thu, 01 Jan 2026 00:00:00 GMT\r\nServer: upstream/1\r\n",
+        b"listed": b"Connection: keep-alive, Date, Server\r\nDate: Thu, 01 Jan 2026 00:00:00 GMT\r\n"
+        b"Server: upstream/1\r\n",
+    }
+
+    writers: list[asyncio.StreamWriter] = []
+
+    async def upstream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            await answer_each(reader, writer)
+        writer.close()
+
+    async def answer_each(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while head := await reader.readuntil(b"\r\n\r\n"):
+            length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+            await reader.readexactly(length)
+            shape = shapes[b"listed" if b"shape=listed" in head.split(b"\r\n")[0] else b"own"]
+            writer.write(
+                b"HTTP/1.1 200 Fine\r\ncontent-TYPE: application/json\r\nConnection: keep-alive, X-Resp-Hop\r\n"
+                b"X-Resp-Hop: 1\r\nKeep-Alive: timeout=5\r\nX-Padded: a  b \t\r\nX-Latin: caf\xe9\r\n"
+                b"Set-Cookie: a=1\r\nSet-Cookie: b=2\r\n" + shape + b"Content-Length: %d\r\n\r\n" % len(body) + body
+            )
+            await writer.drain()
+
+    server = await asyncio.start_server(upstream, "127.0.0.1", 0)
+    try:
+        upstream_port = server.sockets[0].getsockname()[1]
+        proxy = await make_proxy(f"http://127.0.0.1:{upstream_port}/mcp", protocol="modern")
+        for shape in (b"own", b"listed"):
+            before = lane_counts(proxy)
+            raw = http_post(call("quick", {}), extra=b"Connection: close\r\n")
+            raw = raw.replace(b"POST /mcp ", b"POST /mcp?shape=" + shape + b" ", 1)
+            received = await raw_exchange(port_of(proxy), raw)
+            assert lane_counts(proxy)["relayed"] == before.get("relayed", 0) + 1
+            head, _, rest = received.partition(b"\r\n\r\n")
+            lines = head.split(b"\r\n")
+            assert lines[0] == b"HTTP/1.1 200 Fine" and rest == body
+            fields = lines[1:]
+            assert fields[:5] == [
+                b"content-TYPE: application/json",
+                b"X-Padded: a  b",
+                b"X-Latin: caf\xe9",
+                b"Set-Cookie: a=1",
+                b"Set-Cookie: b=2",
+            ]
+            names = [field.split(b":", 1)[0].lower() for field in fields]
+            assert b"x-resp-hop" not in names and b"keep-alive" not in names
+            assert names.count(b"date") == names.count(b"server") == 1
+            assert b"Content-Length: %d" % len(body) in fields and b"Connection: close" in fields
+            upstream_own = b"Server: upstream/1" in fields and b"Date: Thu, 01 Jan 2026 00:00:00 GMT" in fields
+            assert upstream_own == (shape == b"own")
+    finally:
+        server.close()
+        for writer in writers:
+            writer.close()
+        await asyncio.gather(*(writer.wait_closed() for writer in writers), return_exceptions=True)
 
 
 @pytest.mark.parametrize("depth", [400, 600])

@@ -71,16 +71,14 @@ class LaneWriter:
 
     def relayed_head(self, response: CallResponse, keep_alive: bool, length: int | None) -> bytes:
         """The upstream's status line and end-to-end fields as received, framed for this connection."""
-        relayed = response.relayed_headers
+        relayed = response.relayed_fields
         assert relayed is not None
         status = response.status
-        # Decoded as latin-1 by the lean client: encoded back the same way, byte for byte (at once: one encode,
-        # not one per field).
-        fields = "".join([f"{name}: {value}\r\n" for name, value in relayed.items()])
-        lines = [b"HTTP/1.1 %d %s\r\n" % (status, response.reason.encode("latin-1")), fields.encode("latin-1")]
-        if "Date" not in relayed:
+        lines = [b"HTTP/1.1 %d %s\r\n" % (status, response.reason.encode("latin-1"))]
+        lines += [b"%s: %s\r\n" % field for field in relayed]  # the bytes as received: nothing decoded
+        if not response.relays("date"):
             lines.append(f"Date: {self._date()}\r\n".encode())
-        if "Server" not in relayed:
+        if not response.relays("server"):
             lines.append(_SERVER)
         if length is not None:
             lines.append(b"Content-Length: %d\r\n" % length)

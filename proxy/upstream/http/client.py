@@ -204,12 +204,12 @@ class _Connection(asyncio.Protocol):
         response = self.response
         assert response is not None
         headers: dict[str, str] = {}
-        relayed: CIMultiDict[str] | None = CIMultiDict() if response.relayed_headers is not None else None
+        relayed: list[tuple[bytes, bytes]] | None = [] if response.relayed_fields is not None else None
         for name_bytes, value_bytes in zip(self._names, self._values, strict=True):
-            name, value = name_bytes.decode("latin-1"), value_bytes.decode("latin-1").strip()
-            lower = name.lower()
+            lower, value = name_bytes.decode("latin-1").lower(), value_bytes.decode("latin-1").strip()
             if relayed is not None and lower not in RESPONSE_SKIP:
-                relayed.add(name, value)
+                # As received, but for the optional whitespace llhttp leaves after a value (RFC 9110: SP, HTAB).
+                relayed.append((name_bytes, value_bytes.rstrip(b" \t")))
             headers[lower] = f"{headers[lower]}, {value}" if lower in headers else value
         # The raw fields are not needed past this point; an open call may wait for hours, so they are not kept.
         self._names.clear()
@@ -219,9 +219,10 @@ class _Connection(asyncio.Protocol):
         self._reason = b""
         if relayed is not None:
             listed = connection_listed(headers.get("connection"))
-            response.relayed_headers = (
-                relayed if not listed else CIMultiDict((k, v) for k, v in relayed.items() if k.lower() not in listed)
-            )
+            if listed:
+                relayed = [field for field in relayed if field[0].decode("latin-1").lower() not in listed]
+                response.dropped = frozenset(listed)
+            response.relayed_fields = relayed
         self.reusable = parser.should_keep_alive()
         if self._decode:
             self._inflater = Inflater.for_encoding(headers.get("content-encoding", "identity").strip().lower())
@@ -356,17 +357,29 @@ class _ExtraResponse(Exception):
 class CallResponse:
     """The answer to one call: status, headers (lower-case names), then the body read whole or in chunks."""
 
-    __slots__ = ("status", "reason", "headers", "relayed_headers", "_connection", "_client")
+    __slots__ = ("status", "reason", "headers", "relayed_fields", "dropped", "_connection", "_client")
 
     def __init__(self, connection: _Connection, client: CallClient, *, relay: bool = False) -> None:
         self.status = 0
         self.reason = ""
         self.headers: dict[str, str] = {}
-        self.relayed_headers: CIMultiDict[str] | None = CIMultiDict() if relay else None
-        """When asked for: the end-to-end fields as received (case, order, repeats; hop-by-hop ones and those the
-        Connection header names dropped), what a relay passes on."""
+        self.relayed_fields: list[tuple[bytes, bytes]] | None = [] if relay else None
+        """When asked for: the end-to-end fields as received, in bytes (case, order, repeats; hop-by-hop ones and
+        those the Connection header names dropped), what a relay passes on."""
+        self.dropped: frozenset[str] = frozenset()
+        """The lowercase names the Connection header listed: in `headers`, not in `relayed_fields`."""
         self._connection: _Connection | None = connection
         self._client = client
+
+    @property
+    def relayed_headers(self) -> CIMultiDict[str]:
+        """`relayed_fields` decoded (latin-1, byte for byte), for aiohttp's response."""
+        assert self.relayed_fields is not None, "asked of a response read without relay=True"
+        return CIMultiDict((name.decode("latin-1"), value.decode("latin-1")) for name, value in self.relayed_fields)
+
+    def relays(self, lower_name: str) -> bool:
+        """Whether the relayed fields hold a field of this (lowercase) name."""
+        return lower_name in self.headers and lower_name not in self.dropped and lower_name not in RESPONSE_SKIP
 
     @property
     def content_type(self) -> str:
