@@ -381,6 +381,19 @@ async def test_a_task_rule_s_tool_is_not_relayed_by_the_lane(proxy):
     assert lane_counts(proxy).get("relayed", 0) == 0
 
 
+async def test_a_request_whose_body_is_not_ascii_is_relayed_on_the_lane(proxy):
+    """The head's fields are checked one by one when the bytes read with them are not all ASCII (a UTF-8 body):
+    plain ones still take the lane, as when the whole read is ASCII."""
+    for text in ("caf\u00e9 \u2603", "plain"):
+        before = lane_counts(proxy)
+        message = call("add", {"a": 2, "b": 3}, note=text)
+        body = json.dumps(message, ensure_ascii=False)
+        assert body.isascii() == (text == "plain")
+        reply = await proxy.client.post_raw(body, headers_for(message))
+        assert reply.result["structuredContent"] == {"result": 5}
+        assert lane_counts(proxy)["relayed"] == before.get("relayed", 0) + 1
+
+
 async def test_bytes_the_lane_will_not_read_go_to_aiohttp_whole(proxy):
     port = port_of(proxy)
     message = call("add", {"a": 1, "b": 2})

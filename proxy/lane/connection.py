@@ -12,7 +12,7 @@ import httptools
 
 from ..jsonrpc import INVALID_REQUEST, error_object
 from .answers import answer
-from .routing import Head, lane_request
+from .routing import MAX_FIELD_BYTES, Head, lane_request
 from .visits import Visit
 from .writer import LaneWriter
 
@@ -195,6 +195,7 @@ class LaneConnection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         lane = self._lane
         config = lane.policy.config
+        raw = self._raw  # this request's bytes so far: its whole head, and what of the body came with it
         self._head = head = Head(
             self._parser,
             self._url,
@@ -202,6 +203,7 @@ class LaneConnection(asyncio.Protocol):
             max_body_bytes=config.limits.max_body_bytes,
             rule_for=config.rule_for,
             lane_open=lane.open,
+            short_ascii=len(raw) <= MAX_FIELD_BYTES and raw.isascii(),
         )
         if head.kind is None and not head.whole:
             raise _HandOver

@@ -66,7 +66,10 @@ class Head:
         max_body_bytes: int,
         rule_for: Callable[[str], ToolRule | None],
         lane_open: bool,
+        short_ascii: bool = False,
     ) -> None:
+        """`short_ascii`: the bytes read of the request so far, its head among them, are ASCII and no longer than
+        one field may be, so no field needs those checks of its own."""
         self._rule_for = rule_for
         self.tool: str | None = None
         self.rule: ToolRule | None = None
@@ -82,11 +85,18 @@ class Head:
             return
         lengths = 0
         length = mcp_method = name = None
-        plain = True  # ASCII, within bounds, no repeated singleton: nothing for aiohttp alone to judge
+        # ASCII, within bounds, no repeated singleton: nothing for aiohttp alone to judge (what the proxy says of a
+        # header that is not UTF-8 is aiohttp's to say).
+        plain = short_ascii or all(
+            value.isascii() and len(value) <= MAX_FIELD_BYTES and len(field) <= MAX_FIELD_BYTES
+            for field, value in fields
+        )
         seen: set[bytes] = set()
         for field, value in fields:
             lower = field.lower()
             role = _ROLES.get(lower)
+            if role is None:
+                continue
             if role is _FRAMING:
                 self.whole = False  # aiohttp must read such a body as it arrives, or change the connection
                 return
@@ -100,11 +110,9 @@ class Head:
                 except ValueError:
                     self.whole = False
                     return
-            if not value.isascii() or len(value) > MAX_FIELD_BYTES or len(field) > MAX_FIELD_BYTES:
-                plain = False  # what the proxy says of a header that is not UTF-8 is aiohttp's to say
-            elif role is None:
-                continue
-            elif role is _METHOD:
+            if not plain:
+                continue  # only the framing matters now: aiohttp answers the request
+            if role is _METHOD:
                 mcp_method = value.decode().strip()
             elif role is _NAME:
                 name = value
