@@ -394,6 +394,39 @@ async def test_a_request_whose_body_is_not_ascii_is_relayed_on_the_lane(proxy):
         assert lane_counts(proxy)["relayed"] == before.get("relayed", 0) + 1
 
 
+async def test_a_small_head_with_a_large_body_in_one_write_takes_the_lane_and_an_endless_head_goes_to_aiohttp(proxy):
+    """The lane's bound on a head counts the head only: a body that arrives in the same read as its head (a client
+    writing the whole request at once) does not make the request aiohttp's. A head still unfinished past the bound
+    is aiohttp's to refuse, with the bytes the lane read."""
+    port = port_of(proxy)
+    big = call("add", {"a": 2, "b": 3}, note="x" * 200_000)
+    before = lane_counts(proxy)
+    status, _, body = answers(await raw_exchange(port, http_post(big, extra=b"Connection: close\r\n")))[0]
+    assert status == 200 and json.loads(body)["result"]["structuredContent"] == {"result": 5}
+    after = lane_counts(proxy)
+    assert after["relayed"] == before.get("relayed", 0) + 1
+    assert after.get("handed_over", 0) == before.get("handed_over", 0)
+    # 40 KB of header lines, the head unfinished: the connection is aiohttp's, which reads the rest of the request
+    # from there and answers it.
+    message = call("add", {"a": 4, "b": 5})
+    whole = http_post(message, extra=b"".join(b"X-Pad-%d: %s\r\n" % (n, b"y" * 4000) for n in range(10)))
+    cut = whole.index(b"X-Pad-9")
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(whole[:cut])
+    await eventually(lambda: _async(lane_counts(proxy)["handed_over"] == after.get("handed_over", 0) + 1))
+    writer.write(whole[cut:])
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=10)
+    length = int(re.search(rb"(?i)\r\ncontent-length: *(\d+)", head).group(1))
+    answer = json.loads(await reader.readexactly(length))
+    assert head.startswith(b"HTTP/1.1 200") and answer["result"]["structuredContent"] == {"result": 9}
+    assert lane_counts(proxy)["relayed"] == after["relayed"]
+    writer.close()
+
+
+async def _async(value: Any) -> Any:
+    return value
+
+
 async def test_bytes_the_lane_will_not_read_go_to_aiohttp_whole(proxy):
     port = port_of(proxy)
     message = call("add", {"a": 1, "b": 2})

@@ -147,9 +147,6 @@ class LaneConnection(asyncio.Protocol):
         self._raw += data
         if self._reading == "head":
             self._head_bytes += len(data)
-            if self._head_bytes > MAX_HEAD_BYTES:
-                self._hand_over()
-                return
         try:
             self._parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade):
@@ -171,6 +168,11 @@ class LaneConnection(asyncio.Protocol):
         elif self._visit_due:
             self._visit_due = False
             self._start_visit()
+        elif self._reading == "head" and self._head_bytes > MAX_HEAD_BYTES:
+            # Judged once the read is parsed, so that only a head still unfinished counts (a body that came in the
+            # same read as its head does not): the lane holds at most this much of a head, and one read more.
+            self._hand_over()
+            return
         else:
             return  # a request still being read
         # The request is its answer's or aiohttp's now (the body joined into the request, or for aiohttp in the raw
