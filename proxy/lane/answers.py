@@ -41,7 +41,8 @@ class LaneRequest:
     """"modern" (relayed as received), "legacy" (bridged) or "owned" (the proxy's: tasks/*, task creation)."""
     headers: CIMultiDict[str]
     body: bytes
-    message: dict[str, Any]
+    message: dict[str, Any] | None
+    """Let go of (None) once the answer needs no more of it: a relayed stream may last as long as the call."""
     fields: tuple[tuple[bytes, bytes], ...]
     query: bytes
     rule: ToolRule | None
@@ -54,11 +55,16 @@ async def answer(
     """Answer `request` on `out`, then call `then` with whether the connection may carry another request (a call,
     not a coroutine the connection awaits: one frame less per request)."""
     headers, message = request.headers, request.message
+    assert message is not None
     client_id = headers.get("X-Request-Id")
     usable = client_id is not None and 0 < len(client_id) <= 128 and client_id.isprintable()
     bind_request_id(client_id if usable else None)
     started = time.perf_counter()
     info = RequestInfo(jsonrpc_id=message["id"], rpc_method=message["method"])
+    if info.rpc_method == "tools/call" and lane.policy.config.logging.level in _VERBOSE_LEVELS:
+        tool = message["params"].get("name") if isinstance(message.get("params"), dict) else None
+        info.tool = tool if isinstance(tool, str) else None  # for the log line: the message is not kept that long
+    del message  # `request` holds it, for as long as the kind's own answer needs it
     status = 500
     reply = None
     try:
@@ -68,14 +74,14 @@ async def answer(
             info.mode = "legacy"
 
             def answered_elsewhere(final: int, reusable: bool) -> None:
-                _account(lane, info, headers, message, final, started)
+                _account(lane, info, headers, final, started)
                 then(keep_alive and reusable)
 
             # The bridge may answer the client from another task and read the call on in this one (bridge.py),
             # for as long as it waits parked: the body, parsed, is not held that long.
             request.body = b""
             reply = LaneReply(out, keep_alive, answered_elsewhere)
-            status = await lane.bridge.relay(headers, message, reply)
+            status = await lane.bridge.relay(headers, _taken(request), reply)
         else:
             status = await _relay(lane, out, request, keep_alive=keep_alive)
     except asyncio.CancelledError:
@@ -108,21 +114,24 @@ async def answer(
                           keep_alive=False)  # fmt: skip
     finally:
         if reply is None or not reply.taken:
-            _account(lane, info, headers, message, status, started)
+            _account(lane, info, headers, status, started)
     if reply is None or not reply.taken:
         then(keep_alive)
 
 
-def _account(
-    lane: Lane, info: RequestInfo, headers: CIMultiDict[str], message: dict[str, Any], status: int, started: float
-) -> None:
+def _taken(request: LaneRequest) -> dict[str, Any]:
+    """The request's message, which `request` no longer holds: passed on, never a local of a frame that waits as
+    long as the call runs."""
+    message, request.message = request.message, None
+    assert message is not None
+    return message
+
+
+def _account(lane: Lane, info: RequestInfo, headers: CIMultiDict[str], status: int, started: float) -> None:
     """The request's metrics and log line, once it is answered."""
     elapsed_s = time.perf_counter() - started
     lane.metrics.observe_request(method_label(info.rpc_method), info.mode, status, elapsed_s)
     if lane.policy.config.logging.level in _VERBOSE_LEVELS:
-        if info.tool is None and info.rpc_method == "tools/call":
-            tool = message["params"].get("name") if isinstance(message.get("params"), dict) else None
-            info.tool = tool if isinstance(tool, str) else None
         log_request_handled(
             info,
             principal=lane.identity.logged_principal(headers),
@@ -137,6 +146,7 @@ def _account(
 async def _owned(lane: Lane, out: LaneWriter, request: LaneRequest, info: RequestInfo, *, keep_alive: bool) -> int:
     """tasks/* and a task-creating tools/call, as proxy/dispatch.py serves them."""
     message = request.message
+    assert message is not None
     if request.rule is None:
         info.mode = "local"
         result = await lane.tasks2026.handle(request.headers, message, info)
@@ -157,7 +167,8 @@ async def _owned(lane: Lane, out: LaneWriter, request: LaneRequest, info: Reques
 
 async def _relay(lane: Lane, out: LaneWriter, request: LaneRequest, *, keep_alive: bool) -> int:
     upstream = lane.gateway.relay.upstream  # type: ignore[attr-defined]  # an HttpRelay: Lane.route
-    message = request.message
+    request_id = request.message["id"]  # type: ignore[index]
+    request.message = None  # parsed, about ten times the body's size: not held while the call runs
     try:
         fields = relayed_request_fields(request.fields, request.headers)
         response = await upstream.post(fields, request.body, query=request.query.decode(), relay=True)
@@ -172,7 +183,7 @@ async def _relay(lane: Lane, out: LaneWriter, request: LaneRequest, *, keep_aliv
         empty = status in (204, 304)
         if not empty and (stream or length is None or int(length) > READ_WHOLE_BYTES):
             whole = None if stream or length is None else int(length)
-            await _relay_stream(lane, out, response, whole, message["id"], keep_alive=keep_alive)
+            await _relay_stream(lane, out, response, whole, request_id, keep_alive=keep_alive)
             return status
         try:
             payload = await response.read() if not empty else b""

@@ -162,6 +162,8 @@ class SyncBridge:
             answers = params.get("inputResponses")
             if not isinstance(answers, dict):
                 answers = {}
+            message = _slim(message)  # what follows the answers needs only the envelope
+            del params
             try:
                 for key, answer in answers.items():
                     respond = call.replies.pop(key, None)
@@ -189,6 +191,10 @@ class SyncBridge:
                 max_bytes=self._max_bytes(),
                 on_request=feed.put,  # a request for this call on the standalone stream joins its round
             )
+            # The request as parsed, about ten times its body's size, goes with the POST (legacy.py): the call may
+            # run for hours, and answering it needs only the envelope.
+            message = _slim(message)
+            del params, upstream_message, capabilities
             if reply.separable:
                 call = _Call(feed=feed, pump=asyncio.current_task())  # type: ignore[arg-type]
                 return await self._drive(headers, message, call, events, reply)
@@ -345,6 +351,14 @@ class SyncBridge:
         subject = params.get("name", params.get("uri", ""))
         caller = f"{self._identity.credential(headers)}|{self._identity.principal(headers)}"
         return f"{caller}|{message['method']}|{subject}"
+
+
+def _slim(message: dict[str, Any]) -> dict[str, Any]:
+    """What answering a request needs of it once it is sent: its id and method, and the name or URI its parked call
+    is bound to (`SyncBridge._binding`)."""
+    params = params_of(message)
+    bound = {"name": params["name"]} if "name" in params else {"uri": params["uri"]} if "uri" in params else {}
+    return {"jsonrpc": "2.0", "id": message["id"], "method": message["method"], "params": bound}
 
 
 async def _pump(events: AsyncIterator[Event], feed: _Feed) -> None:

@@ -378,6 +378,8 @@ class LegacyUpstream:
         Ending early (cancel, timeout, shutdown) posts notifications/cancelled for the request.
         """
         legacy = to_legacy(message)
+        del message  # the caller's: this generator holds only what it sends, and that only until it is sent
+        request_id = legacy["id"]
         try:
             if follow is not None:  # the session the server made its task in, opened through another replica
                 session = LegacySession(follow.session_id, follow.protocol_version, self._principal_key(client_headers))
@@ -387,7 +389,7 @@ class LegacyUpstream:
             yield proxy_failure(_unreachable(exc), self.url, transient="unsent")  # the call itself never left
             return
         route = CallRoute(capabilities, on_request)
-        session.calls[legacy["id"]] = route  # for the whole call: an upstream task's follow-up requests included
+        session.calls[request_id] = route  # for the whole call: an upstream task's follow-up requests included
         try:
             # (A call to follow made its task already: it is followed, never sent, whatever the link.)
             if follow is not None or await runs_as_task(self, legacy, client_headers):
@@ -397,13 +399,14 @@ class LegacyUpstream:
                 )
             else:
                 events = self.exchange(legacy, client_headers, capabilities, max_bytes=max_bytes, route=route)
+            del legacy  # the events' own now
             try:
                 async for event in events:
                     yield event
             finally:
                 await events.aclose()
         finally:
-            session.calls.pop(legacy["id"], None)
+            session.calls.pop(request_id, None)
 
     async def exchange(
         self,
@@ -422,7 +425,7 @@ class LegacyUpstream:
         With `session`, a 2025-era client's own: the request goes over it, and results, errors and the server's
         requests come back verbatim, for that client; with `verbatim` False, the proxy's own session that a call's
         upstream task belongs to."""
-        request_id = legacy["id"]
+        request_id, request_method = legacy["id"], legacy["method"]
         verbatim = session is not None if verbatim is None else verbatim
         if verbatim and session is not None:
             # Where the server cannot know what this client declared (one stdio child for all), the proxy checks.
@@ -434,6 +437,7 @@ class LegacyUpstream:
             unsent = isinstance(exc, RequestUnsent | UpstreamUnavailable)  # no connection, or no session to send it on
             yield proxy_failure(_unreachable(exc), self.url, transient="unsent" if unsent else "unanswered")
             return
+        del legacy  # sent: a call may run for hours, and its arguments may be large
         if session.on_status is not None:
             session.on_status(response.status)
         if route is not None:
@@ -465,7 +469,7 @@ class LegacyUpstream:
                     or (response.status >= 400 and upstream_message.get("id") is None and "error" in upstream_message)
                 ):
                     finished = True
-                    yield answer_event(legacy["method"], upstream_message, self, verbatim=verbatim)
+                    yield answer_event(request_method, upstream_message, self, verbatim=verbatim)
                     return
             finished = True
             yield proxy_failure("the upstream closed its event stream before answering the call", self.url)
