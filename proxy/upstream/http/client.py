@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import operator
 import ssl
 import time
 from collections.abc import AsyncIterator, Mapping
+from itertools import compress, repeat
 from urllib.parse import urlsplit
 
 import httptools
@@ -66,8 +68,6 @@ class _Connection(asyncio.Protocol):
         "_parser",
         "_head",
         "_head_bytes",
-        "_head_size",
-        "_header_count",
         "_reason",
         "_names",
         "_values",
@@ -93,9 +93,6 @@ class _Connection(asyncio.Protocol):
         self._head: asyncio.Future[None] | None = None
         self._head_bytes = 0
         """Bytes received while the head was incomplete (the parser's own buffers grow with them)."""
-        self._head_size = 0
-        """Bytes of the status line and header fields parsed so far."""
-        self._header_count = 0
         self._reason = b""
         self._names: list[bytes] = []
         self._values: list[bytes] = []
@@ -173,28 +170,26 @@ class _Connection(asyncio.Protocol):
         self._reason = b""
         self._names.clear()
         self._values.clear()
-        self._header_count = self._head_size = 0
 
     def on_status(self, status: bytes) -> None:
         self._reason += status
-        self._count(len(status))
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._header_count += 1
-        if self._header_count > _MAX_HEADERS:
+        names = self._names
+        if len(names) >= _MAX_HEADERS:
             raise ValueError(f"more than {_MAX_HEADERS} header fields")
-        self._count(len(name) + len(value) + 4)
-        self._names.append(name)
+        names.append(name)
         self._values.append(value)
-
-    def _count(self, size: int) -> None:
-        self._head_size += size
-        if self._head_size > MAX_HEAD_BYTES:
-            raise ValueError(f"the response head exceeds {MAX_HEAD_BYTES} bytes")
 
     def on_headers_complete(self) -> None:
         parser = self._parser
         assert parser is not None
+        # The head's size, once it is whole: a head that does not end is bounded by data_received across reads,
+        # and within one read by the read's own size.
+        names, values = self._names, self._values
+        size = len(self._reason) + sum(map(len, names)) + sum(map(len, values)) + 4 * len(names)
+        if size > MAX_HEAD_BYTES:
+            raise ValueError(f"the response head exceeds {MAX_HEAD_BYTES} bytes")
         status = parser.get_status_code()
         if status < 100 or status > 599:
             raise ValueError(f"status code {status}")
@@ -203,17 +198,22 @@ class _Connection(asyncio.Protocol):
             return
         response = self.response
         assert response is not None
-        headers: dict[str, str] = {}
-        relayed: list[tuple[bytes, bytes]] | None = [] if response.relayed_fields is not None else None
-        for name_bytes, value_bytes in zip(self._names, self._values, strict=True):
-            lower, value = name_bytes.decode("latin-1").lower(), value_bytes.decode("latin-1").strip()
-            if relayed is not None and lower not in RESPONSE_SKIP:
-                # As received, but for the optional whitespace llhttp leaves after a value (RFC 9110: SP, HTAB).
-                relayed.append((name_bytes, value_bytes.rstrip(b" \t")))
-            headers[lower] = f"{headers[lower]}, {value}" if lower in headers else value
+        # Every field decoded by the same few C loops (map), not a Python loop a field: every response has them.
+        lowers = list(map(str.lower, map(str, names, repeat("latin-1"))))
+        texts = list(map(str.strip, map(str, values, repeat("latin-1"))))
+        headers = dict(zip(lowers, texts, strict=True))
+        if len(headers) < len(lowers):  # a repeated field: one value, the copies' joined (RFC 9110, 5.3)
+            headers = {}
+            for lower, text in zip(lowers, texts, strict=True):
+                headers[lower] = f"{headers[lower]}, {text}" if lower in headers else text
+        relayed = None
+        if response.relayed_fields is not None:
+            # As received, but for the optional whitespace llhttp leaves after a value (RFC 9110: SP, HTAB).
+            kept = map(operator.not_, map(RESPONSE_SKIP.__contains__, lowers))
+            relayed = list(compress(zip(names, map(bytes.rstrip, values, repeat(b" \t")), strict=True), kept))
         # The raw fields are not needed past this point; an open call may wait for hours, so they are not kept.
-        self._names.clear()
-        self._values.clear()
+        names.clear()
+        values.clear()
         response.status, response.headers = status, headers
         response.reason = self._reason.decode("latin-1")
         self._reason = b""
