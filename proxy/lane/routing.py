@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from itertools import compress, repeat
-from operator import is_, itemgetter
 from typing import TYPE_CHECKING
 
 import httptools
@@ -37,14 +35,9 @@ _ROLES = {
     b"mcp-name": _NAME,
 }
 """What a header field is to the lane: one lookup per field (SINGLETON_HEADERS: aiohttp refuses a repeated one)."""
-_COUNTED = frozenset({_SINGLETON, _LENGTH})
-"""Roles of the fields aiohttp refuses to see twice."""
 _NOT_LANES = frozenset({"subscriptions/listen", "server/discover"})
 
 
-_FIELD_NAME, _FIELD_VALUE = itemgetter(0), itemgetter(1)
-_OWS = repeat(" \t")
-"""What str.rstrip removes from every value: the optional whitespace of RFC 9110 (SP, HTAB)."""
 _SHARED_NAME_BYTES = 64
 """Longer header names are decoded per request, never kept: 1,024 names of 64 bytes at most, whatever clients send."""
 
@@ -90,35 +83,44 @@ class Head:
         )
         if not self.whole:
             return
-        # What each field is to the lane, in C loops (map, compress): not a Python loop a field on every request.
-        lowers = list(map(bytes.lower, map(_FIELD_NAME, fields)))
-        roles = list(map(_ROLES.get, lowers))
-        if _FRAMING in roles:
-            self.whole = False  # aiohttp must read such a body as it arrives, or change the connection
-            return
-        lengths = roles.count(_LENGTH)
-        length = None
-        for length in _valued(fields, roles, _LENGTH):
-            try:
-                if int(length) > max_body_bytes:
-                    self.whole = False
-                    return
-            except ValueError:
-                self.whole = False
-                return
+        lengths = 0
+        length = mcp_method = name = None
         # ASCII, within bounds, no repeated singleton: nothing for aiohttp alone to judge (what the proxy says of a
-        # header that is not UTF-8 is aiohttp's to say; aiohttp refuses a repeated Host, Content-Type...).
+        # header that is not UTF-8 is aiohttp's to say).
         plain = short_ascii or all(
             value.isascii() and len(value) <= MAX_FIELD_BYTES and len(field) <= MAX_FIELD_BYTES
             for field, value in fields
         )
-        singletons = list(compress(lowers, map(_COUNTED.__contains__, roles)))
-        if not plain or len(set(singletons)) < len(singletons):
-            return
-        methods, names = _valued(fields, roles, _METHOD), _valued(fields, roles, _NAME)
-        mcp_method = methods[-1].decode().strip() if methods else None
-        name = names[-1] if names else None
-        if not (lane_open and method == b"POST" and lengths == 1 and mcp_method is not None):
+        seen: set[bytes] = set()
+        for field, value in fields:
+            lower = field.lower()
+            role = _ROLES.get(lower)
+            if role is None:
+                continue
+            if role is _FRAMING:
+                self.whole = False  # aiohttp must read such a body as it arrives, or change the connection
+                return
+            if role is _LENGTH:
+                lengths += 1
+                length = value
+                try:
+                    if int(value) > max_body_bytes:
+                        self.whole = False
+                        return
+                except ValueError:
+                    self.whole = False
+                    return
+            if not plain:
+                continue  # only the framing matters now: aiohttp answers the request
+            if role is _METHOD:
+                mcp_method = value.decode().strip()
+            elif role is _NAME:
+                name = value
+            elif lower in seen:  # a singleton, Content-Length included
+                plain = False  # aiohttp refuses a repeated Host, Content-Type...: it must see the request
+            else:
+                seen.add(lower)
+        if not (lane_open and plain and method == b"POST" and lengths == 1 and mcp_method is not None):
             return
         if url.partition(b"?")[0] != _MCP_PATH or int(length) <= 0:  # type: ignore[arg-type]
             return
@@ -140,11 +142,6 @@ class Head:
         return self.rule if tool == self.tool and tool is not None else self._rule_for(tool)
 
 
-def _valued(fields: list[tuple[bytes, bytes]], roles: list[str | None], role: str) -> list[bytes]:
-    """The values of the fields that play `role`, in order."""
-    return list(compress(map(_FIELD_VALUE, fields), map(is_, roles, repeat(role))))
-
-
 def lane_request(
     lane: Lane,
     head: Head,
@@ -161,16 +158,12 @@ def lane_request(
         return None
     # llhttp keeps a value's trailing spaces and tabs; aiohttp strips them, and so must the lane, or `Bearer me ` would
     # be a caller of its own here and another on aiohttp's path (relayed_request_fields strips the relayed ones).
-    if max(map(len, map(_FIELD_NAME, fields)), default=0) <= _SHARED_NAME_BYTES:  # C loops (map), not one a field
-        values = map(str.rstrip, map(bytes.decode, map(_FIELD_VALUE, fields)), _OWS)
-        headers = CIMultiDict(zip(map(_shared_name, map(_FIELD_NAME, fields)), values, strict=True))
-    else:
-        headers = CIMultiDict(
-            [
-                (_shared_name(name) if len(name) <= _SHARED_NAME_BYTES else name.decode(), value.decode().rstrip(" \t"))
-                for name, value in fields
-            ]
-        )
+    headers = CIMultiDict(
+        [
+            (_shared_name(name) if len(name) <= _SHARED_NAME_BYTES else name.decode(), value.decode().rstrip(" \t"))
+            for name, value in fields
+        ]
+    )
     if not lane.guard.host_allowed(headers.get("Host")) or not lane.guard.origin_allowed(headers.get("Origin")):
         return None
     body = b"".join(body_parts)

@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import operator
 import ssl
 import time
 from collections.abc import AsyncIterator, Mapping
-from itertools import compress, repeat
 from urllib.parse import urlsplit
 
 import httptools
@@ -198,22 +196,17 @@ class _Connection(asyncio.Protocol):
             return
         response = self.response
         assert response is not None
-        # Every field decoded by the same few C loops (map), not a Python loop a field: every response has them.
-        lowers = list(map(str.lower, map(str, names, repeat("latin-1"))))
-        texts = list(map(str.strip, map(str, values, repeat("latin-1"))))
-        headers = dict(zip(lowers, texts, strict=True))
-        if len(headers) < len(lowers):  # a repeated field: one value, the copies' joined (RFC 9110, 5.3)
-            headers = {}
-            for lower, text in zip(lowers, texts, strict=True):
-                headers[lower] = f"{headers[lower]}, {text}" if lower in headers else text
-        relayed = None
-        if response.relayed_fields is not None:
-            # As received, but for the optional whitespace llhttp leaves after a value (RFC 9110: SP, HTAB).
-            kept = map(operator.not_, map(RESPONSE_SKIP.__contains__, lowers))
-            relayed = list(compress(zip(names, map(bytes.rstrip, values, repeat(b" \t")), strict=True), kept))
+        headers: dict[str, str] = {}
+        relayed: list[tuple[bytes, bytes]] | None = [] if response.relayed_fields is not None else None
+        for name_bytes, value_bytes in zip(self._names, self._values, strict=True):
+            lower, value = name_bytes.decode("latin-1").lower(), value_bytes.decode("latin-1").strip()
+            if relayed is not None and lower not in RESPONSE_SKIP:
+                # As received, but for the optional whitespace llhttp leaves after a value (RFC 9110: SP, HTAB).
+                relayed.append((name_bytes, value_bytes.rstrip(b" \t")))
+            headers[lower] = f"{headers[lower]}, {value}" if lower in headers else value
         # The raw fields are not needed past this point; an open call may wait for hours, so they are not kept.
-        names.clear()
-        values.clear()
+        self._names.clear()
+        self._values.clear()
         response.status, response.headers = status, headers
         response.reason = self._reason.decode("latin-1")
         self._reason = b""

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import operator
-from itertools import compress
-from operator import itemgetter
 from typing import TYPE_CHECKING
 
 from multidict import CIMultiDict, MultiMapping
@@ -98,9 +95,7 @@ def relayed_request_fields(
     if "Connection" in headers:  # rare: headers named hop-by-hop for this connection only go no further either
         listed = connection_listed(", ".join(headers.getall("Connection")))
         drop = drop.union(name.encode("utf-8", "surrogateescape") for name in listed)
-    # C loops (map, compress), not a Python loop a field: every relayed request has them.
-    dropped = map(drop.__contains__, map(bytes.lower, map(itemgetter(0), raw_headers)))
-    lines = list(map(b"%s: %s\r\n".__mod__, compress(raw_headers, map(operator.not_, dropped))))
+    lines = [b"%s: %s\r\n" % field for field in raw_headers if field[0].lower() not in drop]
     fields = b"".join(lines)
     # The parser refuses CR and LF inside a field; never trusted alone, as one would end the line early upstream.
     if fields.count(b"\n") != len(lines) or fields.count(b"\r") != len(lines):
