@@ -225,6 +225,16 @@ async def test_oversized_result_fails_the_task_and_names_the_limit(make_proxy, m
     assert "exceeds limits.max_result_bytes (100)" in failed.result["statusMessage"]
 
 
+async def test_an_oversized_result_of_a_2025_server_fails_the_task_too(make_proxy, legacy_upstream):
+    """A bridged answer is not measured as it passes (a client's call is bounded as it is read); a task's result
+    is, whichever era's server gave it."""
+    proxy = await make_proxy(legacy_upstream, tools=[{"match": "slow"}], limits={"max_result_bytes": 60})
+    created = await proxy.client.call_tool("slow", {"seconds": 0})
+    failed = await task_reaches(proxy.client, created.result["taskId"], "failed", "completed")
+    assert failed.result["status"] == "failed"
+    assert "exceeds limits.max_result_bytes (60)" in failed.result["statusMessage"]
+
+
 async def test_polling_faster_than_allowed_gets_429_with_the_interval(make_proxy, mcp_upstream):
     from tests.test_store import FakeTimer
 

@@ -18,7 +18,7 @@ from multidict import MultiMapping
 
 from .. import PROTOCOL_VERSION, TASKS_EXTENSION, __version__
 from ..envelope import params_of
-from ..jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, dumps, error_object
+from ..jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, error_object
 from ..security import Identity
 from .events import (
     RETRIED_STATUSES,
@@ -550,7 +550,7 @@ def answer_event(method: str, answer: dict[str, Any], upstream: LegacyUpstream, 
         upstream.task_support.learn(result)
         result = without_task_support(result)
     result = to_modern_result(method, result)
-    return Finished(result, len(dumps(result)))
+    return Finished(result)  # its size is measured where a bound applies (a task's result), not for every answer
 
 
 class NoSessionRoom(UpstreamUnavailable):
