@@ -9,6 +9,8 @@ import secrets
 import aiohttp
 import pytest
 from aiohttp import web
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mcp_tasks_proxy.upstream.http.sse import SseParser
 from tests.conftest import eventually
@@ -255,6 +257,31 @@ def test_dumps_stops_at_a_depth_of_its_own_whatever_the_stack():
     assert deep_in_the_stack(200).startswith(b"[[")  # 200 frames deeper, the same answer
     with pytest.raises(ValueError, match="stack"):  # a caller deeper than the proxy's ever are: still a ValueError
         deep_in_the_stack(700)
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=3),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=2), inner, max_size=3),
+    max_leaves=40,
+)
+
+
+def _depth(value: object) -> int:
+    """Levels of arrays and objects in `value`, recursively: the plain reading of what the walk measures."""
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(_JSON, st.integers(min_value=0, max_value=12))
+def test_the_nesting_walk_says_what_the_recursive_depth_says(value: object, limit: int) -> None:
+    """The walk that decides what `dumps` refuses (level by level, in C loops) agrees with the recursive depth."""
+    from mcp_tasks_proxy.jsonrpc import _nested_deeper
+
+    assert _nested_deeper(value, limit) == (_depth(value) > limit)
 
 
 async def _received(fake, count: int) -> bool:
