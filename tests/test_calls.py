@@ -220,6 +220,9 @@ _BROKEN = [
      "compressed body ends before"),
     (b"HTTP/1.1 200 OK\r\n" + b"X: " + b"a" * 70_000, "response head exceeds 65536 bytes"),
     (b"HTTP/1.1 200 OK\r\n" + b"X: a\r\n" * 300 + b"\r\n", "more than 200 header fields"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n"
+     + b"".join(b"X-T%d: %s\r\n" % (n, b"y" * 10_000) for n in range(10)) + b"\r\n",
+     "trailer fields exceed 65536 bytes"),
     (b"", "closed the connection before the response"),
 ]  # fmt: skip
 
@@ -363,3 +366,14 @@ async def test_bytes_after_the_end_of_a_compressed_body_are_an_error_not_a_build
     with pytest.raises(CallError, match="bytes after the end of the compressed body"):
         async with await client.post({}, b"x") as response:
             await response.read(limit=1024 * 1024)
+
+
+async def test_a_chunked_body_with_trailer_fields_is_read_whole_and_the_connection_reused(serve) -> None:
+    answer = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\nX-Checksum: 1\r\nX-Other: 2\r\n\r\n"
+    server = await serve(respond(answer))
+    client = CallClient(server.url, connect_timeout_s=2)
+    for _ in range(2):
+        async with await client.post({}, b"x") as response:
+            assert await response.read() == b"ok"
+            assert "x-checksum" not in response.headers  # trailers are counted, not kept
+    assert server.connections == 1

@@ -5,6 +5,7 @@ failures of a task followed after a lost replica are the call's own outcome and 
 from __future__ import annotations
 
 import asyncio
+import weakref
 from typing import Any
 
 import pytest
@@ -119,3 +120,24 @@ async def test_a_server_that_stops_answering_tasks_get_ends_the_call_unknown_onl
     assert (outcome.error.get("data", {}).get("outcome") == "unknown") is (follow is not None)
     await asyncio.gather(*server.spawned)
     assert "tasks/cancel" in server.asked  # it may still run there: it is cancelled
+
+
+async def test_a_call_the_server_runs_as_its_task_keeps_nothing_of_its_request_while_it_runs():
+    """Once the task request is sent, the call holds none of the request's arguments, however long the server's
+    task runs (they may be megabytes)."""
+
+    class Arguments(dict):  # a dict that a weak reference can watch
+        pass
+
+    arguments = Arguments(items=list(range(1000)))
+    watched = weakref.ref(arguments)
+    call = {**CALL, "params": {"name": "slow", "arguments": arguments}}
+    session = LegacySession("session-1", "2025-11-25", "")
+    stream = run_as_upstream_task(
+        ScriptedServer(polls=[]), session, call, CIMultiDict(), {}, CallRoute({}, None), 1 << 20
+    )
+    del call, arguments
+    made = await anext(stream)  # the server made its task; it runs on (tasks/get says "working")
+    assert isinstance(made, Progress) and made.upstream_task is not None
+    assert watched() is None
+    await stream.aclose()

@@ -294,47 +294,54 @@ async def test_a_connection_between_requests_holds_no_copy_of_the_last_request(p
     assert held and max(held) == 0, held
 
 
-async def _modern_upstream_holding_its_stream(release: asyncio.Event, sent: asyncio.Event):
-    """A 2026 upstream that reads a call, sends one progress event and holds its stream until `release`."""
+async def _modern_upstream_holding_its_answer(release: asyncio.Event, sent: asyncio.Event, *, stream: bool):
+    """A 2026 upstream that reads a call and holds its answer until `release`: an event stream whose head and one
+    progress event come at once (`stream`), or one JSON answer, head and all, at the end."""
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
             head = await reader.readuntil(b"\r\n\r\n")
             body = await reader.readexactly(int(re.search(rb"(?i)content-length: *(\d+)", head).group(1)))
-            request_id = json.loads(body)["id"]
+            request_id = json.dumps(json.loads(body)["id"]).encode()
             del body
-            progress = b'data: {"jsonrpc":"2.0","method":"notifications/progress","params":{"progressToken":1,'
-            progress += b'"progress":1}}\n\n'
-            answer = b'data: {"jsonrpc":"2.0","id":%s,"result":{"resultType":"complete","content":[]}}\n\n' % (
-                json.dumps(request_id).encode()
-            )
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
-            writer.write(b"%x\r\n%s\r\n" % (len(progress), progress))
-            await writer.drain()
+            result = b'{"jsonrpc":"2.0","id":%s,"result":{"resultType":"complete","content":[]}}' % request_id
+            if stream:
+                progress = b'data: {"jsonrpc":"2.0","method":"notifications/progress","params":{"progressToken":1,'
+                progress += b'"progress":1}}\n\n'
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                )
+                writer.write(b"%x\r\n%s\r\n" % (len(progress), progress))
+                await writer.drain()
             sent.set()
             await release.wait()
-            writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(answer), answer))
+            if stream:
+                event = b"data: %s\n\n" % result
+                writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(event), event))
+            else:
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                             % (len(result), result))  # fmt: skip
             await writer.drain()
         writer.close()
 
     return await asyncio.start_server(serve, "127.0.0.1", 0)
 
 
-@pytest.mark.parametrize("era", ["modern", "legacy"])
+@pytest.mark.parametrize("era", ["modern-stream", "modern-json", "legacy"])
 async def test_a_call_in_flight_holds_no_parsed_copy_of_its_request(make_proxy, legacy_upstream, era):
-    """A relayed call (its answer a stream that lasts as long as the tool runs) or a call bridged to a 2025-era
-    server keeps nothing of its request once it is sent upstream: not the body, not the message parsed from it
-    (about ten times the body's size for arguments of many small values)."""
+    """A relayed call (its answer a stream that lasts as long as the tool runs, or JSON that comes when it ends) or
+    a call bridged to a 2025-era server keeps nothing of its request once it is sent upstream: not the body, not
+    the message parsed from it (about ten times the body's size for arguments of many small values)."""
     release, sent = asyncio.Event(), asyncio.Event()
     server = None
-    if era == "modern":
-        server = await _modern_upstream_holding_its_stream(release, sent)
+    if era.startswith("modern"):
+        server = await _modern_upstream_holding_its_answer(release, sent, stream=era == "modern-stream")
         url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/mcp"
         message = call("long", {"items": list(range(1_000_000, 1_060_000))})
     else:
         url = legacy_upstream
         message = call("quiet", {"seconds": 2, "items": list(range(1_000_000, 1_060_000))})
-    proxy = await make_proxy(url, protocol=era)
+    proxy = await make_proxy(url, protocol=era.partition("-")[0])
     raw = http_post(message, extra=b"Connection: close\r\n")
     del message
     before = lane_counts(proxy)
@@ -344,9 +351,12 @@ async def test_a_call_in_flight_holds_no_parsed_copy_of_its_request(make_proxy, 
         reader, writer = await asyncio.open_connection("127.0.0.1", port_of(proxy))
         writer.write(raw)
         await writer.drain()
-        if era == "modern":
+        if era == "modern-stream":
             await asyncio.wait_for(sent.wait(), timeout=10)
             await asyncio.wait_for(reader.readuntil(b"\n\n"), timeout=10)  # the progress event: the call runs
+        elif era == "modern-json":
+            await asyncio.wait_for(sent.wait(), timeout=10)  # the upstream has the whole request, and holds its answer
+            await asyncio.sleep(0.2)
         else:
             await asyncio.sleep(1)  # the call is sent and runs upstream for 2 s
         held = tracemalloc.get_traced_memory()[0] - baseline

@@ -127,6 +127,12 @@ def _taken(request: LaneRequest) -> dict[str, Any]:
     return message
 
 
+def _taken_body(request: LaneRequest) -> bytes:
+    """The request's body, which `request` no longer holds."""
+    body, request.body = request.body, b""
+    return body
+
+
 def _account(lane: Lane, info: RequestInfo, headers: CIMultiDict[str], status: int, started: float) -> None:
     """The request's metrics and log line, once it is answered."""
     elapsed_s = time.perf_counter() - started
@@ -171,11 +177,11 @@ async def _relay(lane: Lane, out: LaneWriter, request: LaneRequest, *, keep_aliv
     request.message = None  # parsed, about ten times the body's size: not held while the call runs
     try:
         fields = relayed_request_fields(request.fields, request.headers)
-        response = await upstream.post(fields, request.body, query=request.query.decode(), relay=True)
+        # The body is the POST's alone (it lets go of it once sent): an upstream that answers JSON answers when the
+        # tool ends, and this frame waits until then.
+        response = await upstream.post(fields, _taken_body(request), query=request.query.decode(), relay=True)
     except (OSError, ValueError) as exc:  # CallError included; ValueError: a header that cannot be sent
         raise UpstreamError(f"upstream unreachable ({exc})", upstream=upstream.url) from exc
-    finally:
-        request.body = b""  # not held while the answer streams
     try:
         status = response.status
         stream = response.content_type in STREAM_TYPES

@@ -173,6 +173,7 @@ class SyncBridge:
             except asyncio.CancelledError:
                 call.pump.cancel()  # the client left with the call claimed: nobody else can resume it
                 raise
+            answers = answer = {}  # delivered: not held while the call runs on
             if call.requests:  # some are still unanswered: ask for those again (SEP-2322 SHOULD)
                 return await self._ask(headers, message, call, reply)
         else:

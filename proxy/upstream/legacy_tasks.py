@@ -196,15 +196,21 @@ async def run_as_upstream_task(
     task_id: str | None = None
     ended = False
     try:
+        if follow is None:
+            params = dict(legacy_message.get("params") or {})
+            params["task"] = {}  # the server's default TTL: the proxy's own task bounds how long anyone waits
+            create = {**legacy_message, "params": params}
+        # The request is the task request's own from here (it lets go of it once sent, legacy.exchange): the
+        # server's task may run for hours, and its arguments may be large.
+        del legacy_message
         if follow is not None:
             task: dict[str, Any] = {"taskId": follow.task_id, "status": "working"}
             log.info("upstream_task_followed", upstream_task_id=follow.task_id)
         else:
-            params = dict(legacy_message.get("params") or {})
-            params["task"] = {}  # the server's default TTL: the proxy's own task bounds how long anyone waits
-            create = {**legacy_message, "params": params}
             created: Finished | None = None
-            async for event in legacy.exchange(create, client_headers, capabilities, max_bytes=max_bytes, route=route):
+            exchange = legacy.exchange(create, client_headers, capabilities, max_bytes=max_bytes, route=route)
+            del params, create
+            async for event in exchange:
                 if isinstance(event, Finished):
                     created = event
                 elif isinstance(event, Failed):

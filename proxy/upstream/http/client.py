@@ -66,6 +66,7 @@ class _Connection(asyncio.Protocol):
         "_parser",
         "_head",
         "_head_bytes",
+        "_trailer_bytes",
         "_reason",
         "_names",
         "_values",
@@ -91,6 +92,7 @@ class _Connection(asyncio.Protocol):
         self._head: asyncio.Future[None] | None = None
         self._head_bytes = 0
         """Bytes received while the head was incomplete (the parser's own buffers grow with them)."""
+        self._trailer_bytes = 0
         self._reason = b""
         self._names: list[bytes] = []
         self._values: list[bytes] = []
@@ -168,11 +170,18 @@ class _Connection(asyncio.Protocol):
         self._reason = b""
         self._names.clear()
         self._values.clear()
+        self._trailer_bytes = 0
 
     def on_status(self, status: bytes) -> None:
         self._reason += status
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self._state == "body":
+            # A trailer field (after a chunked body): nothing reads them, so they are counted, not kept.
+            self._trailer_bytes += len(name) + len(value) + 4
+            if self._trailer_bytes > MAX_HEAD_BYTES:
+                raise ValueError(f"the response's trailer fields exceed {MAX_HEAD_BYTES} bytes")
+            return
         names = self._names
         if len(names) >= _MAX_HEADERS:
             raise ValueError(f"more than {_MAX_HEADERS} header fields")
