@@ -133,6 +133,18 @@ def same_sources(installed: Path, tree: Path) -> bool:
     return sources(installed) == sources(tree)
 
 
+_MEASURED_WITH = ("aiohttp", "httptools", "uvloop", "orjson", "multidict", "yarl", "pydantic", "structlog", "redis",
+                  "hiredis", "prometheus_client")  # fmt: skip
+"""What the proxy runs on: a comparison of two trees means little if these differ between A's and B's installs."""
+
+
+def dependency_versions(python: Path | str) -> dict[str, str]:
+    """The versions of the proxy's runtime dependencies in the virtual environment of `python`."""
+    script = "import importlib.metadata as m, json, sys; print(json.dumps({n: m.version(n) for n in sys.argv[1:]}))"
+    done = subprocess.run([str(python), "-c", script, *_MEASURED_WITH], capture_output=True, text=True, check=True)
+    return json.loads(done.stdout)
+
+
 def imported_from(python: Path | str, package: str) -> Path:
     """Where `python -P -m package` imports the proxy from, exactly as the measured process will."""
     done = subprocess.run([str(python), "-P", "-c", f"import {package}; print({package}.__file__)"],
@@ -354,6 +366,11 @@ def main() -> None:
     a_tree, b_tree = imported_from(*a_install), imported_from(*b_install)
     if not a_tree.is_relative_to(CACHE.resolve()) or not same_sources(b_tree, ROOT / "proxy"):
         raise SystemExit(f"A imports the proxy from {a_tree} and B from {b_tree}: not the two trees to compare")
+    a_versions, b_versions = dependency_versions(a_install[0]), dependency_versions(b_install[0])
+    differ = [f"{name} {a_versions[name]} (A) / {b_versions[name]} (B)" for name in a_versions
+              if a_versions[name] != b_versions[name]]  # fmt: skip
+    if differ:  # the base's environment was made on another day: say so, as it weighs on B/A
+        print(f"# note: the installs differ in {', '.join(differ)}; `rm -rf bench/.ab` makes both afresh")
     head = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True)
     declares = " · the client declares tasks" if args.client == "tasks" and args.path == "passthrough" else ""
     print(f"# A/B: {args.base} (A) against the work tree {head.stdout.strip()} (B) · {os.cpu_count()} cores · "
