@@ -78,7 +78,7 @@ class _Feed:
     @property
     def queue(self) -> asyncio.Queue[Event]:
         """Made when first used: a call that only finishes, read and answered by one task, needs none (an
-        asyncio.Queue costs a bridged call about 2 % of its CPU)."""
+        asyncio.Queue is two deques and an Event, 0.7 µs, and more for the collector to look at)."""
         if self._events is None:
             self._events = asyncio.Queue()
         return self._events
