@@ -6,7 +6,7 @@ import base64
 import copy
 from typing import Any
 
-from multidict import MultiMapping
+from multidict import CIMultiDict, MultiMapping
 
 from . import PROTOCOL_VERSION, TASKS_EXTENSION
 from .jsonrpc import HEADER_MISMATCH, INVALID_PARAMS, UNSUPPORTED_PROTOCOL_VERSION, JsonRpcError
@@ -130,10 +130,19 @@ def decode_header_value(value: str) -> str | None:
 
 def check_batch_routing_headers(messages: list[Any], headers: MultiMapping[str]) -> None:
     """A batch (2025-03-26) under one set of headers: routing headers that are present must hold for every request
-    and notification in it, as they would for each alone."""
+    and notification in it, as they would for each alone. Copies that all say the same are compared once per item,
+    not each of them (a head may hold about 128, a batch hundreds of thousands of items); copies that disagree fail
+    at the first item they apply to, as before."""
+    routing: CIMultiDict[str] = CIMultiDict()
+    for name, encoded in (("Mcp-Method", False), ("Mcp-Name", True)):
+        copies = headers.getall(name, ())
+        said = {decode_header_value(copy) if encoded else copy.strip() for copy in copies}
+        routing.extend((name, copy) for copy in (copies if len(said) > 1 else copies[:1]))
+    if not routing:
+        return
     for message in messages:
         if isinstance(message, dict) and isinstance(message.get("method"), str):
-            check_routing_headers(message, headers, required=False)
+            check_routing_headers(message, routing, required=False)
 
 
 def without_tasks_declaration(message: dict[str, Any]) -> dict[str, Any]:

@@ -24,6 +24,8 @@ log = structlog.get_logger(__name__)
 
 SUBSCRIPTION_ID = "io.modelcontextprotocol/subscriptionId"
 KEEPALIVE_S = 15.0
+MAX_TASK_IDS = 1000
+"""Tasks one subscriptions/listen may name: each is watched, and read from the store, while its stream is open."""
 
 
 def parse_filter(params: dict[str, Any]) -> tuple[list[str] | None, dict[str, Any]]:
@@ -34,6 +36,14 @@ def parse_filter(params: dict[str, Any]) -> tuple[list[str] | None, dict[str, An
     task_ids = notifications.get("taskIds")
     if task_ids is not None and not (isinstance(task_ids, list) and all(isinstance(t, str) for t in task_ids)):
         raise JsonRpcError(INVALID_PARAMS, "Invalid params: notifications.taskIds must be an array of strings")
+    if task_ids is not None and len(task_ids) > MAX_TASK_IDS:
+        # Each id is watched, and read from the store, for as long as the stream is open.
+        raise JsonRpcError(
+            INVALID_PARAMS,
+            f"Invalid params: notifications.taskIds lists {len(task_ids)} tasks; one subscription follows at most "
+            f"{MAX_TASK_IDS}",
+            {"maxTaskIds": MAX_TASK_IDS},
+        )
     rest = {key: value for key, value in notifications.items() if key != "taskIds"}
     return (list(dict.fromkeys(task_ids)) if task_ids is not None else None), rest
 

@@ -41,6 +41,18 @@ def _add_request_id(logger: Any, method: str, event: dict[str, Any]) -> dict[str
     return event
 
 
+MAX_LOGGED_CHARS = 512
+"""The longest text a log line carries in one field: a tool name or method is the client's to choose (up to the
+body's limit, megabytes), and a line is written for every request."""
+
+
+def _bounded_values(logger: Any, method: str, event: dict[str, Any]) -> dict[str, Any]:
+    for key, value in event.items():
+        if type(value) is str and len(value) > MAX_LOGGED_CHARS:
+            event[key] = f"{value[:MAX_LOGGED_CHARS]}... ({len(value)} characters)"
+    return event
+
+
 def _trace(exc_info: Any) -> list[dict[str, Any]]:
     """Each exception of the chain as {exc_type, frames}: no message, no locals."""
     trace = []
@@ -77,6 +89,7 @@ def configure_logging(*, level: str = "info", format: str = "auto") -> None:
     shared: list[structlog.typing.Processor] = [
         structlog.contextvars.merge_contextvars,
         _add_request_id,
+        _bounded_values,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]

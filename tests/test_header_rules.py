@@ -201,3 +201,30 @@ async def test_notifications_and_batches_are_checked_like_requests(make_proxy, f
     truthful = await proxy.client.post_raw(json.dumps(cancelled), {**headers, "Mcp-Method": "notifications/cancelled"})
     assert truthful.status == 202
     assert [json.loads(seen["body"]) for seen in fake.received] == [cancelled]
+
+
+def test_a_batch_is_checked_against_header_copies_that_agree_once_per_item_not_once_per_copy(monkeypatch):
+    """A head may hold about 128 copies of a routing header and a batch hundreds of thousands of items: copies
+    that agree are judged once, and each item compared with what they say (a batch of 91,000 calls under 119
+    copies took 7.9 s when every copy was decoded for every item). Copies that disagree still fail the first item."""
+    from multidict import CIMultiDict
+
+    from mcp_tasks_proxy import envelope
+    from mcp_tasks_proxy.envelope import check_batch_routing_headers
+    from mcp_tasks_proxy.jsonrpc import HEADER_MISMATCH, JsonRpcError
+
+    decoded = []
+    real = envelope.decode_header_value
+    monkeypatch.setattr(envelope, "decode_header_value", lambda value: decoded.append(value) or real(value))
+    calls = [request("tools/call", {"name": "a"}) for _ in range(1000)]
+    copies = CIMultiDict([("Mcp-Method", "tools/call")] * 100 + [("Mcp-Name", "=?base64?YQ==?=")] * 100)
+    check_batch_routing_headers(calls, copies)
+    assert len(decoded) <= 100 + 1000  # was 100 x 1000
+    for batch, headers, says in (
+        (calls + [request("tools/call", {"name": "b"})], copies, "'b'"),  # an item that disagrees with the copies
+        (calls, CIMultiDict([("Mcp-Method", "tools/call"), ("Mcp-Method", "tools/list")]), "'tools/call'"),
+        (calls, CIMultiDict([("Mcp-Name", "=?base64?YJ==?=")] * 3), "not canonical"),
+    ):
+        with pytest.raises(JsonRpcError) as refused:
+            check_batch_routing_headers(batch, headers)
+        assert refused.value.code == HEADER_MISMATCH and says in refused.value.message, refused.value.message

@@ -174,3 +174,11 @@ async def test_a_record_that_changed_hands_is_never_sent_to_the_listener(proxy, 
     assert "method" not in final and final["id"] == message["id"], final  # the stream ends, the record unsent
     assert b"gate " not in stream.raw and await stream.next() is None
     response.release()
+
+
+async def test_a_subscription_names_at_most_a_bounded_number_of_tasks(proxy):
+    """Each task id is watched and read from the store while the stream is open: past the bound, -32602 names it."""
+    message, response = await subscribe(proxy, [f"task-{n}" for n in range(listen.MAX_TASK_IDS + 1)])
+    answer = await response.json()
+    assert answer["error"]["code"] == -32602 and answer["error"]["data"] == {"maxTaskIds": listen.MAX_TASK_IDS}
+    assert str(listen.MAX_TASK_IDS) in answer["error"]["message"]

@@ -369,3 +369,20 @@ async def test_tool_names_from_clients_cannot_grow_the_metrics(make_proxy, mcp_u
     assert created_by_tool == {**dict.fromkeys(names[:3], 1.0), "_other": 3.0}
     finished = [dict(labels)["tool"] for metric, labels in samples if metric == "mcp_tasks_proxy_tasks_finished_total"]
     assert sorted(finished) == sorted([*names[:3], "_other"])
+
+
+async def test_a_tool_name_longer_than_a_label_may_be_counts_as_other_and_is_logged_cut(make_proxy, mcp_upstream):
+    # Every scrape repeats a label on each line of its series, and every request writes a log line: a client's tool
+    # name of megabytes must not be either (one of 4 MB made each scrape 150 MB).
+    from mcp_tasks_proxy.log import MAX_LOGGED_CHARS, _bounded_values
+    from mcp_tasks_proxy.metrics import MAX_LABEL_CHARS
+
+    proxy = await make_proxy(mcp_upstream, tools=[{"match": "*", "task": "required"}])
+    long_name = "t" * (MAX_LABEL_CHARS + 1)
+    created = await proxy.client.call_tool(long_name, {})
+    await task_reaches(proxy.client, created.result["taskId"], "completed", "failed")
+    samples = await scrape(proxy)
+    tools = {dict(labels).get("tool") for (metric, labels) in samples if metric.startswith("mcp_tasks_proxy_tasks_")}
+    assert "_other" in tools and long_name not in tools
+    line = _bounded_values(None, "info", {"event": "request_handled", "tool": "t" * 4_000_000})
+    assert line["tool"] == "t" * MAX_LOGGED_CHARS + "... (4000000 characters)"

@@ -267,7 +267,7 @@ class RedisTaskStore:
                 return []
             # Expired records leave their id behind; drop those here.
             exists = await asyncio.gather(*(self._link.redis.exists(self._keys.task(task_id)) for task_id in ids))
-            gone = [task_id for task_id, alive in zip(ids, exists, strict=True) if not alive]
+            gone = {task_id for task_id, alive in zip(ids, exists, strict=True) if not alive}
             if gone:
                 await self._link.redis.srem(self._keys.running, *gone)
         return [task_id for task_id in ids if task_id not in gone]
