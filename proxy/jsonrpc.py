@@ -79,8 +79,14 @@ def result_response(request_id: RequestId, result: dict[str, Any]) -> dict[str, 
     return {"jsonrpc": "2.0", "id": request_id, "result": result}
 
 
-_LONG_INTEGER = re.compile(rb"\d{19}")
 _DIGITS = b"0123456789"
+_ZEROED = bytes.maketrans(b"123456789", b"000000000")
+"""Every digit as 0, so that a run of digits is found by a plain substring search (C), not a regex (30x slower)."""
+_LONG_RUN = b"0" * 19
+"""Digits enough for an integer orjson reads as a float."""
+_HUGE_RUN = b"0" * 200
+_LONG_EXPONENT = re.compile(rb"[eE][+-]?\d{3}")
+"""With neither a 200-digit run nor a 3-digit exponent, no number can overflow a double (10^199 x 10^99 cannot)."""
 _DOUBLE_MAX = sys.float_info.max
 
 
@@ -108,17 +114,20 @@ def loads(body: bytes | str) -> Any:
     may accept (escaped lone surrogates). Both refuse NaN, Infinity and numbers that overflow a double: they are
     not JSON, and would be re-encoded as null. Raises ValueError for anything that is not JSON."""
     raw = body.encode() if isinstance(body, str) else body
-    # Fewer than 19 digits in all cannot make a long number: one C pass, sparing most bodies the regex's scan.
-    if len(raw) - len(raw.translate(None, _DIGITS)) < 19 or _LONG_INTEGER.search(raw) is None:
+    # Fewer than 19 digits in all cannot make a long number: one C pass, sparing most bodies the second.
+    zeroed = raw.translate(_ZEROED) if len(raw) - len(raw.translate(None, _DIGITS)) >= 19 else b""
+    if _LONG_RUN not in zeroed:
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError:
             pass  # let the standard library decide, and raise its own error
+    # A Python call per number only where a number may overflow a double: the C scanner's own otherwise (a body
+    # of two million numbers took ten times orjson's time with the calls, three with the scanner alone).
+    bounds = _HUGE_RUN in zeroed or _LONG_EXPONENT.search(raw) is not None
+    numbers: dict[str, Any] = {"parse_float": _finite_float, "parse_int": _bounded_int} if bounds else {}
     try:
         # Strict UTF-8 (JSON text is UTF-8, RFC 8259): json.loads(bytes) would let encoded surrogates through.
-        return json.loads(
-            raw.decode("utf-8"), parse_constant=_not_json, parse_float=_finite_float, parse_int=_bounded_int
-        )
+        return json.loads(raw.decode("utf-8"), parse_constant=_not_json, **numbers)
     except RecursionError:
         raise ValueError("nested too deeply") from None  # one exception type for every caller to catch
 

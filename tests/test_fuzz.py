@@ -253,3 +253,38 @@ def test_the_task_made_before_fuzzing_is_intact_and_the_proxy_serves(proxy_port,
     validate(task, "DetailedTask")
     if task["status"] == "failed":
         assert task["error"]["message"] and task["statusMessage"]
+
+
+def _reference_loads(text: str) -> object:
+    """What `loads` says of `text`, read the slow way: the standard library with a bound on every number."""
+    from mcp_tasks_proxy.jsonrpc import _bounded_int, _finite_float, _not_json
+
+    return json.loads(text, parse_constant=_not_json, parse_float=_finite_float, parse_int=_bounded_int)
+
+
+_NUMBER = st.builds(
+    lambda sign, digits, fraction, exponent: f"{sign}{digits}{fraction}{exponent}",
+    st.sampled_from(["", "-"]),
+    st.integers(min_value=0, max_value=10**420).map(str),
+    st.sampled_from(["", ".5", ".000001"]),
+    st.sampled_from(["", "e5", "e-5", "E99", "e+99", "e100", "e308", "e309", "e-400", "e999"]),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(_NUMBER, min_size=1, max_size=4), st.booleans())
+def test_loads_bounds_every_number_as_the_slow_reading_does(numbers: list[str], escaped: bool) -> None:
+    """`loads` calls back for each number only where one may overflow a double; what it accepts and refuses is what
+    a callback on every number would say (a value past a double is refused, a long integer comes back whole)."""
+    from mcp_tasks_proxy.jsonrpc import loads
+
+    text = "[" + ",".join(numbers) + (',"\\ud800"' if escaped else "") + "]"  # a lone surrogate: the stdlib's path
+    try:
+        expected: object = _reference_loads(text)
+    except ValueError:
+        expected = ValueError
+    try:
+        got: object = loads(text)
+    except ValueError:
+        got = ValueError
+    assert got == expected or (expected is not ValueError and repr(got) == repr(expected)), text[:200]
