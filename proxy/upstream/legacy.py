@@ -370,13 +370,11 @@ class LegacyUpstream:
     ) -> AsyncIterator[Event]:
         """POST one request and yield its events; the last is Finished or Failed. With `follow`, the id of the
         server's own task for this call (made through another replica), nothing is posted: that task is followed;
-        `detached` as in run_as_upstream_task.
-
-        A server request the client may answer is yielded as InputNeeded whose `reply` posts the answer back; the
-        stream is read on meanwhile. `ping` is answered here; a request the client did not declare is declined here.
-        A request for this call on the session's standalone stream goes to `on_request` instead (http/standalone.py).
-        Ending early (cancel, timeout, shutdown) posts notifications/cancelled for the request.
-        """
+        `detached` as in run_as_upstream_task. A server request the client may answer is yielded as InputNeeded whose
+        `reply` posts the answer back; the stream is read on meanwhile. `ping` is answered here; a request the client
+        did not declare is declined here. A request for this call on the session's standalone stream goes to
+        `on_request` instead (http/standalone.py). Ending early (cancel, timeout, shutdown) posts
+        notifications/cancelled for the request."""
         legacy = to_legacy(message)
         del message  # the caller's: this generator holds only what it sends, and that only until it is sent
         request_id = legacy["id"]
