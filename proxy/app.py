@@ -167,8 +167,15 @@ def create_app(
         yield
         await app[runner_key].aclose(config.tasks.shutdown_grace_s)
 
+    async def stop_taking_over(app: web.Application) -> None:
+        # From the moment the proxy is told to stop (before its connections' grace): a call another replica hands
+        # over now would only be handed over again, or run twice.
+        if runner_key in app:
+            app[runner_key].stop_taking_over()
+
     # Unwinds in reverse: the runner stops before the store and the upstream session close.
     app.cleanup_ctx.extend([upstream_ctx, store_ctx, identity_ctx, runner_ctx])
+    app.on_shutdown.append(stop_taking_over)
     app.router.add_get("/healthz", served(healthz))
     app.router.add_get("/readyz", served(readyz))
     app.router.add_get("/metrics", served(metrics))

@@ -442,3 +442,26 @@ async def test_a_task_whose_record_is_written_while_the_proxy_stops_sends_nothin
         return not runner._state.jobs
 
     await eventually(forgotten, what="the job leaving the table")
+
+
+async def test_a_replica_told_to_stop_takes_no_call_another_hands_over(redis_url):
+    """Scale to zero: a replica that is stopping (told so before its connections' grace, aiohttp's on_shutdown)
+    takes nothing from another stopping replica: what it took it would hand over again, or run a second time."""
+    prefix = f"stopping-{secrets.token_hex(3)}:"
+    store = RedisTaskStore(redis_url, key_prefix=prefix, lease_s=0.01, timeout_s=2)
+    seal = CallSeal(b"k")
+    rule = ToolRule(match="t", idempotent=True)
+    now = datetime.now(UTC)
+    task_id = new_task_id()
+    record = TaskRecord(task_id, "t", TaskStatus.WORKING, now, now, 600_000, 50, owner=f"{RELEASED}replica-a")
+    await store.create(record, seal.seal(task_id, call("handed")))
+    upstream = GatedUpstream()
+    runner = TaskRunner(store, upstream, TaskDefaults, lease_s=0.01, seal=seal, rule_for=lambda tool: rule)
+    try:
+        await asyncio.sleep(0.05)
+        runner.stop_taking_over()
+        assert await runner.reap_lost() == 0
+        assert upstream.sent == [] and (await store.get(task_id)).owner == f"{RELEASED}replica-a"
+    finally:
+        await runner.aclose()
+        await store.aclose()

@@ -195,6 +195,10 @@ class TaskRunner:
         on."""
         return await self._recovery.reconcile()
 
+    def stop_taking_over(self) -> None:
+        """The proxy is stopping: no other replica's task is taken from now on (aclose hands this one's over)."""
+        self._takeover.taking = False
+
     async def reap_lost(self) -> int:
         """Take over the running tasks whose replica's lease lapsed (killed, partitioned) or that it handed over:
         run again those that may be, fail the others; returns how many."""

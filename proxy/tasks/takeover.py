@@ -67,10 +67,14 @@ class Takeover:
         self._hints = hints
         self._rule_for = rule_for
         self._max_running = max_running
+        self.taking = True
+        """False once this replica is stopping: what it took now it would hand over again, or run twice."""
 
     async def sweep(self) -> int:
         """Take over the running tasks whose replica's lease lapsed (killed, partitioned) or that it released at
         shutdown: run again those that may be, fail the others; returns how many were taken or failed."""
+        if not self.taking:
+            return 0
         store = self._state.store
         # The store was out of reach within a lease: a live replica may not have renewed its lease since, so only
         # the tasks handed over are taken.
@@ -78,6 +82,8 @@ class Takeover:
         swept = 0
         alive: dict[str, bool] = {}
         for task_id in await store.running_task_ids():
+            if not self.taking:
+                break  # told to stop during the sweep
             try:
                 swept += await self._sweep_one(task_id, leases_known, alive)
             except RecordCorrupt:
