@@ -195,21 +195,21 @@ async def run_as_upstream_task(
     while its consumer awaits something else, and then this generator only sees the GeneratorExit of its close."""
     task_id: str | None = None
     ended = False
+    # The task request (the call with the server's default TTL: the proxy's own task bounds how long anyone waits).
+    # The request is its own from here, and it lets go of it once sent (legacy.exchange): the server's task may run
+    # for hours, and its arguments may be large.
+    params = legacy_message.get("params") or {}
+    create = None if follow is not None else {**legacy_message, "params": {**params, "task": {}}}
+    del legacy_message, params
     try:
-        if follow is None:
-            params = dict(legacy_message.get("params") or {})
-            params["task"] = {}  # the server's default TTL: the proxy's own task bounds how long anyone waits
-            create = {**legacy_message, "params": params}
-        # The request is the task request's own from here (it lets go of it once sent, legacy.exchange): the
-        # server's task may run for hours, and its arguments may be large.
-        del legacy_message
         if follow is not None:
             task: dict[str, Any] = {"taskId": follow.task_id, "status": "working"}
             log.info("upstream_task_followed", upstream_task_id=follow.task_id)
         else:
+            assert create is not None
             created: Finished | None = None
             exchange = legacy.exchange(create, client_headers, capabilities, max_bytes=max_bytes, route=route)
-            del params, create
+            del create
             async for event in exchange:
                 if isinstance(event, Finished):
                     created = event
