@@ -1,11 +1,12 @@
 """An incremental text/event-stream parser (WHATWG rules) for reading upstream streams event by event.
 
 Linear in its input whatever the chunking: each chunk is scanned once for line ends, a line split across chunks is
-joined once, and nothing already parsed is copied again. An event (its lines, the one in progress included) is
-bounded: past the bound, feed() raises SseLimitError instead of growing (comment lines are dropped as they end, so
-they count only while in progress). A differential fuzz test checks it against
-the decoder of the official Python SDK's HTTP client (httpx2, derived from httpx-sse); neither is used here because
-their parsers are private to clients this proxy does not use, and httpx-sse's is unbounded.
+joined once, and nothing already parsed is copied again; runs of blank and comment lines, which carry nothing, go by
+in one regular-expression match rather than a Python step per line. An event (its lines, the one in progress
+included) is bounded: past the bound, feed() raises SseLimitError instead of growing (comment lines are dropped as
+they end, so they count only while in progress). A differential fuzz test checks it against the decoder of the
+official Python SDK's HTTP client (httpx2, derived from httpx-sse); neither is used here because their parsers are
+private to clients this proxy does not use, and httpx-sse's is unbounded.
 """
 
 from __future__ import annotations
@@ -23,6 +24,13 @@ MAX_RETRY_MS = 30_000
 """The longest reconnection delay a peer's `retry:` field may ask for; longer ones are cut to this."""
 
 _LINE_END = re.compile(rb"\r\n|\r|\n")
+_IGNORED_LINES = re.compile(rb"(?:(?::[^\r\n]*)?(?:\r\n|\r|\n))+")
+"""Whole comment and blank lines, each with its line end (CRLF taken whole, as _LINE_END does)."""
+_LINE_ENDS = (b"\r", b"\n")
+_IGNORED_STARTS = (b"\r", b"\n", b":")
+_BLANK_AFTER_END = (b"\n\n", b"\n\r", b"\r\r")
+"""Within a run of whole lines, a blank line is a line end where a line starts: after LF, or after a lone CR (CR
+then LF is one CRLF end)."""
 _BOM = b"\xef\xbb\xbf"
 
 
@@ -75,27 +83,43 @@ class SseParser:
             if chunk[position : position + 1] == b"\n":
                 position += 1
         events: list[SseEvent] = []
-        for match in _LINE_END.finditer(chunk, position):
-            start, end = match.span()
-            if self._partial:
-                self._partial += chunk[position:start]
-                line = bytes(self._partial)
-                self._partial.clear()
+        skip = _IGNORED_LINES.match  # padding is rare: tried only where a line starts with a line end or a colon
+        scan: Iterator[re.Match[bytes]] | None = _LINE_END.finditer(chunk, position)
+        while scan is not None:
+            for match in scan:
+                start, end = match.span()
+                if self._partial:
+                    self._partial += chunk[position:start]
+                    line = bytes(self._partial)
+                    self._partial.clear()
+                else:
+                    line = chunk[position:start]
+                position = end
+                if line and line[:1] != b":":
+                    self._event_bytes += len(line) + 1
+                    if self._event_bytes > self._max_event_bytes:
+                        raise SseLimitError(f"an event of the stream exceeds {self._max_event_bytes} bytes")
+                    self._line(line)
+                    continue
+                # A blank line ends the event; a comment (a keep-alive) is dropped as it ends, counting toward no
+                # bound. The blank and comment lines that follow, a peer's padding, go by in one C-level match:
+                # they change nothing but a second dispatch, which finds no event.
+                blank = not line
+                run = None
+                if chunk.startswith(_IGNORED_STARTS, position) and (run := skip(chunk, position)) is not None:
+                    ignored = run.group()
+                    position = run.end()
+                    blank = blank or ignored[:1] in _LINE_ENDS or any(pair in ignored for pair in _BLANK_AFTER_END)
+                if blank:
+                    self._event_bytes = 0
+                    event = self._dispatch()
+                    if event is not None:
+                        events.append(event)
+                if run is not None:
+                    scan = _LINE_END.finditer(chunk, position)  # on from the end of the run
+                    break
             else:
-                line = chunk[position:start]
-            position = end
-            if not line:
-                self._event_bytes = 0
-                event = self._dispatch()
-                if event is not None:
-                    events.append(event)
-                continue
-            if line[:1] == b":":
-                continue  # a comment (a keep-alive): nothing of it is kept, so it counts toward no bound
-            self._event_bytes += len(line) + 1
-            if self._event_bytes > self._max_event_bytes:
-                raise SseLimitError(f"an event of the stream exceeds {self._max_event_bytes} bytes")
-            self._line(line)
+                scan = None
         if position and chunk[position - 1 : position] == b"\r" and position == len(chunk):
             self._skip_lf = True
         if position < len(chunk):
