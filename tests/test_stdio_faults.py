@@ -172,3 +172,62 @@ def test_restarts_close_the_pipes_a_detached_grandchild_holds(loop_factory, tmp_
     assert len(pid_file.read_text().split()) >= 5  # each run left one behind, holding its pipes
     assert set(statuses) == {1}, statuses  # every exit was seen (its calls failed), though the pipes stayed open
     assert fds[1:] == [fds[0]] * (len(fds) - 1), fds  # a run's pipes are closed before the next one starts
+
+
+# --- a child's own lines, many calls in flight ------------------------------------------------------------------
+
+
+def test_a_childs_request_finds_its_call_without_a_step_per_call_in_flight():
+    # Counted, not timed: each request of the child's (or log line naming a task) was tied to its call by a scan of
+    # every exchange in flight, 6 ms a line at 10,000. Function calls are counted while 200 requests are tied.
+    import sys
+    from types import SimpleNamespace
+
+    from mcp_tasks_proxy.upstream.routing import CallRoute
+    from mcp_tasks_proxy.upstream.stdio.channel import StdioChannel
+    from mcp_tasks_proxy.upstream.stdio.exchange import Exchange
+
+    channel = StdioChannel(ChildSpec(argv=["server"], env={}), max_in_flight=20_000)
+    child = SimpleNamespace(generation=1, pid=None)
+    exchanges = []
+    for number in range(10_000):
+        route = CallRoute({}, None, upstream_task=True)
+        if number % 2:
+            route.upstream_task_id = f"task-{number}"  # named before its exchange, or (below) while it runs
+        exchange = Exchange(channel, f"m1.{number}", {"id": number, "method": "tools/call"}, route)
+        channel._pending.add(exchange)
+        exchanges.append(exchange)
+        channel._pending.add(Exchange(channel, f"m1.q{number}", {"id": -number, "method": "tools/list"}, None))
+    for number in range(0, 10_000, 2):
+        exchanges[number].route.upstream_task_id = f"task-{number}"
+
+    def ask(task_id: str | None, number: int) -> str | None:
+        meta = {} if task_id is None else {"_meta": {"io.modelcontextprotocol/related-task": {"taskId": task_id}}}
+        message = {"jsonrpc": "2.0", "id": number, "method": "elicitation/create", "params": {"message": "?", **meta}}
+        return channel._initiated.request(child, message, 100)
+
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += event in ("call", "c_call")
+
+    sys.setprofile(count)
+    try:
+        outcomes = [ask(f"task-{number}", number) for number in range(0, 10_000, 100)]
+        outcomes += [ask("task-none", number) for number in range(50)]
+        outcomes += [ask(None, number) for number in range(50)]
+    finally:
+        sys.setprofile(None)
+    assert outcomes[:100] == [None] * 100
+    assert all(exchanges[number].asked for number in range(0, 10_000, 100))
+    assert not any(exchanges[number].asked for number in range(1, 10_000, 100))
+    assert outcomes[100:150] == ["it names task 'task-none', which no call in flight follows"] * 50
+    assert outcomes[150:] == ["10000 calls are in flight on the stdio server and the request names none of them"] * 50
+    # A few dozen a request, and a few for each call named while it ran, once: not one per call in flight.
+    assert calls < 200 * 40 + 5_000 * 4, calls
+
+    for exchange in exchanges[1:]:
+        channel._pending.pop(exchange.child_id)
+    assert channel.asking == 1 and ask(None, 1) is None  # the one call left may ask: any request is its own
+    assert len(exchanges[0].asked) == 2

@@ -118,10 +118,10 @@ async def _on_message(
     method = message.get("method")
     if not isinstance(method, str) or "id" not in message:
         return  # notifications and stray responses: nothing of the proxy's own sessions waits on them
-    route, why = route_for(session.calls.values(), message)
     if method == "ping":
         await legacy.respond(session, client_headers, message["id"], {"result": {}})
         return
+    route, why = route_for(session.calls.values(), message)
     if route is not None and route.on_request is None:
         route, why = None, "its call cannot take input from outside its own stream"
     if route is None:

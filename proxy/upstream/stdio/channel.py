@@ -24,6 +24,7 @@ from ..events import RequestUnsent
 from ..routing import CallRoute
 from .child_initiated import ChildInitiated
 from .exchange import ChildGone, ChildUnavailable, Exchange
+from .in_flight import InFlight
 from .process import UNREADABLE_REASONS, ChildProcess, ChildSpec, Supervisor, Unreadable
 
 log = structlog.get_logger(__name__)
@@ -45,7 +46,7 @@ class StdioChannel:
         self.index = index
         self._max_in_flight = max_in_flight
         self._numbers = itertools.count(1)
-        self._pending: dict[str, Exchange] = {}
+        self._pending = InFlight()
         self.prepare: Callable[[StdioChannel], Awaitable[Any]] | None = None
         """Run once per run of the child before any request of a caller's (a 2025 child's initialize)."""
         self._prepared: dict[int, asyncio.Task[Any]] = {}
@@ -113,7 +114,7 @@ class StdioChannel:
     @property
     def asking(self) -> int:
         """Exchanges in flight during which the child may ask something."""
-        return sum(1 for exchange in self._pending.values() if exchange.may_ask)
+        return self._pending.asking
 
     async def prepared(self, wait_s: float) -> Any:
         """The running child, prepared (its prepare hook run once for this run of it); what the hook returned."""
@@ -148,17 +149,17 @@ class StdioChannel:
         if isinstance(meta, dict) and "progressToken" in meta:
             exchange.token = meta["progressToken"]
             sent["params"] = {**params, "_meta": {**meta, "progressToken": child_id}}
-        self._pending[child_id] = exchange
+        self._pending.add(exchange)
         try:
             await child.write(dumps(sent) + b"\n")
         except RequestUnsent as exc:  # nothing written
-            self._pending.pop(child_id, None)
+            self._pending.pop(child_id)
             raise ChildUnavailable(str(exc)) from exc
         except ConnectionError as exc:  # written, then the pipe broke: the child may have read it
-            self._pending.pop(child_id, None)
+            self._pending.pop(child_id)
             raise ChildGone(str(exc)) from exc
         except BaseException:
-            self._pending.pop(child_id, None)
+            self._pending.pop(child_id)
             raise
         return exchange
 
@@ -184,7 +185,7 @@ class StdioChannel:
         for answer in self._initiated.abandon(exchange):
             self._background(answer)
         if self._pending.get(exchange.child_id) is exchange:
-            del self._pending[exchange.child_id]
+            self._pending.pop(exchange.child_id)
             if cancel_reason is not None:
                 cancel = {
                     "jsonrpc": "2.0",
@@ -211,8 +212,7 @@ class StdioChannel:
         if child is not None:
             data["stderr"] = list(child.stderr_tail)
         error = error_object(INTERNAL_ERROR, f"Upstream failure: {reason}", data)
-        pending = list(self._pending.values())
-        self._pending.clear()  # cleared, not replaced: the ChildInitiated reads the same dict
+        pending = self._pending.clear()  # cleared, not replaced: the ChildInitiated reads the same one
         for exchange in pending:
             exchange.deliver({"jsonrpc": "2.0", "id": exchange.child_id, "error": error}, 0)
         self._initiated.clear()
@@ -226,7 +226,7 @@ class StdioChannel:
                 self._unreadable(child, Unreadable("not_jsonrpc", why, b"", b"", size, (message.get("id"),)))
                 return
             child_id = message.get("id")  # the proxy's ids are strings: any other is no request of the proxy's
-            exchange = self._pending.pop(child_id, None) if isinstance(child_id, str) else None
+            exchange = self._pending.pop(child_id) if isinstance(child_id, str) else None
             if exchange is None:
                 self._drop("a response to no request in flight", message)
                 return
@@ -263,7 +263,7 @@ class StdioChannel:
         self.unreadable[line.reason] += 1
         failed = []
         for exchange in self._answered_by(line):
-            del self._pending[exchange.child_id]
+            self._pending.pop(exchange.child_id)
             failed.append(exchange.child_id)
             message = f"Upstream failure: the stdio server's answer could not be read: {line.detail}"
             error = error_object(INTERNAL_ERROR, message, {"upstream": self.name, "reason": line.reason})

@@ -10,7 +10,7 @@ concern every client.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import structlog
@@ -18,6 +18,7 @@ import structlog
 from ...jsonrpc import INTERNAL_ERROR, dumps, error_object
 from ..routing import related_task_id
 from .exchange import MAX_QUEUED_REQUESTS, Exchange
+from .in_flight import InFlight
 from .process import ChildProcess
 
 log = structlog.get_logger(__name__)
@@ -28,9 +29,7 @@ SUBSCRIPTION_ID = "io.modelcontextprotocol/subscriptionId"
 class ChildInitiated:
     """One channel's side of what its child starts: the child's open requests, and where its notifications go."""
 
-    def __init__(
-        self, name: str, index: int, pending: Mapping[str, Exchange], current: Callable[[], ChildProcess | None]
-    ) -> None:
+    def __init__(self, name: str, index: int, pending: InFlight, current: Callable[[], ChildProcess | None]) -> None:
         self._name = name
         self._index = index
         self._pending = pending
@@ -132,26 +131,23 @@ class ChildInitiated:
 
     def _tie(self, message: dict[str, Any]) -> tuple[Exchange | None, str]:
         """The open call a request of the child's is for (the newest exchange of it), or None and why not."""
-        groups: dict[int, list[Exchange]] = {}
-        for exchange in self._pending.values():
-            if exchange.may_ask:
-                key = id(exchange.route) if exchange.route is not None else id(exchange)
-                groups.setdefault(key, []).append(exchange)
+        in_flight = self._pending
         task_id = related_task_id(message)
         if task_id is not None:
-            for exchanges in groups.values():
-                route = exchanges[0].route
-                if route is not None and route.upstream_task_id == task_id:
-                    return exchanges[-1], ""
-            if len(groups) == 1:
-                # The one call in flight, when it is a server task being made: its id is not known yet. Any other
-                # call (another caller's, on the one child) must never get a question that names some task.
-                route = next(iter(groups.values()))[0].route
-                if route is not None and route.upstream_task and route.upstream_task_id is None:
-                    return next(iter(groups.values()))[-1], ""
+            exchange = in_flight.newest_of_task(task_id)
+            if exchange is not None:
+                return exchange, ""
+            # The one call in flight, when it is a server task being made: its id is not known yet. Any other call
+            # (another caller's, on the one child) must never get a question that names some task.
+            exchange = in_flight.the_one_asking()
+            route = exchange.route if exchange is not None else None
+            if route is not None and route.upstream_task and route.upstream_task_id is None:
+                return exchange, ""
             return None, f"it names task {task_id!r}, which no call in flight follows"
-        if len(groups) == 1:
-            return next(iter(groups.values()))[-1], ""
-        if not groups:
+        exchange = in_flight.the_one_asking()
+        if exchange is not None:
+            return exchange, ""
+        calls = in_flight.calls_asking
+        if not calls:
             return None, "no call is in flight on the stdio server"
-        return None, f"{len(groups)} calls are in flight on the stdio server and the request names none of them"
+        return None, f"{calls} calls are in flight on the stdio server and the request names none of them"
