@@ -318,6 +318,39 @@ async def test_tasks_sharing_a_score_are_all_listed(monkeypatch):
     assert seen == ids
 
 
+async def test_the_memory_list_finds_a_page_without_sorting_the_whole_list():
+    # Counted, not timed: score comparisons while 2,000 tasks are listed 50 at a time. The list was sorted again for
+    # every page (2.7 ms a page at 10,000 tasks, quadratic to page through); it is kept in order now.
+    from mcp_tasks_proxy.tasks.model import TaskRecord, TaskStatus, utc_now
+    from mcp_tasks_proxy.tasks.store import MemoryTaskStore
+
+    comparisons = 0
+
+    class Score(int):
+        def __lt__(self, other):
+            nonlocal comparisons
+            comparisons += 1
+            return int(self) < int(other)
+
+        __gt__ = lambda self, other: Score.__lt__(other, self)  # noqa: E731
+        __le__ = lambda self, other: not Score.__lt__(other, self)  # noqa: E731
+        __ge__ = lambda self, other: not Score.__lt__(self, other)  # noqa: E731
+
+    store = MemoryTaskStore(max_tasks=5000)
+    now = utc_now()
+    for number in range(2000):
+        task_id = f"{number:06d}" + "a" * 16
+        await store.create(TaskRecord(task_id, "t", TaskStatus.WORKING, now, now, 60_000, 100))
+        await store.index_add("i", task_id, Score(10_000 - number), 60_000)  # the newest first
+    comparisons = 0
+    seen, after = [], None
+    while page := await store.index_page("i", after, 50):
+        seen += [task_id for task_id, _ in page]
+        after = (Score(page[-1][1]), page[-1][0])
+    assert seen == [f"{number:06d}" + "a" * 16 for number in reversed(range(2000))]
+    assert comparisons < 41 * 40, comparisons  # a bisection a page (160,000 before)
+
+
 async def test_the_redis_list_keeps_long_lived_tasks_and_drops_expired_ones(
     make_proxy, legacy_upstream, http, redis_url
 ):

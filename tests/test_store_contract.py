@@ -7,6 +7,7 @@ import dataclasses
 import os
 import secrets
 import signal
+import time
 from datetime import UTC, datetime
 
 import pytest
@@ -230,3 +231,26 @@ async def test_the_memory_stores_aliases_are_bounded_by_its_task_cap():
     assert await store.aliased("request-9") == "task-9"
     assert await store.aliased("request-0") is None  # the oldest made room
     assert len(store._aliases) <= 3
+
+
+async def test_a_named_list_pages_in_order_and_follows_moves_and_removals(store):
+    # tasks/list of SEP-1686 clients (tasks2025.py): pages past a (score, id) cursor, a task added again moves to
+    # its new score, a removed one is gone. The memory store found each page by sorting the whole list again.
+    base = int(time.time() * 1_000_000) + 60_000_000  # Redis scores are expiry times (µs): in the future
+    records = [record() for _ in range(30)]
+    for number, rec in enumerate(records):
+        await store.create(rec)
+        await store.index_add("caller", rec.task_id, base + number // 3, 60_000)  # three tasks share each score
+    await store.index_add("caller", records[0].task_id, base + 5000, 60_000)  # moved to the end
+    await store.index_remove("caller", [records[1].task_id, "never-listed"])
+    expected = sorted(
+        [(base + number // 3, rec.task_id) for number, rec in enumerate(records) if number > 1]
+        + [(base + 5000, records[0].task_id)]
+    )
+    seen, after = [], None
+    while page := await store.index_page("caller", after, 4):
+        assert len(page) <= 4
+        seen += [(score, task_id) for task_id, score in page]
+        after = (page[-1][1], page[-1][0])
+    assert seen == expected
+    assert await store.index_page("nobody", None, 4) == []
