@@ -49,6 +49,9 @@ VERSION = "2025-11-25"
 METHODS = frozenset({"tasks/get", "tasks/result", "tasks/list", "tasks/cancel"})
 CAPABILITY = {"list": {}, "cancel": {}, "requests": {"tools": {"call": {}}}}
 PAGE_SIZE = 50
+LIST_READ_BYTES = 4 * 1024 * 1024
+"""The stored records one tasks/list page reads (with the Redis store, where reading one decodes its result): past
+it the page ends early, with a cursor; a page reads one record at least."""
 _CURSOR_PREFIX = "mtp1c:"
 _CURSOR = re.compile(r"mtp1c:([0-9]{1,20}):([A-Za-z0-9_-]{16,64})")
 
@@ -244,12 +247,19 @@ class Tasks2025:
         index = self._index(principal, session_tag)
         last = _after(cursor)
         tasks: list[dict[str, Any]] = []
-        while len(tasks) < PAGE_SIZE:
+        read = 0  # bytes of stored records read for this page: a record holds its result, up to max_result_bytes
+        full = False
+        while not full:
             page = await self._store.index_page(index, last, PAGE_SIZE - len(tasks))
             if not page:
                 break
             gone = []
-            for task_id, score in page:
+            sizes = await self._store.sizes([task_id for task_id, _ in page])
+            for (task_id, score), size in zip(page, sizes, strict=True):
+                if read and read + size > LIST_READ_BYTES:
+                    full = True  # the rest on the next page: listing costs about what it answers, not 50 results
+                    break
+                read += size
                 last = (score, task_id)
                 record = await self._store.get(task_id)
                 if record is None or record.principal != principal:
@@ -257,8 +267,9 @@ class Tasks2025:
                 else:
                     tasks.append(task_view(record))
             await self._store.index_remove(index, gone)
+            full = full or len(tasks) == PAGE_SIZE
         result: dict[str, Any] = {"tasks": tasks}
-        if len(tasks) == PAGE_SIZE and last is not None and await self._store.index_page(index, last, 1):
+        if full and last is not None and await self._store.index_page(index, last, 1):
             result["nextCursor"] = _cursor(*last)
         return result
 

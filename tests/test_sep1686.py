@@ -374,6 +374,41 @@ async def test_the_redis_list_keeps_long_lived_tasks_and_drops_expired_ones(
         await r.aclose()
 
 
+async def test_a_list_page_reads_a_bounded_number_of_bytes_of_records(
+    make_proxy, legacy_upstream, http, redis_url, monkeypatch
+):
+    # With Redis, reading a record decodes its result (up to limits.max_result_bytes, 16 MB by default): a page of
+    # 50 made one tasks/list read 800 MB. Past LIST_READ_BYTES the page ends early, with a cursor; here the bound is
+    # two records' worth, and five tasks are listed two, two and one at a time.
+    import redis.asyncio as aioredis
+
+    prefix = f"sep1686-{secrets.token_hex(4)}:"
+    store = {"backend": "redis", "url": redis_url, "key_prefix": prefix}
+    proxy = await make_proxy(legacy_upstream, tools=RULES, store=store, security={"principal_key": "k"})
+    client, _ = await initialized(http, proxy.url, token="alice")
+    made = []
+    for _ in range(5):
+        created = await rpc(client, "tools/call", {"name": "slow", "arguments": {"seconds": 0}, "task": {}})
+        made.append(created["result"]["task"]["taskId"])
+    for task_id in made:
+        await until_status(client, task_id, "completed")
+    r = aioredis.Redis.from_url(redis_url)
+    try:
+        sizes = [await r.strlen(f"{prefix}task:{task_id}") for task_id in made]
+    finally:
+        await r.aclose()
+    assert 3 * min(sizes) > 2 * max(sizes) > 0  # records of about one size: two fit the bound, three do not
+    monkeypatch.setattr(tasks2025, "LIST_READ_BYTES", 2 * max(sizes))
+    pages, cursor = [], None
+    while True:
+        listed = (await rpc(client, "tasks/list", {"cursor": cursor} if cursor else {}))["result"]
+        pages.append([task["taskId"] for task in listed["tasks"]])
+        cursor = listed.get("nextCursor")
+        if cursor is None:
+            break
+    assert pages == [made[0:2], made[2:4], made[4:]]
+
+
 async def test_the_polling_refusal_names_the_interval_it_enforces(make_proxy, legacy_upstream, http):
     proxy = await make_proxy(legacy_upstream, tools=RULES, limits={"min_poll_interval_ms": 5000})
     client, _ = await initialized(http, proxy.url)

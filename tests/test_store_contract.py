@@ -254,3 +254,14 @@ async def test_a_named_list_pages_in_order_and_follows_moves_and_removals(store)
         after = (page[-1][1], page[-1][0])
     assert seen == expected
     assert await store.index_page("nobody", None, 4) == []
+
+
+async def test_sizes_say_what_reading_each_record_would_decode(store):
+    rec = record(status_message="x" * 1000)
+    await store.create(rec)
+    sizes = await store.sizes([rec.task_id, "gone"])
+    if isinstance(store, MemoryTaskStore):
+        assert sizes == [0, 0]  # records are kept as objects: reading one decodes nothing
+    else:
+        assert sizes[0] > 1000 and sizes[1] == 0
+    assert await store.sizes([]) == []

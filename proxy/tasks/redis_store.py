@@ -132,6 +132,15 @@ class RedisTaskStore:
             async with self._link.answering("index_remove"):
                 await self._fast.execute("ZREM", self._keys.index(index), *task_ids)
 
+    async def sizes(self, task_ids: list[str]) -> list[int]:
+        if not task_ids:
+            return []
+        async with self._link.answering("get"):
+            replies = await self._fast.pipeline([("STRLEN", self._keys.task(task_id)) for task_id in task_ids])
+        if not all(isinstance(size, int) and not isinstance(size, bool) and size >= 0 for size in replies):
+            raise Inconsistent("STRLEN answered something other than a length")
+        return replies  # type: ignore[return-value]
+
     async def get(self, task_id: str) -> TaskRecord | None:
         async with self._link.answering("get"):
             return self._record(task_id, await self._fast.execute("GET", self._keys.task(task_id)))

@@ -115,6 +115,10 @@ class TaskStore(Protocol):
 
     async def index_remove(self, index: str, task_ids: list[str]) -> None: ...
 
+    async def sizes(self, task_ids: list[str]) -> list[int]:
+        """The stored size in bytes of each task's record, 0 for one that is gone or kept as objects (the memory
+        store): what reading it would decode, for a reader that bounds what one request reads."""
+
     async def running_task_ids(self) -> list[str]:
         """Ids of tasks not yet terminal, for finding those whose replica is gone."""
 
@@ -261,6 +265,9 @@ class MemoryTaskStore:
         if members is not None:
             for task_id in task_ids:
                 members.remove(task_id)
+
+    async def sizes(self, task_ids: list[str]) -> list[int]:
+        return [0] * len(task_ids)  # nothing is decoded to read a record
 
     async def running_task_ids(self) -> list[str]:
         return [task_id for task_id, record in self._records.items() if not record.is_terminal]
