@@ -15,11 +15,14 @@ from __future__ import annotations
 import base64
 import binascii
 import re
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
 from aiohttp import web
+from cachetools import LRUCache
 
 from . import idempotency
 from .config import TaskMode, ToolRule
@@ -49,6 +52,8 @@ VERSION = "2025-11-25"
 METHODS = frozenset({"tasks/get", "tasks/result", "tasks/list", "tasks/cancel"})
 CAPABILITY = {"list": {}, "cancel": {}, "requests": {"tools": {"call": {}}}}
 PAGE_SIZE = 50
+FINISHED_VIEWS = 10_000
+"""Views of finished tasks a replica keeps for tasks/get with the Redis store (a few hundred bytes each)."""
 LIST_READ_BYTES = 4 * 1024 * 1024
 """The stored records one tasks/list page reads (with the Redis store, where reading one decodes its result): past
 it the page ends early, with a cursor; a page reads one record at least."""
@@ -152,12 +157,25 @@ def _not_found() -> JsonRpcError:
     return JsonRpcError(INVALID_PARAMS, "Failed to retrieve task: Task not found", http_status=200)
 
 
+@dataclass(frozen=True, slots=True)
+class _FinishedView:
+    principal: str
+    session: Any
+    view: dict[str, Any]
+    poll_interval_ms: int
+    expires_at: float
+    """When the record expires (wall clock, seconds), as the store's own expiry counts it."""
+
+
 class Tasks2025:
     def __init__(self, runner: TaskRunner, store: TaskStore, identity: Identity, poll_guard: PollGuard) -> None:
         self._runner = runner
         self._store = store
         self._identity = identity
         self._poll_guard = poll_guard
+        self._finished: LRUCache[str, _FinishedView] | None = LRUCache(FINISHED_VIEWS) if store.shared else None
+        """With Redis, a finished task's view: its tasks/get answered without reading (and decoding) its record,
+        result included, again. A finished record does not change until it expires."""
 
     async def create(self, request: web.Request, message: dict[str, Any], rule: ToolRule) -> web.Response:
         """tools/call with `params.task`: the 2025 CreateTaskResult, the call running on the client's session."""
@@ -209,10 +227,11 @@ class Tasks2025:
         params = params_of(message)
         if method == "tasks/list":
             return _json(result_response(message["id"], await self._list(request, params.get("cursor"))))
-        record = await self._owned(request, params.get("taskId"))
         if method == "tasks/get":
-            self._poll_guard.check(record.task_id, record.poll_interval_ms)
-            return _json(result_response(message["id"], task_view(record)))
+            task_id, view, poll_interval_ms = await self._view(request, params.get("taskId"))
+            self._poll_guard.check(task_id, poll_interval_ms)
+            return _json(result_response(message["id"], view))
+        record = await self._owned(request, params.get("taskId"))
         if method == "tasks/cancel":
             if record.is_terminal:
                 raise _terminal(record)
@@ -272,6 +291,30 @@ class Tasks2025:
         if full and last is not None and await self._store.index_page(index, last, 1):
             result["nextCursor"] = _cursor(*last)
         return result
+
+    async def _view(self, request: web.Request, task_id: Any) -> tuple[str, dict[str, Any], int]:
+        """tasks/get: the caller's task's id, view and poll interval."""
+        finished = self._finished.get(task_id) if self._finished is not None and isinstance(task_id, str) else None
+        if finished is not None:
+            headers = request.headers
+            if time.time() >= finished.expires_at:
+                del self._finished[task_id]  # type: ignore[union-attr]
+            elif (finished.principal, finished.session) == (
+                self._identity.principal(headers),
+                self._identity.session_tag(headers),
+            ):
+                return task_id, finished.view, finished.poll_interval_ms
+            else:
+                raise _not_found()  # another caller's, or another session's: unknown, as its record would say
+        record = await self._owned(request, task_id)
+        view = task_view(record)
+        if self._finished is not None and record.is_terminal:
+            assert record.stream is not None  # _owned checked it
+            expires_at = record.created_at.timestamp() + record.ttl_ms / 1000
+            self._finished[record.task_id] = _FinishedView(
+                record.principal, record.stream.get("session"), view, record.poll_interval_ms, expires_at
+            )
+        return record.task_id, view, record.poll_interval_ms
 
     async def _owned(self, request: web.Request, task_id: Any) -> TaskRecord:
         """The caller's own 2025 task on this session; any other id answers as an unknown one."""

@@ -409,6 +409,43 @@ async def test_a_list_page_reads_a_bounded_number_of_bytes_of_records(
     assert pages == [made[0:2], made[2:4], made[4:]]
 
 
+async def test_a_finished_tasks_get_is_answered_without_reading_its_record_again(
+    make_proxy, legacy_upstream, http, redis_url
+):
+    # With Redis, reading a record decodes its result (up to limits.max_result_bytes) to answer a few hundred bytes.
+    # A finished record does not change until it expires, so its view is kept: shown here by changing the stored
+    # record behind the proxy's back, which a read would show.
+    import redis.asyncio as aioredis
+
+    prefix = f"sep1686-{secrets.token_hex(4)}:"
+    store = {"backend": "redis", "url": redis_url, "key_prefix": prefix}
+    proxy = await make_proxy(legacy_upstream, tools=RULES, store=store, security={"principal_key": "k"})
+    alice, _ = await initialized(http, proxy.url, token="alice")
+    bob, _ = await initialized(http, proxy.url, token="bob")
+    created = await rpc(alice, "tools/call", {"name": "slow", "arguments": {"seconds": 0}, "task": {}})
+    task_id = created["result"]["task"]["taskId"]
+    finished = await until_status(alice, task_id, "completed")
+    r = aioredis.Redis.from_url(redis_url)
+    try:
+        key = f"{prefix}task:{task_id}"
+        stored = json.loads(await r.get(key))
+        await r.set(key, json.dumps({**stored, "status_message": "changed behind the proxy"}), keepttl=True)
+        again = (await rpc(alice, "tasks/get", {"taskId": task_id}))["result"]
+        assert again == finished and "statusMessage" not in again
+        refused = await rpc(bob, "tasks/get", {"taskId": task_id})  # kept for its caller only
+        assert refused["error"]["code"] == -32602
+        await r.delete(key)
+        assert "result" in await rpc(alice, "tasks/get", {"taskId": task_id})  # until it expires
+        assert "error" in await rpc(alice, "tasks/result", {"taskId": task_id})  # what reads the record sees it gone
+    finally:
+        await r.aclose()
+    brief = await rpc(alice, "tools/call", {"name": "slow", "arguments": {"seconds": 0}, "task": {"ttl": 500}})
+    brief_id = brief["result"]["task"]["taskId"]
+    await until_status(alice, brief_id, "completed")
+    await asyncio.sleep(0.6)
+    assert (await rpc(alice, "tasks/get", {"taskId": brief_id}))["error"]["code"] == -32602  # kept until it expires
+
+
 async def test_the_polling_refusal_names_the_interval_it_enforces(make_proxy, legacy_upstream, http):
     proxy = await make_proxy(legacy_upstream, tools=RULES, limits={"min_poll_interval_ms": 5000})
     client, _ = await initialized(http, proxy.url)
