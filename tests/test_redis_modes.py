@@ -8,6 +8,7 @@ import asyncio
 import secrets
 import subprocess
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 import redis.asyncio as redis_client
@@ -190,25 +191,40 @@ PREFIX = "{mtp}:"  # every key of the proxy in the slot of "mtp"
 
 @pytest.fixture
 def cluster(tmp_path, redis_binary):
-    """Three masters, no replicas, slots spread by redis-cli; yields their ports."""
+    """Three masters, no replicas, slots spread by redis-cli; yields their ports. Ports are picked free and bound a
+    moment later: another test's server may take one meanwhile, so a cluster that cannot be made is made again on
+    other ports (at most three times), with the reason if it never can."""
+    for attempt in range(3):
+        processes: list[subprocess.Popen[bytes]] = []
+        try:
+            try:
+                ports = _make_cluster(tmp_path / str(attempt), redis_binary, processes)
+            except Exception:
+                if attempt == 2:
+                    raise
+                continue
+            yield ports
+            return
+        finally:
+            for process in processes:
+                stop(process)
+
+
+def _make_cluster(home: Path, redis_binary: str, processes: list[subprocess.Popen[bytes]]) -> list[int]:
     ports = [free_port() for _ in range(3)]
-    processes = []
-    try:
-        for port in ports:
-            home = tmp_path / str(port)
-            home.mkdir()
-            argv = [redis_binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(home),
-                    "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                    "--cluster-port", str(free_port())]  # (the default, port + 10000, may be past 65535)  # fmt: skip
-            processes.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL))
-            wait_for_port(port, processes[-1])
-        create = [redis_binary.replace("redis-server", "redis-cli"), "--cluster", "create",
-                  *(f"127.0.0.1:{port}" for port in ports), "--cluster-replicas", "0", "--cluster-yes"]  # fmt: skip
-        subprocess.run(create, check=True, stdout=subprocess.DEVNULL, timeout=60)
-        yield ports
-    finally:
-        for process in processes:
-            stop(process)
+    for port in ports:
+        (home / str(port)).mkdir(parents=True)
+        argv = [redis_binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(home / str(port)),
+                "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                "--cluster-port", str(free_port())]  # (the default, port + 10000, may be past 65535)  # fmt: skip
+        processes.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL))
+        wait_for_port(port, processes[-1])
+    create = [redis_binary.replace("redis-server", "redis-cli"), "--cluster", "create",
+              *(f"127.0.0.1:{port}" for port in ports), "--cluster-replicas", "0", "--cluster-yes"]  # fmt: skip
+    made = subprocess.run(create, capture_output=True, timeout=60)
+    if made.returncode:
+        raise AssertionError(f"redis-cli --cluster create failed: {made.stdout[-2000:]!r} {made.stderr!r}")
+    return ports
 
 
 async def cluster_ready(ports) -> None:
