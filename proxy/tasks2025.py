@@ -15,7 +15,6 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -163,8 +162,9 @@ class _FinishedView:
     session: Any
     view: dict[str, Any]
     poll_interval_ms: int
-    expires_at: float
-    """When the record expires (wall clock, seconds), as the store's own expiry counts it."""
+    size: int
+    """The stored record's length when it was read: checked (STRLEN, no read) on every use. Expired, evicted or
+    deleted, it is 0; made again under the same id (an idempotency key sent again once it expired), another."""
 
 
 class Tasks2025:
@@ -175,7 +175,7 @@ class Tasks2025:
         self._poll_guard = poll_guard
         self._finished: LRUCache[str, _FinishedView] | None = LRUCache(FINISHED_VIEWS) if store.shared else None
         """With Redis, a finished task's view: its tasks/get answered without reading (and decoding) its record,
-        result included, again. A finished record does not change until it expires."""
+        result included, again; a finished record does not change, and its length says it is still the one seen."""
 
     async def create(self, request: web.Request, message: dict[str, Any], rule: ToolRule) -> web.Response:
         """tools/call with `params.task`: the 2025 CreateTaskResult, the call running on the client's session."""
@@ -297,23 +297,23 @@ class Tasks2025:
         finished = self._finished.get(task_id) if self._finished is not None and isinstance(task_id, str) else None
         if finished is not None:
             headers = request.headers
-            if time.time() >= finished.expires_at:
-                del self._finished[task_id]  # type: ignore[union-attr]
-            elif (finished.principal, finished.session) == (
+            if (finished.principal, finished.session) != (
                 self._identity.principal(headers),
                 self._identity.session_tag(headers),
             ):
-                return task_id, finished.view, finished.poll_interval_ms
-            else:
                 raise _not_found()  # another caller's, or another session's: unknown, as its record would say
+            if await self._store.sizes([task_id]) == [finished.size]:
+                return task_id, finished.view, finished.poll_interval_ms
+            del self._finished[task_id]  # type: ignore[union-attr]
         record = await self._owned(request, task_id)
         view = task_view(record)
         if self._finished is not None and record.is_terminal:
             assert record.stream is not None  # _owned checked it
-            expires_at = record.created_at.timestamp() + record.ttl_ms / 1000
-            self._finished[record.task_id] = _FinishedView(
-                record.principal, record.stream.get("session"), view, record.poll_interval_ms, expires_at
-            )
+            (size,) = await self._store.sizes([record.task_id])  # a finished record no longer changes
+            if size:
+                self._finished[record.task_id] = _FinishedView(
+                    record.principal, record.stream.get("session"), view, record.poll_interval_ms, size
+                )
         return record.task_id, view, record.poll_interval_ms
 
     async def _owned(self, request: web.Request, task_id: Any) -> TaskRecord:

@@ -413,8 +413,8 @@ async def test_a_finished_tasks_get_is_answered_without_reading_its_record_again
     make_proxy, legacy_upstream, http, redis_url
 ):
     # With Redis, reading a record decodes its result (up to limits.max_result_bytes) to answer a few hundred bytes.
-    # A finished record does not change until it expires, so its view is kept: shown here by changing the stored
-    # record behind the proxy's back, which a read would show.
+    # A finished record does not change, so its view is kept and only the record's length checked (STRLEN): shown
+    # by changing the stored record behind the proxy's back at the same length, which a read would show.
     import redis.asyncio as aioredis
 
     prefix = f"sep1686-{secrets.token_hex(4)}:"
@@ -428,22 +428,31 @@ async def test_a_finished_tasks_get_is_answered_without_reading_its_record_again
     r = aioredis.Redis.from_url(redis_url)
     try:
         key = f"{prefix}task:{task_id}"
-        stored = json.loads(await r.get(key))
-        await r.set(key, json.dumps({**stored, "status_message": "changed behind the proxy"}), keepttl=True)
+        raw = await r.get(key)
+        stored = json.loads(raw)
+        moved = "1999" + stored["last_updated_at"][4:]
+        await r.set(key, raw.replace(stored["last_updated_at"].encode(), moved.encode()), keepttl=True)
+        assert await r.strlen(key) == len(raw)  # the same length: only a read would see it
         again = (await rpc(alice, "tasks/get", {"taskId": task_id}))["result"]
-        assert again == finished and "statusMessage" not in again
+        assert again == finished and not again["lastUpdatedAt"].startswith("1999")
         refused = await rpc(bob, "tasks/get", {"taskId": task_id})  # kept for its caller only
         assert refused["error"]["code"] == -32602
-        await r.delete(key)
-        assert "result" in await rpc(alice, "tasks/get", {"taskId": task_id})  # until it expires
-        assert "error" in await rpc(alice, "tasks/result", {"taskId": task_id})  # what reads the record sees it gone
+        await r.set(key, json.dumps({**stored, "status_message": "longer now"}), keepttl=True)
+        assert (await rpc(alice, "tasks/get", {"taskId": task_id}))["result"]["statusMessage"] == "longer now"
+        await r.delete(key)  # evicted, or expired: gone at once, whatever the clocks
+        assert (await rpc(alice, "tasks/get", {"taskId": task_id}))["error"]["code"] == -32602
     finally:
         await r.aclose()
-    brief = await rpc(alice, "tools/call", {"name": "slow", "arguments": {"seconds": 0}, "task": {"ttl": 500}})
-    brief_id = brief["result"]["task"]["taskId"]
-    await until_status(alice, brief_id, "completed")
+    # An idempotency key sent again once its task expired makes a task under the same id: its own view, not the
+    # kept one of the first.
+    alice.headers["Idempotency-Key"] = "once"
+    first = await rpc(alice, "tools/call", {"name": "slow", "arguments": {"seconds": 0}, "task": {"ttl": 500}})
+    first_id = first["result"]["task"]["taskId"]
+    await until_status(alice, first_id, "completed")
     await asyncio.sleep(0.6)
-    assert (await rpc(alice, "tasks/get", {"taskId": brief_id}))["error"]["code"] == -32602  # kept until it expires
+    second = await rpc(alice, "tools/call", {"name": "slow", "arguments": {"seconds": 5}, "task": {"ttl": 500}})
+    assert second["result"]["task"]["taskId"] == first_id
+    assert (await rpc(alice, "tasks/get", {"taskId": first_id}))["result"]["status"] == "working"
 
 
 async def test_the_polling_refusal_names_the_interval_it_enforces(make_proxy, legacy_upstream, http):
