@@ -296,15 +296,15 @@ class Tasks2025:
         """tasks/get: the caller's task's id, view and poll interval."""
         finished = self._finished.get(task_id) if self._finished is not None and isinstance(task_id, str) else None
         if finished is not None:
-            headers = request.headers
-            if (finished.principal, finished.session) != (
-                self._identity.principal(headers),
-                self._identity.session_tag(headers),
+            if await self._store.sizes([task_id]) != [finished.size]:
+                del self._finished[task_id]  # type: ignore[union-attr]  # not the record seen: read it again
+            elif (finished.principal, finished.session) != (
+                self._identity.principal(request.headers),
+                self._identity.session_tag(request.headers),
             ):
                 raise _not_found()  # another caller's, or another session's: unknown, as its record would say
-            if await self._store.sizes([task_id]) == [finished.size]:
+            else:
                 return task_id, finished.view, finished.poll_interval_ms
-            del self._finished[task_id]  # type: ignore[union-attr]
         record = await self._owned(request, task_id)
         view = task_view(record)
         if self._finished is not None and record.is_terminal:

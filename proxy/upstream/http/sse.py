@@ -1,12 +1,12 @@
 """An incremental text/event-stream parser (WHATWG rules) for reading upstream streams event by event.
 
 Linear in its input whatever the chunking: each chunk is scanned once for line ends, a line split across chunks is
-joined once, and nothing already parsed is copied again; runs of blank and comment lines, which carry nothing, go by
-in one regular-expression match rather than a Python step per line. An event (its lines, the one in progress
-included) is bounded: past the bound, feed() raises SseLimitError instead of growing (comment lines are dropped as
-they end, so they count only while in progress). A differential fuzz test checks it against the decoder of the
-official Python SDK's HTTP client (httpx2, derived from httpx-sse); neither is used here because their parsers are
-private to clients this proxy does not use, and httpx-sse's is unbounded.
+joined once, and nothing already parsed is copied again; past a few lines, a run of blank and comment lines (which
+carry nothing) goes by in one regular-expression match rather than a Python step per line. An event (its lines, the
+one in progress included) is bounded: past the bound, feed() raises SseLimitError instead of growing (comment lines
+are dropped as they end, so they count only while in progress). A differential fuzz test checks it against the
+decoder of the official Python SDK's HTTP client (httpx2, derived from httpx-sse); neither is used here because
+their parsers are private to clients this proxy does not use, and httpx-sse's is unbounded.
 """
 
 from __future__ import annotations
