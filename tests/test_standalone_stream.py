@@ -119,3 +119,51 @@ async def test_callers_who_share_a_credential_but_not_a_principal_never_share_a_
     done = await task_reaches(proxy.client, created.result["taskId"], "completed", headers={"X-User": "bob"})
     assert done.result["result"]["content"][0]["text"] == "file:///srv/project"
     await legacy.call_tool("release", {"tag": gate})
+
+
+def test_a_standalone_request_finds_its_call_without_a_step_per_call_on_the_session():
+    # Counted, not timed: a 2025 server's request on its standalone stream was tied to its call by a scan of every
+    # call on the proxy's session with it (one caller's: 10,000 may be in flight). Function calls are counted while
+    # 200 requests are tied; the calls are registered as legacy.py does, the task decision after.
+    import sys
+
+    from mcp_tasks_proxy.upstream.routing import CallRoute, CallsInFlight, route_for
+
+    calls = CallsInFlight()
+    routes = []
+    for number in range(10_000):
+        route = CallRoute({}, None)
+        calls[f"mtp-{number}"] = route
+        if number % 2:
+            calls.run_as_task(route)
+            route.upstream_task_id = f"task-{number}"  # named once the server made it, as legacy_tasks.py does
+        routes.append(route)
+    calls["mtp-1-result"] = routes[1]  # a follow-up request of one call: still one call
+
+    def tie(task_id: str | None) -> tuple[CallRoute | None, str]:
+        meta = {} if task_id is None else {"_meta": {"io.modelcontextprotocol/related-task": {"taskId": task_id}}}
+        return route_for(calls, {"jsonrpc": "2.0", "id": 1, "method": "elicitation/create", "params": meta})
+
+    counted = 0
+
+    def count(frame, event, arg):
+        nonlocal counted
+        counted += event in ("call", "c_call")
+
+    sys.setprofile(count)
+    try:
+        found = [tie(f"task-{number}") for number in range(1, 10_000, 100)]
+        unknown = [tie("task-0") for _ in range(50)]  # a call that runs no task of the server's
+        untold = [tie(None) for _ in range(50)]
+    finally:
+        sys.setprofile(None)
+    assert [route for route, _ in found] == [routes[number] for number in range(1, 10_000, 100)]
+    assert unknown == [(None, "it names task 'task-0', which no call of this proxy session follows")] * 50
+    assert untold == [(None, "10000 calls are in flight on this proxy session and the request names none of them")] * 50
+    assert counted < 200 * 40 + 5_000 * 4, counted  # a few dozen a request, and each call named once, once
+
+    for number in range(2, 10_000):
+        calls.pop(f"mtp-{number}")
+    assert calls.pop("mtp-1") is routes[1] and len(calls) == 2  # its follow-up keeps the call in flight
+    calls.pop("mtp-1-result")
+    assert tie(None) == (routes[0], "") and tie("task-1")[0] is routes[0]  # the one call left, its task not named

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .events import InputNeeded
@@ -32,6 +32,84 @@ class CallRoute:
     """stdio: the child (of a pool) that took the call's first request, where the rest of it goes too."""
 
 
+class CallsInFlight:
+    """A session's calls in flight by upstream request id (a call may have several requests: an upstream task's
+    follow-ups), with its distinct calls counted and indexed by upstream task id: a server's request on the
+    standalone stream finds its call without a scan of every call on the session."""
+
+    def __init__(self) -> None:
+        self._by_request: dict[Any, CallRoute] = {}
+        self._routes: dict[int, list[Any]] = {}
+        """The distinct calls, oldest first: id(route) -> [route, how many request ids name it]."""
+        self._by_task: dict[str, list[CallRoute]] = {}
+        self._unnamed: dict[int, CallRoute] = {}
+        """Calls run as an upstream task whose id was not known when last looked: indexed at the next lookup."""
+
+    def __bool__(self) -> bool:
+        return bool(self._by_request)
+
+    def __len__(self) -> int:
+        return len(self._by_request)
+
+    def __setitem__(self, request_id: Any, route: CallRoute) -> None:
+        if self._by_request.get(request_id) is route:
+            return
+        self.pop(request_id)
+        self._by_request[request_id] = route
+        entry = self._routes.get(id(route))
+        if entry is not None:
+            entry[1] += 1
+            return
+        self._routes[id(route)] = [route, 1]
+        if route.upstream_task_id is not None:
+            self._by_task.setdefault(route.upstream_task_id, []).append(route)
+        elif route.upstream_task:
+            self._unnamed[id(route)] = route
+
+    def pop(self, request_id: Any, default: CallRoute | None = None) -> CallRoute | None:
+        route = self._by_request.pop(request_id, None)
+        if route is None:
+            return default
+        entry = self._routes[id(route)]
+        entry[1] -= 1
+        if entry[1]:
+            return route
+        del self._routes[id(route)]
+        self._unnamed.pop(id(route), None)
+        followers = self._by_task.get(route.upstream_task_id) if route.upstream_task_id is not None else None
+        if followers is not None and route in followers:
+            followers.remove(route)
+            if not followers:
+                del self._by_task[route.upstream_task_id]  # type: ignore[arg-type]
+        return route
+
+    def run_as_task(self, route: CallRoute) -> None:
+        """The call (in flight here) runs as the server's own task: once its id is known, the id finds it."""
+        route.upstream_task = True
+        if id(route) in self._routes and route.upstream_task_id is None:
+            self._unnamed[id(route)] = route
+
+    def values(self) -> list[CallRoute]:
+        return list(self._by_request.values())
+
+    def following(self, task_id: str) -> CallRoute | None:
+        """The oldest call in flight that follows upstream task `task_id`."""
+        for key, route in list(self._unnamed.items()):
+            if route.upstream_task_id is not None:
+                del self._unnamed[key]
+                self._by_task.setdefault(route.upstream_task_id, []).append(route)
+        followers = self._by_task.get(task_id)
+        return followers[0] if followers else None
+
+    @property
+    def distinct(self) -> int:
+        return len(self._routes)
+
+    def only(self) -> CallRoute | None:
+        """The one call in flight, when there is exactly one."""
+        return next(iter(self._routes.values()))[0] if len(self._routes) == 1 else None
+
+
 @dataclasses.dataclass(slots=True)
 class LegacySession:
     """A 2025-era session as the proxy holds it: with a 2025 server (its own, one per caller), or a 2025 client's."""
@@ -39,7 +117,7 @@ class LegacySession:
     session_id: str | None
     protocol_version: str
     principal: str
-    calls: dict[Any, CallRoute] = dataclasses.field(default_factory=dict)
+    calls: CallsInFlight = dataclasses.field(default_factory=CallsInFlight)
     """The calls in flight, by upstream request id: where a request on the standalone stream may belong."""
     reader: asyncio.Task[None] | None = None
     """Reads the session's standalone stream (upstream/http/standalone.py)."""
@@ -57,20 +135,20 @@ def related_task_id(message: dict[str, Any]) -> str | None:
     return task_id if isinstance(task_id, str) else None
 
 
-def route_for(in_flight: Iterable[CallRoute], message: dict[str, Any]) -> tuple[CallRoute | None, str]:
+def route_for(in_flight: CallsInFlight, message: dict[str, Any]) -> tuple[CallRoute | None, str]:
     """The call (of a session's `in_flight`) a standalone request belongs to, or None and the reason it cannot be
     told."""
-    calls = list({id(route): route for route in in_flight}.values())  # a call may have several POSTs
     task_id = related_task_id(message)
+    only = in_flight.only()
     if task_id is not None:
-        for route in calls:
-            if route.upstream_task_id == task_id:
-                return route, ""
-        if len(calls) == 1 and calls[0].upstream_task_id is None:
-            return calls[0], ""  # the one call whose task is being made: the request came before the task's id
+        route = in_flight.following(task_id)
+        if route is not None:
+            return route, ""
+        if only is not None and only.upstream_task_id is None:
+            return only, ""  # the one call whose task is being made: the request came before the task's id
         return None, f"it names task {task_id!r}, which no call of this proxy session follows"
-    if len(calls) == 1:
-        return calls[0], ""
-    if not calls:
+    if only is not None:
+        return only, ""
+    if not in_flight.distinct:
         return None, "no call is in flight on this proxy session"
-    return None, f"{len(calls)} calls are in flight on this proxy session and the request names none of them"
+    return None, f"{in_flight.distinct} calls are in flight on this proxy session and the request names none of them"

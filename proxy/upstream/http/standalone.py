@@ -121,7 +121,7 @@ async def _on_message(
     if method == "ping":
         await legacy.respond(session, client_headers, message["id"], {"result": {}})
         return
-    route, why = route_for(session.calls.values(), message)
+    route, why = route_for(session.calls, message)
     if route is not None and route.on_request is None:
         route, why = None, "its call cannot take input from outside its own stream"
     if route is None:
