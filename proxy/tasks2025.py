@@ -164,7 +164,7 @@ class _FinishedView:
     poll_interval_ms: int
     size: int
     """The stored record's length when it was read: checked (STRLEN, no read) on every use. Expired, evicted or
-    deleted, it is 0; made again under the same id (an idempotency key sent again once it expired), another."""
+    deleted, it is 0. (Views are kept for random ids only, which never come back.)"""
 
 
 class Tasks2025:
@@ -307,7 +307,9 @@ class Tasks2025:
                 return task_id, finished.view, finished.poll_interval_ms
         record = await self._owned(request, task_id)
         view = task_view(record)
-        if self._finished is not None and record.is_terminal:
+        if self._finished is not None and record.is_terminal and record.fingerprint is None:
+            # Only a random id's: a key's task (fingerprint) may be made again under its id once it expired, with
+            # a record of the same length; a random id never comes back.
             assert record.stream is not None  # _owned checked it
             (size,) = await self._store.sizes([record.task_id])  # a finished record no longer changes
             if size:

@@ -453,18 +453,20 @@ async def test_a_finished_tasks_get_is_answered_without_reading_its_record_again
     second = await rpc(alice, "tools/call", {"name": "slow", "arguments": {"seconds": 5}, "task": {"ttl": 500}})
     assert second["result"]["task"]["taskId"] == first_id
     assert (await rpc(alice, "tasks/get", {"taskId": first_id}))["result"]["status"] == "working"
-    # Made again from another session of the same caller: the view kept for the first session refuses nothing; the
-    # record, read again, decides.
+    # Made again from another session of the same caller: the first session's view neither refuses the new owner
+    # nor answers the first session.
     alice.headers["Idempotency-Key"] = "twice"
-    made = await rpc(alice, "tools/call", {"name": "slow", "arguments": {"seconds": 0}, "task": {"ttl": 500}})
+    made = await rpc(alice, "tools/call", {"name": "slow", "arguments": {"seconds": 0}, "task": {"ttl": 500}}, 7)
     twice_id = made["result"]["task"]["taskId"]
     await until_status(alice, twice_id, "completed")  # its view kept, for this session
     await asyncio.sleep(0.6)
     other, _ = await initialized(http, proxy.url, token="alice")
     other.headers["Idempotency-Key"] = "twice"
-    remade = await rpc(other, "tools/call", {"name": "slow", "arguments": {"seconds": 5}, "task": {"ttl": 500}})
+    remade = await rpc(other, "tools/call", {"name": "slow", "arguments": {"seconds": 0}, "task": {"ttl": 900}}, 7)
     assert remade["result"]["task"]["taskId"] == twice_id
-    assert (await rpc(other, "tasks/get", {"taskId": twice_id}))["result"]["status"] == "working"
+    await asyncio.sleep(0.3)  # finished, as the first one did: its record has the very same length (no id grew)
+    assert (await until_status(other, twice_id, "completed"))["createdAt"] == remade["result"]["task"]["createdAt"]
+    assert (await rpc(alice, "tasks/get", {"taskId": twice_id}))["error"]["code"] == -32602  # the other session's
 
 
 async def test_the_polling_refusal_names_the_interval_it_enforces(make_proxy, legacy_upstream, http):

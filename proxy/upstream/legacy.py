@@ -391,7 +391,7 @@ class LegacyUpstream:
         try:
             # (A call to follow made its task already: it is followed, never sent, whatever the link.)
             if follow is not None or await runs_as_task(self, legacy, client_headers):
-                session.calls.run_as_task(route)
+                route.upstream_task = True
                 events = run_as_upstream_task(
                     self, session, legacy, client_headers, capabilities, route, max_bytes, follow, detached
                 )

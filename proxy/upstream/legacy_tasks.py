@@ -234,7 +234,8 @@ async def run_as_upstream_task(
             yield Progress(
                 None, upstream_task=UpstreamTask(task["taskId"], session.session_id, session.protocol_version)
             )
-        task_id = route.upstream_task_id = task["taskId"]
+        task_id = task["taskId"]
+        route.name_task(task_id)
         last_message: str | None = None
         result_failures = poll_failures = 0
         while True:

@@ -30,20 +30,26 @@ class CallRoute:
     """The call runs as the server's own SEP-1686 task (its id, upstream_task_id, not yet known at first)."""
     affinity: int | None = None
     """stdio: the child (of a pool) that took the call's first request, where the rest of it goes too."""
+    watchers: list[Callable[[CallRoute], None]] = dataclasses.field(default_factory=list)
+    """The indexes the call is in (CallsInFlight, stdio's InFlight), told when its upstream task is named."""
+
+    def name_task(self, task_id: str) -> None:
+        """The upstream made its task for this call: from now the task id finds it."""
+        self.upstream_task_id = task_id
+        for watcher in list(self.watchers):
+            watcher(self)
 
 
 class CallsInFlight:
     """A session's calls in flight by upstream request id (a call may have several requests: an upstream task's
-    follow-ups), with its distinct calls counted and indexed by upstream task id: a server's request on the
-    standalone stream finds its call without a scan of every call on the session."""
+    follow-ups), with its distinct calls counted and indexed by upstream task id as each is named: a server's
+    request on the standalone stream finds its call without a scan of every call on the session."""
 
     def __init__(self) -> None:
         self._by_request: dict[Any, CallRoute] = {}
         self._routes: dict[int, list[Any]] = {}
         """The distinct calls, oldest first: id(route) -> [route, how many request ids name it]."""
         self._by_task: dict[str, list[CallRoute]] = {}
-        self._unnamed: dict[int, CallRoute] = {}
-        """Calls run as an upstream task whose id was not known when last looked: indexed at the next lookup."""
 
     def __bool__(self) -> bool:
         return bool(self._by_request)
@@ -61,10 +67,9 @@ class CallsInFlight:
             entry[1] += 1
             return
         self._routes[id(route)] = [route, 1]
+        route.watchers.append(self._named)
         if route.upstream_task_id is not None:
-            self._by_task.setdefault(route.upstream_task_id, []).append(route)
-        elif route.upstream_task:
-            self._unnamed[id(route)] = route
+            self._named(route)
 
     def pop(self, request_id: Any, default: CallRoute | None = None) -> CallRoute | None:
         route = self._by_request.pop(request_id, None)
@@ -75,7 +80,7 @@ class CallsInFlight:
         if entry[1]:
             return route
         del self._routes[id(route)]
-        self._unnamed.pop(id(route), None)
+        route.watchers.remove(self._named)
         followers = self._by_task.get(route.upstream_task_id) if route.upstream_task_id is not None else None
         if followers is not None and route in followers:
             followers.remove(route)
@@ -83,21 +88,11 @@ class CallsInFlight:
                 del self._by_task[route.upstream_task_id]  # type: ignore[arg-type]
         return route
 
-    def run_as_task(self, route: CallRoute) -> None:
-        """The call (in flight here) runs as the server's own task: once its id is known, the id finds it."""
-        route.upstream_task = True
-        if id(route) in self._routes and route.upstream_task_id is None:
-            self._unnamed[id(route)] = route
-
     def values(self) -> list[CallRoute]:
         return list(self._by_request.values())
 
     def following(self, task_id: str) -> CallRoute | None:
-        """The oldest call in flight that follows upstream task `task_id`."""
-        for key, route in list(self._unnamed.items()):
-            if route.upstream_task_id is not None:
-                del self._unnamed[key]
-                self._by_task.setdefault(route.upstream_task_id, []).append(route)
+        """The call in flight that follows upstream task `task_id` (the first named, if several do)."""
         followers = self._by_task.get(task_id)
         return followers[0] if followers else None
 
@@ -108,6 +103,12 @@ class CallsInFlight:
     def only(self) -> CallRoute | None:
         """The one call in flight, when there is exactly one."""
         return next(iter(self._routes.values()))[0] if len(self._routes) == 1 else None
+
+    def _named(self, route: CallRoute) -> None:
+        assert route.upstream_task_id is not None
+        followers = self._by_task.setdefault(route.upstream_task_id, [])
+        if route not in followers:
+            followers.append(route)
 
 
 @dataclasses.dataclass(slots=True)

@@ -3,7 +3,7 @@
 What a child writes on its own names no call (child_initiated.py): it is tied to the one call in flight that may ask,
 or to the call whose upstream task its related-task names. Found by a scan of every exchange, that cost each such
 line of the child's a step per exchange in flight (6 ms a line at 10,000); here the calls that may ask are grouped as
-exchanges come and go, and a task id finds its call through an index.
+exchanges come and go, and each call is indexed by its task id when the task is named (CallRoute.name_task).
 """
 
 from __future__ import annotations
@@ -23,10 +23,8 @@ class InFlight:
         """The exchanges that may ask, by call (its route, or the exchange itself when it has none), oldest first."""
         self._asking_count = 0
         self._by_task: dict[str, list[int]] = {}
-        """Calls by the id of the upstream task they follow (two may follow one: the first found is the oldest)."""
-        self._unnamed: dict[int, CallRoute] = {}
-        """Calls that run as an upstream task whose id was not known yet when last looked (legacy_tasks.py names it
-        while the call runs): indexed by task id at the next lookup, each once."""
+        """Calls by the id of the upstream task they follow, as each is named (two may follow one: the first named
+        is found)."""
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -59,12 +57,14 @@ class InFlight:
             return
         route = exchange.route
         key = id(route) if route is not None else id(exchange)
-        self._asking.setdefault(key, []).append(exchange)
-        if route is not None and route.upstream_task:  # (set by legacy.py before the call's first request)
-            if route.upstream_task_id is None:
-                self._unnamed[key] = route
-            else:
-                self._index(route.upstream_task_id, key)
+        group = self._asking.get(key)
+        if group is None:
+            group = self._asking[key] = []
+            if route is not None:
+                route.watchers.append(self._named)
+                if route.upstream_task_id is not None:
+                    self._named(route)
+        group.append(exchange)
         self._asking_count += 1
 
     def pop(self, child_id: object) -> Exchange | None:
@@ -77,18 +77,17 @@ class InFlight:
         """Empty it; what was in it."""
         exchanges = list(self._by_id.values())
         self._by_id.clear()
-        self._asking.clear()
         self._asking_count = 0
+        for group in self._asking.values():
+            route = group[0].route
+            if route is not None:
+                route.watchers.remove(self._named)
+        self._asking.clear()
         self._by_task.clear()
-        self._unnamed.clear()
         return exchanges
 
     def newest_of_task(self, task_id: str) -> Exchange | None:
         """The newest exchange that may ask of the call following upstream task `task_id`."""
-        for key, route in list(self._unnamed.items()):
-            if route.upstream_task_id is not None:
-                del self._unnamed[key]
-                self._index(route.upstream_task_id, key)
         keys = self._by_task.get(task_id)
         return self._asking[keys[0]][-1] if keys else None
 
@@ -109,7 +108,8 @@ class InFlight:
         if group:
             return
         del self._asking[key]
-        self._unnamed.pop(key, None)
+        if route is not None:
+            route.watchers.remove(self._named)
         task_id = route.upstream_task_id if route is not None else None
         keys = self._by_task.get(task_id) if task_id is not None else None
         if keys is not None and key in keys:
@@ -117,7 +117,8 @@ class InFlight:
             if not keys:
                 del self._by_task[task_id]  # type: ignore[arg-type]
 
-    def _index(self, task_id: str, key: int) -> None:
-        keys = self._by_task.setdefault(task_id, [])
-        if key not in keys:
-            keys.append(key)
+    def _named(self, route: CallRoute) -> None:
+        assert route.upstream_task_id is not None
+        keys = self._by_task.setdefault(route.upstream_task_id, [])
+        if id(route) not in keys:
+            keys.append(id(route))
