@@ -537,6 +537,23 @@ async def fake_upstream(aiohttp_server: Any) -> Callable[..., Awaitable[FakeUpst
     return build
 
 
+@contextlib.contextmanager
+def python_steps() -> Iterator[list[int]]:
+    """Counts every call, line and return of Python code run in the block (sys.settrace), in `[0]`: work that grows
+    with an input's shape (a loop over every call in flight) shows as a count, whatever the machine's speed."""
+    steps = [0]
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        steps[0] += 1
+        return trace
+
+    sys.settrace(trace)
+    try:
+        yield steps
+    finally:
+        sys.settrace(None)
+
+
 async def eventually(check: Callable[[], Awaitable[Any]], *, timeout_s: float = 30.0, what: str = "condition") -> Any:
     """Poll `check` until it returns something truthy; a generous bound, so slow machines only wait longer."""
     deadline = time.monotonic() + timeout_s

@@ -12,7 +12,7 @@ import secrets
 import pytest
 
 from mcp_tasks_proxy.context import gateway_key
-from tests.conftest import LegacyClient, eventually, task_reaches
+from tests.conftest import LegacyClient, eventually, python_steps, task_reaches
 from tests.factories import meta
 from tests.schemas import validate_response
 
@@ -123,10 +123,8 @@ async def test_callers_who_share_a_credential_but_not_a_principal_never_share_a_
 
 def test_a_standalone_request_finds_its_call_without_a_step_per_call_on_the_session():
     # Counted, not timed: a 2025 server's request on its standalone stream was tied to its call by a scan of every
-    # call on the proxy's session with it (one caller's: 10,000 may be in flight). Function calls are counted while
+    # call on the proxy's session with it (one caller's: 10,000 may be in flight). Python steps are counted while
     # 200 requests are tied; the calls are registered as legacy.py does, the task decision after.
-    import sys
-
     from mcp_tasks_proxy.upstream.routing import CallRoute, CallsInFlight, route_for
 
     calls = CallsInFlight()
@@ -144,20 +142,11 @@ def test_a_standalone_request_finds_its_call_without_a_step_per_call_on_the_sess
         meta = {} if task_id is None else {"_meta": {"io.modelcontextprotocol/related-task": {"taskId": task_id}}}
         return route_for(calls, {"jsonrpc": "2.0", "id": 1, "method": "elicitation/create", "params": meta})
 
-    counted = 0
-
-    def count(frame, event, arg):  # every call, line and return of Python code: a loop over the calls shows
-        nonlocal counted
-        counted += 1
-        return count
-
-    sys.settrace(count)
-    try:  # (a thousand calls still wait for the server to make their task: they cost a lookup nothing either)
+    with python_steps() as steps:  # (a thousand calls wait for the server to make their task: they cost nothing)
         found = [tie(f"task-{number}") for number in range(1, 9_000, 90)]
         unknown = [tie("task-0") for _ in range(50)]  # a call that runs no task of the server's
         untold = [tie(None) for _ in range(50)]
-    finally:
-        sys.settrace(None)
+    counted = steps[0]
     assert [route for route, _ in found] == [routes[number] for number in range(1, 9_000, 90)]
     assert unknown == [(None, "it names task 'task-0', which no call of this proxy session follows")] * 50
     assert untold == [(None, "10000 calls are in flight on this proxy session and the request names none of them")] * 50

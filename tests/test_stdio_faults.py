@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mcp_tasks_proxy.upstream.stdio import process as stdio_process
 from mcp_tasks_proxy.upstream.stdio.process import ChildSpec, Supervisor, unreadable
-from tests.conftest import ROOT, eventually, task_reaches
+from tests.conftest import ROOT, eventually, python_steps, task_reaches
 from tests.test_stdio import hostile_command, stdio_proxy, tool_text
 
 BROKEN = {
@@ -179,8 +179,7 @@ def test_restarts_close_the_pipes_a_detached_grandchild_holds(loop_factory, tmp_
 
 def test_a_childs_request_finds_its_call_without_a_step_per_call_in_flight():
     # Counted, not timed: each request of the child's (or log line naming a task) was tied to its call by a scan of
-    # every exchange in flight, 6 ms a line at 10,000. Function calls are counted while 200 requests are tied.
-    import sys
+    # every exchange in flight, 6 ms a line at 10,000. Python steps are counted while 200 requests are tied.
     from types import SimpleNamespace
 
     from mcp_tasks_proxy.upstream.routing import CallRoute
@@ -206,20 +205,11 @@ def test_a_childs_request_finds_its_call_without_a_step_per_call_in_flight():
         message = {"jsonrpc": "2.0", "id": number, "method": "elicitation/create", "params": {"message": "?", **meta}}
         return channel._initiated.request(child, message, 100)
 
-    calls = 0
-
-    def count(frame, event, arg):  # every call, line and return of Python code: a loop over the calls shows
-        nonlocal calls
-        calls += 1
-        return count
-
-    sys.settrace(count)
-    try:
+    with python_steps() as steps:
         outcomes = [ask(f"task-{number}", number) for number in range(0, 10_000, 100)]
         outcomes += [ask("task-none", number) for number in range(50)]
         outcomes += [ask(None, number) for number in range(50)]
-    finally:
-        sys.settrace(None)
+    calls = steps[0]
     assert outcomes[:100] == [None] * 100
     assert all(exchanges[number].asked for number in range(0, 10_000, 100))
     assert not any(exchanges[number].asked for number in range(1, 10_000, 100))
