@@ -297,7 +297,7 @@ class Tasks2025:
         finished = self._finished.get(task_id) if self._finished is not None and isinstance(task_id, str) else None
         if finished is not None:
             if await self._store.sizes([task_id]) != [finished.size]:
-                del self._finished[task_id]  # type: ignore[union-attr]  # not the record seen: read it again
+                self._finished.pop(task_id, None)  # type: ignore[union-attr]  # not the record seen: read it again
             elif (finished.principal, finished.session) != (
                 self._identity.principal(request.headers),
                 self._identity.session_tag(request.headers),
