@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+from typing import Any
 
 import aiohttp
 import pytest
@@ -351,11 +352,17 @@ async def test_the_memory_list_finds_a_page_without_sorting_the_whole_list():
     assert comparisons < 41 * 40, comparisons  # a bisection a page (160,000 before)
 
 
+async def redis_backed(make_proxy, legacy_upstream, redis_url) -> tuple[Any, str]:
+    """A proxy with the Redis store under a key prefix of its own, and that prefix (to read its records)."""
+    prefix = f"sep1686-{secrets.token_hex(4)}:"
+    store = {"backend": "redis", "url": redis_url, "key_prefix": prefix}
+    return await make_proxy(legacy_upstream, tools=RULES, store=store, security={"principal_key": "k"}), prefix
+
+
 async def test_the_redis_list_keeps_long_lived_tasks_and_drops_expired_ones(
     make_proxy, legacy_upstream, http, redis_url
 ):
-    store = {"backend": "redis", "url": redis_url, "key_prefix": f"sep1686-{secrets.token_hex(4)}:"}
-    proxy = await make_proxy(legacy_upstream, tools=RULES, store=store, security={"principal_key": "k"})
+    proxy, prefix = await redis_backed(make_proxy, legacy_upstream, redis_url)
     client, _ = await initialized(http, proxy.url)
     long = await rpc(client, "tools/call", {"name": "slow", "arguments": {"seconds": 0}, "task": {}})
     for _ in range(3):  # shorter-lived tasks after it: the list must outlive them, and forget them once expired
@@ -367,7 +374,7 @@ async def test_the_redis_list_keeps_long_lived_tasks_and_drops_expired_ones(
 
     r = aioredis.Redis.from_url(redis_url)
     try:
-        (key,) = [k async for k in r.scan_iter(match=f"{store['key_prefix']}index:*")]
+        (key,) = [k async for k in r.scan_iter(match=f"{prefix}index:*")]
         await rpc(client, "tools/call", {"name": "slow", "arguments": {"seconds": 0}, "task": {}})  # prunes on add
         assert await r.zcard(key) == 2 and await r.pttl(key) > 60_000
     finally:
@@ -382,9 +389,7 @@ async def test_a_list_page_reads_a_bounded_number_of_bytes_of_records(
     # two records' worth, and five tasks are listed two, two and one at a time.
     import redis.asyncio as aioredis
 
-    prefix = f"sep1686-{secrets.token_hex(4)}:"
-    store = {"backend": "redis", "url": redis_url, "key_prefix": prefix}
-    proxy = await make_proxy(legacy_upstream, tools=RULES, store=store, security={"principal_key": "k"})
+    proxy, prefix = await redis_backed(make_proxy, legacy_upstream, redis_url)
     client, _ = await initialized(http, proxy.url, token="alice")
     made = []
     for _ in range(5):
@@ -417,9 +422,7 @@ async def test_a_finished_tasks_get_is_answered_without_reading_its_record_again
     # by changing the stored record behind the proxy's back at the same length, which a read would show.
     import redis.asyncio as aioredis
 
-    prefix = f"sep1686-{secrets.token_hex(4)}:"
-    store = {"backend": "redis", "url": redis_url, "key_prefix": prefix}
-    proxy = await make_proxy(legacy_upstream, tools=RULES, store=store, security={"principal_key": "k"})
+    proxy, prefix = await redis_backed(make_proxy, legacy_upstream, redis_url)
     alice, _ = await initialized(http, proxy.url, token="alice")
     bob, _ = await initialized(http, proxy.url, token="bob")
     created = await rpc(alice, "tools/call", {"name": "slow", "arguments": {"seconds": 0}, "task": {}})
