@@ -40,6 +40,35 @@ class CallRoute:
             watcher(self)
 
 
+class Followers:
+    """Calls in flight by the upstream task they follow, kept as each is named (`add` is the watcher a call is given,
+    CallRoute.name_task); two may follow one task: the first named is found."""
+
+    def __init__(self) -> None:
+        self._routes: dict[str, list[CallRoute]] = {}
+
+    def add(self, route: CallRoute) -> None:
+        assert route.upstream_task_id is not None
+        routes = self._routes.setdefault(route.upstream_task_id, [])
+        if route not in routes:
+            routes.append(route)
+
+    def discard(self, route: CallRoute) -> None:
+        task_id = route.upstream_task_id
+        routes = self._routes.get(task_id) if task_id is not None else None
+        if routes is not None and route in routes:
+            routes.remove(route)
+            if not routes:
+                del self._routes[task_id]  # type: ignore[arg-type]
+
+    def first(self, task_id: str) -> CallRoute | None:
+        routes = self._routes.get(task_id)
+        return routes[0] if routes else None
+
+    def clear(self) -> None:
+        self._routes.clear()
+
+
 class CallsInFlight:
     """A session's calls in flight by upstream request id (a call may have several requests: an upstream task's
     follow-ups), with its distinct calls counted and indexed by upstream task id as each is named: a server's
@@ -49,7 +78,7 @@ class CallsInFlight:
         self._by_request: dict[Any, CallRoute] = {}
         self._routes: dict[int, list[Any]] = {}
         """The distinct calls, oldest first: id(route) -> [route, how many request ids name it]."""
-        self._by_task: dict[str, list[CallRoute]] = {}
+        self._by_task = Followers()
 
     def __bool__(self) -> bool:
         return bool(self._by_request)
@@ -67,9 +96,9 @@ class CallsInFlight:
             entry[1] += 1
             return
         self._routes[id(route)] = [route, 1]
-        route.watchers.append(self._named)
+        route.watchers.append(self._by_task.add)
         if route.upstream_task_id is not None:
-            self._named(route)
+            self._by_task.add(route)
 
     def pop(self, request_id: Any, default: CallRoute | None = None) -> CallRoute | None:
         route = self._by_request.pop(request_id, None)
@@ -80,12 +109,8 @@ class CallsInFlight:
         if entry[1]:
             return route
         del self._routes[id(route)]
-        route.watchers.remove(self._named)
-        followers = self._by_task.get(route.upstream_task_id) if route.upstream_task_id is not None else None
-        if followers is not None and route in followers:
-            followers.remove(route)
-            if not followers:
-                del self._by_task[route.upstream_task_id]  # type: ignore[arg-type]
+        route.watchers.remove(self._by_task.add)
+        self._by_task.discard(route)
         return route
 
     def values(self) -> list[CallRoute]:
@@ -93,8 +118,7 @@ class CallsInFlight:
 
     def following(self, task_id: str) -> CallRoute | None:
         """The call in flight that follows upstream task `task_id` (the first named, if several do)."""
-        followers = self._by_task.get(task_id)
-        return followers[0] if followers else None
+        return self._by_task.first(task_id)
 
     @property
     def distinct(self) -> int:
@@ -103,12 +127,6 @@ class CallsInFlight:
     def only(self) -> CallRoute | None:
         """The one call in flight, when there is exactly one."""
         return next(iter(self._routes.values()))[0] if len(self._routes) == 1 else None
-
-    def _named(self, route: CallRoute) -> None:
-        assert route.upstream_task_id is not None
-        followers = self._by_task.setdefault(route.upstream_task_id, [])
-        if route not in followers:
-            followers.append(route)
 
 
 @dataclasses.dataclass(slots=True)

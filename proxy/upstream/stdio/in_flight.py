@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ..routing import CallRoute
+from ..routing import Followers
 from .exchange import Exchange
 
 
@@ -22,9 +22,7 @@ class InFlight:
         self._asking: dict[int, list[Exchange]] = {}
         """The exchanges that may ask, by call (its route, or the exchange itself when it has none), oldest first."""
         self._asking_count = 0
-        self._by_task: dict[str, list[int]] = {}
-        """Calls by the id of the upstream task they follow, as each is named (two may follow one: the first named
-        is found)."""
+        self._by_task = Followers()
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -61,9 +59,9 @@ class InFlight:
         if group is None:
             group = self._asking[key] = []
             if route is not None:
-                route.watchers.append(self._named)
+                route.watchers.append(self._by_task.add)
                 if route.upstream_task_id is not None:
-                    self._named(route)
+                    self._by_task.add(route)
         group.append(exchange)
         self._asking_count += 1
 
@@ -81,15 +79,15 @@ class InFlight:
         for group in self._asking.values():
             route = group[0].route
             if route is not None:
-                route.watchers.remove(self._named)
+                route.watchers.remove(self._by_task.add)
         self._asking.clear()
         self._by_task.clear()
         return exchanges
 
     def newest_of_task(self, task_id: str) -> Exchange | None:
         """The newest exchange that may ask of the call following upstream task `task_id`."""
-        keys = self._by_task.get(task_id)
-        return self._asking[keys[0]][-1] if keys else None
+        route = self._by_task.first(task_id)
+        return self._asking[id(route)][-1] if route is not None else None
 
     def the_one_asking(self) -> Exchange | None:
         """The newest exchange that may ask of the one call that may, when there is exactly one."""
@@ -109,16 +107,5 @@ class InFlight:
             return
         del self._asking[key]
         if route is not None:
-            route.watchers.remove(self._named)
-        task_id = route.upstream_task_id if route is not None else None
-        keys = self._by_task.get(task_id) if task_id is not None else None
-        if keys is not None and key in keys:
-            keys.remove(key)
-            if not keys:
-                del self._by_task[task_id]  # type: ignore[arg-type]
-
-    def _named(self, route: CallRoute) -> None:
-        assert route.upstream_task_id is not None
-        keys = self._by_task.setdefault(route.upstream_task_id, [])
-        if id(route) not in keys:
-            keys.append(id(route))
+            route.watchers.remove(self._by_task.add)
+            self._by_task.discard(route)
