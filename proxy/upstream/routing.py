@@ -87,9 +87,11 @@ class CallsInFlight:
         return len(self._by_request)
 
     def __setitem__(self, request_id: Any, route: CallRoute) -> None:
-        if self._by_request.get(request_id) is route:
+        current = self._by_request.get(request_id)
+        if current is route:
             return
-        self.pop(request_id)
+        if current is not None:
+            self.pop(request_id)
         self._by_request[request_id] = route
         entry = self._routes.get(id(route))
         if entry is not None:
