@@ -300,3 +300,32 @@ async def test_a_misbehaving_caller_does_not_disturb_another(make_proxy, mcp_ups
 
     _, done = await asyncio.gather(hostile(), honest())
     assert done.result["result"]["content"][0]["text"].startswith("Report on t")
+
+
+async def test_kept_credential_hashes_follow_the_key_the_replicas_agree_on():
+    """A replica keeps the hashes of the credentials it sees; when the store's key replaces its own, none made
+    with the old key answers again, or a caller would own its tasks under two names across replicas."""
+    import hashlib
+    import hmac
+
+    from mcp_tasks_proxy.config import SecurityConfig
+    from mcp_tasks_proxy.security import Identity
+
+    class KeyStore:  # the one store call agree() makes; the stores' own is tested in test_store_contract.py
+        def __init__(self, key: str) -> None:
+            self.key = key
+
+        async def shared_secret(self, name: str, mine: str) -> str:
+            return self.key
+
+    def expected(key: str, value: str) -> str:
+        return hmac.new(key.encode(), value.encode(), hashlib.sha256).hexdigest()[:32]
+
+    identity = Identity(SecurityConfig(), shared_store=True)
+    long_token = "Bearer " + "x" * 5000  # past the kept length: hashed every time, alike
+    for key in ("first-key", "second-key"):
+        await identity.agree(KeyStore(key))  # type: ignore[arg-type]
+        for _ in range(2):  # the second time from what was kept
+            assert identity.credential(ALICE) == expected(key, "authorization:" + ALICE["Authorization"])
+            assert identity.credential({"Authorization": long_token}) == expected(key, "authorization:" + long_token)
+            assert identity.principal(BOB) == expected(key, "authorization:" + BOB["Authorization"])
