@@ -36,6 +36,8 @@ class ScriptedLegacyServer:
         self.flood_count = 0
         self.tools: list[dict] | None = None
         self.release = asyncio.Event()
+        self.protocol_version = "2025-06-18"
+        self.headers: list[dict[str, str]] = []
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         session = request.headers.get("Mcp-Session-Id")
@@ -46,10 +48,11 @@ class ScriptedLegacyServer:
             return web.Response(status=405)  # no standalone stream
         message = json.loads(await request.read())
         self.received.append((session, message))
+        self.headers.append(dict(request.headers))
         method = message.get("method")
         if method == "initialize":
             result = {
-                "protocolVersion": "2025-06-18",
+                "protocolVersion": self.protocol_version,
                 "capabilities": {"tools": {}, **self.extra_capabilities},
                 "serverInfo": {"name": "s", "version": "1"},
             }
@@ -153,6 +156,18 @@ async def test_expired_session_is_initialized_again(make_proxy, fake_upstream):
     # Every call the proxy makes carries the session, and no 2026-only envelope.
     assert all(session is not None for session, _ in calls)
     assert all("io.modelcontextprotocol/clientCapabilities" not in (m["params"].get("_meta") or {}) for _, m in calls)
+
+
+async def test_a_protocol_version_that_would_split_a_header_fails_the_call_and_is_never_sent(make_proxy, fake_upstream):
+    # The server's initialize answer is the one field of the proxy's POSTs that the server itself chose.
+    server, fake = await scripted(fake_upstream)
+    server.protocol_version = "2025-06-18\r\nX-Smuggled: 1"
+    proxy = await make_proxy(fake.url)
+    answer = await proxy.client.call_tool("anything", tasks=False)
+    assert answer.error is not None, answer
+    assert "names no protocol version" in answer.error["message"], answer.error
+    assert not any("X-Smuggled" in headers for headers in server.headers)
+    assert not any(m.get("method") == "tools/call" for _, m in server.received)
 
 
 async def test_sessions_are_per_credential_and_bounded(make_proxy, fake_upstream):

@@ -373,3 +373,35 @@ def test_relayed_request_headers_are_the_bytes_received_without_hop_by_hop_ones_
     assert relayed_request_fields(padded, CIMultiDictProxy(CIMultiDict())) == (
         b"Authorization: Bearer  me\r\nX-Tab: a\r\nX-Plain: b c\r\n"
     )
+
+
+def test_a_bridged_calls_header_block_is_the_session_headers_serialized_and_never_carries_cr_or_lf():
+    from multidict import CIMultiDict
+
+    from mcp_tasks_proxy.upstream.http.headers import session_headers, session_post_fields
+    from mcp_tasks_proxy.upstream.routing import LegacySession
+
+    def serialized(headers: CIMultiDict[str]) -> bytes:  # as the lean client serializes a mapping
+        return b"".join(f"{name}: {value}\r\n".encode("utf-8", "surrogateescape") for name, value in headers.items())
+
+    client = CIMultiDict(
+        [("Host", "proxy"), ("Connection", "keep-alive, X-Hop"), ("X-Hop", "1"), ("Content-Length", "2"),
+         ("Authorization", "Bearer me"), ("Accept", "*/*"), ("Mcp-Method", "tools/call"), ("X-Name", "caf\xe9"),
+         ("MCP-Protocol-Version", "2026-07-28"), ("Content-Type", "text/plain")]
+    )  # fmt: skip
+    for session in (LegacySession("s-1", "2025-06-18", "p"), LegacySession(None, "2025-11-25", "p")):
+        block = session_post_fields(session, client)
+        assert block == serialized(session_headers(session, client))
+        assert b"X-Hop" not in block and b"Mcp-Method" not in block and b"Host" not in block
+    assert session_post_fields(LegacySession("s", "2025-06-18", "p"), CIMultiDict()) == (
+        b"Content-Type: application/json\r\nAccept: application/json, text/event-stream\r\n"
+        b"MCP-Protocol-Version: 2025-06-18\r\nMcp-Session-Id: s\r\n"
+    )
+    for session, headers in (
+        (LegacySession("s", "2025-06-18\r\nX-Smuggled: 1", "p"), CIMultiDict()),
+        (LegacySession("s\nX: 1", "2025-06-18", "p"), CIMultiDict()),
+        (LegacySession("s", "2025-06-18", "p"), CIMultiDict({"X-Bad": "a\rb"})),
+        (LegacySession("s", "2025-06-18", "p"), CIMultiDict({"X-Bad:": "a"})),
+    ):
+        with pytest.raises(ValueError, match="cannot be sent"):
+            session_post_fields(session, headers)

@@ -133,6 +133,36 @@ def session_headers(session: LegacySession, client_headers: MultiMapping[str]) -
     return headers
 
 
+def session_post_fields(session: LegacySession, client_headers: MultiMapping[str]) -> bytes | CIMultiDict[str]:
+    """`session_headers` as the lean client sends them, serialized in one pass (a bridged call's POST); the mapping
+    instead when tracing adds its own header. ValueError for a field that cannot be sent (CR, LF, a colon in a
+    name), which the server's protocol version or session id may hold as well as a client's field."""
+    if tracing.TRACER.enabled:
+        return session_headers(session, client_headers)
+    drop = TASK_CALL_SKIP
+    if "Connection" in client_headers:
+        drop = drop.union(*(connection_listed(value) for value in client_headers.getall("Connection")))
+    lines = []
+    for name, value in client_headers.items():
+        lower = name.lower()
+        if lower in drop or lower.startswith("mcp-"):
+            continue
+        if ":" in name:
+            raise ValueError(f"header {name!r} cannot be sent")
+        lines.append(f"{name}: {value}\r\n")
+    lines.append(_JSON_POST_FIELDS)
+    lines.append(f"MCP-Protocol-Version: {session.protocol_version}\r\n")
+    if session.session_id is not None:
+        lines.append(f"Mcp-Session-Id: {session.session_id}\r\n")
+    block = "".join(lines)
+    if block.count("\n") != len(lines) + 1 or block.count("\r") != len(lines) + 1:  # _JSON_POST_FIELDS has two
+        raise ValueError("a header holds CR or LF and cannot be sent")
+    return block.encode("utf-8", "surrogateescape")
+
+
+_JSON_POST_FIELDS = "Content-Type: application/json\r\nAccept: application/json, text/event-stream\r\n"
+
+
 def stream_headers(
     session: LegacySession, client_headers: MultiMapping[str], last_event_id: str | None
 ) -> CIMultiDict[str]:

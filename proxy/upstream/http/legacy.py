@@ -17,8 +17,8 @@ from multidict import CIMultiDict, MultiMapping
 from ...jsonrpc import dumps, loads
 from ..events import RETRIED_STATUSES, UpstreamUnavailable, retry_after_s
 from ..routing import CallRoute
-from .client import CallResponse
-from .headers import session_headers, stream_headers
+from .client import CallError, CallResponse
+from .headers import session_headers, session_post_fields, stream_headers
 from .modern import Upstream, single_answer
 from .sse import SseParser, StreamPosition
 from .standalone import open_stream
@@ -210,7 +210,11 @@ class HttpLegacyLink:
         """POST one request. Through the lean client: a working task holds this response open for as long as the
         tool runs."""
         try:
-            response = await self.upstream.post(session_headers(session, client_headers), dumps(message))
+            fields = session_post_fields(session, client_headers)
+        except ValueError as exc:
+            raise CallError(str(exc)) from None
+        try:
+            response = await self.upstream.post(fields, dumps(message))
         except asyncio.CancelledError:
             # Dropped before the response's headers (timeout, tasks/cancel, a client that left): the server
             # may hold the request already, and only notifications/cancelled tells it to stop.
