@@ -212,13 +212,14 @@ def proxy(
     protocol: str,
     store: dict | None = None,
     ttl_ms: int = 60_000,
+    log_level: str = "warning",
 ) -> Iterator[tuple[str, int]]:
     port = free_port()
     policy = {
         "upstream": {"url": upstream, "protocol": protocol},
         "tools": [{"match": "echo", "task": "optional"}],  # a policy as deployed; a pass-through call is not in it
         "security": {"principal_key": "bench"},
-        "logging": {"level": "warning", "format": "json"},
+        "logging": {"level": log_level, "format": "json"},  # to /dev/null (run.process)
     }
     if store is not None:  # the task paths: room for every task a run makes, each kept `ttl_ms`
         policy["store"] = {**store, "key_prefix": f"ab{port}:"} if store["backend"] == "redis" else store
@@ -352,6 +353,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 s runs, 3 repeats")
     parser.add_argument("--client", choices=("plain", "tasks"), default="plain",
                         help="pass-through: a client that declares nothing, or the tasks extension")  # fmt: skip
+    parser.add_argument("--log-level", choices=("warning", "info"), default="warning",
+                        help="the proxies' logging.level on the pass-through path: warning writes no line a request "
+                             "(the figures of docs/benchmarks.md), info one (the default of a deployment)")  # fmt: skip
     parser.add_argument("--path", choices=("passthrough", "create", "get"), default="passthrough",
                         help="what is measured: a pass-through tools/call, task creation at 1,000/s, or "
                              "tasks/get of a finished task")  # fmt: skip
@@ -373,6 +377,7 @@ def main() -> None:
         print(f"# note: the installs differ in {', '.join(differ)}; `rm -rf bench/.ab` makes both afresh")
     head = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True)
     declares = " · the client declares tasks" if args.client == "tasks" and args.path == "passthrough" else ""
+    declares += " · a log line a request (logging.level info)" if args.log_level == "info" else ""
     print(f"# A/B: {args.base} (A) against the work tree {head.stdout.strip()} (B) · {os.cpu_count()} cores · "
           f"wrk -t1, {seconds} s runs, {repeats} repeats, interleaved · CPU µs/request, median (min-max)"
           f"{declares}")  # fmt: skip
@@ -398,8 +403,8 @@ def main() -> None:
         meta = META_TASKS if args.client == "tasks" else META
         for era in args.eras.split(","):
             with (
-                proxy(*a_install, upstream, era) as a,
-                proxy(*b_install, upstream, era) as b,
+                proxy(*a_install, upstream, era, log_level=args.log_level) as a,
+                proxy(*b_install, upstream, era, log_level=args.log_level) as b,
             ):
                 targets = {"A": a, "B": b, **fixed}
                 for connections in (int(c) for c in args.connections.split(",")):

@@ -7,13 +7,16 @@ input response or a credential.
 
 from __future__ import annotations
 
+import datetime
 import itertools
+import json
 import logging
 import secrets
 import sys
 from contextvars import ContextVar
 from typing import Any
 
+import orjson
 import structlog
 from structlog.tracebacks import ExceptionDictTransformer
 
@@ -74,6 +77,31 @@ def _exception_fields(logger: Any, method: str, event: dict[str, Any]) -> dict[s
     return event
 
 
+def _timestamp(logger: Any, method: str, event: dict[str, Any]) -> dict[str, Any]:
+    """The time as a datetime, which orjson writes in RFC 3339 as structlog's TimeStamper(fmt="iso", utc=True)
+    does (a third of its cost)."""
+    event["timestamp"] = datetime.datetime.now(datetime.UTC)
+    return event
+
+
+def _not_json(value: Any) -> str:
+    return value.isoformat().replace("+00:00", "Z") if isinstance(value, datetime.datetime) else repr(value)
+
+
+def _json_line(event: dict[str, Any], **_: Any) -> bytes:
+    """One JSON line: orjson (a tenth of json.dumps' time, and a request writes a line), the standard library for
+    what orjson refuses (integers past 64 bits, lone surrogates, keys that are not strings)."""
+    try:
+        return orjson.dumps(event, default=_not_json, option=orjson.OPT_UTC_Z)
+    except TypeError:
+        return json.dumps(event, default=_not_json, separators=(",", ":")).encode()
+
+
+def _json_text(event: dict[str, Any], **_: Any) -> str:
+    """_json_line as text, for the standard library's handler (aiohttp's own loggers)."""
+    return _json_line(event).decode()
+
+
 def _console_trace(sio: Any, exc_info: Any) -> None:
     """ConsoleRenderer's exception formatter: the same frames, as text."""
     for stack in _trace(exc_info):
@@ -91,25 +119,32 @@ def configure_logging(*, level: str = "info", format: str = "auto") -> None:
         _add_request_id,
         _bounded_values,
         structlog.processors.add_log_level,
-        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.TimeStamper(fmt="iso", utc=True) if use_console else _timestamp,
     ]
-    renderer: structlog.typing.Processor = (
-        structlog.dev.ConsoleRenderer(exception_formatter=_console_trace)
-        if use_console
-        else structlog.processors.JSONRenderer()
-    )
+    stderr_bytes = getattr(sys.stderr, "buffer", None)
+    renderer: structlog.typing.Processor
+    if use_console:
+        renderer = text_renderer = structlog.dev.ConsoleRenderer(exception_formatter=_console_trace)
+    else:
+        renderer = structlog.processors.JSONRenderer(serializer=_json_line if stderr_bytes else _json_text)
+        text_renderer = structlog.processors.JSONRenderer(serializer=_json_text)
     tail: list[structlog.typing.Processor] = [] if use_console else [_exception_fields]
     structlog.configure(
         processors=[*shared, *tail, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # Bytes written as rendered: a request's line is not encoded again by a text layer.
+        logger_factory=(
+            structlog.BytesLoggerFactory(file=stderr_bytes)
+            if stderr_bytes and not use_console
+            else structlog.PrintLoggerFactory(file=sys.stderr)
+        ),
         cache_logger_on_first_use=True,
     )
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             foreign_pre_chain=shared,
-            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *tail, renderer],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *tail, text_renderer],
         )
     )
     root = logging.getLogger()

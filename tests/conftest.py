@@ -674,7 +674,7 @@ def replicas(request, tmp_path, redis_url) -> Iterator:
             peers = sum(1 for other in started if other.shares_events_with(replica) and other.process.poll() is None)
             with sync_redis.Redis.from_url(store_url) as store:
                 while not (
-                    '"event": "proxy_started"' in log.read_text(errors="replace")
+                    '"event":"proxy_started"' in log.read_text(errors="replace")
                     and store.pubsub_numsub(replica.keys.events)[0][1] >= peers
                 ):
                     if process.poll() is not None or time.monotonic() > deadline:

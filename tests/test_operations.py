@@ -281,7 +281,7 @@ def test_sighup_and_file_changes_reload_the_running_command(mcp_upstream, tmp_pa
     finally:
         stop(process)
     text = log_path.read_text()
-    assert '"reason": "file changed"' in text and '"reason": "SIGHUP"' in text
+    assert '"reason":"file changed"' in text and '"reason":"SIGHUP"' in text
 
 
 def test_check_prints_the_rule_each_tool_gets(mcp_upstream, tmp_path):
@@ -386,3 +386,37 @@ async def test_a_tool_name_longer_than_a_label_may_be_counts_as_other_and_is_log
     assert "_other" in tools and long_name not in tools
     line = _bounded_values(None, "info", {"event": "request_handled", "tool": "t" * 4_000_000})
     assert line["tool"] == "t" * MAX_LOGGED_CHARS + "... (4000000 characters)"
+
+
+def test_json_log_lines_are_compact_json_whatever_their_fields_hold():
+    """Every request writes a line: orjson renders it, and what orjson refuses (an integer past 64 bits, a lone
+    surrogate, a key that is not a string) still makes a line of valid JSON, never an error in the request."""
+    import json
+    import sys
+
+    script = """
+import logging, structlog
+from mcp_tasks_proxy.log import configure_logging
+configure_logging(level="info", format="json")
+log = structlog.get_logger("t")
+log.info("plain", tool="echo", n=1)
+log.info("odd", n=2**70, s="\\udcff", k={1: 2}, o=object.__new__(type("Thing", (), {"__repr__": lambda self: "thing"})))
+logging.getLogger("aiohttp.server").warning("from %s", "aiohttp")
+try:
+    1 / 0
+except ZeroDivisionError:
+    log.exception("failed")
+log.debug("not written")
+"""
+    done = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 4, lines
+    assert all(": " not in line.split('"timestamp"')[0] for line in lines)  # compact: no spaces between tokens
+    plain, odd, stdlib, failed = (json.loads(line) for line in lines)
+    assert plain["event"] == "plain" and plain["tool"] == "echo" and plain["level"] == "info"
+    assert plain["timestamp"].endswith("Z") and plain["timestamp"][:4].isdigit()
+    assert odd["n"] == 2**70 and odd["s"] == "\udcff" and odd["k"] == {"1": 2} and odd["o"] == "thing"
+    assert odd["timestamp"].endswith("Z")
+    assert stdlib["event"] == "from aiohttp" and stdlib["level"] == "warning"
+    assert failed["exception"][0]["exc_type"] == "ZeroDivisionError"

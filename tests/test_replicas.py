@@ -481,7 +481,7 @@ async def test_sigterm_keeps_an_idempotent_call_that_has_no_run_left_and_a_lone_
 
 def _logged(replica: Replica, event: str):
     async def check() -> bool:
-        return f'"event": "{event}"' in replica.log.read_text()
+        return f'"event":"{event}"' in replica.log.read_text()
 
     return check
 
@@ -499,7 +499,7 @@ async def test_a_handed_over_call_that_the_2025_server_runs_as_its_own_task_is_f
     leaving.process.send_signal(signal.SIGTERM)
     done = await task_reaches(McpClient(session, staying.url), task_id, "completed", "failed")
     assert done.result["status"] == "completed", done.result.get("error")
-    assert '"event": "upstream_task_cancelled"' not in leaving.log.read_text()
+    assert '"event":"upstream_task_cancelled"' not in leaving.log.read_text()
 
 
 async def test_a_lost_replicas_server_task_that_waits_for_an_answer_asked_through_it_ends_unknown_at_once(
@@ -565,7 +565,7 @@ async def test_a_replica_told_to_stop_while_it_starts_stops_gracefully(replicas,
         starting = replicas(mcp_upstream, store_url=url, wait_started=False)
         starting.process.send_signal(signal.SIGTERM)
         assert starting.process.wait(timeout=30) == 0
-        assert '"event": "proxy_stopped"' in starting.log.read_text()
+        assert '"event":"proxy_stopped"' in starting.log.read_text()
     finally:
         os.kill(redis_process.pid, signal.SIGCONT)
         stop(redis_process)

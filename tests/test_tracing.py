@@ -197,7 +197,7 @@ async def test_spans_reach_an_otlp_http_receiver(mcp_upstream, tmp_path, aiohttp
     service = {a.key: a.value.string_value for a in resource.attributes}["service.name"]
     assert service == "proxy-under-test"
     assert SECRET.encode() not in b"".join(batch.SerializeToString() for batch in batches)
-    assert '"tracing": "on (otlp)"' in log.read_text() or "tracing=on (otlp)" in log.read_text()
+    assert '"tracing":"on (otlp)"' in log.read_text() or "tracing=on (otlp)" in log.read_text()
 
 
 async def test_a_malformed_meta_with_tracing_on_is_relayed_not_an_internal_error(make_proxy, mcp_upstream, spans):
