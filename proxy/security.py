@@ -28,8 +28,9 @@ SHARED_KEY_NAME = "principal-key"
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]", "::1")
 _HASHES_KEPT = 512
 _KEPT_VALUE_CHARS = 2048
-"""Hashes of values up to this long are kept (512 of them: about 1 MB at most), the credentials a replica sees
-again with every request; a longer value is hashed each time."""
+"""Hashes of values up to this long are kept, the credentials a replica sees again with every request: 512 of
+them hold about 1 MB of ASCII tokens, 4 MB at most (Python keeps a string of 4-byte characters at 4 bytes each). A
+longer value is hashed each time."""
 
 
 class Identity:

@@ -165,9 +165,18 @@ async def test_a_protocol_version_that_would_split_a_header_fails_the_call_and_i
     proxy = await make_proxy(fake.url)
     answer = await proxy.client.call_tool("anything", tasks=False)
     assert answer.error is not None, answer
-    assert "names no protocol version" in answer.error["message"], answer.error
+    assert "protocolVersion no header can carry" in answer.error["message"], answer.error
     assert not any("X-Smuggled" in headers for headers in server.headers)
     assert not any(m.get("method") == "tools/call" for _, m in server.received)
+
+    async def ended():  # the session the server made for nothing is not left open
+        return server.deleted == ["s1"]
+
+    await eventually(ended, what="the refused session being ended with DELETE")
+    # A version a header can carry is the server's to choose, odd or not.
+    server.protocol_version = "2025-06-18 (draft)"
+    answer = await proxy.client.call_tool("anything", tasks=False)
+    assert answer.result["content"][0]["text"] == "ok on s2", answer
 
 
 async def test_sessions_are_per_credential_and_bounded(make_proxy, fake_upstream):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 import signal
 import subprocess
@@ -390,33 +391,46 @@ async def test_a_tool_name_longer_than_a_label_may_be_counts_as_other_and_is_log
 
 def test_json_log_lines_are_compact_json_whatever_their_fields_hold():
     """Every request writes a line: orjson renders it, and what orjson refuses (an integer past 64 bits, a lone
-    surrogate, a key that is not a string) still makes a line of valid JSON, never an error in the request."""
+    surrogate, a key that is not a string) still makes a line of valid JSON, never an error in the request. No
+    line breaks in two for a reader that splits at U+2028 (a tool's name is the client's), a dataclass shows its
+    repr (no repr=False field), and aiohttp's own lines are valid JSON whatever stderr's encoding."""
     import json
     import sys
 
-    script = """
-import logging, structlog
+    script = r"""
+import dataclasses, logging, structlog
 from mcp_tasks_proxy.log import configure_logging
 configure_logging(level="info", format="json")
 log = structlog.get_logger("t")
-log.info("plain", tool="echo", n=1)
-log.info("odd", n=2**70, s="\\udcff", k={1: 2}, o=object.__new__(type("Thing", (), {"__repr__": lambda self: "thing"})))
-logging.getLogger("aiohttp.server").warning("from %s", "aiohttp")
+
+@dataclasses.dataclass
+class Target:
+    host: str
+    password: str = dataclasses.field(repr=False, default="hunter2")
+
+log.info("plain", tool="ec\u2028ho\u2029\u0085 caf\u00e9", n=1)
+log.info("odd", n=2**70, s="\udcff", k={1: 2}, o=object.__new__(type("Thing", (), {"__repr__": lambda self: "thing"})))
+log.info("target", store=Target("redis"))
+logging.getLogger("aiohttp.server").warning("from %s", "caf\u00e9")
 try:
     1 / 0
 except ZeroDivisionError:
     log.exception("failed")
 log.debug("not written")
 """
-    done = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    lines = done.stderr.splitlines()
-    assert len(lines) == 4, lines
-    assert all(": " not in line.split('"timestamp"')[0] for line in lines)  # compact: no spaces between tokens
-    plain, odd, stdlib, failed = (json.loads(line) for line in lines)
-    assert plain["event"] == "plain" and plain["tool"] == "echo" and plain["level"] == "info"
-    assert plain["timestamp"].endswith("Z") and plain["timestamp"][:4].isdigit()
-    assert odd["n"] == 2**70 and odd["s"] == "\udcff" and odd["k"] == {"1": 2} and odd["o"] == "thing"
-    assert odd["timestamp"].endswith("Z")
-    assert stdlib["event"] == "from aiohttp" and stdlib["level"] == "warning"
-    assert failed["exception"][0]["exc_type"] == "ZeroDivisionError"
+    for encoding in ("utf-8", "ascii"):
+        env = {**os.environ, "PYTHONIOENCODING": encoding}
+        done = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, timeout=60, env=env)
+        assert done.returncode == 0, done.stderr
+        lines = done.stderr.decode().splitlines()  # splits at U+2028, U+2029 and U+0085 too
+        assert len(lines) == 5, lines
+        assert all(line.startswith('{"') and '":' in line and '": ' not in line for line in lines)  # compact
+        plain, odd, target, stdlib, failed = (json.loads(line) for line in lines)
+        assert plain["event"] == "plain" and plain["tool"] == "ec\u2028ho\u2029\u0085 caf\u00e9"
+        assert plain["level"] == "info" and plain["timestamp"].endswith("Z") and plain["timestamp"][:4].isdigit()
+        assert odd["n"] == 2**70 and odd["s"] == "\udcff" and odd["k"] == {"1": 2} and odd["o"] == "thing"
+        assert odd["timestamp"].endswith("Z")
+        assert target["store"] == "Target(host='redis')"
+        assert "hunter2" not in done.stderr.decode()
+        assert stdlib["event"] == "from caf\u00e9" and stdlib["level"] == "warning"
+        assert failed["exception"][0]["exc_type"] == "ZeroDivisionError"

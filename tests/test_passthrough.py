@@ -405,3 +405,42 @@ def test_a_bridged_calls_header_block_is_the_session_headers_serialized_and_neve
     ):
         with pytest.raises(ValueError, match="cannot be sent"):
             session_post_fields(session, headers)
+
+
+_NAMES = st.sampled_from(
+    ["Host", "Authorization", "X-Name", "Connection", "X-Hop", "mcp-method", "MCP-Name", "Mcp-Session-Id", "Accept",
+     "Content-Type", "Content-Length", "TE", "Keep-Alive", "x-a", "X-A", "Bad:Name", "Trailer"]
+)  # fmt: skip
+_VALUES = st.lists(st.sampled_from(list("ab ,:\t\r\né\udcff") + ["X-Hop", "x-a", "close"]), max_size=6).map("".join)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    fields=st.lists(st.tuples(_NAMES, _VALUES), max_size=8),
+    version=_VALUES,
+    session_id=st.one_of(st.none(), _VALUES),
+)
+def test_a_bridged_calls_header_block_is_what_the_lean_client_made_of_the_mapping(fields, version, session_id):
+    """For any headers: the one-pass block is the bytes the lean client made of `session_headers`' mapping, and it
+    refuses what the client refused (CR, LF, a colon in a name)."""
+    from multidict import CIMultiDict
+
+    from mcp_tasks_proxy.upstream.http.headers import session_headers, session_post_fields
+    from mcp_tasks_proxy.upstream.routing import LegacySession
+
+    def by_the_client(headers: CIMultiDict[str]) -> bytes:  # CallClient.post's own serialization of a mapping
+        lines = []
+        for name, value in headers.items():
+            if "\r" in value or "\n" in value or "\r" in name or "\n" in name or ":" in name:
+                raise ValueError("cannot be sent")
+            lines.append(f"{name}: {value}\r\n".encode("utf-8", "surrogateescape"))
+        return b"".join(lines)
+
+    session, client = LegacySession(session_id, version, "p"), CIMultiDict(fields)
+    try:
+        expected = by_the_client(session_headers(session, client))
+    except ValueError:
+        with pytest.raises(ValueError, match="cannot be sent"):
+            session_post_fields(session, client)
+        return
+    assert session_post_fields(session, client) == expected

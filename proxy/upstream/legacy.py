@@ -9,7 +9,6 @@ same events the runner reads from a modern upstream.
 from __future__ import annotations
 
 import asyncio
-import re
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
@@ -44,8 +43,6 @@ from .session_table import SessionsFull, SessionTable
 log = structlog.get_logger(__name__)
 
 LEGACY_VERSION = "2025-11-25"
-_VERSION = re.compile(r"[\x21-\x7e]{1,64}")
-"""What a server's protocolVersion may be: a version names a date, and visible ASCII is all a header value needs."""
 INPUT_METHODS = frozenset({"elicitation/create", "sampling/createMessage", "roots/list"})
 _MODERN_META_KEYS = frozenset(
     {
@@ -270,12 +267,12 @@ class LegacyUpstream:
         if answer is None or not isinstance(answer.get("result"), dict):
             raise UpstreamUnavailable(f"the upstream refused initialize (HTTP {status})")
         result = answer["result"]
-        version = result.get("protocolVersion") or LEGACY_VERSION
-        if not isinstance(version, str) or not _VERSION.fullmatch(version):
-            # It goes back in every request's MCP-Protocol-Version header: a CR or LF would split it.
-            raise UpstreamUnavailable(f"the upstream's initialize answer names no protocol version ({version!r:.80})")
         self.initialize_result = result
-        session = LegacySession(session_id=session_id, protocol_version=version, principal=principal)
+        session = LegacySession(
+            session_id=session_id,
+            protocol_version=str(result.get("protocolVersion") or LEGACY_VERSION),
+            principal=principal,
+        )
         await self.link.opened(self, session, client_headers)
         try:
             self._sessions.add(principal, session, what="upstream.max_sessions")

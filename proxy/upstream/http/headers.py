@@ -112,55 +112,61 @@ def response_headers(headers: MultiMapping[str]) -> CIMultiDict[str]:
     return end_to_end_headers(headers, RESPONSE_SKIP)
 
 
+_JSON_POST = (("Content-Type", "application/json"), ("Accept", "application/json, text/event-stream"))
+"""What the proxy's own JSON-RPC POSTs say of their body and of the answer they take."""
+
+
 def own_request_headers(client_headers: MultiMapping[str], *, drop_mcp_headers: bool = False) -> CIMultiDict[str]:
     """Headers for a JSON-RPC POST the proxy makes for a client: the client's end-to-end headers (credentials
     included), JSON in, JSON or an event stream out. `drop_mcp_headers` removes every Mcp-* header (MCP-Protocol-
     Version included), for requests whose routing headers the proxy sets itself."""
     headers = end_to_end_headers(client_headers, TASK_CALL_SKIP, drop_prefix="mcp-" if drop_mcp_headers else None)
-    headers["Content-Type"] = "application/json"
-    headers["Accept"] = "application/json, text/event-stream"
+    headers.extend(_JSON_POST)  # both names are in TASK_CALL_SKIP: never the client's
     if tracing.TRACER.enabled:
         tracing.TRACER.inject(headers)
     return headers
 
 
-def session_headers(session: LegacySession, client_headers: MultiMapping[str]) -> CIMultiDict[str]:
-    # Mcp-Method, Mcp-Name, Mcp-Param-* are not defined before 2026-07-28; version and session are the session's.
-    headers = own_request_headers(client_headers, drop_mcp_headers=True)
-    headers["MCP-Protocol-Version"] = session.protocol_version
+def _session_fields(session: LegacySession, client_headers: MultiMapping[str]) -> list[tuple[str, str]]:
+    """A POST's fields on a 2025-era session, without tracing's: the client's end-to-end ones but for every Mcp-*
+    (Mcp-Method, Mcp-Name, Mcp-Param-* are not defined before 2026-07-28), then JSON, the session's version and id."""
+    drop = TASK_CALL_SKIP
+    if "Connection" in client_headers:
+        drop = drop.union(*(connection_listed(value) for value in client_headers.getall("Connection")))
+    fields = [
+        (name, value)
+        for name, value in client_headers.items()
+        if (lower := name.lower()) not in drop and not lower.startswith("mcp-")
+    ]
+    fields += _JSON_POST
+    fields.append(("MCP-Protocol-Version", session.protocol_version))
     if session.session_id is not None:
-        headers["Mcp-Session-Id"] = session.session_id
+        fields.append(("Mcp-Session-Id", session.session_id))
+    return fields
+
+
+def session_headers(session: LegacySession, client_headers: MultiMapping[str]) -> CIMultiDict[str]:
+    headers = CIMultiDict(_session_fields(session, client_headers))
+    if tracing.TRACER.enabled:
+        tracing.TRACER.inject(headers)
     return headers
 
 
 def session_post_fields(session: LegacySession, client_headers: MultiMapping[str]) -> bytes | CIMultiDict[str]:
-    """`session_headers` as the lean client sends them, serialized in one pass (a bridged call's POST); the mapping
-    instead when tracing adds its own header. ValueError for a field that cannot be sent (CR, LF, a colon in a
-    name), which the server's protocol version or session id may hold as well as a client's field."""
+    """`session_headers` as the lean client sends them, serialized in one pass (a bridged call's POST: no mapping
+    made and walked again); the mapping itself when tracing adds its own header. ValueError for a field that cannot
+    be sent (CR, LF, a colon in a name)."""
     if tracing.TRACER.enabled:
         return session_headers(session, client_headers)
-    drop = TASK_CALL_SKIP
-    if "Connection" in client_headers:
-        drop = drop.union(*(connection_listed(value) for value in client_headers.getall("Connection")))
-    lines = []
-    for name, value in client_headers.items():
-        lower = name.lower()
-        if lower in drop or lower.startswith("mcp-"):
-            continue
+    fields = _session_fields(session, client_headers)
+    block = "".join([f"{name}: {value}\r\n" for name, value in fields])
+    # Two counts over the block, not four searches a field (the lean client's check of a mapping).
+    if block.count("\n") != len(fields) or block.count("\r") != len(fields):
+        raise ValueError("a header holds CR or LF and cannot be sent")
+    for name, _ in fields:
         if ":" in name:
             raise ValueError(f"header {name!r} cannot be sent")
-        lines.append(f"{name}: {value}\r\n")
-    lines.append(_JSON_POST_FIELDS)
-    lines.append(f"MCP-Protocol-Version: {session.protocol_version}\r\n")
-    if session.session_id is not None:
-        lines.append(f"Mcp-Session-Id: {session.session_id}\r\n")
-    block = "".join(lines)
-    if block.count("\n") != len(lines) + 1 or block.count("\r") != len(lines) + 1:  # _JSON_POST_FIELDS has two
-        raise ValueError("a header holds CR or LF and cannot be sent")
     return block.encode("utf-8", "surrogateescape")
-
-
-_JSON_POST_FIELDS = "Content-Type: application/json\r\nAccept: application/json, text/event-stream\r\n"
 
 
 def stream_headers(

@@ -7,6 +7,8 @@ The era's rules (what to send, how to read it) are legacy.py's; this is only how
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +31,8 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 _MAX_RESUMES = 5
+_NOT_IN_A_HEADER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+"""Control characters a header value cannot carry (a tab it can)."""
 ASK_TIMEOUT_S = 30.0
 """How long a request of the proxy's own, or its answer to a server request, may take upstream."""
 
@@ -155,9 +159,17 @@ class HttpLegacyLink:
             response = await self.upstream.request("POST", self.url, headers, dumps(message))
             async with response:
                 answer = await single_answer(response, message["id"])
-                return answer, response.headers.get("Mcp-Session-Id"), response.status
+                session_id, status = response.headers.get("Mcp-Session-Id"), response.status
         except aiohttp.ClientError as exc:  # the era's code knows no transport: a broken link is a ConnectionError
             raise ConnectionError(str(exc) or type(exc).__name__) from exc
+        result = answer.get("result") if answer is not None else None
+        version = result.get("protocolVersion") if isinstance(result, dict) else None
+        if version is not None and _NOT_IN_A_HEADER.search(str(version)):
+            # The session's version goes in every request's MCP-Protocol-Version header, which a CR or LF would split.
+            if session_id is not None:
+                self.end(dataclasses.replace(bare, session_id=session_id))
+            raise UpstreamUnavailable("the upstream's initialize answer names a protocolVersion no header can carry")
+        return answer, session_id, status
 
     async def opened(self, legacy: LegacyUpstream, session: LegacySession, client_headers: MultiMapping[str]) -> None:
         try:
