@@ -41,11 +41,22 @@ class CallRoute:
 
 
 class Followers:
-    """Calls in flight by the upstream task they follow, kept as each is named (`add` is the watcher a call is given,
-    CallRoute.name_task); two may follow one task: the first named is found."""
+    """Calls in flight by the upstream task they follow, kept as each is named (`watch` makes `add` a watcher that
+    CallRoute.name_task tells); two may follow one task: the first named is found."""
 
     def __init__(self) -> None:
         self._routes: dict[str, list[CallRoute]] = {}
+
+    def watch(self, route: CallRoute) -> None:
+        """Index `route` by its upstream task from when it is named (now, if it is)."""
+        route.watchers.append(self.add)
+        if route.upstream_task_id is not None:
+            self.add(route)
+
+    def unwatch(self, route: CallRoute) -> None:
+        """The call left: no longer told of its task, nor found by it."""
+        route.watchers.remove(self.add)
+        self.discard(route)
 
     def add(self, route: CallRoute) -> None:
         assert route.upstream_task_id is not None
@@ -64,9 +75,6 @@ class Followers:
     def first(self, task_id: str) -> CallRoute | None:
         routes = self._routes.get(task_id)
         return routes[0] if routes else None
-
-    def clear(self) -> None:
-        self._routes.clear()
 
 
 class CallsInFlight:
@@ -98,9 +106,7 @@ class CallsInFlight:
             entry[1] += 1
             return
         self._routes[id(route)] = [route, 1]
-        route.watchers.append(self._by_task.add)
-        if route.upstream_task_id is not None:
-            self._by_task.add(route)
+        self._by_task.watch(route)
 
     def pop(self, request_id: Any, default: CallRoute | None = None) -> CallRoute | None:
         route = self._by_request.pop(request_id, None)
@@ -111,12 +117,8 @@ class CallsInFlight:
         if entry[1]:
             return route
         del self._routes[id(route)]
-        route.watchers.remove(self._by_task.add)
-        self._by_task.discard(route)
+        self._by_task.unwatch(route)
         return route
-
-    def values(self) -> list[CallRoute]:
-        return list(self._by_request.values())
 
     def following(self, task_id: str) -> CallRoute | None:
         """The call in flight that follows upstream task `task_id` (the first named, if several do)."""

@@ -8,8 +8,6 @@ exchanges come and go, and each call is indexed by its task id when the task is 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 from ..routing import Followers
 from .exchange import Exchange
 
@@ -36,9 +34,6 @@ class InFlight:
     def get(self, child_id: object) -> Exchange | None:
         return self._by_id.get(child_id)  # type: ignore[call-overload]
 
-    def values(self) -> Iterator[Exchange]:
-        return iter(self._by_id.values())
-
     @property
     def asking(self) -> int:
         """Exchanges during which the child may ask something."""
@@ -59,9 +54,7 @@ class InFlight:
         if group is None:
             group = self._asking[key] = []
             if route is not None:
-                route.watchers.append(self._by_task.add)
-                if route.upstream_task_id is not None:
-                    self._by_task.add(route)
+                self._by_task.watch(route)
         group.append(exchange)
         self._asking_count += 1
 
@@ -79,9 +72,8 @@ class InFlight:
         for group in self._asking.values():
             route = group[0].route
             if route is not None:
-                route.watchers.remove(self._by_task.add)
+                self._by_task.unwatch(route)
         self._asking.clear()
-        self._by_task.clear()
         return exchanges
 
     def newest_of_task(self, task_id: str) -> Exchange | None:
@@ -107,5 +99,4 @@ class InFlight:
             return
         del self._asking[key]
         if route is not None:
-            route.watchers.remove(self._by_task.add)
-            self._by_task.discard(route)
+            self._by_task.unwatch(route)
