@@ -18,12 +18,13 @@ and the proxy removes the declaration from what it relays (the upstream must not
 
 `--path create` measures task creation instead: each proxy (a task rule for `echo`, the memory store, then Redis,
 with the operator's key so that calls are kept sealed for a takeover as deployed) gets `tools/call` with the tasks
-extension at 1,000 requests/s in Poisson arrivals (wrk, 16 connections); the figures are CPU µs per creation and
-the p99 latency of the `CreateTaskResult`, A and B interleaved in the same way. Beside them is the p99 of the fast
-upstream answering a tools/call itself at the same rate: what an aiohttp server that does nothing else achieves on
-the machine. wrk's `delay()` counts whole milliseconds and its timers fire on millisecond ticks, so arrivals come in
-small bursts (one per tick on average, four or five now and then): the p99 is that of a creation that arrived
-behind a few others, a harsher load than arrivals spread evenly.
+extension at 1,000 requests/s over 16 connections; the figures are CPU µs per creation and the p99 latency of the
+`CreateTaskResult`, A and B interleaved in the same way. Beside them is the p99 of the fast upstream answering a
+tools/call itself at the same rate: what an aiohttp server that does nothing else achieves on the machine. The
+arrivals are Poisson, from one h2load process per connection (`--arrivals h2load`, the default: bench/run.py
+`poisson`); `--arrivals wrk` offers them through wrk's `delay()`, as the earlier figures of docs/benchmarks.md
+were measured: its timers fire on millisecond ticks of one thread, so that requests come in small bursts and one
+wake-up serves several (bench/arrivals.py compares the two).
 
 `--path get` measures the proxy's own read path: each proxy makes one task (which completes at once), then wrk
 asks tasks/get for it with every connection count, closed loop; the figures are CPU µs per tasks/get and req/s.
@@ -58,7 +59,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 CACHE = HERE / ".ab"
 sys.path.insert(0, str(HERE))
-from run import META_TASKS, create_tasks, free_port, process, rpc, wait_ready, wrk  # noqa: E402  (bench/ is a folder of scripts)
+from run import META_TASKS, create_tasks, free_port, poisson, process, rpc, wait_ready, wrk  # noqa: E402  (bench/ is a folder of scripts)
 
 WORK = Path(tempfile.mkdtemp(prefix="mcp-tasks-proxy-ab-"))
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -293,13 +294,15 @@ def print_table(header: list[str], rows: list[list[str]]) -> None:
         print("| " + " | ".join(row) + " |")
 
 
-def creation(a_install: Install, b_install: Install, upstream: str, seconds: int, repeats: int) -> None:
+def creation(a_install: Install, b_install: Install, upstream: str, seconds: int, repeats: int, arrivals: str) -> None:
     """Task creation at 1,000/s through A and B, with the memory store and with Redis: CPU µs and p99 ms; beside
-    them, the fast upstream answering a tools/call itself at the same rate (an aiohttp server doing nothing else)."""
+    them, the fast upstream answering a tools/call itself at the same rate (an aiohttp server doing nothing else).
+    `arrivals`: the load generator, h2load (Poisson) or wrk."""
     header = ["store", "A µs/creation", "B µs/creation", "B/A", "A p99 ms", "B p99 ms", "aiohttp alone p99 ms"]
     rows = []
-    floor = [wrk(upstream, "tools/call", {"name": "plain", "arguments": {}}, meta=META, connections=16,
-                 seconds=seconds, name="plain", rate=1000)[2] for _ in range(repeats)]  # fmt: skip
+    load = poisson if arrivals == "h2load" else wrk
+    floor = [load(upstream, "tools/call", {"name": "plain", "arguments": {}}, meta=META, connections=16,
+                  seconds=seconds, name="plain", rate=1000)[2] for _ in range(repeats)]  # fmt: skip
     for name, targets in proxies_by_store(a_install, b_install, upstream):
         cpu: dict[str, list[float]] = {target: [] for target in targets}
         p99: dict[str, list[float]] = {target: [] for target in targets}
@@ -307,8 +310,8 @@ def creation(a_install: Install, b_install: Install, upstream: str, seconds: int
             for target in ("A", "B") if repeat % 2 == 0 else ("B", "A"):
                 url, pid = targets[target]
                 before = cpu_s(pid)
-                served, _, tail = wrk(url, "tools/call", {"name": "echo", "arguments": {}}, meta=META_TASKS,
-                                      connections=16, seconds=seconds, name="echo", rate=1000)  # fmt: skip
+                served, _, tail = load(url, "tools/call", {"name": "echo", "arguments": {}}, meta=META_TASKS,
+                                       connections=16, seconds=seconds, name="echo", rate=1000)  # fmt: skip
                 cpu[target].append((cpu_s(pid) - before) / (served * seconds) * 1e6)
                 p99[target].append(tail)
         ratio = statistics.median(cpu["B"]) / statistics.median(cpu["A"])
@@ -359,10 +362,15 @@ def main() -> None:
     parser.add_argument("--path", choices=("passthrough", "create", "get"), default="passthrough",
                         help="what is measured: a pass-through tools/call, task creation at 1,000/s, or "
                              "tasks/get of a finished task")  # fmt: skip
+    parser.add_argument("--arrivals", choices=("h2load", "wrk"), default="h2load",
+                        help="--path create: Poisson arrivals from h2load (one process per connection), or wrk's "
+                             "delay(), which bunches them on millisecond ticks")  # fmt: skip
     args = parser.parse_args()
     seconds, repeats = (2, 3) if args.quick else (args.seconds, args.repeats)
     if shutil.which("wrk") is None:
         raise SystemExit("wrk is needed: apt-get install wrk")
+    if args.path == "create" and args.arrivals == "h2load" and shutil.which("h2load") is None:
+        raise SystemExit("h2load is needed for Poisson arrivals: apt-get install nghttp2-client (or --arrivals wrk)")
     if args.path in ("create", "get") and shutil.which("redis-server") is None:
         raise SystemExit(f"redis-server is needed for --path {args.path}: apt-get install redis-server")
     a_install, b_install = base_python(args.base), worktree_python()
@@ -376,10 +384,11 @@ def main() -> None:
     if differ:  # the base's environment was made on another day: say so, as it weighs on B/A
         print(f"# note: the installs differ in {', '.join(differ)}; `rm -rf bench/.ab` makes both afresh")
     head = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True)
+    load = "h2load (Poisson arrivals)" if args.path == "create" and args.arrivals == "h2load" else "wrk -t1"
     declares = " · the client declares tasks" if args.client == "tasks" and args.path == "passthrough" else ""
     declares += " · a log line a request (logging.level info)" if args.log_level == "info" else ""
     print(f"# A/B: {args.base} (A) against the work tree {head.stdout.strip()} (B) · {os.cpu_count()} cores · "
-          f"wrk -t1, {seconds} s runs, {repeats} repeats, interleaved · CPU µs/request, median (min-max)"
+          f"{load}, {seconds} s runs, {repeats} repeats, interleaved · CPU µs/request, median (min-max)"
           f"{declares}")  # fmt: skip
     upstream_port = free_port()
     upstream = f"http://127.0.0.1:{upstream_port}/mcp"
@@ -387,7 +396,7 @@ def main() -> None:
         stack.enter_context(process(sys.executable, str(HERE / "fast_upstream.py"), str(upstream_port),
                                     port=upstream_port))  # fmt: skip
         if args.path == "create":
-            creation(a_install, b_install, upstream, seconds, repeats)
+            creation(a_install, b_install, upstream, seconds, repeats, args.arrivals)
             return
         if args.path == "get":
             reads(a_install, b_install, upstream, seconds, repeats, [int(c) for c in args.connections.split(",")])

@@ -1,12 +1,12 @@
-"""How wrk's rate-limited load arrives: the timing behind docs/benchmarks.md's creation p99.
+"""How a rate-limited load arrives: the timing behind docs/benchmarks.md's creation p99.
 
-    python bench/arrivals.py [--rate 1000] [--connections 16] [--seconds 4]
+    python bench/arrivals.py [--generator wrk|h2load] [--rate 1000] [--connections 16] [--seconds 4]
 
-bench/run.py's rate runs (and `bench/ab.py --path create`) offer Poisson arrivals through wrk's `delay()`, whose
-timers count whole milliseconds. A bare server here records the moment each request arrives; the figures compare
-them with a Poisson process at the same rate: the share of gaps under 100 µs, and the share of requests that
-arrive with three or more others in the 250 µs before them (about one creation's time), which is what a p99 waits
-behind.
+bench/run.py's rate runs offer Poisson arrivals through wrk's `delay()`, whose timers count whole milliseconds;
+`bench/ab.py --path create` offers them from h2load, one process per connection (bench/run.py `poisson`). A bare
+server here records the moment each request arrives; the figures compare them with a Poisson process at the same
+rate: the share of gaps under 100 µs, and the share of requests that arrive with three or more others in the 250 µs
+before them (about one creation's time), which is what a p99 waits behind.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run import META_TASKS, free_port, wrk  # noqa: E402  (bench/ is a folder of scripts)
+from run import META_TASKS, free_port, poisson, wrk  # noqa: E402  (bench/ is a folder of scripts)
 
 _BODY = b'{"jsonrpc":"2.0","id":1,"result":{}}'
 _ANSWER = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(_BODY), _BODY)
@@ -51,6 +51,7 @@ def _serve(port: int, ready: threading.Event, stop: threading.Event) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--generator", choices=("wrk", "h2load"), default="wrk")
     parser.add_argument("--rate", type=float, default=1000)
     parser.add_argument("--connections", type=int, default=16)
     parser.add_argument("--seconds", type=int, default=4)
@@ -61,7 +62,8 @@ def main() -> None:
     thread.start()
     try:
         ready.wait(10)
-        wrk(f"http://127.0.0.1:{port}/mcp", "tools/call", {"name": "echo", "arguments": {}}, meta=META_TASKS,
+        load = poisson if args.generator == "h2load" else wrk
+        load(f"http://127.0.0.1:{port}/mcp", "tools/call", {"name": "echo", "arguments": {}}, meta=META_TASKS,
             connections=args.connections, seconds=args.seconds, name="echo", rate=args.rate)  # fmt: skip
     finally:
         stop.set()
@@ -73,9 +75,9 @@ def main() -> None:
     mean = rate * 250e-6  # arrivals a Poisson process has in 250 µs
     poisson_behind = 1 - math.exp(-mean) * (1 + mean + mean**2 / 2)
     print(f"{len(moments)} requests, {rate:.0f}/s")
-    print(f"gaps under 100 µs: wrk {sum(g < 100e-6 for g in gaps) / len(gaps):.1%}, "
+    print(f"gaps under 100 µs: {args.generator} {sum(g < 100e-6 for g in gaps) / len(gaps):.1%}, "
           f"Poisson {1 - math.exp(-rate * 100e-6):.1%}")  # fmt: skip
-    print(f"requests with 3 or more others in the 250 µs before: wrk {behind / len(moments):.1%}, "
+    print(f"requests with 3 or more others in the 250 µs before: {args.generator} {behind / len(moments):.1%}, "
           f"Poisson {poisson_behind:.1%}")  # fmt: skip
 
 

@@ -18,6 +18,7 @@ import asyncio
 import json
 import os
 import platform
+import random
 import re
 import shutil
 import socket
@@ -175,6 +176,54 @@ def _latency(out: str, percentile: str) -> float:
     match = re.search(rf"{percentile}\s+([\d.]+)(us|ms|s)\b", out)
     value, unit = float(match.group(1)), match.group(2)
     return value / 1000 if unit == "us" else value * 1000 if unit == "s" else value
+
+
+def poisson(
+    url: str, method: str, params: dict, *, meta: dict, connections: int, seconds: float, rate: float,
+    name: str | None = None, seed: int | None = None,
+) -> tuple[float, float, float]:  # fmt: skip
+    """req/s, p50 ms, p99 ms of the same JSON-RPC request offered in Poisson arrivals at `rate` requests/s.
+
+    wrk's `delay()` cannot offer that: one thread's timers fire on millisecond ticks, so its arrivals come in bursts
+    (bench/arrivals.py). Here each connection is an h2load process of its own (nghttp2's load generator, Debian's
+    nghttp2-client) replaying a timing script drawn from an exponential distribution at `rate / connections`; the
+    sum of independent Poisson processes is one at `rate`. Each request is timed from its send to the end of its
+    answer (h2load's --log-file). A connection carries one request at a time, as a client's would: an arrival due
+    while the connection's previous request is unanswered is sent when it is.
+    """
+    draw = random.Random(seed)
+    headers = ["Content-Type: application/json", "Accept: application/json, text/event-stream",
+               f"MCP-Protocol-Version: {PROTOCOL}", f"Mcp-Method: {method}"]  # fmt: skip
+    if name is not None:
+        headers.append(f"Mcp-Name: {name}")
+    home = Path(tempfile.mkdtemp(prefix="poisson-", dir=WORK))
+    (home / "body.json").write_text(body(method, params, meta))
+    runs = []
+    for index in range(connections):
+        moments, moment = [], 0.0
+        while (moment := moment + draw.expovariate(rate / connections / 1000)) < seconds * 1000:
+            moments.append(f"{moment:.3f}\t{url}")
+        (home / f"script-{index}").write_text("\n".join(moments) + "\n")
+        command = ["h2load", "--h1", "-c1", f"--timing-script-file={home / f'script-{index}'}",
+                   "-d", str(home / "body.json"), f"--log-file={home / f'log-{index}'}"]  # fmt: skip
+        for header in headers:
+            command += ["-H", header]
+        runs.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    errors = [run.communicate()[1] for run in runs]
+    failed = [error for run, error in zip(runs, errors, strict=True) if run.returncode != 0]
+    if failed:
+        raise SystemExit(f"h2load failed against {url}: {failed[0]}")
+    times, statuses = [], set()
+    for index in range(connections):
+        for line in (home / f"log-{index}").read_text().splitlines():
+            _, status, micros = line.split("\t")
+            times.append(int(micros) / 1000)
+            statuses.add(status)
+    shutil.rmtree(home)
+    if statuses != {"200"}:
+        raise SystemExit(f"{url} answered {method} with HTTP statuses {sorted(statuses)}: no figure for it")
+    times.sort()
+    return len(times) / seconds, times[len(times) // 2], times[int(len(times) * 0.99)]
 
 
 def median_runs(runs: list[tuple[float, float, float]]) -> tuple[float, float, float]:
