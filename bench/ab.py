@@ -304,6 +304,11 @@ def creation(a_install: Install, b_install: Install, upstream: str, seconds: int
     floor = [load(upstream, "tools/call", {"name": "plain", "arguments": {}}, meta=META, connections=16,
                   seconds=seconds, name="plain", rate=1000)[2] for _ in range(repeats)]  # fmt: skip
     for name, targets in proxies_by_store(a_install, b_install, upstream):
+        for target, (url, _) in targets.items():  # the load generators count a JSON-RPC error on HTTP 200 as served
+            try:
+                asyncio.run(create_tasks(url, "echo", 1, concurrency=1))
+            except KeyError:
+                raise SystemExit(f"{target} ({url}) makes no task of the measured call: no figure for it") from None
         cpu: dict[str, list[float]] = {target: [] for target in targets}
         p99: dict[str, list[float]] = {target: [] for target in targets}
         for repeat in range(repeats):

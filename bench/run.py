@@ -198,12 +198,13 @@ def poisson(
         headers.append(f"Mcp-Name: {name}")
     home = Path(tempfile.mkdtemp(prefix="poisson-", dir=WORK))
     (home / "body.json").write_text(body(method, params, meta))
-    runs = []
+    runs, offered = [], 0
     for index in range(connections):
         moments, moment = [], 0.0
         while (moment := moment + draw.expovariate(rate / connections / 1000)) < seconds * 1000:
             moments.append(f"{moment:.3f}\t{url}")
         (home / f"script-{index}").write_text("\n".join(moments) + "\n")
+        offered += len(moments)
         command = ["h2load", "--h1", "-c1", f"--timing-script-file={home / f'script-{index}'}",
                    "-d", str(home / "body.json"), f"--log-file={home / f'log-{index}'}"]  # fmt: skip
         for header in headers:
@@ -220,8 +221,9 @@ def poisson(
             times.append(int(micros) / 1000)
             statuses.add(status)
     shutil.rmtree(home)
-    if statuses != {"200"}:
-        raise SystemExit(f"{url} answered {method} with HTTP statuses {sorted(statuses)}: no figure for it")
+    if statuses != {"200"} or len(times) != offered:
+        raise SystemExit(f"{url} answered {len(times)} of {offered} {method} requests, with HTTP statuses "
+                         f"{sorted(statuses)}: no figure for them")  # fmt: skip
     times.sort()
     return len(times) / seconds, times[len(times) // 2], times[int(len(times) * 0.99)]
 
