@@ -18,13 +18,13 @@ and the proxy removes the declaration from what it relays (the upstream must not
 
 `--path create` measures task creation instead: each proxy (a task rule for `echo`, the memory store, then Redis,
 with the operator's key so that calls are kept sealed for a takeover as deployed) gets `tools/call` with the tasks
-extension at 1,000 requests/s over 16 connections; the figures are CPU µs per creation and the p99 latency of the
-`CreateTaskResult`, A and B interleaved in the same way. Beside them is the p99 of the fast upstream answering a
+extension at 1,000 requests/s; the figures are CPU µs per creation and the p99 latency of the `CreateTaskResult`,
+A and B interleaved in the same way. Beside them is the p99 of the fast upstream answering a
 tools/call itself at the same rate: what an aiohttp server that does nothing else achieves on the machine. The
-arrivals are Poisson, from one h2load process per connection (`--arrivals h2load`, the default: bench/run.py
-`poisson`); `--arrivals wrk` offers them through wrk's `delay()`, as the earlier figures of docs/benchmarks.md
-were measured: its timers fire on millisecond ticks of one thread, so that requests come in small bursts and one
-wake-up serves several (bench/arrivals.py compares the two).
+arrivals are Poisson, from one h2load process per connection over 64 connections (`--arrivals h2load`, the
+default: bench/run.py `poisson`); `--arrivals wrk` offers them over 16 through wrk's `delay()`, as the earlier
+figures of docs/benchmarks.md were measured: its timers fire on millisecond ticks of one thread, so that requests
+come in small bursts and one wake-up serves several (bench/arrivals.py compares the two).
 
 `--path get` measures the proxy's own read path: each proxy makes one task (which completes at once), then wrk
 asks tasks/get for it with every connection count, closed loop; the figures are CPU µs per tasks/get and req/s.
@@ -294,14 +294,23 @@ def print_table(header: list[str], rows: list[list[str]]) -> None:
         print("| " + " | ".join(row) + " |")
 
 
+def tasks_created(url: str) -> float:
+    """The tasks the proxy at `url` (its /mcp) has made, from its /metrics."""
+    with urllib.request.urlopen(url.removesuffix("/mcp") + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("mcp_tasks_proxy_tasks_created_total{"))  # fmt: skip
+
+
 def creation(a_install: Install, b_install: Install, upstream: str, seconds: int, repeats: int, arrivals: str) -> None:
     """Task creation at 1,000/s through A and B, with the memory store and with Redis: CPU µs and p99 ms; beside
     them, the fast upstream answering a tools/call itself at the same rate (an aiohttp server doing nothing else).
     `arrivals`: the load generator, h2load (Poisson) or wrk."""
     header = ["store", "A µs/creation", "B µs/creation", "B/A", "A p99 ms", "B p99 ms", "aiohttp alone p99 ms"]
     rows = []
-    load = poisson if arrivals == "h2load" else wrk
-    floor = [load(upstream, "tools/call", {"name": "plain", "arguments": {}}, meta=META, connections=16,
+    # h2load: 64 connections, so that each waits long between its requests (bench/run.py `poisson`).
+    load, connections = (poisson, 64) if arrivals == "h2load" else (wrk, 16)
+    floor = [load(upstream, "tools/call", {"name": "plain", "arguments": {}}, meta=META, connections=connections,
                   seconds=seconds, name="plain", rate=1000)[2] for _ in range(repeats)]  # fmt: skip
     for name, targets in proxies_by_store(a_install, b_install, upstream):
         for target, (url, _) in targets.items():  # the load generators count a JSON-RPC error on HTTP 200 as served
@@ -314,10 +323,13 @@ def creation(a_install: Install, b_install: Install, upstream: str, seconds: int
         for repeat in range(repeats):
             for target in ("A", "B") if repeat % 2 == 0 else ("B", "A"):
                 url, pid = targets[target]
-                before = cpu_s(pid)
+                made, before = tasks_created(url), cpu_s(pid)
                 served, _, tail = load(url, "tools/call", {"name": "echo", "arguments": {}}, meta=META_TASKS,
-                                       connections=16, seconds=seconds, name="echo", rate=1000)  # fmt: skip
+                                       connections=connections, seconds=seconds, name="echo", rate=1000)  # fmt: skip
                 cpu[target].append((cpu_s(pid) - before) / (served * seconds) * 1e6)
+                made = tasks_created(url) - made
+                if made < served * seconds * 0.99:  # the rest were JSON-RPC errors on HTTP 200
+                    raise SystemExit(f"{target} ({url}) made {made:.0f} tasks of {served * seconds:.0f} calls answered")
                 p99[target].append(tail)
         ratio = statistics.median(cpu["B"]) / statistics.median(cpu["A"])
         rows.append([name, summary(cpu["A"]), summary(cpu["B"]), f"{ratio:.3f}", summary(p99["A"], 2),

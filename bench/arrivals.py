@@ -1,12 +1,13 @@
 """How a rate-limited load arrives: the timing behind docs/benchmarks.md's creation p99.
 
-    python bench/arrivals.py [--generator wrk|h2load] [--rate 1000] [--connections 16] [--seconds 4]
+    python bench/arrivals.py [--generator wrk|h2load] [--rate 1000] [--connections N] [--seconds 4]
 
-bench/run.py's rate runs offer Poisson arrivals through wrk's `delay()`, whose timers count whole milliseconds;
-`bench/ab.py --path create` offers them from h2load, one process per connection (bench/run.py `poisson`). A bare
-server here records the moment each request arrives; the figures compare them with a Poisson process at the same
-rate: the share of gaps under 100 µs, and the share of requests that arrive with three or more others in the 250 µs
-before them (about one creation's time), which is what a p99 waits behind.
+bench/run.py's rate runs draw exponential pauses in wrk's `delay()`, meant as Poisson arrivals, but wrk's timers
+fire on one thread's millisecond ticks; `bench/ab.py --path create` offers its arrivals from h2load, one process
+per connection (bench/run.py `poisson`). A bare server here records the moment each request arrives; the figures
+compare them with a Poisson process at the rate measured: the share of gaps under 100 µs, and the share of
+requests that arrive with three or more others in the 250 µs before them (about one creation's time), which is
+what a p99 waits behind.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--generator", choices=("wrk", "h2load"), default="wrk")
     parser.add_argument("--rate", type=float, default=1000)
-    parser.add_argument("--connections", type=int, default=16)
+    parser.add_argument("--connections", type=int, help="16 for wrk, 64 for h2load (as bench/ab.py uses them)")
     parser.add_argument("--seconds", type=int, default=4)
     args = parser.parse_args()
     port = free_port()
@@ -62,9 +63,9 @@ def main() -> None:
     thread.start()
     try:
         ready.wait(10)
-        load = poisson if args.generator == "h2load" else wrk
+        load, connections = (poisson, 64) if args.generator == "h2load" else (wrk, 16)
         load(f"http://127.0.0.1:{port}/mcp", "tools/call", {"name": "echo", "arguments": {}}, meta=META_TASKS,
-            connections=args.connections, seconds=args.seconds, name="echo", rate=args.rate)  # fmt: skip
+            connections=args.connections or connections, seconds=args.seconds, name="echo", rate=args.rate)  # fmt: skip
     finally:
         stop.set()
         thread.join()

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
+import math
 import os
 import platform
 import random
@@ -147,8 +149,9 @@ def wrk(
 
     Without `rate`, each connection sends its next request as soon as the last is answered (closed loop: what the
     server sustains, and latency that is mostly queueing). With `rate`, each connection waits an exponentially
-    distributed pause between requests, so that together they offer about `rate` requests/s in Poisson arrivals:
-    the latency a client sees at that load.
+    distributed pause after each answer, so that together they offer about `rate` requests/s: meant as Poisson
+    arrivals, they come bunched, since wrk's timers fire on one thread's millisecond ticks (bench/arrivals.py;
+    `poisson` below offers the real thing).
     """
     headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream",
                "MCP-Protocol-Version": PROTOCOL, "Mcp-Method": method}  # fmt: skip
@@ -179,7 +182,7 @@ def _latency(out: str, percentile: str) -> float:
 
 
 def poisson(
-    url: str, method: str, params: dict, *, meta: dict, connections: int, seconds: float, rate: float,
+    url: str, method: str, params: dict, *, meta: dict, seconds: float, rate: float, connections: int = 64,
     name: str | None = None, seed: int | None = None,
 ) -> tuple[float, float, float]:  # fmt: skip
     """req/s, p50 ms, p99 ms of the same JSON-RPC request offered in Poisson arrivals at `rate` requests/s.
@@ -188,8 +191,19 @@ def poisson(
     (bench/arrivals.py). Here each connection is an h2load process of its own (nghttp2's load generator, Debian's
     nghttp2-client) replaying a timing script drawn from an exponential distribution at `rate / connections`; the
     sum of independent Poisson processes is one at `rate`. Each request is timed from its send to the end of its
-    answer (h2load's --log-file). A connection carries one request at a time, as a client's would: an arrival due
-    while the connection's previous request is unanswered is sent when it is.
+    answer (h2load's --log-file).
+
+    What h2load does with a script, and how this keeps it honest: it waits for each next request with a timer
+    re-armed at every send, which its event loop (libev on epoll) rounds up to a whole millisecond, so each gap
+    comes out about 0.6 ms long and a connection falls behind its script as it goes; and a request due while its
+    connection's previous one is unanswered is sent when that answer ends, its wait not counted in its time. Many
+    connections at a low rate each keep both small (at 1,000/s over 64, a gap averages 64 ms); the share of requests
+    so held is printed when it passes 2 %. A run whose connections took more than 105 % of their scripts' time is
+    refused (about 0.6 ms a gap: 4 % at 16 connections and 1,000/s). The figures come from the window in which
+    every connection is sending: from the last connection's first request plus 200 ms (the processes start one
+    after another, and their start-up slows the first answers) to the first connection's last one; a window under
+    40 % of `seconds` is refused. The req/s returned is every answer over `seconds`, as wrk counts (what a caller
+    divides the CPU of the whole run by).
     """
     draw = random.Random(seed)
     headers = ["Content-Type: application/json", "Accept: application/json, text/event-stream",
@@ -197,35 +211,65 @@ def poisson(
     if name is not None:
         headers.append(f"Mcp-Name: {name}")
     home = Path(tempfile.mkdtemp(prefix="poisson-", dir=WORK))
-    (home / "body.json").write_text(body(method, params, meta))
-    runs, offered = [], 0
-    for index in range(connections):
-        moments, moment = [], 0.0
-        while (moment := moment + draw.expovariate(rate / connections / 1000)) < seconds * 1000:
-            moments.append(f"{moment:.3f}\t{url}")
-        (home / f"script-{index}").write_text("\n".join(moments) + "\n")
-        offered += len(moments)
-        command = ["h2load", "--h1", "-c1", f"--timing-script-file={home / f'script-{index}'}",
-                   "-d", str(home / "body.json"), f"--log-file={home / f'log-{index}'}"]  # fmt: skip
-        for header in headers:
-            command += ["-H", header]
-        runs.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-    errors = [run.communicate()[1] for run in runs]
-    failed = [error for run, error in zip(runs, errors, strict=True) if run.returncode != 0]
-    if failed:
-        raise SystemExit(f"h2load failed against {url}: {failed[0]}")
-    times, statuses = [], set()
-    for index in range(connections):
-        for line in (home / f"log-{index}").read_text().splitlines():
-            _, status, micros = line.split("\t")
-            times.append(int(micros) / 1000)
-            statuses.add(status)
-    shutil.rmtree(home)
-    if statuses != {"200"} or len(times) != offered:
-        raise SystemExit(f"{url} answered {len(times)} of {offered} {method} requests, with HTTP statuses "
+    runs: list[subprocess.Popen] = []
+    scripts: list[list[float]] = []  # each connection's offsets, ms
+    try:
+        (home / "body.json").write_text(body(method, params, meta))
+        for index in range(connections):
+            moments, moment = [], 0.0
+            while (moment := moment + draw.expovariate(rate / connections / 1000)) < seconds * 1000 or not moments:
+                moments.append(round(moment, 3))  # (one at least: h2load refuses an empty script)
+            scripts.append(moments)
+            (home / f"script-{index}").write_text("".join(f"{moment:.3f}\t{url}\n" for moment in moments))
+            command = ["h2load", "--h1", "-c1", f"--timing-script-file={home / f'script-{index}'}",
+                       "-d", str(home / "body.json"), f"--log-file={home / f'log-{index}'}"]  # fmt: skip
+            for header in headers:
+                command += ["-H", header]
+            runs.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        errors = [run.communicate(timeout=seconds * 2 + 30)[1] for run in runs]  # a stalled server: no figure
+        failed = [error for run, error in zip(runs, errors, strict=True) if run.returncode != 0]
+        if failed:
+            raise SystemExit(f"h2load failed against {url}: {failed[0]}")
+        # Per connection, (start µs since the epoch, duration µs) of each request, in the order sent.
+        sent: list[list[tuple[int, int]]] = []
+        statuses = set()
+        for index in range(connections):
+            rows = []
+            for line in (home / f"log-{index}").read_text().splitlines():
+                start, status, micros = line.split("\t")[:3]
+                rows.append((int(start), int(micros)))
+                statuses.add(status)
+            sent.append(rows)  # in the order sent, which is the script's
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"h2load got no end of the answers from {url} within {seconds * 2 + 30:g} s") from None
+    finally:
+        for run in runs:
+            if run.poll() is None:
+                run.kill()
+                run.wait()
+        shutil.rmtree(home, ignore_errors=True)
+    answered, offered = sum(len(rows) for rows in sent), sum(len(moments) for moments in scripts)
+    if statuses != {"200"} or answered != offered:
+        raise SystemExit(f"{url} answered {answered} of {offered} {method} requests, with HTTP statuses "
                          f"{sorted(statuses)}: no figure for them")  # fmt: skip
-    times.sort()
-    return len(times) / seconds, times[len(times) // 2], times[int(len(times) * 0.99)]
+    # How far the connections fell behind their scripts: the time their requests spanned as sent, against the
+    # time the scripts gave them.
+    scripted_ms = sum(moments[-1] - moments[0] for moments in scripts)
+    took_ms = sum(rows[-1][0] - rows[0][0] for rows in sent) / 1000
+    if took_ms > scripted_ms * 1.05:
+        raise SystemExit(f"h2load took {took_ms / scripted_ms:.0%} of its scripts' time to send to {url}: "
+                         f"{rate * scripted_ms / took_ms:.0f} requests/s, not {rate:g}: no figure for it")  # fmt: skip
+    begin = max(rows[0][0] for rows in sent) + 200_000
+    end = min(rows[-1][0] for rows in sent)
+    window = sorted(micros / 1000 for rows in sent for start, micros in rows if begin <= start < end)
+    if end - begin < seconds * 0.4 * 1e6:
+        raise SystemExit(f"h2load's connections all sent to {url} for {(end - begin) / 1e6:.2f} s only: no figure")
+    held = sum(1 for rows in sent for (start, micros), (later, _) in itertools.pairwise(rows)
+               if later - (start + micros) < 100)  # fmt: skip
+    if held > answered / 50:
+        print(f"  ({held / answered:.1%} of the requests to {url} came due while their connection's previous one "
+              "was unanswered: sent late, that wait not counted)", file=sys.stderr)  # fmt: skip
+    return answered / seconds, window[math.ceil(len(window) * 0.5) - 1], window[math.ceil(len(window) * 0.99) - 1]
 
 
 def median_runs(runs: list[tuple[float, float, float]]) -> tuple[float, float, float]:
