@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import json
 import os
 import re
@@ -62,6 +63,7 @@ sys.path.insert(0, str(HERE))
 from run import META_TASKS, create_tasks, free_port, poisson, process, rpc, wait_ready, wrk  # noqa: E402  (bench/ is a folder of scripts)
 
 WORK = Path(tempfile.mkdtemp(prefix="mcp-tasks-proxy-ab-"))
+atexit.register(shutil.rmtree, WORK, ignore_errors=True)  # scripts, policies, logs: this run's alone
 TICKS = os.sysconf("SC_CLK_TCK")
 META = {"io.modelcontextprotocol/protocolVersion": "2026-07-28", "io.modelcontextprotocol/clientCapabilities": {}}
 HEADERS = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import itertools
 import json
 import math
@@ -46,6 +47,7 @@ TASKS = "io.modelcontextprotocol/tasks"
 META = {"io.modelcontextprotocol/protocolVersion": PROTOCOL, "io.modelcontextprotocol/clientCapabilities": {}}
 META_TASKS = {**META, "io.modelcontextprotocol/clientCapabilities": {"extensions": {TASKS: {}}}}
 WORK = Path(tempfile.mkdtemp(prefix="mcp-tasks-proxy-bench-"))
+atexit.register(shutil.rmtree, WORK, ignore_errors=True)  # scripts, policies, logs: this run's alone
 
 
 def free_port() -> int:
