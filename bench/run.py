@@ -153,7 +153,7 @@ def wrk(
     server sustains, and latency that is mostly queueing). With `rate`, each connection waits an exponentially
     distributed pause after each answer, so that together they offer about `rate` requests/s: meant as Poisson
     arrivals, they come bunched, since wrk's timers fire on one thread's millisecond ticks (bench/arrivals.py;
-    `poisson` below offers the real thing).
+    `poisson` below comes far nearer).
     """
     headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream",
                "MCP-Protocol-Version": PROTOCOL, "Mcp-Method": method}  # fmt: skip
