@@ -56,19 +56,18 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 CACHE = HERE / ".ab"
 sys.path.insert(0, str(HERE))
-from run import META_TASKS, create_tasks, free_port, poisson, process, rpc, wait_ready, wrk  # noqa: E402  (bench/ is a folder of scripts)
+from run import META, META_TASKS, create_tasks, free_port, poisson, process, request_headers, rpc, wait_ready, wrk  # noqa: E402  (bench/ is a folder of scripts)
 
 WORK = Path(tempfile.mkdtemp(prefix="mcp-tasks-proxy-ab-"))
 atexit.register(shutil.rmtree, WORK, ignore_errors=True)  # scripts, policies, logs: this run's alone
 TICKS = os.sysconf("SC_CLK_TCK")
-META = {"io.modelcontextprotocol/protocolVersion": "2026-07-28", "io.modelcontextprotocol/clientCapabilities": {}}
-HEADERS = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream",
-           "MCP-Protocol-Version": "2026-07-28", "Mcp-Method": "tools/call", "Mcp-Name": "plain"}  # fmt: skip
+HEADERS = request_headers("tools/call", "plain")
 
 
 Install = tuple[Path, str]
@@ -170,7 +169,7 @@ def wrk_total(
         params, headers = {"name": "plain", "arguments": {}, "_meta": meta}, HEADERS
     else:
         params = {"taskId": task_id, "_meta": META_TASKS}
-        headers = {**HEADERS, "Mcp-Method": "tasks/get", "Mcp-Name": task_id}
+        headers = request_headers("tasks/get", task_id)
     body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tasks/get" if task_id else "tools/call", "params": params})
     # wrk counts a JSON-RPC error on HTTP 200 as served: one request first, read here, voids a run of errors.
     check = urllib.request.Request(url, data=body.encode(), headers=headers, method="POST")
@@ -301,8 +300,9 @@ def tasks_created(url: str) -> float:
     """The tasks the proxy at `url` (its /mcp) has made, from its /metrics."""
     with urllib.request.urlopen(url.removesuffix("/mcp") + "/metrics", timeout=10) as response:
         text = response.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("mcp_tasks_proxy_tasks_created_total{"))  # fmt: skip
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               if family.name == "mcp_tasks_proxy_tasks_created" for sample in family.samples
+               if sample.name.endswith("_total"))  # fmt: skip
 
 
 def creation(a_install: Install, b_install: Install, upstream: str, seconds: int, repeats: int, arrivals: str) -> None:

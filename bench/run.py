@@ -132,6 +132,15 @@ async def _listed(url: str) -> None:
         raise SystemExit(f"the stdio server did not list its tools: {answer}")
 
 
+def request_headers(method: str, name: str | None = None) -> dict[str, str]:
+    """The headers of a 2026-07-28 client's POST of `method`, with `Mcp-Name` when the request names something."""
+    headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream",
+               "MCP-Protocol-Version": PROTOCOL, "Mcp-Method": method}  # fmt: skip
+    if name is not None:
+        headers["Mcp-Name"] = name
+    return headers
+
+
 def body(method: str, params: dict, meta: dict) -> str:
     return json.dumps({"jsonrpc": "2.0", "id": 1, "method": method, "params": {**params, "_meta": meta}})
 
@@ -155,10 +164,7 @@ def wrk(
     arrivals, they come bunched, since wrk's timers fire on one thread's millisecond ticks (bench/arrivals.py;
     `poisson` below comes far nearer).
     """
-    headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream",
-               "MCP-Protocol-Version": PROTOCOL, "Mcp-Method": method}  # fmt: skip
-    if name is not None:
-        headers["Mcp-Name"] = name
+    headers = request_headers(method, name)
     script = WORK / f"wrk-{abs(hash((method, json.dumps(params), rate)))}.lua"
     lines = ['wrk.method = "POST"', f"wrk.body = {json.dumps(body(method, params, meta))}"]
     lines += [f'wrk.headers["{key}"] = "{value}"' for key, value in headers.items()]
@@ -208,10 +214,7 @@ def poisson(
     divides the CPU of the whole run by).
     """
     draw = random.Random(seed)
-    headers = ["Content-Type: application/json", "Accept: application/json, text/event-stream",
-               f"MCP-Protocol-Version: {PROTOCOL}", f"Mcp-Method: {method}"]  # fmt: skip
-    if name is not None:
-        headers.append(f"Mcp-Name: {name}")
+    headers = [f"{key}: {value}" for key, value in request_headers(method, name).items()]
     home = Path(tempfile.mkdtemp(prefix="poisson-", dir=WORK))
     runs: list[subprocess.Popen] = []
     scripts: list[list[float]] = []  # each connection's offsets, ms
@@ -286,12 +289,7 @@ def rss_mb(pid: int) -> float:
 
 
 async def rpc(session: aiohttp.ClientSession, url: str, method: str, params: dict, meta: dict = META_TASKS) -> dict:
-    headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream",
-               "MCP-Protocol-Version": PROTOCOL, "Mcp-Method": method}  # fmt: skip
-    if "name" in params:
-        headers["Mcp-Name"] = params["name"]
-    if "taskId" in params:
-        headers["Mcp-Name"] = params["taskId"]
+    headers = request_headers(method, params["taskId"] if "taskId" in params else params.get("name"))
     async with session.post(url, data=body(method, params, meta), headers=headers) as response:
         return await response.json()
 
