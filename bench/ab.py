@@ -62,7 +62,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 CACHE = HERE / ".ab"
 sys.path.insert(0, str(HERE))
-from run import META, META_TASKS, create_tasks, free_port, poisson, process, request_headers, rpc, wait_ready, wrk  # noqa: E402  (bench/ is a folder of scripts)
+from run import META, META_TASKS, RATE_LOADS, create_tasks, free_port, process, request_headers, rpc, wait_ready  # noqa: E402  (bench/ is a folder of scripts)
 
 WORK = Path(tempfile.mkdtemp(prefix="mcp-tasks-proxy-ab-"))
 atexit.register(shutil.rmtree, WORK, ignore_errors=True)  # scripts, policies, logs: this run's alone
@@ -311,8 +311,7 @@ def creation(a_install: Install, b_install: Install, upstream: str, seconds: int
     `arrivals`: the load generator, h2load (Poisson) or wrk."""
     header = ["store", "A µs/creation", "B µs/creation", "B/A", "A p99 ms", "B p99 ms", "aiohttp alone p99 ms"]
     rows = []
-    # h2load: 64 connections, so that each waits long between its requests (bench/run.py `poisson`).
-    load, connections = (poisson, 64) if arrivals == "h2load" else (wrk, 16)
+    load, connections = RATE_LOADS[arrivals]
     floor = [load(upstream, "tools/call", {"name": "plain", "arguments": {}}, meta=META, connections=connections,
                   seconds=seconds, name="plain", rate=1000)[2] for _ in range(repeats)]  # fmt: skip
     for name, targets in proxies_by_store(a_install, b_install, upstream):

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run import META_TASKS, free_port, poisson, wrk  # noqa: E402  (bench/ is a folder of scripts)
+from run import META_TASKS, RATE_LOADS, free_port  # noqa: E402  (bench/ is a folder of scripts)
 
 _BODY = b'{"jsonrpc":"2.0","id":1,"result":{}}'
 _ANSWER = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(_BODY), _BODY)
@@ -63,7 +63,7 @@ def main() -> None:
     thread.start()
     try:
         ready.wait(10)
-        load, connections = (poisson, 64) if args.generator == "h2load" else (wrk, 16)
+        load, connections = RATE_LOADS[args.generator]
         load(f"http://127.0.0.1:{port}/mcp", "tools/call", {"name": "echo", "arguments": {}}, meta=META_TASKS,
             connections=args.connections or connections, seconds=args.seconds, name="echo", rate=args.rate)  # fmt: skip
     finally:

@@ -288,6 +288,11 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
+RATE_LOADS = {"h2load": (poisson, 64), "wrk": (wrk, 16)}
+"""A rate-limited load by its generator, and the connections it is run with: h2load over 64, so that each waits
+long between its requests (`poisson`); wrk over 16, as the figures taken with it were."""
+
+
 async def rpc(session: aiohttp.ClientSession, url: str, method: str, params: dict, meta: dict = META_TASKS) -> dict:
     headers = request_headers(method, params["taskId"] if "taskId" in params else params.get("name"))
     async with session.post(url, data=body(method, params, meta), headers=headers) as response:
