@@ -14,7 +14,6 @@ client's retry with that state delivers its answers to the task (as `tasks/updat
 from __future__ import annotations
 
 import asyncio
-import hmac
 from typing import Any
 
 import structlog
@@ -34,7 +33,7 @@ from .jsonrpc import (
     error_response,
     result_response,
 )
-from .security import Identity
+from .security import Identity, same_mac
 from .tasks.job import DirectOutcome, ToolCall
 from .tasks.model import TaskRecord, is_task_id
 from .tasks.runner import TaskRunner
@@ -81,7 +80,7 @@ class KeptAliveCalls:
     ) -> web.StreamResponse:
         """The client's retry of an input round: its answers go to the task, and the call is followed on."""
         _, task_id, mac = (state.split(".") + ["", ""])[:3]
-        if not (is_task_id(task_id) and hmac.compare_digest(mac, self._mac(task_id, call))):
+        if not (is_task_id(task_id) and same_mac(mac, self._mac(task_id, call))):
             raise _invalid_state()
         answers = params_of(message).get("inputResponses")
         if not isinstance(answers, dict) or not all(isinstance(answer, dict) for answer in answers.values()):

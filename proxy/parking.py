@@ -19,6 +19,8 @@ from typing import Generic, TypeVar
 import structlog
 from cachetools import TTLCache
 
+from .security import same_mac
+
 log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
@@ -80,7 +82,7 @@ class ParkedCalls(Generic[T]):
         if len(parts) != 3 or parts[0] != self._prefix:
             return None
         handle, mac = parts[1], parts[2]
-        if not hmac.compare_digest(mac, self._mac(handle, binding)):
+        if not same_mac(mac, self._mac(handle, binding)):
             return None
         return self._table.pop(handle, None)
 

@@ -146,6 +146,12 @@ async def keep_shared_key(identity: Identity, store: TaskStore, *, interval_s: f
             continue  # the store's own log line says why; the key this replica holds stays valid meanwhile
 
 
+def same_mac(given: str, expected: str) -> bool:
+    """Whether a MAC a client sent is the one expected, in constant time. Compared as bytes: compare_digest refuses
+    a str that is not ASCII, and a client's string may hold anything (a lone surrogate included)."""
+    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), expected.encode())
+
+
 def caller_of(principal: str, remote: str | None) -> str:
     """Who a request counts against for per-caller limits: its principal; for an anonymous request (no credential
     tells one such client from another), its network address, which a client cannot share or forge."""

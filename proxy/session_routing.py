@@ -16,7 +16,6 @@ starts a new one with `initialize`. A replica that holds the lease but cannot be
 from __future__ import annotations
 
 import contextlib
-import hmac
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -31,7 +30,7 @@ from .dispatch import read_body
 from .envelope import params_of
 from .jsonrpc import dumps, error_object, loads
 from .parking import parked_owner
-from .security import Identity
+from .security import Identity, same_mac
 from .tasks.store import StoreUnavailable, TaskStore
 from .upstream.http.headers import HOP_BY_HOP, HOP_HEADER, RESPONSE_SKIP, end_to_end_headers
 
@@ -244,11 +243,7 @@ class SessionRouting:
         if len(parts) != 3 or not parts[1].isdigit() or abs(time.time() - int(parts[1])) > _HOP_SKEW_S:
             return False
         replica, stamp, mac = parts
-        return _same(mac, self._identity.mac("hop", replica, stamp, method, path, session_id))
-
-
-def _same(a: str, b: str) -> bool:
-    return hmac.compare_digest(a.encode(), b.encode())
+        return same_mac(mac, self._identity.mac("hop", replica, stamp, method, path, session_id))
 
 
 def _unavailable(reason: str) -> web.Response:

@@ -247,6 +247,11 @@ async def test_a_parked_round_is_single_use_bound_to_its_caller_and_answers_what
     partial = {**params, "inputResponses": {"elicitation-0": accept(name="A")}, "requestState": state}
     stolen = await proxy.client.call("tools/call", partial, headers={"Authorization": "Bearer mallory"})
     assert stolen.status == 400 and stolen.error["data"] == {"reason": "invalid_request_state"}
+    # A MAC that is not ASCII (compare_digest refuses such a str): refused as any forgery, not an internal error.
+    for mac in ("é", "\ud800"):
+        odd = {**partial, "requestState": state.rsplit(".", 1)[0] + "." + mac}
+        refused = await proxy.client.call("tools/call", odd, headers={"Authorization": "Bearer alice"})
+        assert refused.status == 400 and refused.error["data"] == {"reason": "invalid_request_state"}, refused.message
     # Half the answers: the other question is asked again, with a new handle; the old one is used up.
     second = await proxy.client.call("tools/call", partial, headers={"Authorization": "Bearer alice"})
     assert list(second.result["inputRequests"]) == ["elicitation-1"], second.result
