@@ -9,8 +9,9 @@ streams included) is relayed back as it arrives. So a plain round-robin balancer
 The hop is signed with the replicas' shared key (the request's method, path, session and a timestamp); a replica
 serves a signed request itself, whatever it knows of the session, and never forwards it again. A client's own
 `Mcp-Tasks-Proxy-Hop` header signs nothing, is never passed upstream, and only costs it a log line. When the
-session's replica is gone (its lease lapsed), the client gets 404, what the spec gives for a lost session: it then
-starts a new one with `initialize`. A replica that holds the lease but cannot be reached gets 503 (try again).
+session's replica is gone (its lease lapsed, or its address refuses connections), the client gets 404, what the
+spec gives for a lost session: it then starts a new one with `initialize`. A replica that holds the lease but does
+not answer in time gets 503 (try again).
 """
 
 from __future__ import annotations
@@ -145,12 +146,15 @@ class SessionRouting:
             return _unavailable("the task store does not answer, so the replica holding this session is not known")
         if owner is None or owner == self._replica_id():
             return None
-        if url is None:
-            log.info("session_replica_gone", replica=owner)
-            with contextlib.suppress(StoreUnavailable):
-                await self._store.forget_session(tag)
-            return _session_gone()
-        return await self._forward(request, url, session_id)
+        if url is not None:
+            forwarded = await self._forward(request, url, session_id)
+            if forwarded is not None:
+                return forwarded
+        # Its lease lapsed, or its address refuses connections (the process is gone, its lease not yet lapsed).
+        log.info("session_replica_gone", replica=owner)
+        with contextlib.suppress(StoreUnavailable):
+            await self._store.forget_session(tag)
+        return _session_gone()
 
     async def _parked_elsewhere(self, request: web.Request) -> web.StreamResponse | None:
         """A 2026 client's retry of a synchronous MRTR round whose call another replica holds open (parked in front
@@ -176,9 +180,12 @@ class SessionRouting:
             url = await self._store.replica_url(owner)
         except StoreUnavailable:
             return None
+        # A replica that refuses connections took the call with it: refused here as any expired state.
         return await self._forward(request, url, state) if url is not None else None
 
-    async def _forward(self, request: web.Request, base_url: str, session_id: str) -> web.StreamResponse:
+    async def _forward(self, request: web.Request, base_url: str, session_id: str) -> web.StreamResponse | None:
+        """The answer of the replica at `base_url`; None when it refuses connections (nothing was sent: its process
+        is gone, whatever its lease says)."""
         request[forwarded_key] = True
         # Bounded in size and time as any request's (listen.body_timeout_s); read already when the route needed it.
         body = await read_body(request) if request.body_exists else None
@@ -189,6 +196,9 @@ class SessionRouting:
         try:
             upstream = await client.request(request.method, target, headers=headers, data=body)
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            if isinstance(exc, aiohttp.ClientConnectorError) and isinstance(exc.os_error, ConnectionRefusedError):
+                return None
+            # A timeout or a reset may be a replica that is slow or restarting: the client tries again.
             log.warning("session_replica_unreachable", reason=str(exc) or type(exc).__name__)
             return _unavailable("the replica holding this session cannot be reached")
         try:
