@@ -12,7 +12,7 @@ from aiohttp import web
 from yarl import URL
 
 from tests.conftest import free_port, task_reaches
-from tests.factories import meta, request
+from tests.factories import headers_for, meta, request
 from tests.schemas import validate, validate_error
 
 MODERN = {
@@ -435,3 +435,24 @@ async def test_other_header_bytes_pass_through_as_sent(make_proxy, fake_upstream
     assert json.loads(body)["result"] == {"tools": []}
     (seen,) = [seen for seen in fake.received if b"tools/list" in seen["body"]]
     assert seen["headers"]["X-Note"].encode("utf-8", "surrogateescape") == b"caf\xe9 \xff"
+
+
+async def wrong_id_duplicate(request, body):
+    # Another request's answer, as the SDKs write one: a late duplicate on a pooled connection looks like this.
+    answer = {"jsonrpc": "2.0", "id": "someone-else", "result": {"content": [{"type": "text", "text": "not yours"}]}}
+    return web.Response(body=json.dumps(answer, separators=(",", ":")).encode(), content_type="application/json")
+
+
+@pytest.mark.parametrize("era", ["2026 (lane)", "2025 (aiohttp)"])
+async def test_a_relayed_answer_to_another_request_id_is_refused_as_an_upstream_failure(make_proxy, fake_upstream, era):
+    fake = await fake_upstream(_call_handler(wrong_id_duplicate))
+    proxy = await make_proxy(fake.url, protocol="modern")
+    message = request("tools/call", {"name": "job", "arguments": {}, "_meta": meta(tasks=False)})
+    headers = headers_for(message) if era.startswith("2026") else {"Content-Type": "application/json",
+        "Accept": "application/json, text/event-stream", "MCP-Protocol-Version": "2025-11-25"}  # fmt: skip
+    if not era.startswith("2026"):
+        del message["params"]["_meta"]
+    reply = await proxy.client.post_raw(json.dumps(message), headers)
+    assert reply.status == 502 and reply.message["id"] == message["id"], reply.message
+    assert reply.error["code"] == -32603 and "different request id" in reply.error["message"]
+    assert b"not yours" not in reply.body

@@ -22,7 +22,13 @@ from ..log import bind_request_id
 from ..metrics import method_label
 from ..upstream.http.client import CallError, CallResponse
 from ..upstream.http.headers import relayed_request_fields
-from ..upstream.http.relay import READ_WHOLE_BYTES, STREAM_TYPES, AnswerWatcher, broken_stream_event
+from ..upstream.http.relay import (
+    READ_WHOLE_BYTES,
+    STREAM_TYPES,
+    AnswerWatcher,
+    broken_stream_event,
+    check_answer_id,
+)
 from .writer import LaneReply, LaneWriter
 
 if TYPE_CHECKING:
@@ -195,6 +201,8 @@ async def _relay(lane: Lane, out: LaneWriter, request: LaneRequest, *, keep_aliv
             payload = await response.read() if not empty else b""
         except CallError as exc:
             raise UpstreamError(f"the upstream connection broke mid-response ({exc})", upstream=upstream.url) from exc
+        if response.content_type == "application/json":
+            check_answer_id(payload, request_id, upstream.url)
         out.write(out.relayed_head(response, keep_alive, None if empty else len(payload)) + payload)
         return status
     finally:

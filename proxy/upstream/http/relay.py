@@ -107,7 +107,23 @@ async def _forward_post(
             payload = await response.read()
         except CallError as exc:
             raise UpstreamError(f"the upstream connection broke mid-response ({exc})", upstream=upstream.url) from exc
+        if request_id is not None and content_type == "application/json":
+            check_answer_id(payload, request_id, upstream.url)
         return web.Response(status=response.status, reason=response.reason or None, headers=headers, body=payload)
+
+
+def check_answer_id(payload: bytes, request_id: RequestId, upstream_url: str) -> None:
+    """Refuse a JSON answer to another request (a late duplicate on a pooled connection, a confused server) as an
+    upstream failure, as a task's call does: relayed, it would answer this client with someone else's result. An
+    answer that opens with this request's id, as the SDKs write it, is known to be its own without parsing."""
+    if payload.startswith(b'{"jsonrpc":"2.0","id":%s,' % dumps(request_id)):
+        return
+    try:
+        message = loads(payload)
+    except ValueError:
+        return  # not JSON: the client sees what the upstream sent, as for any answer that is not JSON-RPC
+    if isinstance(message, dict) and message.get("id", request_id) not in (request_id, None):
+        raise UpstreamError("the upstream answered a different request id", upstream=upstream_url)
 
 
 def _may_have_body(request: web.Request, response: aiohttp.ClientResponse) -> bool:
