@@ -4,6 +4,7 @@ order (proxy/lane/answers.py), the others visited on aiohttp (proxy/lane/visits.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import socket
 from typing import TYPE_CHECKING
@@ -23,6 +24,9 @@ MAX_HEAD_BYTES = 32 * 1024
 """A longer head is aiohttp's to refuse (its limits are lower): the lane never buffers more of one."""
 _MAX_PENDING_BYTES = 64 * 1024
 """Bytes a client may send ahead of an answer still owed before the lane stops reading its connection."""
+_PIECE_BYTES = 2 * 1024
+"""What waits is kept in pieces of at most this size, and fed to the parser a piece at a time: a request costs its
+own bytes and one piece, however much is queued behind it."""
 _VISITS_IN_A_ROW = 8
 """Requests in a row that aiohttp answers on a lane connection before it is handed the connection for good."""
 _NEVER = float("inf")
@@ -83,7 +87,10 @@ class LaneConnection(asyncio.Protocol):
         self._reading = "head"  # head | body | answering
         self.deadline = lane.loop.time() + lane.header_timeout_s
         """When the head (or, once it is in, the body) being read is late."""
-        self._pending = bytearray()  # bytes received while an answer is owed
+        self._pending: collections.deque[bytes] = collections.deque()  # received while an answer is owed
+        self.backlog_bytes = 0
+        """Bytes received and not yet parsed: what `_pending` holds."""
+        self._reading_paused = False
         self.running: asyncio.Task[None] | None = None
         self._visit_due = False  # the request read is aiohttp's to answer (a visit), and it has been read whole
         self._visit: Visit | None = None
@@ -107,11 +114,22 @@ class LaneConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.running is not None or self.visiting or self._held:  # what comes next waits for the answer
-            self._pending += data
-            if len(self._pending) > _MAX_PENDING_BYTES and self._transport is not None:
-                self._transport.pause_reading()
+            self._queue(data)
             return
         self._feed(data)
+
+    def _queue(self, data: bytes, *, first: bool = False) -> None:
+        """Keep `data` for after the answer owed (`first`: before what waits already), in pieces; stop reading the
+        connection while more than _MAX_PENDING_BYTES wait."""
+        pieces = [data[i : i + _PIECE_BYTES] for i in range(0, len(data), _PIECE_BYTES)]
+        if first:
+            self._pending.extendleft(reversed(pieces))
+        else:
+            self._pending.extend(pieces)
+        self.backlog_bytes += len(data)
+        if self.backlog_bytes > _MAX_PENDING_BYTES and not self._reading_paused and self._transport is not None:
+            self._reading_paused = True
+            self._transport.pause_reading()
 
     def eof_received(self) -> bool:
         return False  # closes the transport; a call in flight is cancelled by connection_lost
@@ -154,7 +172,7 @@ class LaneConnection(asyncio.Protocol):
             self._pipelined = False
             if rest is not None:
                 # Pipelined requests wait, in order, for the answer to this one.
-                self._pending[:0] = rest
+                self._queue(rest, first=True)
                 self._parser = httptools.HttpRequestParser(self)
             elif self.running is not None:
                 # What followed a request the lane serves cannot be told apart from it: the answer, then the end.
@@ -250,7 +268,13 @@ class LaneConnection(asyncio.Protocol):
             return
         self._parser = None  # type: ignore[assignment]  # no cycle back to this protocol
         self.out = None
-        self._lane.hand_over(self, transport, bytes(self._raw))
+        data = bytes(self._raw) + b"".join(self._pending)  # the request, and all that came after it
+        self._pending.clear()
+        self.backlog_bytes = 0
+        if self._reading_paused:
+            self._reading_paused = False
+            transport.resume_reading()
+        self._lane.hand_over(self, transport, data)
 
     # visits (proxy/lane/visits.py)
 
@@ -338,12 +362,18 @@ class LaneConnection(asyncio.Protocol):
         self._next()
 
     def _next(self) -> None:
-        """Ready for the next request: what came meanwhile is read now."""
+        """Ready for the next request: what came meanwhile is read now, a piece at a time, until a request is whole."""
         self.deadline = self._lane.loop.time() + self._lane.header_timeout_s
-        pending, self._pending = self._pending, bytearray()
-        if pending and self._transport is not None:
+        pending = self._pending
+        while pending and self.running is None and not (self.visiting or self._held or self._visit_due):
+            if self._transport is None:
+                return
+            piece = pending.popleft()
+            self.backlog_bytes -= len(piece)
+            self._feed(piece)
+        if self._reading_paused and self.backlog_bytes <= _MAX_PENDING_BYTES and self._transport is not None:
+            self._reading_paused = False
             self._transport.resume_reading()
-            self._feed(bytes(pending))
 
     # stopping
 
