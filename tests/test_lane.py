@@ -91,8 +91,10 @@ def answers(raw: bytes) -> list[tuple[int, dict[str, str], bytes]]:
     return out
 
 
-async def chunked(body: bytes):
-    yield body  # an async iterable body: aiohttp's client sends it chunked, which the lane hands to aiohttp
+def aiohttp_path(body: bytes) -> dict[str, Any]:
+    """What makes aiohttp's client send `body` on aiohttp's path: a request that expects 100-continue, which the
+    lane hands to aiohttp (a chunked body no longer does: the lane reads those itself)."""
+    return {"data": body, "expect100": True}
 
 
 @pytest.fixture
@@ -111,7 +113,7 @@ async def test_a_2026_call_the_proxy_does_not_own_is_relayed_on_the_lane_with_th
     lane = await proxy.client.send(message)
     assert lane_counts(proxy)["relayed"] == before.get("relayed", 0) + 1
     body = json.dumps(message).encode()
-    async with proxy.client.session.post(proxy.url, data=chunked(body), headers=headers_for(message)) as response:
+    async with proxy.client.session.post(proxy.url, **aiohttp_path(body), headers=headers_for(message)) as response:
         aiohttp_body = await response.read()
         aiohttp_status, aiohttp_type = response.status, response.headers["Content-Type"]
     assert lane_counts(proxy)["handed_over"] == before.get("handed_over", 0) + 1
@@ -145,7 +147,7 @@ async def test_a_client_that_declares_tasks_is_relayed_on_the_lane_with_the_byte
         assert lane_counts(proxy)["relayed"] == before.get("relayed", 0) + 1
         async with proxy.client.session.post(
             proxy.url,
-            data=chunked(json.dumps(message).encode()),
+            **aiohttp_path(json.dumps(message).encode()),
             headers={**headers_for(message), "Connection": "close"},  # not the lane's next connection
         ) as response:
             aiohttp_body = await response.read()
@@ -255,7 +257,7 @@ async def test_a_deeply_nested_request_the_proxy_encodes_again_gets_the_same_ans
         message = request("tools/call", {"name": "slow_report", "arguments": {"topic": deep}, "_meta": meta()})
     lane = await proxy.client.send(message)
     async with proxy.client.session.post(
-        proxy.url, data=chunked(json.dumps(message).encode()), headers={**headers_for(message), "Connection": "close"}
+        proxy.url, **aiohttp_path(json.dumps(message).encode()), headers={**headers_for(message), "Connection": "close"}
     ) as response:
         on_aiohttp = (response.status, json.loads(await response.read()))
     on_lane = (lane.status, json.loads(lane.body))
@@ -611,7 +613,10 @@ async def read_answers(reader: asyncio.StreamReader, count: int) -> list[Any]:
     answers_ = Answers()
     parser = httptools.HttpResponseParser(answers_)
     while len(answers_.bodies) < count:
-        parser.feed_data(await asyncio.wait_for(reader.read(65536), 10))
+        data = await asyncio.wait_for(reader.read(65536), 10)
+        if not data:
+            raise asyncio.IncompleteReadError(b"", None)  # the connection ended first
+        parser.feed_data(data)
     out = []
     for body in answers_.bodies:
         text = body.decode()
@@ -688,8 +693,7 @@ async def test_a_connection_aiohttp_takes_over_after_a_visit_is_not_refused_by_t
     other = await asyncio.open_connection("127.0.0.1", port)  # the cap is reached
     message = call("add", {"a": 3, "b": 4})
     body = json.dumps(message).encode()
-    chunked_post = http_post(message, body=b"").replace(b"Content-Length: 0\r\n", b"Transfer-Encoding: chunked\r\n")
-    writer.write(chunked_post + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))  # aiohttp takes the connection
+    writer.write(http_post(message, body=body).replace(b" HTTP/1.1\r\n", b" HTTP/1.0\r\n", 1))  # aiohttp's to read
     assert (await read_answers(reader, 1))[0]["result"]["structuredContent"]["result"] == 7
     assert lane_counts(proxy)["handed_over"] == 1
     writer.close()
@@ -747,9 +751,9 @@ async def test_calls_bridged_to_a_2025_server_take_the_lane_with_their_input_rou
     used = await proxy.client.call("tools/call", retry)  # the handle was single use: the bridge's own refusal
     assert used.status == 400 and used.error["code"] == -32602
     assert lane_counts(proxy) == {"relayed": 4, "served": 0, "visited": 0, "handed_over": 0}
-    # The same call on aiohttp's path (a chunked body is handed over) answers the same.
-    body = chunked(json.dumps(message).encode())
-    async with proxy.client.session.post(proxy.url, data=body, headers=headers_for(message)) as response:
+    # The same call on aiohttp's path (a request that expects 100-continue is handed over) answers the same.
+    body = json.dumps(message).encode()
+    async with proxy.client.session.post(proxy.url, **aiohttp_path(body), headers=headers_for(message)) as response:
         assert response.status == lane.status == 200
         assert response.headers["Content-Type"] == lane.headers["Content-Type"]
         assert json.loads(await response.read()) == json.loads(lane.body)
@@ -829,7 +833,7 @@ def _owned_requests(task_id: str) -> list[tuple[str, dict[str, Any], dict[str, s
 
 async def test_the_proxy_s_own_requests_are_served_on_the_lane_with_the_answers_aiohttp_gives(make_proxy, mcp_upstream):
     """tasks/* and task creation: the lane's answer (status, type, body) is aiohttp's path's, request for request
-    (a chunked body is handed to aiohttp)."""
+    (a request that expects 100-continue is handed to aiohttp)."""
     proxy = await make_proxy(
         mcp_upstream,
         protocol="modern",
@@ -847,7 +851,7 @@ async def test_the_proxy_s_own_requests_are_served_on_the_lane_with_the_answers_
         lane = await proxy.client.send(message, headers={**me, **headers})
         after, requests_lane = lane_counts(proxy), request_counts(proxy)
         async with proxy.client.session.post(
-            proxy.url, data=chunked(json.dumps(message).encode()), headers=sent
+            proxy.url, **aiohttp_path(json.dumps(message).encode()), headers=sent
         ) as response:
             theirs, status, content_type = await response.json(), response.status, response.headers["Content-Type"]
         assert (lane.status, lane.headers["Content-Type"]) == (status, content_type), why
@@ -914,7 +918,7 @@ async def test_trailing_whitespace_in_a_header_does_not_change_the_caller_on_the
     assert lane_counts(proxy)["served"] == 1
     async with proxy.client.session.post(
         proxy.url,
-        data=chunked(json.dumps(create).encode()),
+        **aiohttp_path(json.dumps(create).encode()),
         headers={**headers_for(create), "Authorization": f"Bearer me{spaces}", "Connection": "close"},
     ) as response:
         on_aiohttp = (await response.json())["result"]["taskId"]
@@ -925,7 +929,7 @@ async def test_trailing_whitespace_in_a_header_does_not_change_the_caller_on_the
             assert json.loads(polled.body)["result"]["taskId"] == task_id, (task_id, headers)
             async with proxy.client.session.post(
                 proxy.url,
-                data=chunked(json.dumps(get).encode()),
+                **aiohttp_path(json.dumps(get).encode()),
                 headers={**headers_for(get), **headers, "Connection": "close"},  # not the lane's next connection
             ) as response:  # aiohttp's path
                 assert (await response.json())["result"]["taskId"] == task_id, (task_id, headers)
@@ -956,9 +960,8 @@ async def test_a_stop_gives_calls_on_the_lane_and_on_aiohttp_one_budget_not_two(
     try:
         _, on_lane = await asyncio.open_connection("127.0.0.1", port)
         on_lane.write(http_post(message))
-        chunked = http_post(message, body=b"").replace(b"Content-Length: 0\r\n", b"Transfer-Encoding: chunked\r\n")
-        _, on_aiohttp = await asyncio.open_connection("127.0.0.1", port)  # a chunked body is aiohttp's to read
-        on_aiohttp.write(chunked + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+        _, on_aiohttp = await asyncio.open_connection("127.0.0.1", port)  # HTTP/1.0 is aiohttp's to read
+        on_aiohttp.write(http_post(message, body=body).replace(b" HTTP/1.1\r\n", b" HTTP/1.0\r\n", 1))
 
         async def both_upstream() -> bool:
             return len(fake.received) == 2
@@ -971,3 +974,87 @@ async def test_a_stop_gives_calls_on_the_lane_and_on_aiohttp_one_budget_not_two(
         on_aiohttp.close()
     finally:
         release.set()
+
+
+def chunked_post(message: dict[str, Any], *, path: bytes = b"/mcp", trailer: bytes = b"") -> bytes:
+    """A POST of `message` with a chunked body in two chunks, and `trailer` fields after the last one."""
+    body = json.dumps(message).encode()
+    head = http_post(message, body=b"").replace(b"Content-Length: 0\r\n", b"Transfer-Encoding: chunked\r\n")
+    head = head.replace(b"POST /mcp ", b"POST " + path + b" ", 1)
+    half = len(body) // 2
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(part), part) for part in (body[:half], body[half:]))
+    return head + chunks + b"0\r\n" + trailer + b"\r\n"
+
+
+@pytest.mark.parametrize("first", ["tasks/get", "tools/call", "subscriptions/listen"])
+async def test_a_chunked_body_s_trailer_never_becomes_the_next_request_s_header(proxy, first):
+    """A front proxy that forwards trailers and pools connections puts caller A's chunked request and caller B's
+    next one on the same connection: A's trailer field must not be read as B's header (aiohttp's parser made it B's
+    first header, and the proxy reads the first Authorization: B's tasks/get answered A's task)."""
+    alice, bob = {"Authorization": "Bearer alice"}, {"Authorization": "Bearer bob"}
+    created = await proxy.client.call_tool("slow_report", {"topic": "t", "seconds": 30}, headers=alice)
+    task_id = created.result["taskId"]
+    get = request("tasks/get", {"taskId": task_id, "_meta": meta()})
+    assert (await proxy.client.send(get, headers=bob)).error["code"] == -32602  # not bob's
+    firsts = {
+        "tasks/get": get,
+        "tools/call": call("add", {"a": 1, "b": 2}),
+        "subscriptions/listen": request("subscriptions/listen", {"notifications": {}, "_meta": meta()}),
+    }
+    a = chunked_post(firsts[first], trailer=b"Authorization: Bearer alice\r\n")
+    b = http_post(get, extra=b"Authorization: Bearer bob\r\n")
+    if first != "subscriptions/listen":  # (a stream that lasts: nothing follows it on its connection)
+        # As a pooling front proxy sends them: B once A is answered, on the same connection.
+        reader, writer = await asyncio.open_connection("127.0.0.1", port_of(proxy))
+        writer.write(a)
+        await read_answers(reader, 1)
+        writer.write(b)
+        (for_bob,) = await read_answers(reader, 1)
+        writer.close()
+        assert for_bob["error"]["code"] == -32602, for_bob  # bob's: not found, never alice's task
+    # Pipelined behind A: B is answered as bob's, or not at all (the connection ends after A). Alice's credential
+    # is in A's trailer alone, so nothing on this connection may show her task's state.
+    received = await raw_exchange(port_of(proxy), a + b, read_s=3)
+    assert received.startswith(b"HTTP/1.1 ") and b'"working"' not in received, received
+
+
+async def test_a_chunked_body_to_another_path_leaves_the_connection_after_its_answer(proxy):
+    """A chunked request the lane does not read (another path) is aiohttp's: its connection ends after it, so no
+    trailer of it can reach a later request on that connection."""
+    alice = {"Authorization": "Bearer alice"}
+    created = await proxy.client.call_tool("slow_report", {"topic": "t", "seconds": 30}, headers=alice)
+    get = request("tasks/get", {"taskId": created.result["taskId"], "_meta": meta()})
+    a = chunked_post(call("add", {"a": 1, "b": 2}), path=b"/elsewhere", trailer=b"Authorization: Bearer alice\r\n")
+    reader, writer = await asyncio.open_connection("127.0.0.1", port_of(proxy))
+    writer.write(a)
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    assert b"connection: close" in head.lower(), head
+    writer.write(http_post(get, extra=b"Authorization: Bearer bob\r\n"))
+    rest = await asyncio.wait_for(reader.read(), 10)  # to the end: the connection closes
+    writer.close()
+    assert b'"working"' not in rest and created.result["taskId"].encode() not in rest.split(b"\r\n\r\n", 1)[-1]
+
+
+async def test_a_chunked_call_is_read_on_the_lane_and_relayed_without_its_trailer(make_proxy, fake_upstream):
+    seen: list[dict[str, str]] = []
+
+    async def answer(http: web.Request) -> web.Response:
+        seen.append(dict(http.headers))
+        message = json.loads(await http.read())
+        return web.json_response({"jsonrpc": "2.0", "id": message["id"], "result": {"content": []}})
+
+    fake = await fake_upstream(answer)
+    proxy = await make_proxy(fake.url, protocol="modern", limits={"max_body_bytes": 4096})
+    reader, writer = await asyncio.open_connection("127.0.0.1", port_of(proxy))
+    message = call("echo", {"text": "x" * 100})
+    writer.write(chunked_post(message, trailer=b"X-Trailing: 1\r\n"))
+    (answer_,) = await read_answers(reader, 1)
+    assert answer_["id"] == message["id"] and lane_counts(proxy)["relayed"] == 1
+    assert "X-Trailing" not in seen[0] and "Transfer-Encoding" not in seen[0]
+    # Past limits.max_body_bytes: 413, as for a Content-Length past it, and the connection ends.
+    writer.write(chunked_post(call("echo", {"text": "x" * 5000})))
+    received = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    (status, fields, body) = answers(received)[0]
+    assert status == 413 and json.loads(body)["error"]["data"] == {"maxBodyBytes": 4096}
+    assert len(seen) == 1

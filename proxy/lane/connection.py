@@ -40,6 +40,10 @@ class _Pipelined(Exception):
     """A second request arrived in the same read as the end of one the lane serves."""
 
 
+class _TooLarge(Exception):
+    """A chunked body grew past limits.max_body_bytes."""
+
+
 class _Probe:
     """Counts the requests a parser saw complete (split_pipelined)."""
 
@@ -49,23 +53,48 @@ class _Probe:
         self.complete += 1
 
 
+def _completes(data: memoryview) -> bool:
+    """Whether `data` holds a whole request, by llhttp (what follows it, a second request's start, is let be)."""
+    probe = _Probe()
+    # An error past the first request is the next one's, judged when it is read.
+    with contextlib.suppress(httptools.HttpParserError, httptools.HttpParserUpgrade, ValueError):
+        httptools.HttpRequestParser(probe).feed_data(data)
+    return probe.complete >= 1
+
+
 def split_pipelined(raw: bytearray, fields: list[tuple[bytes, bytes]]) -> bytes | None:
     """The bytes after the request just read into `raw` (its head's `fields`), when a second one began in the same
-    read, cut from `raw`: the first head ends at the first blank line and its body has the Content-Length the lane
-    required, checked by parsing it again. None (and `raw` as it was) when that does not hold."""
+    read, cut from `raw`. The first head ends at the first blank line (llhttp takes no bare LF); a body with a
+    Content-Length ends where it says, checked by parsing it again; a chunked one where llhttp finds it whole, by
+    bisection (a few parses, for a rare request). None (and `raw` as it was) when that does not hold."""
     head_end = raw.find(b"\r\n\r\n")
     if head_end < 0:
         return None
-    lengths = [value for name, value in fields if name.lower() == b"content-length"]
-    end = head_end + 4 + (int(lengths[0]) if lengths else 0)
-    probe = _Probe()
+    view = memoryview(raw)
     try:
-        httptools.HttpRequestParser(probe).feed_data(bytes(raw[:end]))
-    except (httptools.HttpParserError, httptools.HttpParserUpgrade, ValueError):
-        return None
-    if probe.complete != 1:
-        return None
-    rest = bytes(raw[end:])
+        if any(name.lower() == b"transfer-encoding" for name, _ in fields):
+            low, end = head_end + 4, len(raw)
+            if not _completes(view[:end]):
+                return None
+            while low < end:
+                middle = (low + end) // 2
+                if _completes(view[:middle]):
+                    end = middle
+                else:
+                    low = middle + 1
+        else:
+            lengths = [value for name, value in fields if name.lower() == b"content-length"]
+            end = head_end + 4 + (int(lengths[0]) if lengths else 0)
+            probe = _Probe()
+            try:
+                httptools.HttpRequestParser(probe).feed_data(view[:end])
+            except (httptools.HttpParserError, httptools.HttpParserUpgrade, ValueError):
+                return None
+            if probe.complete != 1:
+                return None
+        rest = bytes(view[end:])
+    finally:
+        view.release()
     del raw[end:]
     return rest
 
@@ -82,7 +111,10 @@ class LaneConnection(asyncio.Protocol):
         self._url = b""
         self._fields: list[tuple[bytes, bytes]] = []
         self._body: list[bytes] = []
+        self._body_bytes = 0
         self._head: Head | None = None
+        self._trailing = False  # past the head: a field now is a chunked body's trailer, which no request keeps
+        self._too_large = False
         self._head_bytes = 0
         self._reading = "head"  # head | body | answering
         self.deadline = lane.loop.time() + lane.header_timeout_s
@@ -168,6 +200,9 @@ class LaneConnection(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade):
+            if self._too_large:
+                self._refuse_too_large()
+                return
             rest = split_pipelined(self._raw, self._fields) if self._pipelined else None
             self._pipelined = False
             if rest is not None:
@@ -205,14 +240,18 @@ class LaneConnection(asyncio.Protocol):
         self._url = b""
         self._fields = []
         self._body = []
+        self._body_bytes = 0
+        self._trailing = False
 
     def on_url(self, url: bytes) -> None:
         self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._fields.append((name, value))
+        if not self._trailing:  # a trailer is dropped: aiohttp's parser would make it the next request's header
+            self._fields.append((name, value))
 
     def on_headers_complete(self) -> None:
+        self._trailing = True
         lane = self._lane
         config = lane.policy.config
         raw = self._raw  # this request's bytes so far: its whole head, and what of the body came with it
@@ -232,6 +271,11 @@ class LaneConnection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         self._body.append(body)
+        if self._head is not None and self._head.chunked:  # a Content-Length past the limit is aiohttp's to refuse
+            self._body_bytes += len(body)
+            if self._body_bytes > self._lane.policy.config.limits.max_body_bytes:
+                self._too_large = True
+                raise _TooLarge
 
     def on_message_complete(self) -> None:
         head = self._head
@@ -268,7 +312,13 @@ class LaneConnection(asyncio.Protocol):
             return
         self._parser = None  # type: ignore[assignment]  # no cycle back to this protocol
         self.out = None
-        data = bytes(self._raw) + b"".join(self._pending)  # the request, and all that came after it
+        raw = self._raw
+        if self._trailing and any(name.lower() == b"transfer-encoding" for name, _ in self._fields):
+            # aiohttp's parser makes a chunked body's last trailer the next request's first header: it answers
+            # this request, and the connection ends there.
+            end = raw.find(b"\r\n\r\n") + 2  # llhttp takes no bare LF: the head ends at the first blank line
+            raw = raw[:end] + b"Connection: close\r\n" + raw[end:]
+        data = bytes(raw) + b"".join(self._pending)  # the request, and all that came after it
         self._pending.clear()
         self.backlog_bytes = 0
         if self._reading_paused:
@@ -276,12 +326,33 @@ class LaneConnection(asyncio.Protocol):
             transport.resume_reading()
         self._lane.hand_over(self, transport, data)
 
+    def _reframed(self) -> bytes:
+        """The chunked request just read, as aiohttp gets it: its body whole, with a Content-Length, no trailer."""
+        assert self._parser is not None
+        body = b"".join(self._body)
+        head = [b"%s %s HTTP/1.1\r\n" % (self._parser.get_method(), self._url)]
+        head += [b"%s: %s\r\n" % field for field in self._fields if field[0].lower() != b"transfer-encoding"]
+        return b"".join(head) + b"Content-Length: %d\r\n\r\n" % len(body) + body
+
+    def _refuse_too_large(self) -> None:
+        """A chunked body past the limit: 413, as aiohttp answers a Content-Length past it, and the end."""
+        lane = self._lane
+        limit = lane.policy.config.limits.max_body_bytes
+        reason = f"Request body too large: the limit is {limit} bytes (limits.max_body_bytes)"
+        lane.metrics.errors.labels(str(INVALID_REQUEST)).inc()
+        if self.out is not None and self._transport is not None:
+            self.out.error(None, error_object(INVALID_REQUEST, reason, {"maxBodyBytes": limit}), 413, keep_alive=False)
+        lane.metrics.observe_request("none", "local", 413, 0.0)
+        self.abort()
+
     # visits (proxy/lane/visits.py)
 
     def _start_visit(self) -> None:
         transport = self._transport
         if transport is None:
             return
+        if self._head is not None and self._head.chunked:
+            self._raw = bytearray(self._reframed())  # aiohttp never sees its trailers
         self._visits_in_a_row += 1
         if self._visits_in_a_row > _VISITS_IN_A_ROW:
             # A connection of requests the lane leaves to aiohttp (GETs, a 2025 session's calls): the lane's parse

@@ -55,7 +55,7 @@ class Head:
     the lane may serve it itself (`kind`: "relay", a request the proxy does not own; "owned", tasks/* or a tool the
     policy runs as a task; None: aiohttp's). The body decides in the end (proxy/lane/connection.py)."""
 
-    __slots__ = ("whole", "kind", "tool", "rule", "_rule_for")
+    __slots__ = ("whole", "kind", "tool", "rule", "chunked", "_rule_for")
 
     def __init__(
         self,
@@ -74,6 +74,8 @@ class Head:
         self.tool: str | None = None
         self.rule: ToolRule | None = None
         self.kind: str | None = None
+        self.chunked = False
+        """The body comes in chunks (Transfer-Encoding: chunked alone): the lane reads it, and keeps no trailer."""
         method = parser.get_method()
         self.whole = (
             parser.get_http_version() == "1.1"
@@ -98,6 +100,9 @@ class Head:
             if role is None:
                 continue
             if role is _FRAMING:
+                if lower == b"transfer-encoding" and not self.chunked and value.strip().lower() == b"chunked":
+                    self.chunked = True
+                    continue
                 self.whole = False  # aiohttp must read such a body as it arrives, or change the connection
                 return
             if role is _LENGTH:
@@ -120,9 +125,14 @@ class Head:
                 plain = False  # aiohttp refuses a repeated Host, Content-Type...: it must see the request
             else:
                 seen.add(lower)
-        if not (lane_open and plain and method == b"POST" and lengths == 1 and mcp_method is not None):
+        if self.chunked and (lengths or method != b"POST" or url.partition(b"?")[0] != _MCP_PATH):
+            # Both framings (a request smuggled past a front proxy: aiohttp refuses it), or not the MCP endpoint's:
+            # aiohttp reads it as it comes, and the connection ends after it (LaneConnection._hand_over).
+            self.whole = False
             return
-        if url.partition(b"?")[0] != _MCP_PATH or int(length) <= 0:  # type: ignore[arg-type]
+        if not (lane_open and plain and method == b"POST" and (lengths == 1 or self.chunked) and mcp_method):
+            return
+        if url.partition(b"?")[0] != _MCP_PATH or (not self.chunked and int(length) <= 0):  # type: ignore[arg-type]
             return
         if mcp_method in TASK_METHODS:
             self.kind = "owned"
