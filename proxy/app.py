@@ -176,6 +176,7 @@ def create_app(
     # Unwinds in reverse: the runner stops before the store and the upstream session close.
     app.cleanup_ctx.extend([upstream_ctx, store_ctx, identity_ctx, runner_ctx])
     app.on_shutdown.append(stop_taking_over)
+    app.on_response_prepare.append(_end_after_chunked)
     app.router.add_get("/healthz", served(healthz))
     app.router.add_get("/readyz", served(readyz))
     app.router.add_get("/metrics", served(metrics))
@@ -323,6 +324,16 @@ def _json_error(request: web.Request, error: dict[str, Any], status: int) -> web
     if info.mode == "passthrough":
         info.mode = "local"
     return json_reply(error_response(info.jsonrpc_id, error), status=status)
+
+
+async def _end_after_chunked(request: web.Request, response: web.StreamResponse) -> None:
+    """A chunked request's connection ends after its answer: aiohttp's parser (3.14.5) makes the body's last trailer
+    field the next request's first header on that connection, so behind a front proxy that pools connections one
+    caller's trailer would be read as the next caller's Authorization. (The lane reads chunked POSTs to the MCP
+    endpoint itself and keeps no trailer; this covers what aiohttp reads.)"""
+    if "Transfer-Encoding" in request.headers:
+        response.force_close()
+        response.headers["Connection"] = "close"  # (the head is written after this signal: it says so)
 
 
 # --- handlers -----------------------------------------------------------------------------------------------------

@@ -1035,6 +1035,24 @@ async def test_a_chunked_body_to_another_path_leaves_the_connection_after_its_an
     assert b'"working"' not in rest and created.result["taskId"].encode() not in rest.split(b"\r\n\r\n", 1)[-1]
 
 
+async def test_on_a_connection_aiohttp_took_a_chunked_request_s_trailer_reaches_no_later_request(proxy):
+    alice = {"Authorization": "Bearer alice"}
+    created = await proxy.client.call_tool("slow_report", {"topic": "t", "seconds": 30}, headers=alice)
+    get = request("tasks/get", {"taskId": created.result["taskId"], "_meta": meta()})
+    reader, writer = await asyncio.open_connection("127.0.0.1", port_of(proxy))
+    for _ in range(12):  # requests the lane leaves to aiohttp: it hands aiohttp the connection for good
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        await read_answers(reader, 1)
+    assert lane_counts(proxy)["handed_over"] == 1
+    writer.write(chunked_post(get, trailer=b"Authorization: Bearer alice\r\n"))
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    assert b"connection: close" in head.lower(), head
+    writer.write(http_post(get, extra=b"Authorization: Bearer bob\r\n"))
+    rest = await asyncio.wait_for(reader.read(), 10)  # to the end: the connection closes
+    writer.close()
+    assert b'"working"' not in rest
+
+
 async def test_a_chunked_call_is_read_on_the_lane_and_relayed_without_its_trailer(make_proxy, fake_upstream):
     seen: list[dict[str, str]] = []
 

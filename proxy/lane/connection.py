@@ -312,13 +312,8 @@ class LaneConnection(asyncio.Protocol):
             return
         self._parser = None  # type: ignore[assignment]  # no cycle back to this protocol
         self.out = None
-        raw = self._raw
-        if self._trailing and any(name.lower() == b"transfer-encoding" for name, _ in self._fields):
-            # aiohttp's parser makes a chunked body's last trailer the next request's first header: it answers
-            # this request, and the connection ends there.
-            end = raw.find(b"\r\n\r\n") + 2  # llhttp takes no bare LF: the head ends at the first blank line
-            raw = raw[:end] + b"Connection: close\r\n" + raw[end:]
-        data = bytes(raw) + b"".join(self._pending)  # the request, and all that came after it
+        # (A chunked request handed over ends its connection after its answer: proxy/app.py _end_after_chunked.)
+        data = bytes(self._raw) + b"".join(self._pending)  # the request, and all that came after it
         self._pending.clear()
         self.backlog_bytes = 0
         if self._reading_paused:

@@ -127,7 +127,7 @@ class Head:
                 seen.add(lower)
         if self.chunked and (lengths or method != b"POST" or url.partition(b"?")[0] != _MCP_PATH):
             # Both framings (a request smuggled past a front proxy: aiohttp refuses it), or not the MCP endpoint's:
-            # aiohttp reads it as it comes, and the connection ends after it (LaneConnection._hand_over).
+            # aiohttp reads it as it comes, and the connection ends after it (proxy/app.py _end_after_chunked).
             self.whole = False
             return
         if not (lane_open and plain and method == b"POST" and (lengths == 1 or self.chunked) and mcp_method):
