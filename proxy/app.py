@@ -54,11 +54,11 @@ from .metrics import Metrics, method_label
 from .policy import LivePolicy
 from .security import HostGuard, Identity, PollGuard, keep_shared_key
 from .session_routing import SessionRouting
+from .store.base import MemoryTaskStore, StoreUnavailable, TaskStore
+from .store.redis_store import RedisTaskStore
 from .tasks.model import utc_now
-from .tasks.redis_store import RedisTaskStore
 from .tasks.runner import TaskRunner
 from .tasks.sealing import CallSeal
-from .tasks.store import MemoryTaskStore, StoreUnavailable, TaskStore
 from .tasks2025 import Tasks2025
 from .tasks2026 import Tasks2026
 from .upstream import build_gateway

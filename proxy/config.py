@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .tasks.redis_target import hash_tag, parse_store_url
+from .store.redis_target import hash_tag, parse_store_url
 
 
 class ConfigError(Exception):

@@ -15,9 +15,9 @@ from .kept_alive import KeptAliveCalls
 from .metrics import Metrics
 from .policy import LivePolicy
 from .security import HostGuard, Identity, PollGuard
+from .store.base import StoreUnavailable, TaskStore
 from .tasks.admission import ShuttingDown
 from .tasks.runner import TaskRunner
-from .tasks.store import StoreUnavailable, TaskStore
 from .tasks2025 import Tasks2025
 from .tasks2026 import Tasks2026
 from .upstream.bridge import SyncBridge

@@ -62,11 +62,11 @@ from .jsonrpc import (
     too_deep,
 )
 from .security import Identity, caller_of
+from .store.base import StoreFullError
 from .tasks.admission import LimitReached
 from .tasks.job import DirectOutcome, ToolCall
 from .tasks.model import TaskRecord
 from .tasks.runner import TaskRunner
-from .tasks.store import StoreFullError
 from .tasks2026 import missing_tasks_capability
 from .upstream.bridge import StreamReply
 from .upstream.events import UpstreamUnavailable

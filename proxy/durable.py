@@ -43,10 +43,10 @@ from .jsonrpc import (
     error_object,
 )
 from .security import Identity, caller_of
+from .store.base import StoreUnavailable, TaskIdTaken, TaskStore
 from .tasks.job import ToolCall
 from .tasks.model import TaskRecord, is_task_id, new_task_id
 from .tasks.runner import TaskRunner
-from .tasks.store import StoreUnavailable, TaskIdTaken, TaskStore
 from .upstream.http.headers import call_headers
 from .upstream.legacy import ERROR_ANSWER, LegacySession
 

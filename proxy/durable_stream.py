@@ -18,9 +18,9 @@ from typing import Any
 from aiohttp import web
 
 from .jsonrpc import INTERNAL_ERROR, dumps, error_object
+from .store.base import StoreUnavailable, TaskStore
 from .tasks.model import TaskRecord, TaskStatus
 from .tasks.runner import TaskRunner
-from .tasks.store import StoreUnavailable, TaskStore
 from .upstream.routing import RELATED_TASK
 
 RESUMABLE_VERSIONS = frozenset({"2025-11-25"})

@@ -34,10 +34,10 @@ from .jsonrpc import (
     result_response,
 )
 from .security import Identity, same_mac
+from .store.base import TaskStore
 from .tasks.job import DirectOutcome, ToolCall
 from .tasks.model import TaskRecord, is_task_id
 from .tasks.runner import TaskRunner
-from .tasks.store import TaskStore
 from .upstream.events import Progress
 
 log = structlog.get_logger(__name__)

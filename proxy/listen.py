@@ -16,9 +16,9 @@ import structlog
 from aiohttp import web
 
 from .jsonrpc import INVALID_PARAMS, JsonRpcError, dumps
+from .store.base import StoreUnavailable, TaskStore
 from .tasks.model import TaskRecord, is_task_id
 from .tasks.runner import TaskRunner
-from .tasks.store import StoreUnavailable, TaskStore
 
 log = structlog.get_logger(__name__)
 

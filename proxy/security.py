@@ -20,7 +20,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
 from .config import ProxyConfig, SecurityConfig
 from .jsonrpc import INTERNAL_ERROR, JsonRpcError, dumps
-from .tasks.store import StoreUnavailable, TaskStore
+from .store.base import StoreUnavailable, TaskStore
 
 log = structlog.get_logger(__name__)
 SHARED_KEY_NAME = "principal-key"

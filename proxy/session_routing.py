@@ -32,7 +32,7 @@ from .envelope import params_of
 from .jsonrpc import dumps, error_object, loads
 from .parking import parked_owner
 from .security import Identity, same_mac
-from .tasks.store import StoreUnavailable, TaskStore
+from .store.base import StoreUnavailable, TaskStore
 from .upstream.http.headers import HOP_BY_HOP, HOP_HEADER, RESPONSE_SKIP, end_to_end_headers
 
 log = structlog.get_logger(__name__)

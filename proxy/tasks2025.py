@@ -38,10 +38,10 @@ from .jsonrpc import (
     result_response,
 )
 from .security import Identity, PollGuard, caller_of
+from .store.base import TaskStore
 from .tasks.job import ToolCall
 from .tasks.model import TaskRecord, TaskStatus, format_time, is_task_id
 from .tasks.runner import TaskRunner
-from .tasks.store import TaskStore
 from .upstream.http.headers import call_headers
 
 log = structlog.get_logger(__name__)

@@ -13,9 +13,9 @@ from . import TASKS_EXTENSION
 from .envelope import TASK_METHODS, check_modern_request, declares_tasks, params_of
 from .jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, MISSING_REQUIRED_CLIENT_CAPABILITY, JsonRpcError
 from .security import Identity, PollGuard
+from .store.base import TaskStore
 from .tasks.model import is_task_id
 from .tasks.runner import TaskRunner
-from .tasks.store import TaskStore
 
 
 def missing_tasks_capability(message: str) -> JsonRpcError:

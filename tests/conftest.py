@@ -30,7 +30,7 @@ from mcp_tasks_proxy.app import create_app
 from mcp_tasks_proxy.config import parse_config
 from mcp_tasks_proxy.lane.server import Lane
 from mcp_tasks_proxy.serve import bind, start
-from mcp_tasks_proxy.tasks.redis_keys import RedisKeys
+from mcp_tasks_proxy.store.redis_keys import RedisKeys
 from tests.factories import McpClient, Reply
 
 ROOT = Path(__file__).resolve().parents[1]

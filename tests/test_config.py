@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from mcp_tasks_proxy.__main__ import build_parser, resolve_config, split_command
-from mcp_tasks_proxy.config import ConfigError, TaskMode, load_config, parse_config
+from mcp_tasks_proxy.config import ConfigError, TaskMode, TlsConfig, load_config, parse_config
+from mcp_tasks_proxy.store.redis_link import SystemTls
 from tests.conftest import PROXY, ROOT
 
 
@@ -191,3 +192,12 @@ def test_store_override_is_memory_or_a_redis_url(tmp_path):
         parse_config({"store": {"backend": "redis"}})
     with pytest.raises(ConfigError, match="must start with redis://"):
         resolve_config(_args("--upstream", "http://u/mcp", "--store", "http://not-redis"), {})
+
+
+def test_store_tls_default_is_tls_config_default():
+    """A store made without TLS settings reads the same as TlsConfig() (the store does not import config)."""
+    fields = ("verify", "ca_file", "cert_file", "key_file")
+    assert set(TlsConfig.model_fields) == set(fields), "a new TlsConfig field: SystemTls and TlsSettings say it too"
+    assert {name: getattr(SystemTls(), name) for name in fields} == TlsConfig().model_dump(include=set(fields))
+    ours, theirs = SystemTls().ssl_context(), TlsConfig().ssl_context()
+    assert (ours.verify_mode, ours.check_hostname) == (theirs.verify_mode, theirs.check_hostname)

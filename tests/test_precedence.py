@@ -12,12 +12,12 @@ from multidict import CIMultiDict
 
 from mcp_tasks_proxy.config import TaskDefaults, ToolRule
 from mcp_tasks_proxy.context import runner_key
+from mcp_tasks_proxy.store.base import MemoryTaskStore
 from mcp_tasks_proxy.tasks import precedence as precedence_module
 from mcp_tasks_proxy.tasks.job import ToolCall
 from mcp_tasks_proxy.tasks.model import TaskStatus
 from mcp_tasks_proxy.tasks.precedence import Precedence
 from mcp_tasks_proxy.tasks.runner import TaskRunner
-from mcp_tasks_proxy.tasks.store import MemoryTaskStore
 from tests.conftest import eventually
 from tests.factories import meta, request
 from tests.test_lane import http_post, lane_counts, port_of

@@ -15,9 +15,9 @@ import redis.asyncio as redis_client
 from redis.exceptions import MovedError
 
 from mcp_tasks_proxy.config import ConfigError, parse_config
+from mcp_tasks_proxy.store.base import StoreUnavailable
+from mcp_tasks_proxy.store.redis_store import RedisTaskStore
 from mcp_tasks_proxy.tasks.model import TaskRecord, TaskStatus, new_task_id
-from mcp_tasks_proxy.tasks.redis_store import RedisTaskStore
-from mcp_tasks_proxy.tasks.store import StoreUnavailable
 from tests.conftest import free_port, stop, task_reaches, wait_for_port
 
 

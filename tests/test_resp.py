@@ -9,9 +9,9 @@ import re
 import pytest
 import redis.asyncio as redis
 
+from mcp_tasks_proxy.store.redis_store import RedisTaskStore
+from mcp_tasks_proxy.store.resp import RespClient, RespError
 from mcp_tasks_proxy.tasks.model import TaskStatus, transition
-from mcp_tasks_proxy.tasks.redis_store import RedisTaskStore
-from mcp_tasks_proxy.tasks.resp import RespClient, RespError
 from tests.test_store_contract import T0, record
 
 
@@ -340,7 +340,7 @@ async def test_the_store_refuses_another_tasks_record_and_drops_the_connection(r
         await store.create(theirs)
         # Simulate a shifted reply: the key of `mine` holds the record of `theirs`.
         await admin.set(f"crossed:task:{mine.task_id}", await admin.get(f"crossed:task:{theirs.task_id}"))
-        from mcp_tasks_proxy.tasks.store import StoreUnavailable
+        from mcp_tasks_proxy.store.base import StoreUnavailable
 
         with pytest.raises(StoreUnavailable):
             await store.get(mine.task_id)

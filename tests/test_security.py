@@ -13,7 +13,7 @@ import structlog
 from aiohttp import web
 
 from mcp_tasks_proxy.context import runner_key
-from mcp_tasks_proxy.tasks.redis_store import RedisTaskStore
+from mcp_tasks_proxy.store.redis_store import RedisTaskStore
 from tests.conftest import eventually, task_reaches
 from tests.factories import McpClient
 

@@ -303,8 +303,8 @@ async def test_polling_faster_than_min_poll_interval_is_refused(make_proxy, lega
 
 
 async def test_tasks_sharing_a_score_are_all_listed(monkeypatch):
+    from mcp_tasks_proxy.store.base import MemoryTaskStore
     from mcp_tasks_proxy.tasks.model import TaskRecord, TaskStatus, utc_now
-    from mcp_tasks_proxy.tasks.store import MemoryTaskStore
 
     store = MemoryTaskStore(max_tasks=100)
     now = utc_now()
@@ -322,8 +322,8 @@ async def test_tasks_sharing_a_score_are_all_listed(monkeypatch):
 async def test_the_memory_list_finds_a_page_without_sorting_the_whole_list():
     # Counted, not timed: score comparisons while 2,000 tasks are listed 50 at a time. The list was sorted again for
     # every page (2.7 ms a page at 10,000 tasks, quadratic to page through); it is kept in order now.
+    from mcp_tasks_proxy.store.base import MemoryTaskStore
     from mcp_tasks_proxy.tasks.model import TaskRecord, TaskStatus, utc_now
-    from mcp_tasks_proxy.tasks.store import MemoryTaskStore
 
     comparisons = 0
 

@@ -124,7 +124,7 @@ async def test_a_session_whose_claim_failed_once_is_never_recorded():
     from mcp_tasks_proxy.config import SecurityConfig
     from mcp_tasks_proxy.security import Identity
     from mcp_tasks_proxy.session_routing import SessionRouting
-    from mcp_tasks_proxy.tasks.store import MemoryTaskStore, StoreUnavailable
+    from mcp_tasks_proxy.store.base import MemoryTaskStore, StoreUnavailable
 
     class Flaky(MemoryTaskStore):
         def __init__(self):
@@ -284,7 +284,7 @@ async def test_a_session_in_use_keeps_its_record_past_a_day():
     from mcp_tasks_proxy.config import SecurityConfig
     from mcp_tasks_proxy.security import Identity
     from mcp_tasks_proxy.session_routing import SESSION_RENEW_S, SESSION_TTL_S, SessionRouting
-    from mcp_tasks_proxy.tasks.store import MemoryTaskStore
+    from mcp_tasks_proxy.store.base import MemoryTaskStore
 
     class Recording(MemoryTaskStore):
         def __init__(self):

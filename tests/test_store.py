@@ -7,8 +7,8 @@ from datetime import UTC, datetime
 
 import pytest
 
+from mcp_tasks_proxy.store.base import MemoryTaskStore, StoreFullError
 from mcp_tasks_proxy.tasks.model import TaskRecord, TaskStateError, TaskStatus, new_task_id, transition
-from mcp_tasks_proxy.tasks.store import MemoryTaskStore, StoreFullError
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 

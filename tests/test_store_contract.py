@@ -13,9 +13,9 @@ from datetime import UTC, datetime
 import pytest
 import redis.asyncio as redis_client
 
+from mcp_tasks_proxy.store.base import MemoryTaskStore, StoreUnavailable, TaskIdTaken
+from mcp_tasks_proxy.store.redis_store import RedisTaskStore
 from mcp_tasks_proxy.tasks.model import TaskRecord, TaskStateError, TaskStatus, new_task_id, transition
-from mcp_tasks_proxy.tasks.redis_store import RedisTaskStore
-from mcp_tasks_proxy.tasks.store import MemoryTaskStore, StoreUnavailable, TaskIdTaken
 from tests.conftest import eventually, start_redis, stop
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)

@@ -14,13 +14,13 @@ import redis.asyncio as redis_client
 from multidict import CIMultiDict
 
 from mcp_tasks_proxy.config import TaskDefaults, ToolRule
+from mcp_tasks_proxy.store.base import MemoryTaskStore
+from mcp_tasks_proxy.store.redis_store import RedisTaskStore
 from mcp_tasks_proxy.tasks.attempts import SHUTDOWN
 from mcp_tasks_proxy.tasks.job import TAKEN_OVER, ToolCall
 from mcp_tasks_proxy.tasks.model import RELEASED, TaskRecord, TaskStatus, from_json, new_task_id, to_json
-from mcp_tasks_proxy.tasks.redis_store import RedisTaskStore
 from mcp_tasks_proxy.tasks.runner import TaskRunner
 from mcp_tasks_proxy.tasks.sealing import CallSeal
-from mcp_tasks_proxy.tasks.store import MemoryTaskStore
 from mcp_tasks_proxy.upstream.events import Finished, UpstreamTask, UpstreamUnavailable
 from mcp_tasks_proxy.upstream.gateway import Gateway
 from tests.conftest import eventually

@@ -1,1 +1,1 @@
-"""Tasks: the record and its lifecycle, where records are kept, and the background calls that drive them."""
+"""Tasks: the record and its lifecycle, and the background calls that drive them (records are kept in store/)."""

@@ -13,11 +13,11 @@ import structlog
 
 from .. import tracing
 from ..config import LimitsConfig, TaskDefaults, ToolRule
+from ..store.base import TaskIdTaken
 from .attempts import Attempts, retry_message, sent_again
 from .job import DirectOutcome, Job, ToolCall
 from .model import TaskRecord, TaskStatus, new_task_id
 from .runner_state import RunnerState
-from .store import TaskIdTaken
 from .sync_rounds import SyncRounds
 
 log = structlog.get_logger(__name__)

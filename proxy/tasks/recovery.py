@@ -10,11 +10,11 @@ from typing import Any
 
 import structlog
 
+from ..store.base import StoreUnavailable
 from .job import Job
 from .model import TaskRecord, TaskStatus, owned_by
 from .runner_state import RunnerState
 from .settlement import Settlement
-from .store import StoreUnavailable
 
 log = structlog.get_logger(__name__)
 

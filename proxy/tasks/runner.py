@@ -22,6 +22,7 @@ from ..config import LimitsConfig, TaskDefaults, ToolRule
 from ..idempotency import key_reused
 from ..jsonrpc import INTERNAL_ERROR, JsonRpcError
 from ..metrics import Metrics
+from ..store.base import TaskIdTaken, TaskStore
 from .admission import Admission
 from .attempts import SHUTDOWN, Attempts
 from .hints import RepeatHints
@@ -32,7 +33,6 @@ from .recovery import CANCELLED_BY_CLIENT, Recovery
 from .runner_state import RunnerState
 from .sealing import CallSeal
 from .settlement import NotTheOwner, Settlement
-from .store import TaskIdTaken, TaskStore
 from .sync_rounds import SyncRounds
 from .takeover import Takeover
 

@@ -8,11 +8,11 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 
 from ..metrics import Metrics
+from ..store.base import TaskStore
 from .deadlines import Deadlines
 from .job import Job
 from .precedence import Precedence
 from .sealing import CallSeal
-from .store import TaskStore
 from .watchers import TaskWatchers
 
 if TYPE_CHECKING:

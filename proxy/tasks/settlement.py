@@ -20,11 +20,11 @@ from tenacity import (
 )
 
 from .. import tracing
+from ..store.base import StoreUnavailable
 from ..upstream.events import Progress, UpstreamTask
 from .job import DirectOutcome, Job
 from .model import TaskRecord, TaskStateError, TaskStatus, owned_by, transition
 from .runner_state import RunnerState
-from .store import StoreUnavailable
 
 log = structlog.get_logger(__name__)
 

@@ -23,6 +23,7 @@ import structlog
 from .. import tracing
 from ..config import ToolRule
 from ..jsonrpc import INTERNAL_ERROR, error_object
+from ..store.base import RecordCorrupt, StoreUnavailable
 from ..upstream.events import UpstreamTask
 from .admission import Admission
 from .hints import RepeatHints
@@ -30,7 +31,6 @@ from .job import Job, ToolCall
 from .model import RELEASED, TaskRecord, TaskStatus, transition
 from .runner_state import RunnerState
 from .settlement import Settlement, run_note
-from .store import RecordCorrupt, StoreUnavailable
 
 log = structlog.get_logger(__name__)
 

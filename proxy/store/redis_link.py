@@ -8,10 +8,12 @@ script result out of range) drops the connection, so that a desynchronised strea
 from __future__ import annotations
 
 import collections
+import dataclasses
+import ssl
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Protocol
 
 import redis.asyncio as redis
 import structlog
@@ -19,10 +21,9 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.sentinel import Sentinel
 from redis.exceptions import RedisClusterException, RedisError
 
-from ..config import TlsConfig
+from .base import RecordCorrupt, StoreUnavailable
 from .redis_target import parse_store_url
 from .resp import RespClient, RespError
-from .store import RecordCorrupt, StoreUnavailable
 
 log = structlog.get_logger(__name__)
 
@@ -37,6 +38,35 @@ class Inconsistent(Exception):
 
 class Corrupt(Exception):
     """A stored value that is not what the proxy writes there (hand-edited, or written by an incompatible version)."""
+
+
+class TlsSettings(Protocol):
+    """TLS to a rediss:// store as the store reads it: config.TlsConfig is one (the store does not import config,
+    which imports the store's URL rules)."""
+
+    @property
+    def verify(self) -> bool: ...
+    @property
+    def ca_file(self) -> str | None: ...
+    @property
+    def cert_file(self) -> str | None: ...
+    @property
+    def key_file(self) -> str | None: ...
+    def ssl_context(self) -> ssl.SSLContext: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class SystemTls:
+    """A store made without TLS settings: config.TlsConfig()'s defaults (the system's CAs, verified, no client
+    certificate)."""
+
+    verify: bool = True
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+
+    def ssl_context(self) -> ssl.SSLContext:
+        return ssl.create_default_context()
 
 
 def text(value: Any) -> str:
@@ -59,11 +89,11 @@ def reason(exc: BaseException, timeout_s: float) -> str:
 
 class RedisLink:
     def __init__(
-        self, url: str, *, timeout_s: float, max_reply_bytes: int, tls: TlsConfig | None = None, key_prefix: str = ""
+        self, url: str, *, timeout_s: float, max_reply_bytes: int, tls: TlsSettings | None = None, key_prefix: str = ""
     ) -> None:
         self.timeout_s = timeout_s
         target = parse_store_url(url)
-        tls = tls or TlsConfig()
+        tls = tls or SystemTls()
         common: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
         if target.tls:
             common.update(_redis_py_tls(tls))
@@ -143,7 +173,7 @@ class RedisLink:
             await client.aclose()
 
 
-def _redis_py_tls(tls: TlsConfig) -> dict[str, Any]:
+def _redis_py_tls(tls: TlsSettings) -> dict[str, Any]:
     """The same TLS settings as the fast connection's (TlsConfig.ssl_context), in redis-py's terms."""
     return {
         "ssl_ca_certs": tls.ca_file,

@@ -14,9 +14,9 @@ from typing import Any
 
 import structlog
 
+from .base import EventHandler, StoreUnavailable
 from .redis_keys import RedisKeys
 from .redis_link import REDIS_ERRORS, Inconsistent, RedisLink, reason, text
-from .store import EventHandler, StoreUnavailable
 
 log = structlog.get_logger(__name__)
 

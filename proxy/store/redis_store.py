@@ -19,15 +19,14 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from ..config import TlsConfig
-from .model import TaskRecord, from_json, to_json
+from ..tasks.model import TaskRecord, from_json, to_json
+from .base import EventHandler, TaskIdTaken, Updater
 from .redis_eviction import EvictionPolicyCheck
 from .redis_keys import TASK_KEY_PREFIX, RedisKeys
-from .redis_link import Corrupt, Inconsistent, RedisLink, text
+from .redis_link import Corrupt, Inconsistent, RedisLink, TlsSettings, text
 from .redis_replicas import RedisReplicas
 from .redis_secrets import agreed_secret
 from .resp import DEFAULT_MAX_REPLY_BYTES, RespError
-from .store import EventHandler, TaskIdTaken, Updater
 
 # KEYS: the task, the running set, the task's sealed call. ARGV: SHA-1 of the value the update was computed from,
 # the new value, "1" when the new status is terminal, the task id. Returns 1 when written, 0 when the record changed
@@ -74,7 +73,7 @@ class RedisTaskStore:
         lease_s: float,
         timeout_s: float,
         max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
-        tls: TlsConfig | None = None,
+        tls: TlsSettings | None = None,
     ) -> None:
         self._keys = RedisKeys(key_prefix)
         self._link = RedisLink(

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 import structlog
 from sortedcontainers import SortedList
 
-from .model import TaskRecord
+from ..tasks.model import TaskRecord
 
 log = structlog.get_logger(__name__)
 
