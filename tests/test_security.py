@@ -254,7 +254,8 @@ async def test_polling_faster_than_allowed_gets_429_with_the_interval(make_proxy
 
 
 async def _answer_anything(request: web.Request) -> web.Response:
-    return web.json_response({"jsonrpc": "2.0", "id": 1, "result": {"resultType": "complete", "tools": []}})
+    request_id = (await request.json())["id"]  # the request's own: the proxy refuses an answer to another
+    return web.json_response({"jsonrpc": "2.0", "id": request_id, "result": {"resultType": "complete", "tools": []}})
 
 
 @pytest.mark.parametrize(
