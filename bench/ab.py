@@ -6,6 +6,7 @@
     python bench/ab.py --path create      # task creation at 1,000/s instead of pass-through (memory and Redis)
     python bench/ab.py --path get         # tasks/get of a finished task, closed loop (memory and Redis)
     python bench/ab.py --client tasks     # pass-through from a client that declares the tasks extension
+    python bench/ab.py --variant tracing  # the work tree plain (A) against itself with tracing configured (B)
 
 Both proxies stand in front of one fast upstream (bench/fast_upstream.py), beside the bare aiohttp forwarder
 (bench/minimal_forwarder.py) and, when it is installed, nginx, for an upstream of each era (the proxy translates a
@@ -29,6 +30,11 @@ millisecond ticks of one thread, so that requests come in small bursts and one w
 
 `--path get` measures the proxy's own read path: each proxy makes one task (which completes at once), then wrk
 asks tasks/get for it with every connection count, closed loop; the figures are CPU µs per tasks/get and req/s.
+
+`--variant tracing` and `--variant advertise` compare configurations instead of commits: A is the work tree as
+configured above, B the same install with OpenTelemetry tracing configured (an OTLP exporter, the sampler off:
+what an operator leaves on to turn up when chasing a fault) or with `listen.advertise_url` set (replicas routing
+2025 sessions, over a Redis store in both). Configuration should move no traffic onto other code: B/A near 1.
 
 The base commit is installed once into a virtual environment of its own under bench/.ab/ (from `git archive`, so
 the work tree is untouched), and the work tree, as it is now (its tracked and untracked files, not the ignored ones),
@@ -216,6 +222,8 @@ def proxy(
     store: dict | None = None,
     ttl_ms: int = 60_000,
     log_level: str = "warning",
+    variant: str | None = None,
+    redis_url: str | None = None,
 ) -> Iterator[tuple[str, int]]:
     port = free_port()
     policy = {
@@ -228,10 +236,19 @@ def proxy(
         policy["store"] = {**store, "key_prefix": f"ab{port}:"} if store["backend"] == "redis" else store
         policy["tasks"] = {"max_tasks": 200_000, "ttl_ms": ttl_ms}
         policy["limits"] = {"max_running_tasks": 20_000}
+    env: dict[str, str] = {}
+    if variant is not None:  # both sides of a --variant run share the Redis store; B adds the variant
+        policy["store"] = {"backend": "redis", "url": redis_url, "key_prefix": f"ab{port}:"}
+    if variant == "advertise":
+        policy["listen"] = {"advertise_url": f"http://127.0.0.1:{port}"}
+    elif variant == "tracing":  # an exporter to a port nobody listens on, and no span sampled
+        env = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{free_port()}",
+               "OTEL_TRACES_SAMPLER": "always_off"}  # fmt: skip
     path = WORK / f"policy-{port}.json"
     path.write_text(json.dumps(policy))
     # -P: the working directory (the repository) must not shadow the interpreter's own install of the proxy.
-    with process(str(python), "-P", "-m", package, "--config", str(path), "--port", str(port), port=port) as proc:
+    with process(str(python), "-P", "-m", package, "--config", str(path), "--port", str(port), port=port,
+                 env=env) as proc:  # fmt: skip
         wait_ready(port)
         yield f"http://127.0.0.1:{port}/mcp", proc.pid
 
@@ -376,6 +393,9 @@ def main() -> None:
     parser.add_argument("--path", choices=("passthrough", "create", "get"), default="passthrough",
                         help="what is measured: a pass-through tools/call, task creation at 1,000/s, or "
                              "tasks/get of a finished task")  # fmt: skip
+    parser.add_argument("--variant", choices=("tracing", "advertise"), default=None,
+                        help="pass-through: the work tree plain (A) against itself with tracing configured or "
+                             "listen.advertise_url set (B), instead of --base against the work tree")  # fmt: skip
     parser.add_argument("--arrivals", choices=("h2load", "wrk"), default="h2load",
                         help="--path create: Poisson arrivals from h2load (one process per connection), or wrk's "
                              "delay(), which bunches them on millisecond ticks")  # fmt: skip
@@ -387,10 +407,17 @@ def main() -> None:
         raise SystemExit("h2load is needed for Poisson arrivals: apt-get install nghttp2-client (or --arrivals wrk)")
     if args.path in ("create", "get") and shutil.which("redis-server") is None:
         raise SystemExit(f"redis-server is needed for --path {args.path}: apt-get install redis-server")
-    a_install, b_install = base_python(args.base), worktree_python()
+    if args.variant is not None and (args.path != "passthrough" or shutil.which("redis-server") is None):
+        raise SystemExit("--variant measures the pass-through path, on a Redis store: apt-get install redis-server")
+    b_install = worktree_python()
+    a_install = base_python(args.base) if args.variant is None else b_install
+    if args.variant == "tracing":  # the otel extra, in the work tree's environment
+        subprocess.run([str(b_install[0]), "-m", "pip", "install", "--quiet", "opentelemetry-sdk",
+                        "opentelemetry-exporter-otlp-proto-http"], check=True)  # fmt: skip
     # A comparison of a tree with itself reads as "no change": make sure A and B are the trees they claim to be.
     a_tree, b_tree = imported_from(*a_install), imported_from(*b_install)
-    if not a_tree.is_relative_to(CACHE.resolve()) or not same_sources(b_tree, ROOT / "proxy"):
+    a_cached = args.variant is not None or a_tree.is_relative_to(CACHE.resolve())
+    if not a_cached or not same_sources(b_tree, ROOT / "proxy"):
         raise SystemExit(f"A imports the proxy from {a_tree} and B from {b_tree}: not the two trees to compare")
     a_versions, b_versions = dependency_versions(a_install[0]), dependency_versions(b_install[0])
     differ = [f"{name} {a_versions[name]} (A) / {b_versions[name]} (B)" for name in a_versions
@@ -401,7 +428,9 @@ def main() -> None:
     load = "h2load (Poisson arrivals)" if args.path == "create" and args.arrivals == "h2load" else "wrk -t1"
     declares = " · the client declares tasks" if args.client == "tasks" and args.path == "passthrough" else ""
     declares += " · a log line a request (logging.level info)" if args.log_level == "info" else ""
-    print(f"# A/B: {args.base} (A) against the work tree {head.stdout.strip()} (B) · {os.cpu_count()} cores · "
+    compared = (f"{args.base} (A) against the work tree {head.stdout.strip()} (B)" if args.variant is None else
+                f"the work tree {head.stdout.strip()} plain (A) against itself with {args.variant} (B)")  # fmt: skip
+    print(f"# A/B: {compared} · {os.cpu_count()} cores · "
           f"{load}, {seconds} s runs, {repeats} repeats, interleaved · CPU µs/request, median (min-max)"
           f"{declares}")  # fmt: skip
     upstream_port = free_port()
@@ -424,11 +453,19 @@ def main() -> None:
             fixed["nginx"] = web
         rows = []
         meta = META_TASKS if args.client == "tasks" else META
+        redis_url = None
+        if args.variant is not None:
+            redis_port = free_port()
+            stack.enter_context(process("redis-server", "--port", str(redis_port), "--save", "", "--appendonly", "no",
+                                        port=redis_port))  # fmt: skip
+            redis_url = f"redis://127.0.0.1:{redis_port}/0"
+        plain = "plain" if args.variant is not None else None
         for era in args.eras.split(","):
             with (
-                proxy(*a_install, upstream, era, log_level=args.log_level) as a,
-                proxy(*b_install, upstream, era, log_level=args.log_level) as b,
-            ):
+                proxy(*a_install, upstream, era, log_level=args.log_level, variant=plain, redis_url=redis_url) as a,
+                proxy(*b_install, upstream, era, log_level=args.log_level, variant=args.variant,
+                      redis_url=redis_url) as b,
+            ):  # fmt: skip
                 targets = {"A": a, "B": b, **fixed}
                 for connections in (int(c) for c in args.connections.split(",")):
                     cpu: dict[str, list[float]] = {name: [] for name in targets}

@@ -15,7 +15,6 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from . import tracing
 from .config import ProxyConfig
 from .context import (
     MCP_PATH,
@@ -28,7 +27,6 @@ from .context import (
     info_key,
     json_reply,
     kept_alive_key,
-    log_request_handled,
     metrics_key,
     policy_key,
     poll_guard_key,
@@ -37,20 +35,17 @@ from .context import (
     store_key,
     tasks2025_key,
     tasks2026_key,
-    wire_error,
 )
 from .dispatch import handle_mcp_post, handle_other
 from .durable import DurableCalls
+from .front import boundary
 from .jsonrpc import (
-    INTERNAL_ERROR,
     INVALID_REQUEST,
-    UpstreamError,
     error_object,
     error_response,
 )
 from .kept_alive import KeptAliveCalls
-from .log import bind_request_id
-from .metrics import Metrics, method_label
+from .metrics import Metrics
 from .policy import LivePolicy
 from .security import HostGuard, Identity, PollGuard, keep_shared_key
 from .session_routing import SessionRouting
@@ -70,7 +65,6 @@ from .upstream.http.relay import client_gone_key
 log = structlog.get_logger(__name__)
 
 LOCAL_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
-VERBOSE_LEVELS = frozenset({"debug", "info"})
 
 
 def create_app(
@@ -209,25 +203,36 @@ def served(handler: Handler) -> Handler:
 
 
 async def _in_context(handler: Handler, request: web.Request) -> web.StreamResponse:
-    """Bind a request id for every log line of this request, and write one line when it is done."""
+    """`handler` behind the front door's boundary (proxy/front/boundary.py), as the lane serves its requests."""
+    app = request.app
+    metrics = app[metrics_key]
     unreadable = _unreadable_header(request)
-    client_id = request.headers.get("X-Request-Id") if unreadable is None else None
-    bind_request_id(client_id if _usable_request_id(client_id) else None)
+    boundary.bind_request(request.headers if unreadable is None else None)
     started = time.perf_counter()
     info = request[info_key] = RequestInfo()
     request[client_gone_key] = False  # set, so that reading it is a dict lookup, not the Mapping mixin's KeyError
     status = 500
     try:
         if unreadable is not None:
-            status = 400
             reason = f"Invalid request: the {unreadable} header holds bytes that are not UTF-8"
-            return _json_error(request, error_object(INVALID_REQUEST, reason), 400)
-        response = _refused_by_guard(request)
-        if response is None:
+            response = _json_error(
+                request, *boundary.refusal(error_object(INVALID_REQUEST, reason), 400, info, metrics)
+            )
+        elif refused := boundary.refused_by_guard(app[guard_key], request.headers):
+            response = _json_error(request, *boundary.refusal(*refused, info, metrics))
+        else:
             try:
                 response = await handler(request)
-            except Exception as exc:  # the one place exceptions become wire errors: no request sees a traceback
-                response = _error_answer(request, exc)
+            except web.HTTPException:
+                raise
+            except Exception as exc:  # no request sees a traceback
+                transport = request.transport
+                answered = boundary.failure(exc, info, metrics, client_gone=transport is None or transport.is_closing())
+                if answered is None:
+                    request[client_gone_key] = True
+                    response = web.Response(status=499)
+                else:
+                    response = _json_error(request, answered[0], answered[1])
         status = 499 if request[client_gone_key] else response.status
         return response
     except asyncio.CancelledError:
@@ -237,24 +242,18 @@ async def _in_context(handler: Handler, request: web.Request) -> web.StreamRespo
         request[client_gone_key] = True
         raise
     finally:
-        if info.trace is not None:
-            tracing.TRACER.end_request(  # type: ignore[union-attr]
-                info.trace, status=status, task_id=info.task_id, task_trace=info.task_trace, mode=info.mode
-            )
         if request.path not in LOCAL_PATHS:
-            elapsed_s = time.perf_counter() - started
-            app = request.app
-            app[metrics_key].observe_request(method_label(info.rpc_method), info.mode, status, elapsed_s)
-            if app[policy_key].config.logging.level in VERBOSE_LEVELS:  # spare the work when not logged
-                log_request_handled(
-                    info,
-                    principal=app[identity_key].logged_principal(request.headers) if unreadable is None else None,
-                    http_method=request.method,
-                    path=request.path,
-                    status=status,
-                    client_closed=request[client_gone_key],
-                    elapsed_s=elapsed_s,
-                )
+            boundary.done(
+                info,
+                policy=app[policy_key],
+                metrics=metrics,
+                identity=app[identity_key],
+                headers=request.headers if unreadable is None else None,
+                http_method=request.method,
+                path=request.path,
+                status=status,
+                started=started,
+            )
 
 
 _READ_HEADERS = frozenset(
@@ -282,48 +281,9 @@ def _unreadable_header(request: web.Request) -> str | None:
     return None
 
 
-def _usable_request_id(value: str | None) -> bool:
-    """A client's X-Request-Id goes into every log line of its request: only a short printable one."""
-    return value is not None and 0 < len(value) <= 128 and value.isascii() and value.isprintable()
-
-
-def _refused_by_guard(request: web.Request) -> web.Response | None:
-    """Host and Origin values the policy does not allow (DNS rebinding) are refused before anything else runs."""
-    guard = request.app[guard_key]
-    if not guard.host_allowed(request.headers.get("Host")):
-        return _json_error(request, error_object(INVALID_REQUEST, "Invalid Host header (security.allowed_hosts)"), 421)
-    if not guard.origin_allowed(request.headers.get("Origin")):
-        return _json_error(request, error_object(INVALID_REQUEST, "Origin not allowed (security.allowed_origins)"), 403)
-    return None
-
-
-def _error_answer(request: web.Request, exc: Exception) -> web.StreamResponse:
-    """The answer to a request whose handler raised `exc`; aiohttp's own HTTP exceptions are raised on."""
-    if isinstance(exc, UpstreamError):
-        log.warning("upstream_error", reason=exc.reason)
-        request.app[metrics_key].upstream_errors.labels("request").inc()
-    answer = wire_error(exc)
-    if answer is not None:
-        return _json_error(request, *answer)
-    if isinstance(exc, web.HTTPException):
-        raise exc
-    if isinstance(exc, ConnectionResetError) and (request.transport is None or request.transport.is_closing()):
-        # A write to a client that has gone away (a relayed event stream): nobody is left to answer.
-        request[client_gone_key] = True
-        return web.Response(status=499)
-    # A ConnectionResetError on a connection still open is not the client's: a fault of the proxy's own.
-    log.exception("unhandled_error", exc_info=exc)
-    return _json_error(request, error_object(INTERNAL_ERROR, "Internal error in the proxy"), 200)
-
-
 def _json_error(request: web.Request, error: dict[str, Any], status: int) -> web.Response:
-    request.app[metrics_key].errors.labels(str(error.get("code"))).inc()
-    info = request[info_key]
-    if info.answers_2025:
-        status = 200  # the SDKs of 2025 end the whole session on a 4xx or 5xx to a request of theirs
-    if info.mode == "passthrough":
-        info.mode = "local"
-    return json_reply(error_response(info.jsonrpc_id, error), status=status)
+    """An error the boundary counted already (boundary.refusal), as the request's JSON-RPC answer."""
+    return json_reply(error_response(request[info_key].jsonrpc_id, error), status=status)
 
 
 async def _end_after_chunked(request: web.Request, response: web.StreamResponse) -> None:

@@ -13,7 +13,7 @@ import structlog
 from aiohttp import web
 from multidict import MultiMapping
 
-from . import TASKS_EXTENSION, idempotency, listen, tasks2025, tracing
+from . import TASKS_EXTENSION, idempotency, listen, tasks2025
 from .config import TaskMode, ToolRule
 from .context import (
     MCP_PATH,
@@ -43,6 +43,7 @@ from .envelope import (
     params_of,
     without_tasks_declaration,
 )
+from .front import boundary
 from .jsonrpc import (
     ERROR_HTTP_STATUS,
     INTERNAL_ERROR,
@@ -111,12 +112,7 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
     method = message["method"]
     info.jsonrpc_id = message["id"]
     info.rpc_method = method
-    if tracing.TRACER.enabled:
-        params = message.get("params")
-        tool = params.get("name") if method == "tools/call" and isinstance(params, dict) else None
-        info.trace = tracing.TRACER.begin_request(
-            request.headers, message, method, tool if isinstance(tool, str) else None
-        )
+    boundary.trace(info, request.headers, message)
     modern = is_modern(message, request.headers)
     if method.startswith("tasks/") and modern:
         info.mode = "local"

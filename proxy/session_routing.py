@@ -163,7 +163,7 @@ class SessionRouting:
         if request.method != "POST" or request.path != MCP_PATH:
             return None
         body = await read_body(request)  # kept by aiohttp: the handler reads the same bytes
-        if b'"mtp1' not in body:  # no parked call's handle anywhere in it: the usual case, decided without parsing
+        if not may_name_a_parked_call(body):
             return None
         try:
             message = loads(body)
@@ -254,6 +254,12 @@ class SessionRouting:
             return False
         replica, stamp, mac = parts
         return same_mac(mac, self._identity.mac("hop", replica, stamp, method, path, session_id))
+
+
+def may_name_a_parked_call(body: bytes) -> bool:
+    """Whether a request's body may hold a parked call's handle (parking.py): the usual case is decided without
+    parsing."""
+    return b'"mtp1' in body
 
 
 def _unavailable(reason: str) -> web.Response:

@@ -1076,3 +1076,27 @@ async def test_a_chunked_call_is_read_on_the_lane_and_relayed_without_its_traile
     (status, fields, body) = answers(received)[0]
     assert status == 413 and json.loads(body)["error"]["data"] == {"maxBodyBytes": 4096}
     assert len(seen) == 1
+
+
+async def test_with_replicas_routing_sessions_the_lane_serves_what_names_no_session(
+    make_proxy, mcp_upstream, redis_url
+):
+    """listen.advertise_url moves no traffic onto other code: a 2026 request is the lane's as without it; only what
+    may name a 2025 session or a parked call (routed to the replica that holds it) is aiohttp's."""
+    store = {"backend": "redis", "url": redis_url, "key_prefix": f"lane-{secrets.token_hex(4)}:"}
+    proxy = await make_proxy(
+        mcp_upstream,
+        protocol="modern",
+        store=store,
+        tools=[{"match": "slow_report", "task": "optional"}],
+        listen={"advertise_url": "http://127.0.0.1:1/"},
+    )
+    assert (await proxy.client.call_tool("add", {"a": 1, "b": 2}, tasks=False)).result["structuredContent"]
+    created = await proxy.client.call_tool("slow_report", {"topic": "t", "seconds": 0})
+    await task_reaches(proxy.client, created.result["taskId"], "completed")
+    counts = lane_counts(proxy)
+    assert counts["relayed"] == 1 and counts["served"] >= 2 and counts["visited"] == 0, counts
+    parked = call("add", {"a": 1, "b": 2}, requestState="mtp1.somewhere~x.y", inputResponses={})
+    await proxy.client.send(parked)
+    await proxy.client.call_tool("add", {"a": 1, "b": 2}, tasks=False, headers={"Mcp-Session-Id": "s"})
+    assert lane_counts(proxy)["visited"] == 2

@@ -23,6 +23,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from mcp_tasks_proxy import tracing
 from tests.conftest import ROOT, eventually, free_port, stop, task_reaches, wait_for_port
 from tests.factories import McpClient, meta
+from tests.test_lane import lane_counts
 
 CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
 CLIENT_SPAN = "b7ad6b7169203331"
@@ -81,6 +82,8 @@ async def test_a_task_is_one_span_from_creation_to_completion_with_its_requests_
         assert [link.context.span_id for link in poll.links] == [task.context.span_id]
         assert poll.attributes["mcp.task.id"] == task_id
     no_secrets(spans)
+    # Served by the lane, as without tracing: turning tracing on moves no traffic onto other code.
+    assert lane_counts(proxy)["served"] >= 2 and lane_counts(proxy)["visited"] == 0
 
 
 async def test_update_and_cancel_link_to_the_task_and_a_failure_is_an_error(make_proxy, mcp_upstream, spans):
@@ -123,12 +126,13 @@ async def test_trace_context_from_meta_is_continued_and_the_upstream_gets_the_pr
     assert received == f"00-{CLIENT_TRACE}-{format(upstream.context.span_id, '016x')}-01"
 
     # Pass-through (no rule for the tool): the upstream's parent is the proxy's request span, not the client's.
-    plain = await make_proxy(mcp_upstream)
+    plain = await make_proxy(mcp_upstream, protocol="modern")  # (the era known from the start: the lane relays)
     reply = await plain.client.call_tool("echo_traceparent", {}, tasks=False, headers={"traceparent": TRACEPARENT})
     passed = reply.result["content"][0]["text"]
     request_span = [s for s in named(spans, "tools/call echo_traceparent") if s.kind is SpanKind.SERVER][-1]
     assert passed == f"00-{CLIENT_TRACE}-{format(request_span.context.span_id, '016x')}-01"
     assert format(request_span.parent.span_id, "016x") == CLIENT_SPAN
+    assert lane_counts(plain) == {"relayed": 1, "served": 0, "visited": 0, "handed_over": 0}
 
 
 async def test_without_the_extra_or_an_exporter_tracing_is_off(monkeypatch, make_proxy, mcp_upstream):

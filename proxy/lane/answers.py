@@ -14,12 +14,11 @@ import structlog
 from multidict import CIMultiDict
 
 from ..config import ToolRule
-from ..context import MCP_PATH, RequestInfo, log_request_handled, wire_error
+from ..context import MCP_PATH, RequestInfo
 from ..dispatch import check_reencodable, create_task, task_answer, tool_call
 from ..envelope import check_modern_request
-from ..jsonrpc import INTERNAL_ERROR, UpstreamError, error_object, result_response
-from ..log import bind_request_id
-from ..metrics import method_label
+from ..front import boundary
+from ..jsonrpc import UpstreamError, result_response
 from ..upstream.http.client import CallError, CallResponse
 from ..upstream.http.headers import relayed_request_fields
 from ..upstream.http.relay import (
@@ -35,8 +34,6 @@ if TYPE_CHECKING:
     from .server import Lane
 
 log = structlog.get_logger(__name__)
-
-_VERBOSE_LEVELS = frozenset({"debug", "info"})
 
 
 @dataclass(slots=True)
@@ -58,18 +55,17 @@ class LaneRequest:
 async def answer(
     lane: Lane, out: LaneWriter, request: LaneRequest, *, keep_alive: bool, then: Callable[[bool], None]
 ) -> None:
-    """Answer `request` on `out`, then call `then` with whether the connection may carry another request (a call,
-    not a coroutine the connection awaits: one frame less per request)."""
+    """Answer `request` on `out` behind the front door's boundary (proxy/front/boundary.py), then call `then` with
+    whether the connection may carry another request."""
     headers, message = request.headers, request.message
     assert message is not None
-    client_id = headers.get("X-Request-Id")
-    usable = client_id is not None and 0 < len(client_id) <= 128 and client_id.isprintable()
-    bind_request_id(client_id if usable else None)
+    boundary.bind_request(headers)
     started = time.perf_counter()
     info = RequestInfo(jsonrpc_id=message["id"], rpc_method=message["method"])
-    if info.rpc_method == "tools/call" and lane.policy.config.logging.level in _VERBOSE_LEVELS:
+    if info.rpc_method == "tools/call" and lane.policy.config.logging.level in boundary.VERBOSE_LEVELS:
         tool = message["params"].get("name") if isinstance(message.get("params"), dict) else None
         info.tool = tool if isinstance(tool, str) else None  # for the log line: the message is not kept that long
+    boundary.trace(info, headers, message)
     del message  # `request` holds it, for as long as the kind's own answer needs it
     status = 500
     reply = None
@@ -93,31 +89,25 @@ async def answer(
     except asyncio.CancelledError:
         status = 499
         raise
-    except Exception as exc:  # the boundary: no client sees a traceback
+    except Exception as exc:  # no client sees a traceback
         if reply is not None and reply.taken:  # answered by another task: the connection may serve another request
             if not isinstance(exc, ConnectionResetError):
                 log.exception("unhandled_error", exc_info=exc)
             return
-        wired = wire_error(exc)
-        if wired is not None and not out.head_sent:
-            if isinstance(exc, UpstreamError):
-                log.warning("upstream_error", reason=exc.reason)
-                lane.metrics.upstream_errors.labels("request").inc()
-            error, status = wired
-            if info.mode == "passthrough":
-                info.mode = "local"
-            lane.metrics.errors.labels(str(error.get("code"))).inc()
-            out.error(info.jsonrpc_id, error, status, keep_alive=keep_alive)
-        elif isinstance(exc, ConnectionResetError) and out.transport is None:
-            status = 499
-        else:
-            log.exception("unhandled_error", exc_info=exc)
+        if out.head_sent:  # mid-answer: the client sees it broken, never a second head
             keep_alive = False
-            if not out.head_sent:  # else mid-answer: the client sees it broken, never a second head
-                status, info.mode = 200, "local"
-                lane.metrics.errors.labels(str(INTERNAL_ERROR)).inc()
-                out.error(info.jsonrpc_id, error_object(INTERNAL_ERROR, "Internal error in the proxy"), 200,
-                          keep_alive=False)  # fmt: skip
+            if isinstance(exc, ConnectionResetError) and out.transport is None:
+                status = 499
+            else:
+                log.exception("unhandled_error", exc_info=exc)
+        else:
+            answered = boundary.failure(exc, info, lane.metrics, client_gone=out.transport is None)
+            if answered is None:
+                status = 499
+            else:
+                error, status, fault = answered
+                keep_alive = keep_alive and not fault
+                out.error(info.jsonrpc_id, error, status, keep_alive=keep_alive)
     finally:
         if reply is None or not reply.taken:
             _account(lane, info, headers, status, started)
@@ -140,19 +130,17 @@ def _taken_body(request: LaneRequest) -> bytes:
 
 
 def _account(lane: Lane, info: RequestInfo, headers: CIMultiDict[str], status: int, started: float) -> None:
-    """The request's metrics and log line, once it is answered."""
-    elapsed_s = time.perf_counter() - started
-    lane.metrics.observe_request(method_label(info.rpc_method), info.mode, status, elapsed_s)
-    if lane.policy.config.logging.level in _VERBOSE_LEVELS:
-        log_request_handled(
-            info,
-            principal=lane.identity.logged_principal(headers),
-            http_method="POST",
-            path=MCP_PATH,
-            status=status,
-            client_closed=status == 499,
-            elapsed_s=elapsed_s,
-        )
+    boundary.done(
+        info,
+        policy=lane.policy,
+        metrics=lane.metrics,
+        identity=lane.identity,
+        headers=headers,
+        http_method="POST",
+        path=MCP_PATH,
+        status=status,
+        started=started,
+    )
 
 
 async def _owned(lane: Lane, out: LaneWriter, request: LaneRequest, info: RequestInfo, *, keep_alive: bool) -> int:

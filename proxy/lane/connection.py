@@ -261,7 +261,6 @@ class LaneConnection(asyncio.Protocol):
             self._fields,
             max_body_bytes=config.limits.max_body_bytes,
             rule_for=config.rule_for,
-            lane_open=lane.open,
             short_ascii=len(raw) <= MAX_FIELD_BYTES and raw.isascii(),
         )
         if head.kind is None and not head.whole:

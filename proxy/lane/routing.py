@@ -15,7 +15,9 @@ from ..config import TaskMode, ToolRule
 from ..context import MCP_PATH
 from ..dispatch import answered_here, check_reencodable, relayed_unowned, upstream_body
 from ..envelope import TASK_METHODS, check_modern_request, check_routing_headers, decode_header_value
+from ..front import boundary
 from ..jsonrpc import JsonRpcError, loads
+from ..session_routing import may_name_a_parked_call
 from .answers import LaneRequest
 
 if TYPE_CHECKING:
@@ -65,7 +67,6 @@ class Head:
         *,
         max_body_bytes: int,
         rule_for: Callable[[str], ToolRule | None],
-        lane_open: bool,
         short_ascii: bool = False,
     ) -> None:
         """`short_ascii`: the bytes read of the request so far, its head among them, are ASCII and no longer than
@@ -130,7 +131,7 @@ class Head:
             # aiohttp reads it as it comes, and the connection ends after it (proxy/app.py _end_after_chunked).
             self.whole = False
             return
-        if not (lane_open and plain and method == b"POST" and (lengths == 1 or self.chunked) and mcp_method):
+        if not (plain and method == b"POST" and (lengths == 1 or self.chunked) and mcp_method):
             return
         if url.partition(b"?")[0] != _MCP_PATH or (not self.chunked and int(length) <= 0):  # type: ignore[arg-type]
             return
@@ -174,9 +175,11 @@ def lane_request(
             for name, value in fields
         ]
     )
-    if not lane.guard.host_allowed(headers.get("Host")) or not lane.guard.origin_allowed(headers.get("Origin")):
-        return None
+    if boundary.refused_by_guard(lane.guard, headers) is not None:
+        return None  # aiohttp's path answers the refusal, from the same check
     body = b"".join(body_parts)
+    if lane.routes_sessions and ("Mcp-Session-Id" in headers or may_name_a_parked_call(body)):
+        return None  # aiohttp's path routes it to the replica that holds it
     try:
         message = loads(body)
     except ValueError:

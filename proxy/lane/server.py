@@ -11,7 +11,6 @@ from typing import Protocol
 
 from aiohttp import web
 
-from .. import tracing
 from ..context import (
     bridge_key,
     gateway_key,
@@ -72,6 +71,9 @@ class Lane:
         self.runner = app[runner_key]
         self.precedence = self.runner.precedence
         self.tasks2026 = app[tasks2026_key]
+        self.routes_sessions = app[policy_key].config.listen.advertise_url is not None
+        """Replicas route 2025 sessions and parked calls (proxy/session_routing.py): requests that may name either
+        are aiohttp's, which routes them."""
         self.loop = asyncio.get_running_loop()
         self._date = ("", 0)
         self._sweep: asyncio.TimerHandle | None = None
@@ -91,12 +93,6 @@ class Lane:
         if self._sweep is None:
             self._sweep = self.loop.call_later(_SWEEP_S, self._expire)
         return self._connection(self)
-
-    @property
-    def open(self) -> bool:
-        """Whether the lane serves any request itself: not with tracing (aiohttp's path makes the spans) nor with
-        replicas routing sessions (`listen.advertise_url`, aiohttp's path routes them)."""
-        return not tracing.TRACER.enabled and self.policy.config.listen.advertise_url is None
 
     def route(self) -> str | None:
         """How a request the proxy does not own may be relayed here now: "modern" (to a 2026 HTTP upstream, as

@@ -1,0 +1,1 @@
+"""The front door: what every client request goes through, whichever reader took it off the connection."""

@@ -1,0 +1,109 @@
+"""What every request gets, whichever reader took it (the lane, proxy/lane/, or aiohttp's server, proxy/app.py):
+a usable request id on its log lines, the Host/Origin guard, its span, its failures as JSON-RPC errors, and its
+metrics and log line once it is answered. Written once, so that a check added here applies to every request."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import structlog
+from multidict import MultiMapping
+
+from .. import tracing
+from ..context import RequestInfo, log_request_handled, wire_error
+from ..jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, UpstreamError, error_object
+from ..log import bind_request_id
+from ..metrics import Metrics, method_label
+from ..policy import LivePolicy
+from ..security import HostGuard, Identity
+
+log = structlog.get_logger(__name__)
+
+VERBOSE_LEVELS = frozenset({"debug", "info"})
+_INTERNAL = error_object(INTERNAL_ERROR, "Internal error in the proxy")
+_MAX_REQUEST_ID = 128
+
+
+def bind_request(headers: MultiMapping[str] | None) -> None:
+    """The client's X-Request-Id on every log line of this request, when it is short, printable ASCII."""
+    value = headers.get("X-Request-Id") if headers is not None else None
+    usable = value is not None and 0 < len(value) <= _MAX_REQUEST_ID and value.isascii() and value.isprintable()
+    bind_request_id(value if usable else None)
+
+
+def refused_by_guard(guard: HostGuard, headers: MultiMapping[str]) -> tuple[dict[str, Any], int] | None:
+    """A Host or Origin the policy does not allow (DNS rebinding): the error and status, before anything else runs."""
+    if not guard.host_allowed(headers.get("Host")):
+        return error_object(INVALID_REQUEST, "Invalid Host header (security.allowed_hosts)"), 421
+    if not guard.origin_allowed(headers.get("Origin")):
+        return error_object(INVALID_REQUEST, "Origin not allowed (security.allowed_origins)"), 403
+    return None
+
+
+def trace(info: RequestInfo, headers: MultiMapping[str], message: dict[str, Any]) -> None:
+    """Open the request's span, once its JSON-RPC request is parsed (tracing on; else one attribute check)."""
+    if not tracing.TRACER.enabled:
+        return
+    method = message["method"]
+    params = message.get("params")
+    tool = params.get("name") if method == "tools/call" and isinstance(params, dict) else None
+    info.trace = tracing.TRACER.begin_request(headers, message, method, tool if isinstance(tool, str) else None)
+
+
+def refusal(error: dict[str, Any], status: int, info: RequestInfo, metrics: Metrics) -> tuple[dict[str, Any], int]:
+    """An error the proxy answers itself, counted; a 2025-era client's on HTTP 200 (its SDKs end the whole session
+    on a 4xx or 5xx to a request of theirs)."""
+    metrics.errors.labels(str(error.get("code"))).inc()
+    if info.mode == "passthrough":
+        info.mode = "local"
+    return error, 200 if info.answers_2025 else status
+
+
+def failure(
+    exc: Exception, info: RequestInfo, metrics: Metrics, *, client_gone: bool
+) -> tuple[dict[str, Any], int, bool] | None:
+    """How a request whose handling raised `exc` is answered: its JSON-RPC error, HTTP status, and whether it was a
+    fault of the proxy's own (logged with its traceback; the client sees only "Internal error"). None when the
+    client has gone and nobody is left to answer (the caller counts 499)."""
+    if isinstance(exc, UpstreamError):
+        log.warning("upstream_error", reason=exc.reason)
+        metrics.upstream_errors.labels("request").inc()
+    wired = wire_error(exc)
+    if wired is not None:
+        return (*refusal(*wired, info, metrics), False)
+    if isinstance(exc, ConnectionResetError) and client_gone:
+        return None  # a write to a client that has gone away: not a fault
+    log.exception("unhandled_error", exc_info=exc)
+    return (*refusal(_INTERNAL, 200, info, metrics), True)
+
+
+def done(
+    info: RequestInfo,
+    *,
+    policy: LivePolicy,
+    metrics: Metrics,
+    identity: Identity,
+    headers: MultiMapping[str] | None,
+    http_method: str,
+    path: str,
+    status: int,
+    started: float,
+) -> None:
+    """The request is answered (or its client left: 499): its span ends, its metrics and its log line."""
+    if info.trace is not None:
+        tracing.TRACER.end_request(  # type: ignore[union-attr]
+            info.trace, status=status, task_id=info.task_id, task_trace=info.task_trace, mode=info.mode
+        )
+    elapsed_s = time.perf_counter() - started
+    metrics.observe_request(method_label(info.rpc_method), info.mode, status, elapsed_s)
+    if policy.config.logging.level in VERBOSE_LEVELS:  # spare the work when not logged
+        log_request_handled(
+            info,
+            principal=identity.logged_principal(headers) if headers is not None else None,
+            http_method=http_method,
+            path=path,
+            status=status,
+            client_closed=status == 499,
+            elapsed_s=elapsed_s,
+        )
