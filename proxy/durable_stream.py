@@ -17,10 +17,11 @@ from typing import Any
 
 from aiohttp import web
 
-from .jsonrpc import INTERNAL_ERROR, dumps, error_object
+from .jsonrpc import INTERNAL_ERROR, error_object
 from .store.base import StoreUnavailable, TaskStore
 from .tasks.model import TaskRecord, TaskStatus
 from .tasks.runner import TaskRunner
+from .upstream.http.sse import KEEP_ALIVE, event_bytes, message_event
 from .upstream.routing import RELATED_TASK
 
 RESUMABLE_VERSIONS = frozenset({"2025-11-25"})
@@ -107,15 +108,14 @@ class DurableStream:
             if after is None:
                 position = _Position(revision(record), 0)
                 if resumable:  # the priming event: an id to resume from before anything else is said
-                    await response.write(
-                        f"id: {event_id(record.task_id, position.revision, 0)}\nretry: {RETRY_MS}\ndata:\n\n".encode()
-                    )
+                    primer = event_id(record.task_id, position.revision, 0)
+                    await response.write(event_bytes(b"", event=None, event_id=primer, retry_ms=RETRY_MS))
                 position.revision -= 1  # the record's state itself is still to be sent
             else:
                 position = _Position(*after)
                 # A priming event again, on the id resumed from: clients resume only streams that began with one.
-                primer = f"id: {event_id(record.task_id, position.revision, position.n)}\nretry: {RETRY_MS}\ndata:\n\n"
-                await response.write(primer.encode())
+                primer = event_id(record.task_id, position.revision, position.n)
+                await response.write(event_bytes(b"", event=None, event_id=primer, retry_ms=RETRY_MS))
             deadline = time.monotonic() + self._max_stream_s if resumable else None
             await self._follow(response, record, position, queue, deadline, stream)
             await response.write_eof()
@@ -137,7 +137,7 @@ class DurableStream:
         while True:
             if record is None or record.principal != principal:
                 error = error_object(INTERNAL_ERROR, "The call's result has expired (its task's TTL ended)")
-                await response.write(sse_event(None, {"jsonrpc": "2.0", "id": stream.get("id"), "error": error}))
+                await response.write(message_event({"jsonrpc": "2.0", "id": stream.get("id"), "error": error}))
                 return
             news = revision(record) > position.revision or record.status is TaskStatus.INPUT_REQUIRED
             if news and await self._send_state(response, record, stream, position):
@@ -171,7 +171,7 @@ class DurableStream:
             # A 2026 client is asked by the call's answer: its retry, with this state, brings the answers.
             requests = record.input_requests or {}
             result = {"resultType": "input_required", "inputRequests": requests, "requestState": stream["mrtr"]}
-            await response.write(sse_event(None, {"jsonrpc": "2.0", "id": stream.get("id"), "result": result}))
+            await response.write(message_event({"jsonrpc": "2.0", "id": stream.get("id"), "result": result}))
             return True
         if record.status is TaskStatus.INPUT_REQUIRED:
             for key, question in (record.input_requests or {}).items():
@@ -183,9 +183,9 @@ class DurableStream:
                 if stream.get("related"):  # SEP-1686: a task's requests say which task they are for
                     params = message.setdefault("params", {})
                     params["_meta"] = {**(params.get("_meta") or {}), **related_task_meta(record.task_id)}
-                await response.write(sse_event(self._id(stream, record, n), message))
+                await response.write(message_event(message, event_id=self._id(stream, record, n)))
         elif record.is_terminal:
-            await response.write(sse_event(self._id(stream, record, 1), _final(record, stream)))
+            await response.write(message_event(_final(record, stream), event_id=self._id(stream, record, 1)))
             return True
         elif record.status_message and "token" in stream:
             await self._progress(response, record, stream, position)
@@ -201,7 +201,7 @@ class DurableStream:
         if "token" in stream:
             await self._progress(response, record, stream, position)
         else:
-            await response.write(b": keep-alive\n\n")
+            await response.write(KEEP_ALIVE)
 
     async def _progress(
         self, response: web.StreamResponse, record: TaskRecord, stream: dict[str, Any], position: _Position
@@ -212,7 +212,7 @@ class DurableStream:
         params: dict[str, Any] = {"progressToken": stream["token"], "progress": position.progress}
         if record.status_message:
             params["message"] = record.status_message
-        await response.write(sse_event(None, {"jsonrpc": "2.0", "method": "notifications/progress", "params": params}))
+        await response.write(message_event({"jsonrpc": "2.0", "method": "notifications/progress", "params": params}))
 
 
 def _question(question: Any) -> dict[str, Any]:
@@ -238,11 +238,6 @@ def _final(record: TaskRecord, stream: dict[str, Any]) -> dict[str, Any]:
         "id": stream.get("id"),
         "error": error_object(INTERNAL_ERROR, f"Request cancelled: {reason}"),
     }
-
-
-def sse_event(event_id: str | None, message: dict[str, Any]) -> bytes:
-    head = f"id: {event_id}\n".encode() if event_id is not None else b""
-    return head + b"event: message\ndata: " + dumps(message) + b"\n\n"
 
 
 def parse_answer_id(value: Any) -> tuple[str, str] | None:

@@ -21,7 +21,7 @@ from aiohttp import web
 
 from . import idempotency
 from .config import ToolRule
-from .durable_stream import STREAM_HEADERS, DurableStream, sse_event
+from .durable_stream import STREAM_HEADERS, DurableStream
 from .envelope import params_of, progress_token
 from .jsonrpc import (
     ERROR_HTTP_STATUS,
@@ -39,6 +39,7 @@ from .tasks.job import DirectOutcome, ToolCall
 from .tasks.model import TaskRecord, is_task_id
 from .tasks.runner import TaskRunner
 from .upstream.events import Progress
+from .upstream.http.sse import KEEP_ALIVE, message_event
 
 log = structlog.get_logger(__name__)
 
@@ -134,7 +135,7 @@ class KeptAliveCalls:
                     response = web.StreamResponse(headers=STREAM_HEADERS)
                     await response.prepare(request)
                 if token is None:
-                    await response.write(b": keep-alive\n\n")
+                    await response.write(KEEP_ALIVE)
                     continue
                 event = next_progress.result() if next_progress in done else None
                 next_progress.cancel()
@@ -148,7 +149,7 @@ class KeptAliveCalls:
                 if event is not None and event.message:
                     params["message"] = event.message
                 notification = {"jsonrpc": "2.0", "method": "notifications/progress", "params": params}
-                await response.write(sse_event(None, notification))
+                await response.write(message_event(notification))
         except asyncio.CancelledError:
             outcome_of.cancel()  # the client closed its request: inside the window, that cancels the call
             raise
@@ -169,7 +170,7 @@ class KeptAliveCalls:
                 "id": request_id,
                 "error": error_object(INTERNAL_ERROR, f"Cannot run the call: {reason}"),
             }
-        await response.write(sse_event(None, answer))
+        await response.write(message_event(answer))
         await response.write_eof()
         return response
 

@@ -15,10 +15,11 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from .jsonrpc import INVALID_PARAMS, JsonRpcError, dumps
+from .jsonrpc import INVALID_PARAMS, JsonRpcError
 from .store.base import StoreUnavailable, TaskStore
 from .tasks.model import TaskRecord, is_task_id
 from .tasks.runner import TaskRunner
+from .upstream.http.sse import KEEP_ALIVE, message_event
 
 log = structlog.get_logger(__name__)
 
@@ -64,7 +65,7 @@ async def granted_tasks(store: TaskStore, task_ids: list[str], principal: str) -
 
 def _notification(method: str, params: dict[str, Any], subscription_id: Any) -> bytes:
     message = {"jsonrpc": "2.0", "method": method, "params": {**params, "_meta": {SUBSCRIPTION_ID: subscription_id}}}
-    return b"event: message\ndata: " + dumps(message) + b"\n\n"
+    return message_event(message)
 
 
 async def stream(
@@ -106,9 +107,7 @@ async def stream(
                 sent[task_id] = record.last_updated_at
         await _serve(response, queue, store, principal, sent, subscription_id, upstream_events)
         result = {"resultType": "complete", "_meta": {SUBSCRIPTION_ID: subscription_id}}
-        await response.write(
-            b"event: message\ndata: " + dumps({"jsonrpc": "2.0", "id": subscription_id, "result": result}) + b"\n\n"
-        )
+        await response.write(message_event({"jsonrpc": "2.0", "id": subscription_id, "result": result}))
         await response.write_eof()
         return response
     finally:
@@ -157,7 +156,7 @@ async def _serve(
             done, _ = await asyncio.wait(waiting, timeout=KEEPALIVE_S, return_when=asyncio.FIRST_COMPLETED)
             if not done:
                 changed.cancel()
-                await response.write(b": keep-alive\n\n")
+                await response.write(KEEP_ALIVE)
                 for task_id in list(open_tasks):
                     await send_if_changed(task_id)
                 continue
@@ -170,7 +169,7 @@ async def _serve(
                 if upstream_message is None or "method" not in upstream_message:
                     upstream_next = None  # the upstream ended its part of the subscription
                 else:
-                    await response.write(b"event: message\ndata: " + dumps(upstream_message) + b"\n\n")
+                    await response.write(message_event(upstream_message))
                     upstream_next = asyncio.ensure_future(anext(upstream_events, None))  # type: ignore[arg-type]
     finally:
         if upstream_next is not None:

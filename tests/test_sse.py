@@ -212,3 +212,29 @@ def test_a_peers_retry_delay_is_bounded_whatever_its_length(value, expected):
     position = sse.StreamPosition()
     assert list(position.messages(parser, b"retry: " + value + b'\ndata: {"a":1}\n\n')) == [{"a": 1}]
     assert position.retry_ms == expected
+
+
+_FIELD_TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\r\n\x00"), max_size=20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.text(st.characters(blacklist_categories=("Cs",)), max_size=200).map(lambda t: t.replace("\r\n", "\n")),
+    event=st.one_of(st.none(), _FIELD_TEXT.filter(lambda t: t and not t.startswith(" "))),
+    event_id=st.one_of(st.none(), _FIELD_TEXT.filter(lambda t: not t.startswith(" "))),
+    retry_ms=st.one_of(st.none(), st.integers(0, sse.MAX_RETRY_MS)),
+)
+def test_what_the_encoder_writes_the_parser_reads_back(data, event, event_id, retry_ms):
+    """The one encoder of the proxy's events (every stream it writes) against the parser it reads upstreams with:
+    data with line ends of any kind, a name, an id and a delay come back as they went."""
+    encoded = sse.event_bytes(data, event=event, event_id=event_id, retry_ms=retry_ms)
+    (parsed,) = SseParser().feed(encoded)
+    expected = data.replace("\r", "\n")
+    assert parsed.data == expected and parsed.event == (event or "message")
+    assert parsed.id == event_id and parsed.retry_ms == retry_ms
+
+
+def test_a_message_event_is_one_data_line():
+    assert sse.message_event({"jsonrpc": "2.0", "method": "x"}, event_id="7") == (
+        b'event: message\nid: 7\ndata: {"jsonrpc":"2.0","method":"x"}\n\n'
+    )

@@ -13,6 +13,7 @@ from aiohttp.http import SERVER_SOFTWARE
 
 from ..jsonrpc import dumps, error_response
 from ..upstream.http.client import CallResponse
+from ..upstream.http.sse import message_event
 
 _SERVER = f"Server: {SERVER_SOFTWARE}\r\n".encode()
 
@@ -138,7 +139,7 @@ class LaneReply:
             self._streaming = True
             head = writer.own_head(200, "text/event-stream", self._keep_alive, None)
             writer.write(head[:-2] + b"Cache-Control: no-cache\r\n\r\n")
-        data = b"event: message\ndata: " + dumps(message) + b"\n\n"
+        data = message_event(message)
         writer.write(b"%x\r\n%s\r\n" % (len(data), data))
         await writer.drain()
 

@@ -36,6 +36,7 @@ from ..jsonrpc import (
 from ..parking import ParkedCalls
 from ..security import Identity
 from .events import Event, Failed, Finished, InputNeeded, Progress
+from .http.sse import message_event
 from .legacy import LegacyUpstream
 
 log = structlog.get_logger(__name__)
@@ -424,7 +425,7 @@ class StreamReply:
                 headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
             )
             await self._stream.prepare(self._request)
-        await self._stream.write(b"event: message\ndata: " + dumps(message) + b"\n\n")
+        await self._stream.write(message_event(message))
 
     async def finish(self, message: dict[str, Any], status: int = 200) -> web.StreamResponse:
         if self._stream is None:

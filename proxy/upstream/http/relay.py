@@ -21,7 +21,16 @@ from ..events import CredentialsNeeded, NotMcp, UpstreamUnavailable
 from .client import BodyTooLarge, CallError
 from .headers import relayed_request_fields, request_headers, response_headers
 from .modern import Upstream, read_bounded
-from .sse import DEFAULT_MAX_EVENT_BYTES, SseEvent, SseLimitError, SseParser, iter_events, json_message
+from .sse import (
+    DEFAULT_MAX_EVENT_BYTES,
+    SseEvent,
+    SseLimitError,
+    SseParser,
+    event_bytes,
+    iter_events,
+    json_message,
+    message_event,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -178,7 +187,7 @@ def broken_stream_event(request_id: RequestId, upstream_url: str) -> bytes:
         "Upstream failure: the upstream connection broke before the response was sent",
         {"upstream": upstream_url},
     )
-    return b"event: message\ndata: " + dumps(error_response(request_id, error)) + b"\n\n"
+    return message_event(error_response(request_id, error))
 
 
 async def _write_to_client(
@@ -293,11 +302,7 @@ def _rewrite_sse(payload: bytes, request_id: RequestId, rewrite: Callable[[dict[
             message = None
         if message is not None and _rewrite_message(message, request_id, rewrite):
             data = dumps(message).decode()
-        lines = [f"event: {event.event}"] if event.event != "message" else []
-        if event.id is not None:
-            lines.append(f"id: {event.id}")
-        lines.extend(f"data: {line}" for line in data.split("\n"))
-        out.append(("\n".join(lines) + "\n\n").encode())
+        out.append(event_bytes(data, event=event.event, event_id=event.id))
     return b"".join(out)
 
 

@@ -1,4 +1,5 @@
-"""An incremental text/event-stream parser (WHATWG rules) for reading upstream streams event by event.
+"""Server-sent events: the one encoder of every event the proxy writes (`message_event`, `event_bytes`), and an
+incremental text/event-stream parser (WHATWG rules) for reading upstream streams event by event.
 
 Linear in its input whatever the chunking: each chunk is scanned once for line ends, a line split across chunks is
 joined once, and nothing already parsed is copied again; past a few lines, a run of blank and comment lines (which
@@ -16,7 +17,7 @@ import re
 from collections.abc import AsyncIterable, AsyncIterator, Iterator
 from typing import Any
 
-from ...jsonrpc import loads
+from ...jsonrpc import dumps, loads
 from ..events import AnswerTooLarge
 
 DEFAULT_MAX_EVENT_BYTES = 16 * 1024 * 1024
@@ -35,6 +36,37 @@ _BLANK_IN_RUN = re.compile(rb"\n[\r\n]|\r\r")
 """Within a run of whole lines, a blank line is a line end where a line starts: after LF, or after a lone CR (CR
 then LF is one CRLF end)."""
 _BOM = b"\xef\xbb\xbf"
+
+
+KEEP_ALIVE = b": keep-alive\n\n"
+"""A comment: it keeps an idle stream's connections open and dispatches nothing."""
+
+
+def event_bytes(
+    data: str | bytes,
+    *,
+    event: str | None = "message",
+    event_id: str | None = None,
+    retry_ms: int | None = None,
+) -> bytes:
+    """One event: its name (None: the default, unnamed), its id and reconnection delay when it has them, and `data`
+    as one data line per line (a line end inside it would otherwise end the field early)."""
+    raw = data.encode() if isinstance(data, str) else data
+    head = b"event: %s\n" % event.encode() if event is not None else b""
+    if event_id is not None:
+        head += b"id: %s\n" % event_id.encode()
+    if retry_ms is not None:
+        head += b"retry: %d\n" % retry_ms
+    if not raw:
+        return head + b"data:\n\n"
+    if b"\n" in raw or b"\r" in raw:
+        return head + b"".join(b"data: %s\n" % line for line in _LINE_END.split(raw)) + b"\n"
+    return head + b"data: " + raw + b"\n\n"
+
+
+def message_event(message: Any, *, event_id: str | None = None) -> bytes:
+    """A JSON-RPC message as an event (`message`, as MCP's Streamable HTTP names them)."""
+    return event_bytes(dumps(message), event_id=event_id)
 
 
 class SseLimitError(ValueError, AnswerTooLarge):

@@ -33,6 +33,7 @@ from ...jsonrpc import (
 from ...security import Identity, caller_of
 from ..events import UpstreamUnavailable
 from ..http.relay import client_gone_key
+from ..http.sse import KEEP_ALIVE
 from ..routing import CallRoute
 from ..session_table import SessionsFull
 from .exchange import ChildGone, Exchange
@@ -300,7 +301,7 @@ class StdioRelay:
                 try:
                     message = await asyncio.wait_for(queue.get(), _KEEPALIVE_S)
                 except TimeoutError:
-                    await stream.write(b": keep-alive\n\n")
+                    await stream.write(KEEP_ALIVE)
                     continue
                 if message is None:
                     break

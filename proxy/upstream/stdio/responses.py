@@ -18,6 +18,7 @@ from ...envelope import params_of
 from ...jsonrpc import ERROR_HTTP_STATUS, INTERNAL_ERROR, dumps, error_object, error_response
 from ..events import AnswerTooLarge
 from ..http.relay import client_gone_key
+from ..http.sse import message_event
 from ..legacy import declined_answer
 from .exchange import Exchange
 from .pool import StdioPool
@@ -133,7 +134,7 @@ async def listen_messages(exchange: Exchange, limit: int) -> AsyncGenerator[dict
 
 async def write_event(request: web.Request, stream: web.StreamResponse, message: dict[str, Any]) -> bool:
     try:
-        await stream.write(b"event: message\ndata: " + dumps(message) + b"\n\n")
+        await stream.write(message_event(message))
     except ConnectionResetError:
         request[client_gone_key] = True
         return False
