@@ -1,11 +1,12 @@
-"""A small HTTP/1.1 client for the proxy's POSTs to the MCP endpoint: one asyncio protocol per connection.
+"""A small HTTP/1.1 client for the proxy's requests to the MCP endpoint: one asyncio protocol per connection.
 
 Every working task holds one upstream request open, for as long as the tool runs. aiohttp's client costs about
 12 KB per open request (request, response, connection, parser, stream reader, timers); this client costs under
-3 KB and a fraction of the CPU, which is what lets one replica hold ten thousand working tasks. It speaks only what
-a task call needs: one POST to one origin, a JSON or event-stream answer, keep-alive reuse of finished connections,
-and closing the connection to cancel. Pass-through POSTs use it too, reading the body as sent (no decoding) with the
-headers in their original case and order; aiohttp relays everything else (GET streams, DELETE, other paths).
+3 KB and a fraction of the CPU, which is what lets one replica hold ten thousand working tasks. It speaks what the
+MCP endpoint needs: POST, GET (event streams) and DELETE to one URL, a JSON or event-stream answer, keep-alive reuse
+of finished connections, and closing the connection to cancel. Relayed requests use it too, reading the body as sent
+(no decoding) with the headers in their original case and order. It is the only way to the MCP endpoint; aiohttp's
+client relays only requests to the upstream's other paths (OAuth metadata and the like).
 
 The bytes are parsed by httptools (llhttp, the parser of Node.js and uvicorn), which is strict where a proxy must
 be: Content-Length with chunked, a bad chunk size, bare LF or CR line ends, duplicate lengths are all errors; 1xx,
@@ -20,7 +21,7 @@ import asyncio
 import collections
 import ssl
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from urllib.parse import urlsplit
 
 import httptools
@@ -424,7 +425,7 @@ class CallResponse:
 
 
 class CallClient:
-    """POSTs to one URL over pooled keep-alive connections."""
+    """Requests to one URL over pooled keep-alive connections."""
 
     def __init__(
         self,
@@ -446,23 +447,40 @@ class CallClient:
             host_header += f":{parts.port}"
         self._path = parts.path or "/"
         self._host_header = host_header
-        path = self._path + (f"?{parts.query}" if parts.query else "")
-        self._request_line = f"POST {path} HTTP/1.1\r\nHost: {host_header}\r\n".encode()
+        self._request_lines = {
+            method: f"{method} {self._target(parts.query)} HTTP/1.1\r\nHost: {host_header}\r\n".encode()
+            for method in ("POST", "GET", "DELETE")
+        }
         self._connect_timeout_s = connect_timeout_s
         self._idle: collections.deque[_Connection] = collections.deque()
         self._max_idle = max_idle
         self._idle_s = idle_s
 
-    async def post(
+    def post(
         self, headers: Mapping[str, str] | bytes, body: bytes, *, query: str = "", relay: bool = False
+    ) -> Awaitable[CallResponse]:
+        """A POST of `body` (see `request`)."""
+        return self.request("POST", headers, body, query=query, relay=relay)
+
+    async def request(
+        self,
+        method: str,
+        headers: Mapping[str, str] | bytes,
+        body: bytes | None,
+        *,
+        query: str = "",
+        relay: bool = False,
     ) -> CallResponse:
         """Send the request and wait for the response head; the caller reads the body and closes the response.
 
-        `headers` is a mapping, or the header lines already serialized and checked (`relayed_request_fields`).
-        `query` is appended to the URL's path; `relay` keeps the body as sent (no
-        decompression) and the end-to-end headers as received, for passing the response on.
+        `method` is POST, GET or DELETE; `body` None sends none. `headers` is a mapping, or the header lines already
+        serialized and checked (`relayed_request_fields`). `query` replaces the URL's query; `relay` keeps the body
+        as sent (no decompression) and the end-to-end headers as received, for passing the response on.
         """
-        head = [self._request_line if not query else self._request_line_with(query)]
+        line = self._request_lines.get(method)
+        if line is None:
+            raise CallError(f"{method} is not a method this client sends")
+        head = [line if not query else self._request_line_with(method, query)]
         if isinstance(headers, bytes):
             head.append(headers)
         else:
@@ -470,8 +488,11 @@ class CallClient:
                 if "\r" in value or "\n" in value or "\r" in name or "\n" in name or ":" in name:
                     raise CallError(f"header {name!r} cannot be sent")
                 head.append(f"{name}: {value}\r\n".encode("utf-8", "surrogateescape"))
-        head.append(b"Content-Length: %d\r\n\r\n" % len(body))
-        head.append(body)
+        if body is not None:
+            head.append(b"Content-Length: %d\r\n\r\n" % len(body))
+            head.append(body)
+        else:
+            head.append(b"\r\n")
         request = b"".join(head)
         del head, body, headers  # a working task waits here for the whole call: hold nothing it no longer needs
         connection = self._reuse() or await self._connect()
@@ -485,10 +506,13 @@ class CallClient:
             raise
         return response
 
-    def _request_line_with(self, query: str) -> bytes:
+    def _target(self, query: str) -> str:
+        return self._path + (f"?{query}" if query else "")
+
+    def _request_line_with(self, method: str, query: str) -> bytes:
         if any(c in query for c in " \r\n"):
             raise CallError("the query string cannot be sent")
-        return f"POST {self._path}?{query} HTTP/1.1\r\nHost: {self._host_header}\r\n".encode()
+        return f"{method} {self._target(query)} HTTP/1.1\r\nHost: {self._host_header}\r\n".encode()
 
     def _reuse(self) -> _Connection | None:
         now = time.monotonic()

@@ -7,12 +7,12 @@ The era's rules (what to send, how to read it) are legacy.py's; this is only how
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import structlog
 from multidict import CIMultiDict, MultiMapping
 
@@ -21,7 +21,7 @@ from ..events import RETRIED_STATUSES, UpstreamUnavailable, retry_after_s
 from ..routing import CallRoute
 from .client import CallError, CallResponse
 from .headers import session_headers, session_post_fields, stream_headers
-from .modern import Upstream, single_answer
+from .modern import Upstream, finished, single_answer
 from .sse import SseParser, StreamPosition
 from .standalone import open_stream
 
@@ -109,31 +109,30 @@ class HttpReply:
         response = self._response
         position = StreamPosition()
         resumes = 0
-        current: CallResponse | aiohttp.ClientResponse = response
+        current = response
         while True:
             parser = SseParser(max_bytes)
-            chunks = current.iter_chunks() if isinstance(current, CallResponse) else current.content.iter_any()
             try:
-                async for chunk in chunks:
+                async for chunk in current.iter_chunks():
                     for message in position.messages(parser, chunk):
                         resumes = 0
                         yield message
-            except (aiohttp.ClientError, OSError):  # CallError included
+            except CallError:
                 pass
             finally:
-                if isinstance(current, aiohttp.ClientResponse):
-                    current.release()
+                if current is not response:  # (the call's own is closed by its owner, HttpReply.close)
+                    current.close()
             if position.last_event_id is None or resumes >= _MAX_RESUMES:
                 return
             resumes += 1
             await asyncio.sleep(position.retry_ms / 1000)  # at most http.sse.MAX_RETRY_MS
             headers = stream_headers(self._session, self._client_headers, position.last_event_id)
             try:
-                current = await self._link.upstream.request("GET", self._link.url, headers, None)
-            except (ConnectionError, aiohttp.ClientError, OSError):
+                current = await self._link.upstream.request("GET", headers, None)
+            except CallError:
                 return
             if current.status != 200:
-                current.release()
+                current.close()
                 return
             log.info("legacy_stream_resumed", last_event_id=position.last_event_id)
 
@@ -155,13 +154,10 @@ class HttpLegacyLink:
         """POST the proxy's initialize: the answer, the session id the server gave, and the HTTP status."""
         headers = session_headers(bare, client_headers)
         headers.popall("MCP-Protocol-Version", None)
-        try:
-            response = await self.upstream.request("POST", self.url, headers, dumps(message))
-            async with response:
-                answer = await single_answer(response, message["id"])
-                session_id, status = response.headers.get("Mcp-Session-Id"), response.status
-        except aiohttp.ClientError as exc:  # the era's code knows no transport: a broken link is a ConnectionError
-            raise ConnectionError(str(exc) or type(exc).__name__) from exc
+        response = await self.upstream.request("POST", headers, dumps(message))  # CallError: a ConnectionError
+        async with response:
+            answer = await single_answer(response, message["id"])
+            session_id, status = response.headers.get("mcp-session-id"), response.status
         result = answer.get("result") if answer is not None else None
         version = result.get("protocolVersion") if isinstance(result, dict) else None
         if version is not None and _NOT_IN_A_HEADER.search(str(version)):
@@ -172,16 +168,8 @@ class HttpLegacyLink:
         return answer, session_id, status
 
     async def opened(self, legacy: LegacyUpstream, session: LegacySession, client_headers: MultiMapping[str]) -> None:
-        try:
-            notified = await self.upstream.request(
-                "POST",
-                self.url,
-                session_headers(session, client_headers),
-                dumps({"jsonrpc": "2.0", "method": "notifications/initialized"}),
-            )
-        except aiohttp.ClientError as exc:
-            raise ConnectionError(str(exc) or type(exc).__name__) from exc
-        notified.release()
+        initialized = dumps({"jsonrpc": "2.0", "method": "notifications/initialized"})
+        await finished(await self.upstream.request("POST", session_headers(session, client_headers), initialized))
         if session.session_id is not None:
             # Before any call: a server may send a call's request there (server-everything's roots/list).
             await open_stream(legacy, self.upstream, session, client_headers)
@@ -194,11 +182,8 @@ class HttpLegacyLink:
         headers = CIMultiDict({"Mcp-Session-Id": session.session_id, "MCP-Protocol-Version": session.protocol_version})
 
         async def delete() -> None:
-            try:
-                response = await self.upstream.request("DELETE", self.url, headers, None)
-                response.release()
-            except (ConnectionError, aiohttp.ClientError, OSError):
-                pass
+            with contextlib.suppress(CallError):
+                await finished(await self.upstream.request("DELETE", headers, None))
 
         self._spawn(delete())
 
@@ -242,16 +227,14 @@ class HttpLegacyLink:
         message = {"jsonrpc": "2.0", "id": request_id, **answer}
         try:
             async with asyncio.timeout(ASK_TIMEOUT_S):
-                response = await self.upstream.request(
-                    "POST", self.url, session_headers(session, client_headers), dumps(message)
-                )
-        except (ConnectionError, aiohttp.ClientError, OSError, TimeoutError) as exc:
+                response = await self.upstream.request("POST", session_headers(session, client_headers), dumps(message))
+                status = await finished(response)
+        except OSError as exc:  # CallError and TimeoutError included
             # The call's own stream breaks too, and that ends the call with a clear failure.
             log.warning("legacy_answer_not_delivered", reason=str(exc))
             return
-        response.release()
-        if response.status >= 400:
-            log.warning("legacy_answer_refused", status=response.status)
+        if status >= 400:
+            log.warning("legacy_answer_refused", status=status)
 
     async def ask(
         self,
@@ -263,12 +246,10 @@ class HttpLegacyLink:
         """A request of the proxy's own and its one answer, within ASK_TIMEOUT_S. Raises UpstreamUnavailable."""
         try:
             async with asyncio.timeout(ASK_TIMEOUT_S):
-                response = await self.upstream.request(
-                    "POST", self.url, session_headers(session, client_headers), dumps(message)
-                )
+                response = await self.upstream.request("POST", session_headers(session, client_headers), dumps(message))
                 async with response:
                     return response.status, await single_answer(response, message["id"])
-        except (ConnectionError, aiohttp.ClientError, OSError, TimeoutError) as exc:
+        except OSError as exc:  # CallError and TimeoutError included
             raise UpstreamUnavailable(f"{message['method']}: {exc or type(exc).__name__}") from exc
 
     def cancel_later(
@@ -283,11 +264,10 @@ class HttpLegacyLink:
 
         async def send() -> None:
             try:
-                response = await self.upstream.request(
-                    "POST", self.url, session_headers(session, client_headers), dumps(message)
+                await finished(
+                    await self.upstream.request("POST", session_headers(session, client_headers), dumps(message))
                 )
-                response.release()
-            except (ConnectionError, aiohttp.ClientError, OSError) as exc:
+            except CallError as exc:
                 log.warning("upstream_cancel_not_delivered", reason=str(exc))
 
         self._spawn(send())

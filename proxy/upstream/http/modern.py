@@ -41,8 +41,9 @@ log = structlog.get_logger(__name__)
 
 
 class Upstream:
-    """The upstream MCP endpoint: a CallClient makes every POST to it (task calls and pass-through); an aiohttp
-    session carries the rest (GET streams, DELETE, other paths, legacy sessions, the era probe)."""
+    """The upstream MCP endpoint: the lean client (http/client.py) makes every request to it (task calls,
+    pass-through, event streams, 2025 sessions, the era probe); an aiohttp session relays requests to the
+    upstream's other paths."""
 
     def __init__(self, url: str, *, connect_timeout_s: float, tls: ssl.SSLContext | None = None) -> None:
         self.url = url
@@ -89,10 +90,24 @@ class Upstream:
         base = self.url if is_mcp_endpoint else self._origin + path
         return f"{base}?{query_string}" if query_string else base
 
-    async def request(
+    def request(
+        self,
+        method: str,
+        headers: Mapping[str, str] | bytes,
+        body: bytes | None,
+        *,
+        query: str = "",
+        relay: bool = False,
+    ) -> Awaitable[CallResponse]:
+        """One request to the MCP endpoint (POST, GET or DELETE) through the lean client; the caller reads and closes
+        the response. CallError (a ConnectionError) when it cannot be made or breaks."""
+        return self._calls.request(method, headers, body, query=query, relay=relay)
+
+    async def other_path(
         self, method: str, url: str, headers: Mapping[str, str], body: bytes | None
     ) -> aiohttp.ClientResponse:
-        """Send one request as-is; the caller owns (and must release) the response."""
+        """A request to another path of the upstream's (OAuth metadata and the like), sent as-is through aiohttp's
+        client; the caller owns (and must release) the response."""
         try:
             return await self.session.request(method, url, headers=headers, data=body, allow_redirects=False)
         except aiohttp.ClientConnectorError as exc:
@@ -141,7 +156,7 @@ class Upstream:
         try:
             # Bounded: the probe holds the gateway's era lock, which every request waits on until the era is known.
             async with asyncio.timeout(PROBE_TIMEOUT_S):
-                response = await self.request("POST", self.url, headers, dumps(message))
+                response = await self.request("POST", headers, dumps(message))
                 async with response:
                     answer, is_jsonrpc = None, False
                     async with contextlib.aclosing(_messages(response)) as messages:
@@ -152,15 +167,15 @@ class Upstream:
                                 break
         except TimeoutError as exc:
             raise UpstreamUnavailable(f"the upstream did not answer {method} within {PROBE_TIMEOUT_S:g} s") from exc
-        except (ConnectionError, aiohttp.ClientError, OSError) as exc:
+        except OSError as exc:  # CallError included
             raise UpstreamUnavailable(f"upstream unreachable ({exc})") from exc
         return EraAnswer(
             method=method,
             status=response.status,
-            content_type=response.headers.get("Content-Type", "").split(";")[0].strip().lower(),
-            is_empty=response.content_length == 0,
-            location=response.headers.get("Location"),
-            session_id=response.headers.get("Mcp-Session-Id"),
+            content_type=response.content_type,
+            is_empty=response.headers.get("content-length", "").strip() == "0",
+            location=response.headers.get("location"),
+            session_id=response.headers.get("mcp-session-id"),
             answer=answer,
             is_jsonrpc=is_jsonrpc,
         )
@@ -175,9 +190,8 @@ class Upstream:
         headers["MCP-Protocol-Version"] = str(version or LEGACY_VERSION)
         try:
             async with asyncio.timeout(PROBE_TIMEOUT_S):
-                response = await self.request("DELETE", self.url, headers, None)
-                response.release()
-        except (ConnectionError, aiohttp.ClientError, OSError):  # TimeoutError included
+                await finished(await self.request("DELETE", headers, None))
+        except OSError:  # TimeoutError and CallError included
             pass  # the server ends an idle session itself in time
 
     async def call_tool(
@@ -220,9 +234,8 @@ class Upstream:
             "params": {"requestId": request_id, "reason": reason},
         }
         try:
-            response = await self.request("POST", self.url, headers, dumps(message))
-            response.release()
-        except (ConnectionError, aiohttp.ClientError, OSError) as exc:
+            await finished(await self.request("POST", headers, dumps(message)))
+        except OSError as exc:  # CallError included
             log.warning("upstream_cancel_not_delivered", reason=str(exc))
 
     async def _read_call(self, response: CallResponse, request_id: Any, max_bytes: int) -> AsyncIterator[Event]:
@@ -264,15 +277,13 @@ class Upstream:
         yield event
 
 
-async def read_bounded(response: aiohttp.ClientResponse, limit: int) -> bytes:
-    """An aiohttp response's body, read no further than `limit` bytes (BodyTooLarge past it)."""
-    body = bytearray()
-    async for chunk in response.content.iter_any():
-        body += chunk
-        if len(body) > limit:
-            response.close()
-            raise BodyTooLarge(limit)
-    return bytes(body)
+async def finished(response: CallResponse) -> int:
+    """A response whose body nobody needs (a 202 to a notification, a DELETE's answer): read to its end, up to
+    HANDSHAKE_MAX_BYTES, so that its connection is reused; its status."""
+    async with response:
+        with contextlib.suppress(CallError):  # BodyTooLarge included: closed, not pooled
+            await response.read(HANDSHAKE_MAX_BYTES)
+    return response.status
 
 
 def _loads(data: str | bytes) -> Any:
@@ -331,7 +342,7 @@ class EraAnswer:
         return f"HTTP {self.status} {self.content_type}"
 
 
-async def single_answer(response: aiohttp.ClientResponse, request_id: Any) -> dict[str, Any] | None:
+async def single_answer(response: CallResponse, request_id: Any) -> dict[str, Any] | None:
     """The response to `request_id` in a body that is JSON or an event stream, read only until that answer (a server
     may keep the stream open after it); None when it has none, or past HANDSHAKE_MAX_BYTES."""
     async with contextlib.aclosing(_messages(response)) as messages:
@@ -341,18 +352,17 @@ async def single_answer(response: aiohttp.ClientResponse, request_id: Any) -> di
     return None
 
 
-async def _messages(response: aiohttp.ClientResponse) -> AsyncIterator[Any]:
+async def _messages(response: CallResponse) -> AsyncIterator[Any]:
     """Each JSON value of a body that is JSON or an event stream (one per event), as they come; what does not parse
     is skipped. Read no further than HANDSHAKE_MAX_BYTES."""
-    content_type = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
     try:
-        if content_type != "text/event-stream":
-            message = _loads(await read_bounded(response, HANDSHAKE_MAX_BYTES))
+        if response.content_type != "text/event-stream":
+            message = _loads(await response.read(HANDSHAKE_MAX_BYTES))
             if message is not None:
                 yield message
             return
         parser, seen = SseParser(HANDSHAKE_MAX_BYTES), 0
-        async for chunk in response.content.iter_any():
+        async for chunk in response.iter_chunks():
             seen += len(chunk)
             if seen > HANDSHAKE_MAX_BYTES:
                 raise BodyTooLarge(HANDSHAKE_MAX_BYTES)

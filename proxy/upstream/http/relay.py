@@ -18,9 +18,9 @@ from aiohttp import web
 
 from ...jsonrpc import INTERNAL_ERROR, RequestId, UpstreamError, dumps, error_object, error_response, loads
 from ..events import CredentialsNeeded, NotMcp, UpstreamUnavailable
-from .client import BodyTooLarge, CallError
+from .client import BodyTooLarge, CallError, CallResponse
 from .headers import relayed_request_fields, request_headers, response_headers
-from .modern import Upstream, read_bounded
+from .modern import Upstream
 from .sse import (
     DEFAULT_MAX_EVENT_BYTES,
     SseEvent,
@@ -43,16 +43,18 @@ READINESS_WAIT_S = 2.0
 """How long /readyz waits for the era probe; a slower probe goes on, and a later /readyz sees how it ended."""
 
 
-async def open_upstream(
-    upstream: Upstream, request: web.Request, body: bytes | None, *, is_mcp: bool, identity: bool = False
-) -> aiohttp.ClientResponse:
-    url = upstream.target(request.path, request.query_string, is_mcp_endpoint=is_mcp)
+_ENDPOINT_METHODS = frozenset({"POST", "GET", "DELETE"})
+"""What the lean client sends the MCP endpoint; any other method there (OPTIONS, HEAD...) goes as to another path."""
+
+
+async def open_read(upstream: Upstream, request: web.Request, body: bytes) -> CallResponse:
+    """A client's POST to the MCP endpoint whose answer the proxy reads itself (rewrites, or merges into a
+    subscription): asked for uncompressed, and kept as sent."""
     headers = request_headers(request.headers)
-    if identity:
-        headers.popall("Accept-Encoding", None)  # the proxy must read this body, so ask for it uncompressed
+    headers.popall("Accept-Encoding", None)
     try:
-        return await upstream.request(request.method, url, headers, body)
-    except (ConnectionError, aiohttp.ClientError, OSError) as exc:
+        return await upstream.request("POST", headers, body, query=request.rel_url.raw_query_string, relay=True)
+    except (OSError, ValueError) as exc:  # CallError included; ValueError: a header that cannot be sent
         raise UpstreamError(f"upstream unreachable ({exc})", upstream=upstream.url) from exc
 
 
@@ -65,9 +67,13 @@ async def forward(
     request_id: RequestId = None,
 ) -> web.StreamResponse:
     """Send the request on unchanged and relay the answer: status, end-to-end headers and body bytes."""
-    if is_mcp and request.method == "POST" and body is not None:
-        return await _forward_post(upstream, request, body, request_id)
-    response = await open_upstream(upstream, request, body, is_mcp=is_mcp)
+    if is_mcp and request.method in _ENDPOINT_METHODS:
+        return await _forward_to_endpoint(upstream, request, body, request_id)
+    url = upstream.target(request.path, request.query_string, is_mcp_endpoint=is_mcp)
+    try:
+        response = await upstream.other_path(request.method, url, request_headers(request.headers), body)
+    except (ConnectionError, aiohttp.ClientError, OSError) as exc:
+        raise UpstreamError(f"upstream unreachable ({exc})", upstream=upstream.url) from exc
     try:
         content_type = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
         length = response.content_length if _may_have_body(request, response) else 0
@@ -93,13 +99,14 @@ async def forward(
             response.close()
 
 
-async def _forward_post(
-    upstream: Upstream, request: web.Request, body: bytes, request_id: RequestId
+async def _forward_to_endpoint(
+    upstream: Upstream, request: web.Request, body: bytes | None, request_id: RequestId
 ) -> web.StreamResponse:
-    """A POST to the MCP endpoint (most of the traffic) goes through the lean client, its answer relayed as sent."""
+    """A request to the MCP endpoint goes through the lean client, its answer relayed as sent."""
     try:
         fields = relayed_request_fields(request.raw_headers, request.headers)
-        response = await upstream.post(fields, body, query=request.rel_url.raw_query_string, relay=True)
+        query = request.rel_url.raw_query_string
+        response = await upstream.request(request.method, fields, body, query=query, relay=True)
     except (OSError, ValueError) as exc:  # CallError included; ValueError: a header that cannot be sent
         raise UpstreamError(f"upstream unreachable ({exc})", upstream=upstream.url) from exc
     with contextlib.closing(response):  # pooled when read to its end, else closed: the upstream sees a cancel
@@ -251,25 +258,23 @@ async def forward_rewritten(
 ) -> web.Response:
     """Forward a request whose answer the proxy amends (server/discover): the whole answer is read (up to `limit`
     bytes), then rewritten; `on_headers` sees the answer's headers first."""
-    response = await open_upstream(upstream, request, body, is_mcp=True, identity=True)
+    response = await open_read(upstream, request, body)
     if on_headers is not None:
-        on_headers(response.headers)
+        on_headers(response.relayed_headers)
     async with response:
         try:
-            payload = await read_bounded(response, limit)
+            payload = await response.read(limit)
         except BodyTooLarge as exc:
             raise UpstreamError(f"the upstream's answer exceeds {limit} bytes", upstream=upstream.url) from exc
-        except (aiohttp.ClientError, OSError) as exc:
-            raise UpstreamError(
-                f"the upstream connection broke mid-response ({type(exc).__name__})", upstream=upstream.url
-            ) from exc
-        content_type = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
+        except CallError as exc:
+            raise UpstreamError(f"the upstream connection broke mid-response ({exc})", upstream=upstream.url) from exc
+        content_type = response.content_type
         if content_type == "application/json":
             payload = _rewrite_json(payload, request_id, rewrite)
         elif content_type == "text/event-stream":
             payload = _rewrite_sse(payload, request_id, rewrite)
         return web.Response(
-            status=response.status, reason=response.reason, headers=response_headers(response.headers), body=payload
+            status=response.status, reason=response.reason or None, headers=response.relayed_headers, body=payload
         )
 
 
@@ -345,9 +350,7 @@ class HttpRelay:
     async def relay(
         self, request: web.Request, body: bytes, message: Any, *, request_id: RequestId = None
     ) -> web.StreamResponse:
-        if request.method == "POST":
-            return await _forward_post(self.upstream, request, body, request_id)  # the hot path: one frame fewer
-        return await forward(self.upstream, request, body, is_mcp=True, request_id=request_id)
+        return await _forward_to_endpoint(self.upstream, request, body, request_id)
 
     async def relay_rewritten(
         self,
@@ -370,20 +373,20 @@ class HttpRelay:
         self, request: web.Request, body: bytes, *, limit: int
     ) -> AsyncGenerator[dict[str, Any], None] | None:
         """The server's part of a subscriptions/listen, when it grants one: its messages, closed with the stream."""
-        response = await open_upstream(self.upstream, request, body, is_mcp=True, identity=True)
-        if response.status != 200 or not response.headers.get("Content-Type", "").startswith("text/event-stream"):
+        response = await open_read(self.upstream, request, body)
+        if response.status != 200 or response.content_type != "text/event-stream":
             response.close()  # the upstream offers no subscription: only the task part is granted
             return None
         return _listen_messages(response, limit=limit)
 
 
-async def _listen_messages(response: aiohttp.ClientResponse, *, limit: int) -> AsyncIterator[dict[str, Any]]:
+async def _listen_messages(response: CallResponse, *, limit: int) -> AsyncIterator[dict[str, Any]]:
     try:
-        async for event in iter_events(response.content.iter_any(), limit):
+        async for event in iter_events(response.iter_chunks(), limit):
             message = json_message(event)
             if message is not None:
                 yield message
-    except (aiohttp.ClientError, OSError, SseLimitError) as exc:
+    except (OSError, SseLimitError) as exc:  # CallError included
         log.info("upstream_subscription_ended", reason=str(exc) or type(exc).__name__)
     finally:
         response.close()

@@ -13,7 +13,6 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import structlog
 from multidict import MultiMapping
 
@@ -66,39 +65,39 @@ async def _read(
             headers = stream_headers(session, client_headers, position.last_event_id)
             try:
                 async with asyncio.timeout(_HEADERS_WAIT_S):  # a server that never answers the GET is a failure
-                    response = await upstream.request("GET", upstream.url, headers, None)
-            except (ConnectionError, aiohttp.ClientError, OSError, TimeoutError):
+                    response = await upstream.request("GET", headers, None)
+            except OSError:  # CallError and TimeoutError included
                 ready.set()  # no stream to wait for: the session goes on without one for now
                 failures += 1
                 await asyncio.sleep(_backoff_s(position.retry_ms, failures))
                 continue
-            content_type = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
+            content_type = response.content_type
             if response.status >= 500 or response.status == 429:
                 ready.set()
-                response.release()  # a passing fault (a gateway's 502, a restart): ask again later
+                response.close()  # a passing fault (a gateway's 502, a restart): ask again later
                 failures += 1
                 await asyncio.sleep(_backoff_s(position.retry_ms, failures))
                 continue
             if response.status != 200 or content_type != "text/event-stream":
                 # 405: the server offers no standalone stream (allowed); 404: the session is gone, and with it this.
-                response.release()
+                response.close()
                 log.info("legacy_standalone_stream_unavailable", status=response.status)
                 return
             ready.set()
             opened_s = time.monotonic()
             parser = SseParser(_MAX_EVENT_BYTES)
             try:
-                async for chunk in response.content.iter_any():
+                async for chunk in response.iter_chunks():
                     for message in position.messages(parser, chunk):
                         await _on_message(legacy, session, client_headers, message)
-            except (aiohttp.ClientError, OSError, SseLimitError) as exc:
+            except (OSError, SseLimitError) as exc:  # CallError included
                 log.info("legacy_standalone_stream_broken", reason=str(exc) or type(exc).__name__)
             except Exception:
                 # A fault of the proxy's own on a hostile stream must not end the reader silently.
                 log.exception("legacy_standalone_stream_error")
                 failures += 1
             finally:
-                response.release()
+                response.close()
             # A stream that lived a while was closed on purpose (an idle timeout of a load balancer): open it again.
             failures = 0 if time.monotonic() - opened_s >= _HEALTHY_STREAM_S else failures + 1
             await asyncio.sleep(_backoff_s(position.retry_ms, failures))
