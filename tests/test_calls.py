@@ -374,3 +374,48 @@ async def test_bytes_after_the_end_of_a_compressed_body_are_an_error_not_a_build
     with pytest.raises(CallError, match="bytes after the end of the compressed body"):
         async with await client.post({}, b"x") as response:
             await response.read(limit=1024 * 1024)
+
+
+_ANSWERS = {
+    "length": b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(JSON), JSON),
+    "chunked-trailers": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b"2\r\n{}\r\n3\r\n[1]\r\n0\r\nX-T: 1\r\n\r\n",
+    "gzip": b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n\r\n%s"
+    % (len(gzip.compress(JSON)), gzip.compress(JSON)),
+    "stream-until-close": b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"
+    b"event: message\ndata: 1\n\n",
+    "no-content": b"HTTP/1.1 204 No Content\r\nX-Why: done\r\n\r\n",
+    "accepted-empty": b"HTTP/1.1 202 Accepted\r\nContent-Length: 0\r\n\r\n",
+    "not-allowed": b"HTTP/1.1 405 Method Not Allowed\r\nAllow: POST\r\nContent-Length: 3\r\n\r\nno!",
+}
+
+
+@pytest.mark.parametrize("method", ["GET", "POST", "DELETE"])
+@pytest.mark.parametrize("answer", list(_ANSWERS), ids=list(_ANSWERS))
+async def test_the_lean_client_reads_what_aiohttp_s_client_reads(serve, method: str, answer: str) -> None:
+    """The lean client is the only way to the MCP endpoint: for each answer it reads the status, headers and
+    (decoded) body aiohttp's client reads from the same bytes, for each method it sends."""
+    import aiohttp
+
+    raw = _ANSWERS[answer]
+    server = await serve(respond(raw, close=b"Connection: close" in raw))
+    body = None if method != "POST" else b"{}"
+    client = CallClient(server.url, connect_timeout_s=2)
+    async with await client.request(method, {"Accept": "application/json, text/event-stream"}, body) as response:
+        lean = (response.status, {k: v for k, v in response.headers.items()}, await response.read())
+    await client.aclose()
+    async with (
+        aiohttp.ClientSession() as session,
+        session.request(method, server.url, data=body, skip_auto_headers=("Content-Type",)) as theirs,
+    ):
+        reference = (theirs.status, {k.lower(): v for k, v in theirs.headers.items()}, await theirs.read())
+    assert lean == reference
+    head = server.requests[0][0]
+    assert head.startswith(b"%s /mcp?x=1 HTTP/1.1\r\n" % method.encode())
+    assert (b"Content-Length:" in head) == (body is not None)
+
+
+async def test_a_method_the_lean_client_does_not_send_is_a_call_error(serve) -> None:
+    client = CallClient("http://127.0.0.1:9/mcp", connect_timeout_s=2)
+    with pytest.raises(CallError, match="PUT is not a method"):
+        await client.request("PUT", {}, b"")
