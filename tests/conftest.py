@@ -457,7 +457,22 @@ class Proxy:
 
 
 @pytest.fixture
-async def make_proxy() -> AsyncIterator[Callable[..., Awaitable[Proxy]]]:
+def front() -> str:
+    """Which reader takes a test proxy's client requests off the connection: the lane (as the command serves every
+    2026 request). A module whose suite must hold through both readers overrides it with `both_fronts`."""
+    return "lane"
+
+
+@pytest.fixture(params=["lane", "aiohttp"])
+def both_fronts(request: pytest.FixtureRequest) -> str:
+    """The lane, then aiohttp's server: one suite run through both readers, which must answer alike (as uvicorn
+    runs one HTTP suite through its httptools and h11 implementations). aiohttp's is reached by posting with
+    `Expect: 100-continue`, which the lane hands to aiohttp with its connection."""
+    return request.param
+
+
+@pytest.fixture
+async def make_proxy(front: str) -> AsyncIterator[Callable[..., Awaitable[Proxy]]]:
     """Build a proxy from config keys (`make_proxy(upstream_url, tools=[...])`), served over real HTTP as the
     command serves it (proxy/serve.py: the pass-through lane first, aiohttp for the rest); an argv list instead of
     a URL is a stdio server the proxy starts (upstream.command)."""
@@ -488,7 +503,7 @@ async def make_proxy() -> AsyncIterator[Callable[..., Awaitable[Proxy]]]:
         session = aiohttp.ClientSession()
         sessions.append(session)
         url = f"http://127.0.0.1:{sock.getsockname()[1]}/mcp"
-        return Proxy(app=app, url=url, client=McpClient(session, url), lane=lane)
+        return Proxy(app=app, url=url, client=McpClient(session, url, front=front), lane=lane)
 
     yield build
     for session in sessions:

@@ -87,12 +87,15 @@ def parse_body(content_type: str, body: bytes) -> tuple[Any, list[Any]]:
 class McpClient:
     """Posts 2026-07-28 requests to one MCP endpoint over real HTTP."""
 
-    def __init__(self, session: aiohttp.ClientSession, url: str) -> None:
+    def __init__(self, session: aiohttp.ClientSession, url: str, *, front: str = "lane") -> None:
         self.session = session
         self.url = url
+        self.expect100 = front == "aiohttp"
+        """Posts that expect 100-continue, which the lane hands to aiohttp with their connection: every request of
+        this client is then read by aiohttp's server (tests/conftest.py `front`)."""
 
     async def post_raw(self, body: bytes | str, headers: dict[str, str] | None = None) -> Reply:
-        async with self.session.post(self.url, data=body, headers=headers or {}) as response:
+        async with self.session.post(self.url, data=body, headers=headers or {}, expect100=self.expect100) as response:
             raw = await response.read()
             message, events = parse_body(response.headers.get("Content-Type", ""), raw)
             return Reply(response.status, response.headers, raw, message, events)

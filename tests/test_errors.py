@@ -15,6 +15,13 @@ from tests.conftest import free_port, task_reaches
 from tests.factories import headers_for, meta, request
 from tests.schemas import validate, validate_error
 
+
+@pytest.fixture
+def front(both_fronts: str) -> str:
+    """Every test here runs through both readers, the lane and aiohttp's server (tests/conftest.py)."""
+    return both_fronts
+
+
 MODERN = {
     "Content-Type": "application/json",
     "Accept": "application/json, text/event-stream",
@@ -456,3 +463,15 @@ async def test_a_relayed_answer_to_another_request_id_is_refused_as_an_upstream_
     assert reply.status == 502 and reply.message["id"] == message["id"], reply.message
     assert reply.error["code"] == -32603 and "different request id" in reply.error["message"]
     assert b"not yours" not in reply.body
+
+
+async def test_the_suite_reaches_the_reader_it_names(proxy, front):
+    """The check that this module's `front` runs what it says: the lane relays the call, or aiohttp reads it."""
+    from tests.test_lane import lane_counts
+
+    assert (await proxy.client.call_tool("add", {"a": 1, "b": 2}, tasks=False)).result["structuredContent"]
+    counts = lane_counts(proxy)
+    if front == "lane":
+        assert counts["relayed"] == 1 and counts["handed_over"] == 0, counts
+    else:
+        assert counts["relayed"] == 0 and counts["served"] == 0 and counts["handed_over"] == 1, counts

@@ -17,6 +17,13 @@ from mcp_tasks_proxy.store.redis_store import RedisTaskStore
 from tests.conftest import eventually, task_reaches
 from tests.factories import McpClient
 
+
+@pytest.fixture
+def front(both_fronts: str) -> str:
+    """Every test here runs through both readers, the lane and aiohttp's server (tests/conftest.py)."""
+    return both_fronts
+
+
 ALICE = {"Authorization": "Bearer alice-secret-token"}
 BOB = {"Authorization": "Bearer bob-secret-token"}
 

@@ -12,6 +12,13 @@ from tests.conftest import eventually, task_reaches
 from tests.factories import TASKS, meta
 from tests.schemas import validate, validate_error, validate_response
 
+
+@pytest.fixture
+def front(both_fronts: str) -> str:
+    """Every test here runs through both readers, the lane and aiohttp's server (tests/conftest.py)."""
+    return both_fronts
+
+
 TASK_RULES = [
     {"match": "slow_*", "task": "optional"},
     {"match": "gated", "task": "optional"},
