@@ -14,7 +14,7 @@ from aiohttp import web
 from multidict import MultiMapping
 
 from . import TASKS_EXTENSION, idempotency, listen, tasks2025
-from .config import TaskMode, ToolRule
+from .config import ProxyConfig, TaskMode, ToolRule
 from .context import (
     MCP_PATH,
     RequestInfo,
@@ -149,6 +149,20 @@ def relayed_unowned(message: Any, headers: MultiMapping[str], rule_for: Callable
     name = params_of(message).get("name")
     rule = rule_for(name) if isinstance(name, str) else None
     return rule is None or rule.task is TaskMode.NEVER
+
+
+def relayed_as_is(message: Any, headers: MultiMapping[str], config: ProxyConfig) -> bool:
+    """Whether handle_mcp_post relays this message untouched (when its routing headers agree with it): a 2025-era
+    request, not a notification, response or batch (a durable call's answers and cancellations are the proxy's),
+    other than server/discover, and no method SEP-1686 may make the proxy's while the policy runs a tool as a
+    task. proxy/lane relays exactly these without aiohttp; tests/test_lane.py holds the two paths to the same
+    answers."""
+    if classify(message) != "request" or is_modern(message, headers):
+        return False
+    method = message["method"]
+    if method == "server/discover":
+        return False
+    return method not in _SEP1686_METHODS or all(rule.task is TaskMode.NEVER for rule in config.tools)
 
 
 def upstream_body(message: dict[str, Any], body: bytes) -> bytes:

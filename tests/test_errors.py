@@ -465,10 +465,11 @@ async def test_a_relayed_answer_to_another_request_id_is_refused_as_an_upstream_
     assert b"not yours" not in reply.body
 
 
-async def test_the_suite_reaches_the_reader_it_names(proxy, front):
+async def test_the_suite_reaches_the_reader_it_names(make_proxy, mcp_upstream, front):
     """The check that this module's `front` runs what it says: the lane relays the call, or aiohttp reads it."""
     from tests.test_lane import lane_counts
 
+    proxy = await make_proxy(mcp_upstream, protocol="modern")  # the era known from the start: the lane relays
     assert (await proxy.client.call_tool("add", {"a": 1, "b": 2}, tasks=False)).result["structuredContent"]
     counts = lane_counts(proxy)
     if front == "lane":

@@ -26,7 +26,7 @@ from mcp_tasks_proxy.config import parse_config
 from mcp_tasks_proxy.context import metrics_key
 from mcp_tasks_proxy.lane.writer import LaneWriter
 from tests.conftest import eventually, task_reaches
-from tests.factories import headers_for, meta, request
+from tests.factories import headers_for, meta, parse_body, request
 
 
 def lane_counts(proxy: Any) -> dict[str, float]:
@@ -1100,3 +1100,37 @@ async def test_with_replicas_routing_sessions_the_lane_serves_what_names_no_sess
     await proxy.client.send(parked)
     await proxy.client.call_tool("add", {"a": 1, "b": 2}, tasks=False, headers={"Mcp-Session-Id": "s"})
     assert lane_counts(proxy)["visited"] == 2
+
+
+async def test_a_2025_client_s_requests_the_proxy_does_not_own_are_relayed_on_the_lane(
+    make_proxy, mcp_upstream, legacy_upstream
+):
+    """A 2025-era client's requests (no 2026 routing header) go to an HTTP upstream of either era as they are,
+    read and relayed by the lane, with the answer aiohttp's path gives; what the proxy may own (SEP-1686 while a
+    rule runs a tool as a task, server/discover, notifications and responses) is still aiohttp's."""
+    headers_2025 = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+    for upstream, protocol in ((mcp_upstream, "modern"), (legacy_upstream, "legacy")):
+        proxy = await make_proxy(upstream, protocol=protocol)
+        initialize = request("initialize", {"protocolVersion": "2025-11-25", "capabilities": {},
+                                            "clientInfo": {"name": "t", "version": "0"}})  # fmt: skip
+        first = await proxy.client.post_raw(json.dumps(initialize), headers_2025)
+        assert first.status == 200 and first.message["result"]["protocolVersion"], first.message
+        session = {**headers_2025, "MCP-Protocol-Version": first.message["result"]["protocolVersion"]}
+        if "Mcp-Session-Id" in first.headers:
+            session["Mcp-Session-Id"] = first.headers["Mcp-Session-Id"]
+        listed = request("tools/list", {})
+        on_lane = await proxy.client.post_raw(json.dumps(listed), session)
+        assert on_lane.status == 200 and on_lane.message["result"]["tools"], on_lane.message
+        assert lane_counts(proxy) == {"relayed": 2, "served": 0, "visited": 0, "handed_over": 0}
+        # aiohttp's path (a request that expects 100-continue is handed to it) answers the same.
+        async with proxy.client.session.post(proxy.url, **aiohttp_path(json.dumps(listed).encode()),
+                                             headers={**session, "Connection": "close"}) as response:  # fmt: skip
+            theirs, _ = parse_body(response.headers.get("Content-Type", ""), await response.read())
+            assert response.status == on_lane.status and theirs == on_lane.message
+    # While a rule runs a tool as a task, what SEP-1686 may make the proxy's is aiohttp's to answer.
+    proxy = await make_proxy(mcp_upstream, protocol="modern", tools=[{"match": "slow_report"}])
+    initialize = request("initialize", {"protocolVersion": "2025-11-25", "capabilities": {},
+                                        "clientInfo": {"name": "t", "version": "0"}})  # fmt: skip
+    first = await proxy.client.post_raw(json.dumps(initialize), headers_2025)
+    assert first.status == 200 and first.message["result"]["capabilities"]["tasks"], first.message  # the proxy's
+    assert lane_counts(proxy)["visited"] == 1 and lane_counts(proxy)["relayed"] == 0

@@ -41,7 +41,8 @@ class LaneRequest:
     """A whole request the lane serves itself, checked (proxy/lane/connection.py)."""
 
     kind: str
-    """"modern" (relayed as received), "legacy" (bridged) or "owned" (the proxy's: tasks/*, task creation)."""
+    """"modern" (relayed as received, but for a tasks declaration), "as_is" (a 2025 client's, relayed as
+    received), "legacy" (bridged) or "owned" (the proxy's: tasks/*, task creation)."""
     headers: CIMultiDict[str]
     body: bytes
     message: dict[str, Any] | None

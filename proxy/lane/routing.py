@@ -13,11 +13,12 @@ from multidict import CIMultiDict, istr
 
 from ..config import TaskMode, ToolRule
 from ..context import MCP_PATH
-from ..dispatch import answered_here, check_reencodable, relayed_unowned, upstream_body
+from ..dispatch import answered_here, check_reencodable, relayed_as_is, relayed_unowned, upstream_body
 from ..envelope import TASK_METHODS, check_modern_request, check_routing_headers, decode_header_value
 from ..front import boundary
 from ..jsonrpc import JsonRpcError, loads
 from ..session_routing import may_name_a_parked_call
+from ..upstream.http.relay import HttpRelay
 from .answers import LaneRequest
 
 if TYPE_CHECKING:
@@ -131,11 +132,13 @@ class Head:
             # aiohttp reads it as it comes, and the connection ends after it (proxy/app.py _end_after_chunked).
             self.whole = False
             return
-        if not (plain and method == b"POST" and (lengths == 1 or self.chunked) and mcp_method):
+        if not (plain and method == b"POST" and (lengths == 1 or self.chunked)):
             return
         if url.partition(b"?")[0] != _MCP_PATH or (not self.chunked and int(length) <= 0):  # type: ignore[arg-type]
             return
-        if mcp_method in TASK_METHODS:
+        if mcp_method is None:
+            self.kind = "as_is"  # no 2026 routing header: a 2025-era client's, relayed untouched if the body agrees
+        elif mcp_method in TASK_METHODS:
             self.kind = "owned"
         elif mcp_method.startswith("tasks/") or mcp_method in _NOT_LANES:
             return
@@ -164,7 +167,12 @@ def lane_request(
     when it is aiohttp's."""
     if head.kind is None:
         return None
-    kind = head.kind if head.kind == "owned" else lane.route()
+    if head.kind == "as_is":
+        # An HTTP upstream of either era takes a 2025 client's requests as they are (over stdio the proxy holds
+        # their sessions itself). A replica routing sessions records the ones it makes from aiohttp's answers.
+        kind = "as_is" if isinstance(lane.gateway.relay, HttpRelay) and not lane.routes_sessions else None
+    else:
+        kind = head.kind if head.kind == "owned" else lane.route()
     if kind is None:
         return None
     # llhttp keeps a value's trailing spaces and tabs; aiohttp strips them, and so must the lane, or `Bearer me ` would
@@ -190,6 +198,13 @@ def lane_request(
             return None
         if owned == "create" and message["params"]["name"] != head.tool:
             return None  # aiohttp's path says how the headers disagree
+    elif kind == "as_is":
+        if not relayed_as_is(message, headers, lane.policy.config):
+            return None
+        try:
+            check_routing_headers(message, headers, required=False)
+        except JsonRpcError:
+            return None
     else:
         if not relayed_unowned(message, headers, head.rule_for):
             return None
