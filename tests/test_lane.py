@@ -1134,3 +1134,57 @@ async def test_a_2025_client_s_requests_the_proxy_does_not_own_are_relayed_on_th
     first = await proxy.client.post_raw(json.dumps(initialize), headers_2025)
     assert first.status == 200 and first.message["result"]["capabilities"]["tasks"], first.message  # the proxy's
     assert lane_counts(proxy)["visited"] == 1 and lane_counts(proxy)["relayed"] == 0
+
+
+async def test_a_chunked_request_left_to_aiohttp_keeps_its_method_with_a_request_pipelined_behind_it(
+    make_proxy, fake_upstream
+):
+    """The lane reads a chunked body and re-frames it for aiohttp; a request pipelined behind it in the same read
+    starts a new parse, which must not change what the first one was (a fresh parser's method is DELETE)."""
+    seen: list[str] = []
+
+    async def answer(http: web.Request) -> web.Response:
+        seen.append(http.method)
+        message = json.loads(await http.read()) if http.body_exists else {"id": None}
+        return web.json_response({"jsonrpc": "2.0", "id": message.get("id"), "result": {"tools": []}})
+
+    fake = await fake_upstream(answer)
+    # A task rule: a 2025 client's tools/list may be SEP-1686's, so the lane leaves it to aiohttp.
+    proxy = await make_proxy(fake.url, protocol="modern", tools=[{"match": "slow_*"}])
+    listed = request("tools/list", {})
+    a = chunked_post(listed).replace(b"MCP-Protocol-Version: 2026-07-28\r\n", b"MCP-Protocol-Version: 2025-06-18\r\n")
+    a = a.replace(b"Mcp-Method: tools/list\r\n", b"")
+    received = await raw_exchange(port_of(proxy), a + b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    (status, fields, body) = answers(received)[0]
+    assert status == 200 and json.loads(body)["id"] == listed["id"] and seen == ["POST"], (seen, received)
+    assert lane_counts(proxy)["visited"] == 1
+
+
+@pytest.mark.parametrize(
+    "framing",
+    [
+        b"1;" + b"e" * 400_000 + b"\r\nx\r\n0\r\n\r\n",
+        b"2\r\nab\r\n" * 60_000 + b"0\r\n\r\n",
+        b"1\r\nx\r\n0\r\nX-Pad: " + b"p" * 400_000 + b"\r\n\r\n",
+    ],  # fmt: skip
+    ids=["endless-extension", "tiny-chunks", "endless-trailer"],
+)
+async def test_a_chunked_body_s_framing_is_bounded(proxy, framing: bytes) -> None:
+    """What chunk framing adds (sizes, extensions, trailers) is refused past 64 KB, never held: one connection
+    sending an endless extension or trailer, or a body in two-byte chunks, cost the proxy memory without bound."""
+    before = request_counts(proxy)
+    head = http_post(call("add", {"a": 1, "b": 2}), body=b"").replace(
+        b"Content-Length: 0\r\n", b"Transfer-Encoding: chunked\r\n"
+    )
+    received = await raw_exchange(port_of(proxy), head + framing)
+    (status, fields, body) = answers(received)[0]
+    assert status == 400 and b"framing exceeds" in body and fields.get("Connection") == "close"
+    assert counted(before, request_counts(proxy)) == {("none", "local", "400"): 1}  # its log line and metrics
+
+
+async def test_the_lane_s_own_refusals_are_counted_and_logged(make_proxy, mcp_upstream):
+    proxy = await make_proxy(mcp_upstream, protocol="modern", limits={"max_body_bytes": 1024})
+    before = request_counts(proxy)
+    received = await raw_exchange(port_of(proxy), chunked_post(call("echo", {"text": "x" * 2000})))
+    assert answers(received)[0][0] == 413
+    assert counted(before, request_counts(proxy)) == {("none", "local", "413"): 1}

@@ -7,10 +7,13 @@ import asyncio
 import collections
 import contextlib
 import socket
-from typing import TYPE_CHECKING
+import time
+from typing import TYPE_CHECKING, Any
 
 import httptools
 
+from ..context import MCP_PATH, RequestInfo
+from ..front import boundary
 from ..jsonrpc import INVALID_REQUEST, error_object
 from .answers import answer
 from .routing import MAX_FIELD_BYTES, Head, lane_request
@@ -30,6 +33,11 @@ own bytes and one piece, however much is queued behind it."""
 _VISITS_IN_A_ROW = 8
 """Requests in a row that aiohttp answers on a lane connection before it is handed the connection for good."""
 _NEVER = float("inf")
+_LINGER_S = 2.0
+_LINGER_BYTES = 1024 * 1024
+"""After refusing a request whose body is still coming, the connection reads and drops up to this much for up to
+_LINGER_S before it closes: closed at once, the unread bytes make the kernel reset it, and the client may lose
+the answer."""
 
 
 class _HandOver(Exception):
@@ -44,6 +52,11 @@ class _TooLarge(Exception):
     """A chunked body grew past limits.max_body_bytes."""
 
 
+_MAX_CHUNK_FRAMING_BYTES = 64 * 1024
+"""What a chunked body's framing (chunk sizes, extensions, trailer fields) may add to its bytes: a body of small
+chunks, an endless extension or trailer is refused past it, never held."""
+
+
 class _Probe:
     """Counts the requests a parser saw complete (split_pipelined)."""
 
@@ -53,48 +66,24 @@ class _Probe:
         self.complete += 1
 
 
-def _completes(data: memoryview) -> bool:
-    """Whether `data` holds a whole request, by llhttp (what follows it, a second request's start, is let be)."""
-    probe = _Probe()
-    # An error past the first request is the next one's, judged when it is read.
-    with contextlib.suppress(httptools.HttpParserError, httptools.HttpParserUpgrade, ValueError):
-        httptools.HttpRequestParser(probe).feed_data(data)
-    return probe.complete >= 1
-
-
 def split_pipelined(raw: bytearray, fields: list[tuple[bytes, bytes]]) -> bytes | None:
     """The bytes after the request just read into `raw` (its head's `fields`), when a second one began in the same
-    read, cut from `raw`. The first head ends at the first blank line (llhttp takes no bare LF); a body with a
-    Content-Length ends where it says, checked by parsing it again; a chunked one where llhttp finds it whole, by
-    bisection (a few parses, for a rare request). None (and `raw` as it was) when that does not hold."""
+    read, cut from `raw`: the first head ends at the first blank line (llhttp takes no bare LF) and its body has the
+    Content-Length the lane required, checked by parsing it again. None (and `raw` as it was) when that does not
+    hold, a chunked body's among them (its end is llhttp's to know, and llhttp does not say where it is)."""
     head_end = raw.find(b"\r\n\r\n")
-    if head_end < 0:
+    if head_end < 0 or any(name.lower() == b"transfer-encoding" for name, _ in fields):
         return None
-    view = memoryview(raw)
+    lengths = [value for name, value in fields if name.lower() == b"content-length"]
+    end = head_end + 4 + (int(lengths[0]) if lengths else 0)
+    probe = _Probe()
     try:
-        if any(name.lower() == b"transfer-encoding" for name, _ in fields):
-            low, end = head_end + 4, len(raw)
-            if not _completes(view[:end]):
-                return None
-            while low < end:
-                middle = (low + end) // 2
-                if _completes(view[:middle]):
-                    end = middle
-                else:
-                    low = middle + 1
-        else:
-            lengths = [value for name, value in fields if name.lower() == b"content-length"]
-            end = head_end + 4 + (int(lengths[0]) if lengths else 0)
-            probe = _Probe()
-            try:
-                httptools.HttpRequestParser(probe).feed_data(view[:end])
-            except (httptools.HttpParserError, httptools.HttpParserUpgrade, ValueError):
-                return None
-            if probe.complete != 1:
-                return None
-        rest = bytes(view[end:])
-    finally:
-        view.release()
+        httptools.HttpRequestParser(probe).feed_data(bytes(raw[:end]))
+    except (httptools.HttpParserError, httptools.HttpParserUpgrade, ValueError):
+        return None
+    if probe.complete != 1:
+        return None
+    rest = bytes(raw[end:])
     del raw[end:]
     return rest
 
@@ -112,6 +101,11 @@ class LaneConnection(asyncio.Protocol):
         self._fields: list[tuple[bytes, bytes]] = []
         self._body: list[bytes] = []
         self._body_bytes = 0
+        self._method = b""
+        self._chunked: bytearray | None = None
+        """The body of a chunked request the lane reads, while it is read: its bytes in one buffer, and `_raw`
+        holds no more of the request (aiohttp gets it re-framed, `_reframed`)."""
+        self._wire_bytes = 0  # of that body as it came, framing included
         self._head: Head | None = None
         self._trailing = False  # past the head: a field now is a chunked body's trailer, which no request keeps
         self._too_large = False
@@ -130,6 +124,7 @@ class LaneConnection(asyncio.Protocol):
         self._visits_in_a_row = 0
         self._pipelined = False  # a second request began in the read that ended this one
         self._held = False  # answered, but the client reads none of it: the next request waits until it does
+        self._lingering: int | None = None  # refused and answered: the bytes dropped since
 
     # asyncio.Protocol
 
@@ -145,6 +140,11 @@ class LaneConnection(asyncio.Protocol):
             self._lane.connections.discard(self)
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering is not None:
+            self._lingering += len(data)
+            if self._lingering > _LINGER_BYTES:
+                self.abort()
+            return
         if self.running is not None or self.visiting or self._held:  # what comes next waits for the answer
             self._queue(data)
             return
@@ -194,9 +194,14 @@ class LaneConnection(asyncio.Protocol):
     # parsing
 
     def _feed(self, data: bytes) -> None:
-        self._raw += data
+        chunked = self._chunked is not None
+        if chunked:
+            self._wire_bytes += len(data)
+        else:
+            self._raw += data
         if self._reading == "head":
             self._head_bytes += len(data)
+        hand_over = False
         try:
             self._parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade):
@@ -209,13 +214,25 @@ class LaneConnection(asyncio.Protocol):
                 # Pipelined requests wait, in order, for the answer to this one.
                 self._queue(rest, first=True)
                 self._parser = httptools.HttpRequestParser(self)
-            elif self.running is not None:
-                # What followed a request the lane serves cannot be told apart from it: the answer, then the end.
+            elif self.running is not None or (self._visit_due and self._head is not None and self._head.chunked):
+                # What followed a request the lane serves (or a chunked one) cannot be told apart from it: its
+                # answer, then the end.
                 self.out.closing = True  # type: ignore[union-attr]
-            else:
-                # A request aiohttp must see as it came (or pipelined ones, or bytes only aiohttp will judge).
-                self._hand_over()
+            elif chunked:
+                self._refuse(400, error_object(INVALID_REQUEST, "Invalid request: a malformed chunked body"))
                 return
+            else:
+                hand_over = True  # once out of the handler: aiohttp's log must not chain the lane's exception
+        if hand_over:
+            # A request aiohttp must see as it came (or pipelined ones, or bytes only aiohttp will judge).
+            self._hand_over()
+            return
+        if self._chunked is not None and not chunked:  # the body began in this read: what of it came with the head
+            self._wire_bytes = len(self._raw) - (self._raw.find(b"\r\n\r\n") + 4)
+        if self._chunked is not None and self._wire_bytes - self._body_bytes > _MAX_CHUNK_FRAMING_BYTES:
+            reason = f"Invalid request: a chunked body's framing exceeds {_MAX_CHUNK_FRAMING_BYTES} bytes"
+            self._refuse(400, error_object(INVALID_REQUEST, reason))
+            return
         if self.running is not None:
             self._raw = bytearray()
         elif self._visit_due:
@@ -241,6 +258,7 @@ class LaneConnection(asyncio.Protocol):
         self._fields = []
         self._body = []
         self._body_bytes = 0
+        self._chunked = None
         self._trailing = False
 
     def on_url(self, url: bytes) -> None:
@@ -252,6 +270,7 @@ class LaneConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._trailing = True
+        self._method = self._parser.get_method()
         lane = self._lane
         config = lane.policy.config
         raw = self._raw  # this request's bytes so far: its whole head, and what of the body came with it
@@ -267,16 +286,23 @@ class LaneConnection(asyncio.Protocol):
             raise _HandOver
         self._reading = "body"
         self.deadline = lane.loop.time() + config.listen.body_timeout_s
+        if head.chunked:
+            self._chunked, self._wire_bytes = bytearray(), 0
 
     def on_body(self, body: bytes) -> None:
-        self._body.append(body)
-        if self._head is not None and self._head.chunked:  # a Content-Length past the limit is aiohttp's to refuse
-            self._body_bytes += len(body)
-            if self._body_bytes > self._lane.policy.config.limits.max_body_bytes:
-                self._too_large = True
-                raise _TooLarge
+        chunked = self._chunked
+        if chunked is None:  # a Content-Length past the limit is aiohttp's to refuse
+            self._body.append(body)
+            return
+        chunked += body
+        self._body_bytes += len(body)
+        if self._body_bytes > self._lane.policy.config.limits.max_body_bytes:
+            self._too_large = True
+            raise _TooLarge
 
     def on_message_complete(self) -> None:
+        if self._chunked is not None:
+            self._body, self._chunked = [bytes(self._chunked)], None
         head = self._head
         request = None if head is None else lane_request(self._lane, head, self._url, self._fields, self._body)
         if request is None:
@@ -322,22 +348,35 @@ class LaneConnection(asyncio.Protocol):
 
     def _reframed(self) -> bytes:
         """The chunked request just read, as aiohttp gets it: its body whole, with a Content-Length, no trailer."""
-        assert self._parser is not None
         body = b"".join(self._body)
-        head = [b"%s %s HTTP/1.1\r\n" % (self._parser.get_method(), self._url)]
+        head = [b"%s %s HTTP/1.1\r\n" % (self._method, self._url)]
         head += [b"%s: %s\r\n" % field for field in self._fields if field[0].lower() != b"transfer-encoding"]
         return b"".join(head) + b"Content-Length: %d\r\n\r\n" % len(body) + body
 
     def _refuse_too_large(self) -> None:
         """A chunked body past the limit: 413, as aiohttp answers a Content-Length past it, and the end."""
-        lane = self._lane
-        limit = lane.policy.config.limits.max_body_bytes
+        limit = self._lane.policy.config.limits.max_body_bytes
         reason = f"Request body too large: the limit is {limit} bytes (limits.max_body_bytes)"
-        lane.metrics.errors.labels(str(INVALID_REQUEST)).inc()
-        if self.out is not None and self._transport is not None:
-            self.out.error(None, error_object(INVALID_REQUEST, reason, {"maxBodyBytes": limit}), 413, keep_alive=False)
-        lane.metrics.observe_request("none", "local", 413, 0.0)
-        self.abort()
+        self._refuse(413, error_object(INVALID_REQUEST, reason, {"maxBodyBytes": limit}))
+
+    def _refuse(self, status: int, error: dict[str, Any], *, waited_s: float = 0.0) -> None:
+        """Answer the request being read with `error` and end the connection, behind the front door's boundary
+        (counted, logged); `waited_s`: how long it was read."""
+        lane = self._lane
+        info = RequestInfo(mode="local")
+        error, status = boundary.refusal(error, status, info, lane.metrics)
+        transport = self._transport
+        if self.out is not None and transport is not None:
+            self.out.error(None, error, status, keep_alive=False)
+            self._lingering, self.deadline = 0, lane.loop.time() + _LINGER_S
+            if transport.can_write_eof():
+                transport.write_eof()  # the answer is all: the client reads it, then the end
+        else:
+            self.abort()
+        http_method = (self._method or b"POST").decode("latin-1")
+        started = time.perf_counter() - waited_s
+        boundary.done(info, policy=lane.policy, metrics=lane.metrics, identity=lane.identity, headers=None,
+                      http_method=http_method, path=MCP_PATH, status=status, started=started)  # fmt: skip
 
     # visits (proxy/lane/visits.py)
 
@@ -401,13 +440,11 @@ class LaneConnection(asyncio.Protocol):
         """The head or body being read is late (Lane._expire): a late head closes the connection, as aiohttp's
         keep-alive timer does; a late body gets 408, as proxy/dispatch.py's read does."""
         self.deadline = _NEVER
-        if self._reading == "body" and self._transport is not None and self.out is not None:
-            lane = self._lane
-            body_timeout_s = lane.policy.config.listen.body_timeout_s
+        if self._reading == "body" and self._transport is not None and self.out is not None and self._lingering is None:
+            body_timeout_s = self._lane.policy.config.listen.body_timeout_s
             reason = f"Request body not received within {body_timeout_s:g} s (listen.body_timeout_s)"
-            lane.metrics.errors.labels(str(INVALID_REQUEST)).inc()
-            self.out.error(None, error_object(INVALID_REQUEST, reason), 408, keep_alive=False)
-            lane.metrics.observe_request("none", "local", 408, body_timeout_s)
+            self._refuse(408, error_object(INVALID_REQUEST, reason), waited_s=body_timeout_s)
+            return
         self.abort()
 
     def _answered(self, keep_alive: bool) -> None:
