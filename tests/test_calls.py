@@ -419,3 +419,43 @@ async def test_a_method_the_lean_client_does_not_send_is_a_call_error(serve) -> 
     client = CallClient("http://127.0.0.1:9/mcp", connect_timeout_s=2)
     with pytest.raises(CallError, match="PUT is not a method"):
         await client.request("PUT", {}, b"")
+
+
+async def test_a_get_or_delete_on_a_kept_connection_the_server_closed_is_sent_again_and_a_post_is_not(serve):
+    """A server that closes a kept connection as the next request goes out: a GET or DELETE never reached it and
+    is sent once more on a new connection, as aiohttp's client does; a POST may have, and is not."""
+    served: dict[object, int] = {}
+
+    async def first_only(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")  # one connection's, while it is open
+        served[peer] = served.get(peer, 0) + 1
+        if served[peer] == 2:
+            writer.close()  # the second request on a connection: closed without a byte
+            return
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+        await writer.drain()
+
+    server = await serve(first_only)
+    client = CallClient(server.url, connect_timeout_s=2)
+    for method in ("GET", "DELETE"):
+        for _ in range(2):
+            async with await client.request(method, {}, None) as response:
+                assert response.status == 200 and await response.read() == b"{}"
+    with pytest.raises(CallError, match="closed the connection"):
+        await client.post({}, b"x")  # on the connection the last DELETE was answered on
+    await client.aclose()
+
+
+async def test_a_body_nobody_needs_is_read_when_short_and_never_waited_on(serve) -> None:
+    from mcp_tasks_proxy.upstream.http.modern import finished
+
+    endless = await serve(respond(b"HTTP/1.1 202 Accepted\r\nContent-Type: text/event-stream\r\n"
+                                  b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n"))  # fmt: skip
+    client = CallClient(endless.url, connect_timeout_s=2)
+    assert await asyncio.wait_for(finished(await client.post({}, b"{}")), 1) == 202  # closed, not waited on
+    short = await serve(respond(b"HTTP/1.1 202 Accepted\r\nContent-Length: 2\r\n\r\nok"))
+    client = CallClient(short.url, connect_timeout_s=2)
+    for _ in range(3):
+        assert await finished(await client.post({}, b"{}")) == 202
+    assert short.connections == 1  # read to its end: the connection is kept
+    await client.aclose()

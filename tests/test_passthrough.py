@@ -444,3 +444,19 @@ def test_a_bridged_calls_header_block_is_what_the_lean_client_made_of_the_mappin
             session_post_fields(session, client)
         return
     assert session_post_fields(session, client) == expected
+
+
+async def test_an_answer_the_proxy_rewrites_is_asked_for_without_a_coding(make_proxy, fake_upstream):
+    """server/discover's answer is read and amended: asked for as `identity`, since without the field any coding
+    would do (RFC 9110 12.5.3)."""
+
+    async def discover(http: web.Request) -> web.Response:
+        message = await http.json()
+        result = {"supportedVersions": ["2026-07-28"], "capabilities": {}, "serverInfo": {"name": "f", "version": "0"}}
+        return web.json_response({"jsonrpc": "2.0", "id": message["id"], "result": result})
+
+    fake = await fake_upstream(discover)
+    proxy = await make_proxy(fake.url, protocol="modern")
+    reply = await proxy.client.call("server/discover", {}, headers={"Accept-Encoding": "gzip, br"})
+    assert "io.modelcontextprotocol/tasks" in reply.result["capabilities"]["extensions"]
+    assert fake.received[-1]["headers"].getall("Accept-Encoding") == ["identity"]

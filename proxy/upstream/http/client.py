@@ -40,6 +40,7 @@ _IDLE_S = 4.0
 """How long a finished connection waits for reuse: below uvicorn's 5 s keep-alive, the usual MCP server's, so
 that a request is rarely sent on a connection the server is closing at that moment."""
 _MAX_IDLE = 128
+_SENT_AGAIN = frozenset({"GET", "DELETE"})
 
 
 class CallError(ConnectionError):
@@ -344,6 +345,11 @@ class _Connection(asyncio.Protocol):
         return chunk
 
     @property
+    def heard_nothing(self) -> bool:
+        """Not a byte of the response to the last request sent came (the server closed the connection first)."""
+        return self._head_bytes == 0 and self._state == "failed"
+
+    @property
     def at_eof(self) -> bool:
         return self._state == "done" and not self._ready
 
@@ -495,16 +501,29 @@ class CallClient:
             head.append(b"\r\n")
         request = b"".join(head)
         del head, body, headers  # a working task waits here for the whole call: hold nothing it no longer needs
-        connection = self._reuse() or await self._connect()
-        response = CallResponse(connection, self, relay=relay)
-        answered = connection.send(request, response, decode=not relay)
-        del request
-        try:
-            await answered
-        except BaseException:
-            response.close()
-            raise
-        return response
+        connection = self._reuse()
+        # A GET or DELETE sent on a kept connection the server closed meanwhile is sent once more on a new one,
+        # as aiohttp's client does: it never reached the server.
+        again = connection is not None and method in _SENT_AGAIN
+        if connection is None:
+            connection = await self._connect()
+        while True:
+            response = CallResponse(connection, self, relay=relay)
+            answered = connection.send(request, response, decode=not relay)
+            if not again:
+                request = b""  # sent: a working task waits below for the whole call, holding none of it
+            try:
+                await answered
+            except CallError:
+                response.close()
+                if not (again and connection.heard_nothing):
+                    raise
+                again, connection = False, await self._connect()
+                continue
+            except BaseException:
+                response.close()
+                raise
+            return response
 
     def _target(self, query: str) -> str:
         return self._path + (f"?{query}" if query else "")

@@ -52,6 +52,7 @@ async def open_read(upstream: Upstream, request: web.Request, body: bytes) -> Ca
     subscription): asked for uncompressed, and kept as sent."""
     headers = request_headers(request.headers)
     headers.popall("Accept-Encoding", None)
+    headers["Accept-Encoding"] = "identity"  # without the field, any coding would do (RFC 9110 12.5.3)
     try:
         return await upstream.request("POST", headers, body, query=request.rel_url.raw_query_string, relay=True)
     except (OSError, ValueError) as exc:  # CallError included; ValueError: a header that cannot be sent
