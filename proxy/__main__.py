@@ -19,13 +19,13 @@ import structlog
 from aiohttp import web
 
 from . import __version__, tracing
-from .app import create_app
 from .check import check_main, warn_unmatched_rules
 from .config import ENV_PREFIX, ConfigError, ProxyConfig, apply_overrides, load_config
-from .context import MCP_PATH, gateway_key, metrics_key, policy_key
+from .front.app import create_app
+from .front.context import MCP_PATH, gateway_key, metrics_key, policy_key
+from .front.serve import BindError, bind, hold_stop_signals, serve
 from .log import configure_logging
 from .policy import PolicyReloader, file_stamp
-from .serve import BindError, bind, hold_stop_signals, serve
 from .upstream.events import UpstreamStartError
 
 # Each operator setting is declared once: (flag, config path, environment variable suffix, type).

@@ -86,8 +86,8 @@ class Identity:
         return self._derived_id("durable", principal, session, request_id, generation)
 
     def keyed_task_id(self, principal: str, tool: str, key: str, kind: str) -> str:
-        """The task id of a call with an idempotency key (proxy/idempotency.py): from who asked, the tool, the key
-        and the kind of task (a 2026 task, a SEP-1686 one), so that every replica derives the same one and the
+        """The task id of a call with an idempotency key (proxy/clients/idempotency.py): from who asked, the tool, the
+        key and the kind of task (a 2026 task, a SEP-1686 one), so that every replica derives the same one and the
         store's atomic create makes one task of them."""
         return self._derived_id("idempotency", kind, principal, tool, key)
 

@@ -26,10 +26,10 @@ import trustme
 import yaml
 from aiohttp import web
 
-from mcp_tasks_proxy.app import create_app
 from mcp_tasks_proxy.config import parse_config
-from mcp_tasks_proxy.lane.server import Lane
-from mcp_tasks_proxy.serve import bind, start
+from mcp_tasks_proxy.front.app import create_app
+from mcp_tasks_proxy.front.lane.server import Lane
+from mcp_tasks_proxy.front.serve import bind, start
 from mcp_tasks_proxy.store.redis_keys import RedisKeys
 from tests.factories import McpClient, Reply
 
@@ -474,7 +474,7 @@ def both_fronts(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 async def make_proxy(front: str) -> AsyncIterator[Callable[..., Awaitable[Proxy]]]:
     """Build a proxy from config keys (`make_proxy(upstream_url, tools=[...])`), served over real HTTP as the
-    command serves it (proxy/serve.py: the pass-through lane first, aiohttp for the rest); an argv list instead of
+    command serves it (proxy/front/serve.py: the pass-through lane first, aiohttp for the rest); an argv list instead of
     a URL is a stdio server the proxy starts (upstream.command)."""
     sessions: list[aiohttp.ClientSession] = []
     runners: list[web.AppRunner] = []

@@ -156,8 +156,8 @@ async def test_before_the_shared_key_loads_a_session_is_answered_here_and_its_an
     from aiohttp.test_utils import make_mocked_request
 
     from mcp_tasks_proxy.config import SecurityConfig
+    from mcp_tasks_proxy.front.session_routing import SessionRouting
     from mcp_tasks_proxy.security import Identity
-    from mcp_tasks_proxy.session_routing import SessionRouting
     from mcp_tasks_proxy.store.base import MemoryTaskStore
 
     identity = Identity(SecurityConfig(), shared_store=True)  # the key is kept in Redis, which has not answered

@@ -12,8 +12,8 @@ import urllib.parse
 import structlog
 from aiohttp import web
 
-from mcp_tasks_proxy.context import bridge_key
-from mcp_tasks_proxy.lane import server as lane_server
+from mcp_tasks_proxy.front.context import bridge_key
+from mcp_tasks_proxy.front.lane import server as lane_server
 from mcp_tasks_proxy.log import _add_request_id
 from tests.conftest import eventually
 from tests.factories import headers_for, meta, request

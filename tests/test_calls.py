@@ -447,7 +447,7 @@ async def test_a_get_or_delete_on_a_kept_connection_the_server_closed_is_sent_ag
 
 
 async def test_a_body_nobody_needs_is_read_when_short_and_never_waited_on(serve) -> None:
-    from mcp_tasks_proxy.upstream.http.modern import finished
+    from mcp_tasks_proxy.upstream.http.endpoint import finished
 
     endless = await serve(respond(b"HTTP/1.1 202 Accepted\r\nContent-Type: text/event-stream\r\n"
                                   b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n"))  # fmt: skip

@@ -278,7 +278,7 @@ def test_a_stop_signal_between_bind_and_serve_is_remembered_not_fatal():
     window (an orchestrator, a test that saw the port open) killed the process instead of stopping it gracefully."""
     code = (
         "import os, signal\n"
-        "from mcp_tasks_proxy import serve\n"
+        "from mcp_tasks_proxy.front import serve\n"
         "serve.hold_stop_signals()\n"
         "os.kill(os.getpid(), signal.SIGTERM)\n"
         "print(serve._stop_requested)\n"

@@ -10,7 +10,7 @@ import secrets
 import aiohttp
 import pytest
 
-from mcp_tasks_proxy.durable_stream import parse_event_id
+from mcp_tasks_proxy.clients.durable_stream import parse_event_id
 from mcp_tasks_proxy.upstream.http.sse import SseParser
 from tests.conftest import eventually
 

@@ -217,7 +217,7 @@ def test_every_update_moves_the_revision_forward_whatever_the_clock_says():
 
 async def test_a_store_fault_reaches_a_2025_client_on_http_200(make_proxy, legacy_upstream, http, monkeypatch):
     """The SDK 1.x client ends its whole session on a 5xx to one of its requests: the fault comes as JSON-RPC."""
-    from mcp_tasks_proxy.context import store_key
+    from mcp_tasks_proxy.front.context import store_key
     from mcp_tasks_proxy.store.base import StoreUnavailable
 
     proxy = await make_proxy(legacy_upstream, tools=[{"match": "slow"}])

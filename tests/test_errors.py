@@ -320,7 +320,7 @@ async def test_shutdown_fails_running_tasks_instead_of_leaving_them_working(make
     fake = await fake_upstream(_call_handler(hangs))
     proxy = await make_proxy(fake.url, protocol="modern", tools=[{"match": "*"}])
     created = await proxy.client.call_tool("job")
-    from mcp_tasks_proxy.context import runner_key, store_key
+    from mcp_tasks_proxy.front.context import runner_key, store_key
 
     await proxy.app[runner_key].aclose(grace_s=0)
     record = await proxy.app[store_key].get(created.result["taskId"])

@@ -209,8 +209,8 @@ def test_a_batch_is_checked_against_header_copies_that_agree_once_per_item_not_o
     copies took 7.9 s when every copy was decoded for every item). Copies that disagree still fail the first item."""
     from multidict import CIMultiDict
 
-    from mcp_tasks_proxy import envelope
-    from mcp_tasks_proxy.envelope import check_batch_routing_headers
+    from mcp_tasks_proxy.clients import envelope
+    from mcp_tasks_proxy.clients.envelope import check_batch_routing_headers
     from mcp_tasks_proxy.jsonrpc import HEADER_MISMATCH, JsonRpcError
 
     decoded = []

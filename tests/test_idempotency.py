@@ -1,4 +1,4 @@
-"""Idempotency keys (proxy/idempotency.py): a task-creating call sent again with its key gets the same task, and
+"""Idempotency keys (proxy/clients/idempotency.py): a task-creating call sent again with its key gets the same task, and
 the upstream runs the tool once; a key used for another request, or a malformed one, is refused."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from mcp_tasks_proxy.idempotency import META_KEY
+from mcp_tasks_proxy.clients.idempotency import META_KEY
 from tests.conftest import task_reaches
 from tests.factories import meta
 from tests.schemas import validate_response

@@ -1,4 +1,4 @@
-"""The pass-through lane (proxy/lane.py): what it relays answers exactly as aiohttp's path does, and everything
+"""The pass-through lane (proxy/front/lane/): what it relays answers exactly as aiohttp's path does, and everything
 else, on any connection, is handed to aiohttp with nothing lost.
 
 Every other test that builds a proxy with `make_proxy` serves it as the command does, lane first: this file checks
@@ -20,11 +20,11 @@ import httptools
 import pytest
 from aiohttp import web
 
-from mcp_tasks_proxy import serve
-from mcp_tasks_proxy.app import create_app
 from mcp_tasks_proxy.config import parse_config
-from mcp_tasks_proxy.context import metrics_key
-from mcp_tasks_proxy.lane.writer import LaneWriter
+from mcp_tasks_proxy.front import serve
+from mcp_tasks_proxy.front.app import create_app
+from mcp_tasks_proxy.front.context import metrics_key
+from mcp_tasks_proxy.front.lane.writer import LaneWriter
 from tests.conftest import eventually, task_reaches
 from tests.factories import headers_for, meta, parse_body, request
 
@@ -411,7 +411,7 @@ async def test_a_pipelined_backlog_is_bounded_and_each_request_costs_the_same_ho
     """A client that pipelines megabytes on one connection: the lane holds about 64 KB of them unparsed (plus one
     read), and parses each byte about once, not the whole backlog again for every request (before: the proxy read
     38 MB of 40 and answered 207 requests in 22 s of CPU)."""
-    from mcp_tasks_proxy.lane.connection import LaneConnection
+    from mcp_tasks_proxy.front.lane.connection import LaneConnection
 
     fed, held = [0], [0]
     feed, received = LaneConnection._feed, LaneConnection.data_received
@@ -884,7 +884,7 @@ async def test_an_idempotent_creation_on_the_lane_names_the_same_task(proxy):
 async def test_working_tasks_made_on_the_lane_share_the_names_of_the_headers_they_keep(proxy):
     """Ten thousand working tasks each keep the headers their upstream calls pass on: the lane decodes a header name
     once, for every request that sends it (as aiohttp does for the names it knows), not once per task."""
-    from mcp_tasks_proxy.context import runner_key
+    from mcp_tasks_proxy.front.context import runner_key
 
     params = {"name": "slow_report", "arguments": {"topic": "t", "seconds": 5}, "_meta": meta()}
     created = [await proxy.client.call("tools/call", params, headers={"X-Tenant": "a"}) for _ in range(2)]

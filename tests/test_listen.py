@@ -8,8 +8,8 @@ import secrets
 import aiohttp
 import pytest
 
-from mcp_tasks_proxy import listen
-from mcp_tasks_proxy.context import runner_key
+from mcp_tasks_proxy.clients import listen
+from mcp_tasks_proxy.front.context import runner_key
 from mcp_tasks_proxy.upstream.http.sse import SseParser
 from tests.conftest import eventually
 from tests.factories import headers_for, meta, request
@@ -158,7 +158,7 @@ async def test_a_record_that_changed_hands_is_never_sent_to_the_listener(proxy, 
     out."""
     import dataclasses
 
-    from mcp_tasks_proxy.context import store_key
+    from mcp_tasks_proxy.front.context import store_key
 
     gate = secrets.token_hex(6)
     me = {"Authorization": "Bearer me"}

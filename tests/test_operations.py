@@ -15,7 +15,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from mcp_tasks_proxy.config import load_config
-from mcp_tasks_proxy.context import policy_key
+from mcp_tasks_proxy.front.context import policy_key
 from mcp_tasks_proxy.policy import PolicyReloader
 from tests.conftest import PROXY, ROOT, eventually, free_port, stop, task_reaches, wait_for_port
 from tests.factories import headers_for, meta

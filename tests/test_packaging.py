@@ -70,7 +70,7 @@ def test_the_wheel_holds_mcp_tasks_proxy_only(tmp_path):
     tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
     assert {top for top in tops if not top.endswith(".dist-info")} == {"mcp_tasks_proxy"}
     names = zipfile.ZipFile(wheel).namelist()
-    assert "mcp_tasks_proxy/lane/connection.py" in names and "mcp_tasks_proxy/upstream/stdio/__init__.py" in names
+    assert "mcp_tasks_proxy/front/lane/connection.py" in names and "mcp_tasks_proxy/upstream/stdio/__init__.py" in names
 
 
 def test_the_docker_build_context_is_what_the_dockerfiles_copy():

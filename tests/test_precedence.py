@@ -11,7 +11,7 @@ import pytest
 from multidict import CIMultiDict
 
 from mcp_tasks_proxy.config import TaskDefaults, ToolRule
-from mcp_tasks_proxy.context import runner_key
+from mcp_tasks_proxy.front.context import runner_key
 from mcp_tasks_proxy.store.base import MemoryTaskStore
 from mcp_tasks_proxy.tasks import precedence as precedence_module
 from mcp_tasks_proxy.tasks.job import ToolCall

@@ -111,7 +111,7 @@ async def test_events_lost_without_a_reconnect_are_caught_by_the_slow_timer(make
     server = redis_server()
     prefix = f"deaf-{secrets.token_hex(3)}:"
     owner, other = await owner_and_other(make_proxy, mcp_upstream, server.url, prefix, owner_reconcile_s=0.3)
-    from mcp_tasks_proxy.context import store_key
+    from mcp_tasks_proxy.front.context import store_key
 
     async def lost(event):  # this replica's publishes go nowhere
         return None
@@ -170,7 +170,7 @@ async def test_redis_killed_and_restarted_with_persistence_every_task_completes(
 async def test_redis_restarted_without_persistence_loses_its_tasks_cleanly(
     make_proxy, mcp_upstream, upstream_client, redis_server
 ):
-    from mcp_tasks_proxy.context import runner_key
+    from mcp_tasks_proxy.front.context import runner_key
 
     server = redis_server("--appendonly", "no")
     proxy = await replica(make_proxy, mcp_upstream, server.url, "nopersist:")

@@ -12,7 +12,7 @@ import redis.asyncio as redis_client
 import structlog
 from aiohttp import web
 
-from mcp_tasks_proxy.context import runner_key
+from mcp_tasks_proxy.front.context import runner_key
 from mcp_tasks_proxy.store.redis_store import RedisTaskStore
 from tests.conftest import eventually, task_reaches
 from tests.factories import McpClient

@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from mcp_tasks_proxy import tasks2025
+from mcp_tasks_proxy.clients import tasks2025
 from tests.conftest import eventually
 from tests.schemas import validate
 from tests.test_durable import Client2025, events_of

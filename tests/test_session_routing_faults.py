@@ -1,4 +1,4 @@
-"""Faults of session routing between replicas (proxy/session_routing.py) that an attack review found: each test
+"""Faults of session routing between replicas (proxy/front/session_routing.py) that an attack review found: each test
 failed before its fix."""
 
 from __future__ import annotations
@@ -122,8 +122,8 @@ async def test_a_session_whose_claim_failed_once_is_never_recorded():
     from aiohttp.test_utils import make_mocked_request
 
     from mcp_tasks_proxy.config import SecurityConfig
+    from mcp_tasks_proxy.front.session_routing import SessionRouting
     from mcp_tasks_proxy.security import Identity
-    from mcp_tasks_proxy.session_routing import SessionRouting
     from mcp_tasks_proxy.store.base import MemoryTaskStore, StoreUnavailable
 
     class Flaky(MemoryTaskStore):
@@ -282,8 +282,8 @@ async def test_a_session_in_use_keeps_its_record_past_a_day():
     from aiohttp.test_utils import make_mocked_request
 
     from mcp_tasks_proxy.config import SecurityConfig
+    from mcp_tasks_proxy.front.session_routing import SESSION_RENEW_S, SESSION_TTL_S, SessionRouting
     from mcp_tasks_proxy.security import Identity
-    from mcp_tasks_proxy.session_routing import SESSION_RENEW_S, SESSION_TTL_S, SessionRouting
     from mcp_tasks_proxy.store.base import MemoryTaskStore
 
     class Recording(MemoryTaskStore):

@@ -11,7 +11,7 @@ import secrets
 
 import pytest
 
-from mcp_tasks_proxy.context import gateway_key
+from mcp_tasks_proxy.front.context import gateway_key
 from tests.conftest import LegacyClient, eventually, python_steps, task_reaches
 from tests.factories import meta
 from tests.schemas import validate_response
@@ -124,7 +124,7 @@ async def test_callers_who_share_a_credential_but_not_a_principal_never_share_a_
 def test_a_standalone_request_finds_its_call_without_a_step_per_call_on_the_session():
     # Counted, not timed: a 2025 server's request on its standalone stream was tied to its call by a scan of every
     # call on the proxy's session with it (one caller's: 10,000 may be in flight). Python steps are counted while
-    # 200 requests are tied; the calls are registered as legacy.py does, the task decision after.
+    # 200 requests are tied; the calls are registered as upstream/era2025.py does, the task decision after.
     from mcp_tasks_proxy.upstream.routing import CallRoute, CallsInFlight, route_for
 
     calls = CallsInFlight()
@@ -132,7 +132,7 @@ def test_a_standalone_request_finds_its_call_without_a_step_per_call_on_the_sess
     for number in range(10_000):
         route = CallRoute({}, None)
         calls[f"mtp-{number}"] = route
-        route.upstream_task = number % 2 == 1 or number >= 9_000  # decided after it is registered, as legacy.py does
+        route.upstream_task = number % 2 == 1 or number >= 9_000  # decided after it is registered, as era2025.py does
         if number % 2 and number < 9_000:
             route.name_task(f"task-{number}")  # once the server made it, as legacy_tasks.py does
         routes.append(route)

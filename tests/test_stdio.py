@@ -19,7 +19,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from mcp_tasks_proxy.context import gateway_key
+from mcp_tasks_proxy.front.context import gateway_key
 from tests.conftest import EVERYTHING, PROXY, ROOT, eventually, everything_node, legacy_python, task_reaches
 from tests.factories import McpClient, meta, request
 from tests.schemas import validate_response

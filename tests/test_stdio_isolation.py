@@ -16,7 +16,7 @@ import json
 import pytest
 import structlog
 
-from mcp_tasks_proxy.context import gateway_key
+from mcp_tasks_proxy.front.context import gateway_key
 from tests.conftest import eventually, task_reaches
 from tests.factories import meta, request
 from tests.test_stdio import (

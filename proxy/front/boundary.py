@@ -1,6 +1,7 @@
-"""What every request gets, whichever reader took it (the lane, proxy/lane/, or aiohttp's server, proxy/app.py):
-a usable request id on its log lines, the Host/Origin guard, its span, its failures as JSON-RPC errors, and its
-metrics and log line once it is answered. Written once, so that a check added here applies to every request."""
+"""What every request gets, whichever reader took it (the lane, proxy/front/lane/, or aiohttp's server,
+proxy/front/app.py): a usable request id on its log lines, the Host/Origin guard, its span, its failures as JSON-RPC
+errors, and its metrics and log line once it is answered. Written once, so that a check added here applies to every
+request."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ import structlog
 from multidict import MultiMapping
 
 from .. import tracing
-from ..context import RequestInfo, log_request_handled, wire_error
 from ..jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, UpstreamError, error_object
 from ..log import bind_request_id
 from ..metrics import Metrics, method_label
 from ..policy import LivePolicy
 from ..security import HostGuard, Identity
+from .context import RequestInfo, log_request_handled, wire_error
 
 log = structlog.get_logger(__name__)
 

@@ -52,7 +52,8 @@ class TaskStore(Protocol):
         """How many replicas (this one included) receive the events published now."""
 
     def advertise(self, url: str) -> None:
-        """Where the other replicas reach this one, kept with its lease (proxy/session_routing.py); before start()."""
+        """Where the other replicas reach this one, kept with its lease (proxy/front/session_routing.py); before
+        start()."""
 
     async def replica_url(self, replica_id: str) -> str | None:
         """Where that replica said it is reached, while its lease is current; None once it is gone."""

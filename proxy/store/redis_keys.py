@@ -37,7 +37,7 @@ class RedisKeys:
         return f"{self.prefix}alias:{name}"
 
     def session(self, tag: str) -> str:
-        """The replica a 2025 session lives on (proxy/session_routing.py)."""
+        """The replica a 2025 session lives on (proxy/front/session_routing.py)."""
         return f"{self.prefix}session:{tag}"
 
     def lease(self, replica_id: str) -> str:

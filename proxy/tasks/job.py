@@ -33,7 +33,7 @@ class ToolCall:
     """The task's id when the caller fixes it (a durable call's, derived from its request, or one derived from an
     idempotency key); else a random one."""
     fingerprint: str | None = None
-    """With an idempotency key: the request's fingerprint, kept in the record (proxy/idempotency.py)."""
+    """With an idempotency key: the request's fingerprint, kept in the record (proxy/clients/idempotency.py)."""
     stream: dict[str, Any] | None = None
     """A durable call's client, kept in its record (TaskRecord.stream)."""
     client_session: Any = None

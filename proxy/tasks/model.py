@@ -91,11 +91,13 @@ class TaskRecord:
     principal: str = ""
     """Who created the task (a keyed hash, "" for none); only they may see it. Never on the wire."""
     stream: dict[str, Any] | None = None
-    """A durable call's client (proxy/durable.py): its request id, session and progress token. Never on the wire."""
+    """A durable call's client (proxy/clients/durable.py): its request id, session and progress token. Never on the
+    wire."""
     trace: str | None = None
     """The W3C traceparent of the task's span (proxy/tracing.py), for requests about it to link to; not on the wire."""
     fingerprint: str | None = None
-    """With an idempotency key: the request's tool and arguments, hashed (proxy/idempotency.py). Not on the wire."""
+    """With an idempotency key: the request's tool and arguments, hashed (proxy/clients/idempotency.py). Not on the
+    wire."""
     queued: bool = False
     """The call waits for one of its tool's slots (max_concurrency) and was not sent upstream yet. Not on the wire."""
     attempt: int = 1
@@ -187,7 +189,7 @@ def transition(record: TaskRecord, to: TaskStatus, *, now: datetime, **fields: A
 
 def stamp_after(record: TaskRecord, now: datetime) -> datetime:
     """`now`, or just after the record's last update when a replica's clock is behind: every update moves
-    lastUpdatedAt forward, which durable streams read as the record's revision (proxy/durable_stream.py)."""
+    lastUpdatedAt forward, which durable streams read as the record's revision (proxy/clients/durable_stream.py)."""
     return max(now, record.last_updated_at + _TICK)
 
 

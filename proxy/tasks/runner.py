@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from ..clients.idempotency import key_reused
 from ..config import LimitsConfig, TaskDefaults, ToolRule
-from ..idempotency import key_reused
 from ..jsonrpc import INTERNAL_ERROR, JsonRpcError
 from ..metrics import Metrics
 from ..store.base import TaskIdTaken, TaskStore

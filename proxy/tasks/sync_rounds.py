@@ -2,8 +2,8 @@
 before the task exists is answered synchronously).
 
 The question is put to the client as an `input_required` result whose `requestState` is a handle to the call, which
-stays open upstream, parked (proxy/parking.py). The client's retry names it: its answers are posted back on the open
-call, and the runner runs the sync window again.
+stays open upstream, parked (proxy/clients/parking.py). The client's retry names it: its answers are posted back on the
+open call, and the runner runs the sync window again.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any
 
 import structlog
 
-from ..envelope import params_of
+from ..clients.envelope import params_of
+from ..clients.parking import ParkedCalls
 from ..jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, JsonRpcError, error_object
-from ..parking import ParkedCalls
 from ..upstream.events import InputNeeded
 from .job import DirectOutcome, Job, RoundLimit, ToolCall
 

@@ -11,18 +11,18 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from .era2025 import LegacyUpstream
 from .events import UpstreamStartError, UpstreamUnavailable
 from .gateway import Gateway
-from .http.legacy import HttpLegacyLink
-from .http.modern import Upstream
+from .http.endpoint import Upstream
 from .http.relay import HttpRelay
-from .legacy import LegacyUpstream
+from .http.session2025 import HttpLegacyLink
 from .stdio.channel import unreadable_counts
-from .stdio.legacy import StdioLegacyLink
-from .stdio.modern import StdioModern
+from .stdio.child2026 import StdioModern
 from .stdio.pool import StdioPool
 from .stdio.process import ChildSpec, child_env
 from .stdio.relay import StdioRelay
+from .stdio.session2025 import StdioLegacyLink
 from .stdio.sessions import FrontSessions
 
 if TYPE_CHECKING:

@@ -2,8 +2,8 @@
 
 Progress is relayed on the response's event stream as it comes. When the legacy server asks for input on the
 call's stream, the client gets an MRTR `input_required` result whose `requestState` is a handle to the upstream
-call, which stays open in the proxy (proxy/parking.py): the client's retry posts the answers back upstream and goes
-on reading the same call.
+call, which stays open in the proxy (proxy/clients/parking.py): the client's retry posts the answers back upstream and
+goes on reading the same call.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import structlog
 from aiohttp import web
 from multidict import MultiMapping
 
-from ..envelope import META_CLIENT_CAPABILITIES, meta_of, params_of
+from ..clients.envelope import META_CLIENT_CAPABILITIES, meta_of, params_of
+from ..clients.parking import ParkedCalls
 from ..jsonrpc import (
     ERROR_HTTP_STATUS,
     INTERNAL_ERROR,
@@ -33,11 +34,10 @@ from ..jsonrpc import (
     error_response,
     result_response,
 )
-from ..parking import ParkedCalls
 from ..security import Identity
+from .era2025 import LegacyUpstream
 from .events import Event, Failed, Finished, InputNeeded, Progress
 from .http.sse import message_event
-from .legacy import LegacyUpstream
 
 log = structlog.get_logger(__name__)
 
@@ -193,7 +193,7 @@ class SyncBridge:
                 max_bytes=self._max_bytes(),
                 on_request=feed.put,  # a request for this call on the standalone stream joins its round
             )
-            # The request as parsed, about ten times its body's size, goes with the POST (legacy.py): the call may
+            # The request as parsed, about ten times its body's size, goes with the POST (era2025.py): the call may
             # run for hours, and answering it needs only the envelope.
             message = _slim(message)
             del params, upstream_message, capabilities

@@ -12,8 +12,8 @@ from aiohttp import web
 from multidict import CIMultiDict, MultiMapping
 
 from ..jsonrpc import RequestId
+from .era2025 import LegacySession, LegacyUpstream
 from .events import Event, InputNeeded, UpstreamTask, UpstreamUnavailable, proxy_failure
-from .legacy import LegacySession, LegacyUpstream
 
 log = structlog.get_logger(__name__)
 

@@ -27,7 +27,7 @@ HOP_BY_HOP = frozenset(
     }
 )
 HOP_HEADER = "Mcp-Tasks-Proxy-Hop"
-"""A request one replica forwards to another (proxy/session_routing.py): signed, never passed upstream."""
+"""A request one replica forwards to another (proxy/front/session_routing.py): signed, never passed upstream."""
 _REQUEST_SKIP = HOP_BY_HOP | {"host", "content-length", HOP_HEADER.lower()}
 RESPONSE_SKIP = HOP_BY_HOP | {"content-length"}
 TASK_CALL_SKIP = _REQUEST_SKIP | {"accept-encoding", "accept", "content-type", "last-event-id"}

@@ -19,8 +19,8 @@ from aiohttp import web
 from ...jsonrpc import INTERNAL_ERROR, RequestId, UpstreamError, dumps, error_object, error_response, loads
 from ..events import CredentialsNeeded, NotMcp, UpstreamUnavailable
 from .client import BodyTooLarge, CallError, CallResponse
+from .endpoint import Upstream
 from .headers import relayed_request_fields, request_headers, response_headers
-from .modern import Upstream
 from .sse import (
     DEFAULT_MAX_EVENT_BYTES,
     SseEvent,

@@ -22,8 +22,8 @@ from .headers import stream_headers
 from .sse import SseLimitError, SseParser, StreamPosition
 
 if TYPE_CHECKING:
-    from ..legacy import LegacySession, LegacyUpstream
-    from .modern import Upstream
+    from ..era2025 import LegacySession, LegacyUpstream
+    from .endpoint import Upstream
 
 log = structlog.get_logger(__name__)
 

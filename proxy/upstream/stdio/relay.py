@@ -17,7 +17,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from ...envelope import check_modern_request, is_modern, params_of
+from ...clients.envelope import check_modern_request, is_modern, params_of
 from ...jsonrpc import (
     INTERNAL_ERROR,
     INVALID_PARAMS,
@@ -36,9 +36,8 @@ from ..http.relay import client_gone_key
 from ..http.sse import KEEP_ALIVE
 from ..routing import CallRoute
 from ..session_table import SessionsFull
+from .child2026 import StdioModern
 from .exchange import ChildGone, Exchange
-from .legacy import StdioLegacyLink
-from .modern import StdioModern
 from .pool import StdioPool
 from .responses import (
     SSE_HEADERS,
@@ -49,6 +48,7 @@ from .responses import (
     upstream_failure,
     write_event,
 )
+from .session2025 import StdioLegacyLink
 from .sessions import _MAX_SUBSCRIBED, FrontSession, FrontSessions
 
 log = structlog.get_logger(__name__)

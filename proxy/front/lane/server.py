@@ -1,5 +1,5 @@
-"""The lane's protocol factory: a connection protocol per client connection (proxy/lane/connection.py, given to it
-by proxy/lane/__init__.py), the one timer of their deadlines, and the hand-over of a connection to aiohttp."""
+"""The lane's protocol factory: a connection protocol per client connection (proxy/front/lane/connection.py, given to it
+by proxy/front/lane/__init__.py), the one timer of their deadlines, and the hand-over of a connection to aiohttp."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Protocol
 
 from aiohttp import web
 
+from ...upstream.http.relay import HttpRelay
 from ..context import (
     bridge_key,
     gateway_key,
@@ -21,7 +22,6 @@ from ..context import (
     runner_key,
     tasks2026_key,
 )
-from ..upstream.http.relay import HttpRelay
 
 _SWEEP_S = 0.25
 _OWED_RECHECK_S = 0.1
@@ -61,7 +61,7 @@ class Lane:
         self.header_timeout_s = header_timeout_s
         self.connections: set[LaneConnection] = set()
         self.admit: Callable[[asyncio.Transport], bool] = lambda transport: True
-        """The connection cap (proxy/serve.py): False when this connection was refused and closed."""
+        """The connection cap (proxy/front/serve.py): False when this connection was refused and closed."""
         self.policy = app[policy_key]
         self.gateway = app[gateway_key]
         self.guard = app[guard_key]
@@ -72,18 +72,18 @@ class Lane:
         self.precedence = self.runner.precedence
         self.tasks2026 = app[tasks2026_key]
         self.routes_sessions = app[policy_key].config.listen.advertise_url is not None
-        """Replicas route 2025 sessions and parked calls (proxy/session_routing.py): requests that may name either
+        """Replicas route 2025 sessions and parked calls (proxy/front/session_routing.py): requests that may name either
         are aiohttp's, which routes them."""
         self.loop = asyncio.get_running_loop()
         self._date = ("", 0)
         self._sweep: asyncio.TimerHandle | None = None
         self.counts = {"relayed": 0, "served": 0, "visited": 0, "handed_over": 0}
         """Requests the lane relayed, requests it served itself (tasks/*, task creation), requests aiohttp
-        answered on its connections (proxy/lane/visits.py), and connections it handed to aiohttp for good."""
+        answered on its connections (proxy/front/lane/visits.py), and connections it handed to aiohttp for good."""
         self.visitors = 0
         """Lane connections with an aiohttp handler of their own: both count them, the connection cap once."""
         self.own = False
-        """Set while aiohttp is given a connection the lane admitted already (proxy/serve.py's cap skips it)."""
+        """Set while aiohttp is given a connection the lane admitted already (proxy/front/serve.py's cap skips it)."""
         self.metrics.watch("mcp_tasks_proxy_lane", "Requests the lane relayed without aiohttp (relayed), the "
                            "proxy's own it answered without aiohttp (served), requests aiohttp answered on its "
                            "connections (visited), and connections it handed to aiohttp (handed_over)", "outcome",

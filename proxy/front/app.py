@@ -15,7 +15,26 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from .config import ProxyConfig
+from ..clients.durable import DurableCalls
+from ..clients.kept_alive import KeptAliveCalls
+from ..clients.tasks2025 import Tasks2025
+from ..clients.tasks2026 import Tasks2026
+from ..config import ProxyConfig
+from ..jsonrpc import INVALID_REQUEST, error_object, error_response
+from ..metrics import Metrics
+from ..policy import LivePolicy
+from ..security import HostGuard, Identity, PollGuard, keep_shared_key
+from ..store.base import MemoryTaskStore, StoreUnavailable, TaskStore
+from ..store.redis_store import RedisTaskStore
+from ..tasks.model import utc_now
+from ..tasks.runner import TaskRunner
+from ..tasks.sealing import CallSeal
+from ..upstream import build_gateway
+from ..upstream.bridge import SyncBridge
+from ..upstream.events import UpstreamUnavailable
+from ..upstream.gateway import Gateway
+from ..upstream.http.relay import client_gone_key
+from . import boundary
 from .context import (
     MCP_PATH,
     RequestInfo,
@@ -37,30 +56,7 @@ from .context import (
     tasks2026_key,
 )
 from .dispatch import handle_mcp_post, handle_other
-from .durable import DurableCalls
-from .front import boundary
-from .jsonrpc import (
-    INVALID_REQUEST,
-    error_object,
-    error_response,
-)
-from .kept_alive import KeptAliveCalls
-from .metrics import Metrics
-from .policy import LivePolicy
-from .security import HostGuard, Identity, PollGuard, keep_shared_key
 from .session_routing import SessionRouting
-from .store.base import MemoryTaskStore, StoreUnavailable, TaskStore
-from .store.redis_store import RedisTaskStore
-from .tasks.model import utc_now
-from .tasks.runner import TaskRunner
-from .tasks.sealing import CallSeal
-from .tasks2025 import Tasks2025
-from .tasks2026 import Tasks2026
-from .upstream import build_gateway
-from .upstream.bridge import SyncBridge
-from .upstream.events import UpstreamUnavailable
-from .upstream.gateway import Gateway
-from .upstream.http.relay import client_gone_key
 
 log = structlog.get_logger(__name__)
 

@@ -9,19 +9,19 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from .durable import DurableCalls
-from .jsonrpc import INTERNAL_ERROR, JsonRpcError, UpstreamError, dumps, error_object
-from .kept_alive import KeptAliveCalls
-from .metrics import Metrics
-from .policy import LivePolicy
-from .security import HostGuard, Identity, PollGuard
-from .store.base import StoreUnavailable, TaskStore
-from .tasks.admission import ShuttingDown
-from .tasks.runner import TaskRunner
-from .tasks2025 import Tasks2025
-from .tasks2026 import Tasks2026
-from .upstream.bridge import SyncBridge
-from .upstream.gateway import Gateway
+from ..clients.durable import DurableCalls
+from ..clients.kept_alive import KeptAliveCalls
+from ..clients.tasks2025 import Tasks2025
+from ..clients.tasks2026 import Tasks2026
+from ..jsonrpc import INTERNAL_ERROR, JsonRpcError, UpstreamError, dumps, error_object
+from ..metrics import Metrics
+from ..policy import LivePolicy
+from ..security import HostGuard, Identity, PollGuard
+from ..store.base import StoreUnavailable, TaskStore
+from ..tasks.admission import ShuttingDown
+from ..tasks.runner import TaskRunner
+from ..upstream.bridge import SyncBridge
+from ..upstream.gateway import Gateway
 
 log = structlog.get_logger(__name__)
 

@@ -21,8 +21,8 @@ from collections.abc import Callable
 import structlog
 from aiohttp import web
 
-from .config import ListenConfig
-from .jsonrpc import INTERNAL_ERROR, dumps, error_object, error_response
+from ..config import ListenConfig
+from ..jsonrpc import INTERNAL_ERROR, dumps, error_object, error_response
 from .lane import Lane, open_lane
 
 log = structlog.get_logger(__name__)

@@ -20,6 +20,8 @@ from multidict import MultiMapping
 
 from ... import PROTOCOL_VERSION
 from ...jsonrpc import dumps, loads
+from ..era2025 import LEGACY_VERSION, proxy_initialize
+from ..era2026 import discover_probe, interpret, is_discover_result
 from ..events import (
     RETRIED_STATUSES,
     CredentialsNeeded,
@@ -31,8 +33,6 @@ from ..events import (
     retry_after_s,
     too_large,
 )
-from ..legacy import LEGACY_VERSION, proxy_initialize
-from ..modern import discover_probe, interpret, is_discover_result
 from .client import BodyTooLarge, CallClient, CallError, CallResponse, Unsent
 from .headers import own_request_headers
 from .sse import SseLimitError, SseParser, iter_events

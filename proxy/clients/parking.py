@@ -3,7 +3,7 @@
 The client's `requestState` is a handle to the parked call: HMAC-protected, bound to what the caller and the request
 say they are, single-use, and dropped (the call cancelled upstream) when it expires or the table is full. The handle
 names the replica that holds the call (`parked_owner`), so that a retry landing on another replica is forwarded to
-it (proxy/session_routing.py); the MAC covers that name too.
+it (proxy/front/session_routing.py); the MAC covers that name too.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Generic, TypeVar
 import structlog
 from cachetools import TTLCache
 
-from .security import same_mac
+from ..security import same_mac
 
 log = structlog.get_logger(__name__)
 

@@ -1,5 +1,6 @@
 """One client connection while the lane has it: requests parsed (httptools), the ones the lane serves answered in
-order (proxy/lane/answers.py), the others visited on aiohttp (proxy/lane/visits.py) or handed to it for good."""
+order (proxy/front/lane/answers.py), the others visited on aiohttp (proxy/front/lane/visits.py) or handed to it for
+good."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import httptools
 
+from ...jsonrpc import INVALID_REQUEST, error_object
+from .. import boundary
 from ..context import MCP_PATH, RequestInfo
-from ..front import boundary
-from ..jsonrpc import INVALID_REQUEST, error_object
 from .answers import answer
 from .routing import MAX_FIELD_BYTES, Head, lane_request
 from .visits import Visit
@@ -337,7 +338,7 @@ class LaneConnection(asyncio.Protocol):
             return
         self._parser = None  # type: ignore[assignment]  # no cycle back to this protocol
         self.out = None
-        # (A chunked request handed over ends its connection after its answer: proxy/app.py _end_after_chunked.)
+        # (A chunked request handed over ends its connection after its answer: proxy/front/app.py _end_after_chunked.)
         data = bytes(self._raw) + b"".join(self._pending)  # the request, and all that came after it
         self._pending.clear()
         self.backlog_bytes = 0
@@ -378,7 +379,7 @@ class LaneConnection(asyncio.Protocol):
         boundary.done(info, policy=lane.policy, metrics=lane.metrics, identity=lane.identity, headers=None,
                       http_method=http_method, path=MCP_PATH, status=status, started=started)  # fmt: skip
 
-    # visits (proxy/lane/visits.py)
+    # visits (proxy/front/lane/visits.py)
 
     def _start_visit(self) -> None:
         transport = self._transport
@@ -438,7 +439,7 @@ class LaneConnection(asyncio.Protocol):
 
     def expired(self) -> None:
         """The head or body being read is late (Lane._expire): a late head closes the connection, as aiohttp's
-        keep-alive timer does; a late body gets 408, as proxy/dispatch.py's read does."""
+        keep-alive timer does; a late body gets 408, as proxy/front/dispatch.py's read does."""
         self.deadline = _NEVER
         if self._reading == "body" and self._transport is not None and self.out is not None and self._lingering is None:
             body_timeout_s = self._lane.policy.config.listen.body_timeout_s

@@ -26,14 +26,14 @@ import structlog
 from aiohttp import web
 from cachetools import TTLCache
 
+from ..clients.envelope import params_of
+from ..clients.parking import parked_owner
+from ..jsonrpc import dumps, error_object, loads
+from ..security import Identity, same_mac
+from ..store.base import StoreUnavailable, TaskStore
+from ..upstream.http.headers import HOP_BY_HOP, HOP_HEADER, RESPONSE_SKIP, end_to_end_headers
 from .context import MCP_PATH
 from .dispatch import read_body
-from .envelope import params_of
-from .jsonrpc import dumps, error_object, loads
-from .parking import parked_owner
-from .security import Identity, same_mac
-from .store.base import StoreUnavailable, TaskStore
-from .upstream.http.headers import HOP_BY_HOP, HOP_HEADER, RESPONSE_SKIP, end_to_end_headers
 
 log = structlog.get_logger(__name__)
 

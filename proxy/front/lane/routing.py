@@ -11,14 +11,14 @@ import httptools
 from aiohttp.http_parser import SINGLETON_HEADERS
 from multidict import CIMultiDict, istr
 
-from ..config import TaskMode, ToolRule
+from ...clients.envelope import TASK_METHODS, check_modern_request, check_routing_headers, decode_header_value
+from ...config import TaskMode, ToolRule
+from ...jsonrpc import JsonRpcError, loads
+from ...upstream.http.relay import HttpRelay
+from .. import boundary
 from ..context import MCP_PATH
 from ..dispatch import answered_here, check_reencodable, relayed_as_is, relayed_unowned, upstream_body
-from ..envelope import TASK_METHODS, check_modern_request, check_routing_headers, decode_header_value
-from ..front import boundary
-from ..jsonrpc import JsonRpcError, loads
 from ..session_routing import may_name_a_parked_call
-from ..upstream.http.relay import HttpRelay
 from .answers import LaneRequest
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ def _shared_name(raw: bytes) -> istr:
 class Head:
     """One request head, read once: whether aiohttp may answer it on the lane's connection (`whole`), and whether
     the lane may serve it itself (`kind`: "relay", a request the proxy does not own; "owned", tasks/* or a tool the
-    policy runs as a task; None: aiohttp's). The body decides in the end (proxy/lane/connection.py)."""
+    policy runs as a task; None: aiohttp's). The body decides in the end (proxy/front/lane/connection.py)."""
 
     __slots__ = ("whole", "kind", "tool", "rule", "chunked", "_rule_for")
 
@@ -129,7 +129,7 @@ class Head:
                 seen.add(lower)
         if self.chunked and (lengths or method != b"POST" or url.partition(b"?")[0] != _MCP_PATH):
             # Both framings (a request smuggled past a front proxy: aiohttp refuses it), or not the MCP endpoint's:
-            # aiohttp reads it as it comes, and the connection ends after it (proxy/app.py _end_after_chunked).
+            # aiohttp reads it as it comes, and the connection ends after it (proxy/front/app.py _end_after_chunked).
             self.whole = False
             return
         if not (plain and method == b"POST" and (lengths == 1 or self.chunked)):
@@ -144,7 +144,7 @@ class Head:
             return
         elif mcp_method == "tools/call" and name is not None:
             # A tool the policy runs as a task is known from the header, without reading the body (which must
-            # agree: proxy/lane/connection.py checks).
+            # agree: proxy/front/lane/connection.py checks).
             self.tool = decode_header_value(name.decode())
             self.rule = rule_for(self.tool) if self.tool is not None else None
             self.kind = "owned" if self.rule is not None and self.rule.task is not TaskMode.NEVER else "relay"

@@ -17,7 +17,7 @@ import structlog
 from multidict import MultiMapping
 
 from .. import PROTOCOL_VERSION, TASKS_EXTENSION, __version__
-from ..envelope import params_of
+from ..clients.envelope import params_of
 from ..jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, error_object
 from ..security import Identity
 from .events import (

@@ -5,7 +5,7 @@ gains the server's `tasks` capability, `tools/list` shows each rule's `execution
 with `params.task` returns the 2025 `CreateTaskResult` at once while the call runs on the client's own session.
 `tasks/get`, `tasks/list` (the caller's tasks on that session only), `tasks/cancel` and `tasks/result` follow.
 `tasks/result` blocks until the task ends; meanwhile it is the side channel on which the server's questions reach
-the client (with `related-task` metadata), answered back as a durable call's are (proxy/durable.py).
+the client (with `related-task` metadata), answered back as a durable call's are (proxy/clients/durable.py).
 
 An upstream with SEP-1686 tasks of its own keeps them: then nothing here runs, and its tasks pass through.
 """
@@ -23,12 +23,8 @@ import structlog
 from aiohttp import web
 from cachetools import LRUCache
 
-from . import idempotency
-from .config import TaskMode, ToolRule
-from .durable import ALL_INPUT_KINDS, SEP1686_KIND, client_session
-from .durable_stream import DurableStream, related_task_meta
-from .envelope import params_of, progress_token
-from .jsonrpc import (
+from ..config import TaskMode, ToolRule
+from ..jsonrpc import (
     INTERNAL_ERROR,
     INVALID_PARAMS,
     METHOD_NOT_FOUND,
@@ -37,12 +33,16 @@ from .jsonrpc import (
     error_response,
     result_response,
 )
-from .security import Identity, PollGuard, caller_of
-from .store.base import TaskStore
-from .tasks.job import ToolCall
-from .tasks.model import TaskRecord, TaskStatus, format_time, is_task_id
-from .tasks.runner import TaskRunner
-from .upstream.http.headers import call_headers
+from ..security import Identity, PollGuard, caller_of
+from ..store.base import TaskStore
+from ..tasks.job import ToolCall
+from ..tasks.model import TaskRecord, TaskStatus, format_time, is_task_id
+from ..tasks.runner import TaskRunner
+from ..upstream.http.headers import call_headers
+from . import idempotency
+from .durable import ALL_INPUT_KINDS, SEP1686_KIND, client_session
+from .durable_stream import DurableStream, related_task_meta
+from .envelope import params_of, progress_token
 
 log = structlog.get_logger(__name__)
 

@@ -13,26 +13,10 @@ import structlog
 from aiohttp import web
 from multidict import MultiMapping
 
-from . import TASKS_EXTENSION, idempotency, listen, tasks2025
-from .config import ProxyConfig, TaskMode, ToolRule
-from .context import (
-    MCP_PATH,
-    RequestInfo,
-    bridge_key,
-    durable_key,
-    gateway_key,
-    identity_key,
-    info_key,
-    json_reply,
-    kept_alive_key,
-    policy_key,
-    runner_key,
-    store_key,
-    tasks2025_key,
-    tasks2026_key,
-)
-from .durable import wants_event_stream
-from .envelope import (
+from .. import TASKS_EXTENSION
+from ..clients import idempotency, listen, tasks2025
+from ..clients.durable import wants_event_stream
+from ..clients.envelope import (
     META_CLIENT_CAPABILITIES,
     check_batch_routing_headers,
     check_modern_request,
@@ -43,8 +27,9 @@ from .envelope import (
     params_of,
     without_tasks_declaration,
 )
-from .front import boundary
-from .jsonrpc import (
+from ..clients.tasks2026 import missing_tasks_capability
+from ..config import ProxyConfig, TaskMode, ToolRule
+from ..jsonrpc import (
     ERROR_HTTP_STATUS,
     INTERNAL_ERROR,
     INVALID_PARAMS,
@@ -62,17 +47,33 @@ from .jsonrpc import (
     result_response,
     too_deep,
 )
-from .security import Identity, caller_of
-from .store.base import StoreFullError
-from .tasks.admission import LimitReached
-from .tasks.job import DirectOutcome, ToolCall
-from .tasks.model import TaskRecord
-from .tasks.runner import TaskRunner
-from .tasks2026 import missing_tasks_capability
-from .upstream.bridge import StreamReply
-from .upstream.events import UpstreamUnavailable
-from .upstream.http.headers import call_headers
-from .upstream.legacy import discover_result
+from ..security import Identity, caller_of
+from ..store.base import StoreFullError
+from ..tasks.admission import LimitReached
+from ..tasks.job import DirectOutcome, ToolCall
+from ..tasks.model import TaskRecord
+from ..tasks.runner import TaskRunner
+from ..upstream.bridge import StreamReply
+from ..upstream.era2025 import discover_result
+from ..upstream.events import UpstreamUnavailable
+from ..upstream.http.headers import call_headers
+from . import boundary
+from .context import (
+    MCP_PATH,
+    RequestInfo,
+    bridge_key,
+    durable_key,
+    gateway_key,
+    identity_key,
+    info_key,
+    json_reply,
+    kept_alive_key,
+    policy_key,
+    runner_key,
+    store_key,
+    tasks2025_key,
+    tasks2026_key,
+)
 
 log = structlog.get_logger(__name__)
 

@@ -19,8 +19,8 @@ from typing import Any
 
 from multidict import MultiMapping
 
+from ..jsonrpc import INVALID_PARAMS, JsonRpcError
 from .envelope import params_of
-from .jsonrpc import INVALID_PARAMS, JsonRpcError
 
 HEADER = "Idempotency-Key"
 META_KEY = "mcp-tasks-proxy/idempotencyKey"

@@ -1,5 +1,5 @@
 """Durable calls: long tool calls for 2025-era clients without tasks (2026 clients without the extension get
-kept-alive calls, proxy/kept_alive.py).
+kept-alive calls, proxy/clients/kept_alive.py).
 
 The call runs exactly as a task does (runner, limits, store, TTL), and the client's POST is answered with an event
 stream that follows the task's record until its result:
@@ -14,7 +14,7 @@ stream that follows the task's record until its result:
 - `notifications/cancelled` naming the call's request id cancels the task: its id is derived from the caller, the
   session and that request id, so any replica finds it.
 
-The stream itself is proxy/durable_stream.py; a keyed kept-alive call is served by it too.
+The stream itself is proxy/clients/durable_stream.py; a keyed kept-alive call is served by it too.
 """
 
 from __future__ import annotations
@@ -26,8 +26,16 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from ..config import ToolRule
+from ..jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, dumps, error_object
+from ..security import Identity, caller_of
+from ..store.base import StoreUnavailable, TaskIdTaken, TaskStore
+from ..tasks.job import ToolCall
+from ..tasks.model import TaskRecord, is_task_id, new_task_id
+from ..tasks.runner import TaskRunner
+from ..upstream.era2025 import ERROR_ANSWER, LegacySession
+from ..upstream.http.headers import call_headers
 from . import idempotency
-from .config import ToolRule
 from .durable_stream import (
     RESUMABLE_VERSIONS,
     DurableStream,
@@ -35,20 +43,6 @@ from .durable_stream import (
     parse_event_id,
 )
 from .envelope import params_of, progress_token
-from .jsonrpc import (
-    INTERNAL_ERROR,
-    INVALID_PARAMS,
-    INVALID_REQUEST,
-    dumps,
-    error_object,
-)
-from .security import Identity, caller_of
-from .store.base import StoreUnavailable, TaskIdTaken, TaskStore
-from .tasks.job import ToolCall
-from .tasks.model import TaskRecord, is_task_id, new_task_id
-from .tasks.runner import TaskRunner
-from .upstream.http.headers import call_headers
-from .upstream.legacy import ERROR_ANSWER, LegacySession
 
 log = structlog.get_logger(__name__)
 
@@ -59,7 +53,8 @@ _MAX_GENERATIONS = 64
 _ACCEPT_WAIT_S = 2.0
 """How long a durable call's answer waits for the server to take the request (or say 404) before streaming."""
 SEP1686_KIND = "sep1686"
-"""TaskRecord.stream["kind"] of a SEP-1686 task (proxy/tasks2025.py): answered like a durable call, not resumed."""
+"""TaskRecord.stream["kind"] of a SEP-1686 task (proxy/clients/tasks2025.py): answered like a durable call, not
+resumed."""
 
 
 def wants_event_stream(headers: Any) -> bool:

@@ -5,10 +5,11 @@ Without an idempotency key the call runs as inside an endless sync window: closi
 any 2026 call, and an MRTR round is the upstream's own (or a parked one, proxy/tasks/sync_rounds.py).
 
 With a key the call runs as a task of its own (kind "kept"), so that it outlives its request: the client that lost
-the answer sends the call again with the key, on any replica, and waits for the same call (proxy/durable_stream.py
-follows its record). Input the call needs comes to the client as an MRTR `input_required` answer whose
-`requestState` names the task, MAC'd with the replicas' shared key and bound to the caller and the tool; the
-client's retry with that state delivers its answers to the task (as `tasks/update` would) and waits on.
+the answer sends the call again with the key, on any replica, and waits for the same call
+(proxy/clients/durable_stream.py follows its record). Input the call needs comes to the client as an MRTR
+`input_required` answer whose `requestState` names the task, MAC'd with the replicas' shared key and bound to the caller
+and the tool; the client's retry with that state delivers its answers to the task (as `tasks/update` would) and waits
+on.
 """
 
 from __future__ import annotations
@@ -19,11 +20,8 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from . import idempotency
-from .config import ToolRule
-from .durable_stream import STREAM_HEADERS, DurableStream
-from .envelope import params_of, progress_token
-from .jsonrpc import (
+from ..config import ToolRule
+from ..jsonrpc import (
     ERROR_HTTP_STATUS,
     INTERNAL_ERROR,
     INVALID_PARAMS,
@@ -33,13 +31,16 @@ from .jsonrpc import (
     error_response,
     result_response,
 )
-from .security import Identity, same_mac
-from .store.base import TaskStore
-from .tasks.job import DirectOutcome, ToolCall
-from .tasks.model import TaskRecord, is_task_id
-from .tasks.runner import TaskRunner
-from .upstream.events import Progress
-from .upstream.http.sse import KEEP_ALIVE, message_event
+from ..security import Identity, same_mac
+from ..store.base import TaskStore
+from ..tasks.job import DirectOutcome, ToolCall
+from ..tasks.model import TaskRecord, is_task_id
+from ..tasks.runner import TaskRunner
+from ..upstream.events import Progress
+from ..upstream.http.sse import KEEP_ALIVE, message_event
+from . import idempotency
+from .durable_stream import STREAM_HEADERS, DurableStream
+from .envelope import params_of, progress_token
 
 log = structlog.get_logger(__name__)
 

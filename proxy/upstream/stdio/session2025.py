@@ -14,15 +14,15 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from multidict import MultiMapping
 
+from ..era2025 import LEGACY_VERSION, LegacySession, proxy_initialize
 from ..events import AnswerTooLarge, CallCut, UpstreamUnavailable, failure_reason
-from ..legacy import LEGACY_VERSION, LegacySession, proxy_initialize
 from ..routing import CallRoute
 from .channel import StdioChannel
 from .exchange import OWN_ANSWER_MAX_BYTES, ChildGone, Exchange, child_exited, own_answer
 from .pool import StdioPool
 
 if TYPE_CHECKING:
-    from ..legacy import LegacyUpstream
+    from ..era2025 import LegacyUpstream
     from .sessions import FrontSession, FrontSessions
 
 log = structlog.get_logger(__name__)

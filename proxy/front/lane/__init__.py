@@ -9,7 +9,7 @@ forwarder's whole hop (bench/ab.py), and most requests need none of them. The la
   aiohttp's path.
 Any other request, and any the proxy would refuse before reading it (a bad header, Host or Origin, a body too
 large, JSON that does not parse), is answered by aiohttp on the lane's own connection (a visit,
-proxy/lane/visits.py); a request aiohttp must read as it arrives hands it the connection for good.
+proxy/front/lane/visits.py); a request aiohttp must read as it arrives hands it the connection for good.
 
 What the lane's requests still get: the Host/Origin guard, the size and time bounds of `listen` and `limits`, the
 request's metrics and log line, cancellation upstream when the client leaves, and a JSON-RPC error for every

@@ -9,13 +9,13 @@ from typing import Any
 
 from multidict import MultiMapping
 
-from . import TASKS_EXTENSION
+from .. import TASKS_EXTENSION
+from ..jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, MISSING_REQUIRED_CLIENT_CAPABILITY, JsonRpcError
+from ..security import Identity, PollGuard
+from ..store.base import TaskStore
+from ..tasks.model import is_task_id
+from ..tasks.runner import TaskRunner
 from .envelope import TASK_METHODS, check_modern_request, declares_tasks, params_of
-from .jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, MISSING_REQUIRED_CLIENT_CAPABILITY, JsonRpcError
-from .security import Identity, PollGuard
-from .store.base import TaskStore
-from .tasks.model import is_task_id
-from .tasks.runner import TaskRunner
 
 
 def missing_tasks_capability(message: str) -> JsonRpcError:

@@ -10,6 +10,7 @@ from typing import Any, Literal
 import structlog
 from multidict import MultiMapping
 
+from ..era2026 import discover_probe, interpret, is_discover_result
 from ..events import (
     AnswerTooLarge,
     Event,
@@ -21,7 +22,6 @@ from ..events import (
     proxy_failure,
     too_large,
 )
-from ..modern import discover_probe, interpret, is_discover_result
 from .exchange import ChildGone, carries_exit_status, child_exited, own_answer
 from .pool import StdioPool
 

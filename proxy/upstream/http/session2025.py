@@ -1,7 +1,7 @@
 """A 2025-era server over Streamable HTTP: sessions (`Mcp-Session-Id`), a call's POST and its JSON or event-stream
 answer (resumed with GET and Last-Event-ID), answers posted back, notifications, DELETE, the standalone GET stream.
 
-The era's rules (what to send, how to read it) are legacy.py's; this is only how it travels over HTTP.
+The era's rules (what to send, how to read it) are upstream/era2025.py's; this is only how it travels over HTTP.
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from ...jsonrpc import dumps, loads
 from ..events import RETRIED_STATUSES, UpstreamUnavailable, retry_after_s
 from ..routing import CallRoute
 from .client import CallError, CallResponse
+from .endpoint import Upstream, finished, single_answer
 from .headers import session_headers, session_post_fields, stream_headers
-from .modern import Upstream, finished, single_answer
 from .sse import SseParser, StreamPosition
 from .standalone import open_stream
 
 if TYPE_CHECKING:
-    from ..legacy import LegacySession, LegacyUpstream
+    from ..era2025 import LegacySession, LegacyUpstream
 
 log = structlog.get_logger(__name__)
 

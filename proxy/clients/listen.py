@@ -15,11 +15,11 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from .jsonrpc import INVALID_PARAMS, JsonRpcError
-from .store.base import StoreUnavailable, TaskStore
-from .tasks.model import TaskRecord, is_task_id
-from .tasks.runner import TaskRunner
-from .upstream.http.sse import KEEP_ALIVE, message_event
+from ..jsonrpc import INVALID_PARAMS, JsonRpcError
+from ..store.base import StoreUnavailable, TaskStore
+from ..tasks.model import TaskRecord, is_task_id
+from ..tasks.runner import TaskRunner
+from ..upstream.http.sse import KEEP_ALIVE, message_event
 
 log = structlog.get_logger(__name__)
 

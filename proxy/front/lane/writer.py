@@ -11,9 +11,9 @@ from typing import Any
 
 from aiohttp.http import SERVER_SOFTWARE
 
-from ..jsonrpc import dumps, error_response
-from ..upstream.http.client import CallResponse
-from ..upstream.http.sse import message_event
+from ...jsonrpc import dumps, error_response
+from ...upstream.http.client import CallResponse
+from ...upstream.http.sse import message_event
 
 _SERVER = f"Server: {SERVER_SOFTWARE}\r\n".encode()
 

@@ -1,5 +1,5 @@
 """Serving one request the lane took: relayed as received, bridged to a 2025-era upstream, or the proxy's own
-(tasks/* and task creation), behind the same boundary as aiohttp's (proxy/app.py): a wire error for what can be
+(tasks/* and task creation), behind the same boundary as aiohttp's (proxy/front/app.py): a wire error for what can be
 answered, the request's metrics and log line, and no traceback for anyone."""
 
 from __future__ import annotations
@@ -13,21 +13,15 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from multidict import CIMultiDict
 
-from ..config import ToolRule
+from ...clients.envelope import check_modern_request
+from ...config import ToolRule
+from ...jsonrpc import UpstreamError, result_response
+from ...upstream.http.client import CallError, CallResponse
+from ...upstream.http.headers import relayed_request_fields
+from ...upstream.http.relay import READ_WHOLE_BYTES, STREAM_TYPES, AnswerWatcher, broken_stream_event, check_answer_id
+from .. import boundary
 from ..context import MCP_PATH, RequestInfo
 from ..dispatch import check_reencodable, create_task, task_answer, tool_call
-from ..envelope import check_modern_request
-from ..front import boundary
-from ..jsonrpc import UpstreamError, result_response
-from ..upstream.http.client import CallError, CallResponse
-from ..upstream.http.headers import relayed_request_fields
-from ..upstream.http.relay import (
-    READ_WHOLE_BYTES,
-    STREAM_TYPES,
-    AnswerWatcher,
-    broken_stream_event,
-    check_answer_id,
-)
 from .writer import LaneReply, LaneWriter
 
 if TYPE_CHECKING:
@@ -38,7 +32,7 @@ log = structlog.get_logger(__name__)
 
 @dataclass(slots=True)
 class LaneRequest:
-    """A whole request the lane serves itself, checked (proxy/lane/connection.py)."""
+    """A whole request the lane serves itself, checked (proxy/front/lane/connection.py)."""
 
     kind: str
     """"modern" (relayed as received, but for a tasks declaration), "as_is" (a 2025 client's, relayed as
@@ -145,7 +139,7 @@ def _account(lane: Lane, info: RequestInfo, headers: CIMultiDict[str], status: i
 
 
 async def _owned(lane: Lane, out: LaneWriter, request: LaneRequest, info: RequestInfo, *, keep_alive: bool) -> int:
-    """tasks/* and a task-creating tools/call, as proxy/dispatch.py serves them."""
+    """tasks/* and a task-creating tools/call, as proxy/front/dispatch.py serves them."""
     message = request.message
     assert message is not None
     if request.rule is None:

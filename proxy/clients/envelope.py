@@ -8,8 +8,8 @@ from typing import Any
 
 from multidict import CIMultiDict, MultiMapping
 
-from . import PROTOCOL_VERSION, TASKS_EXTENSION
-from .jsonrpc import HEADER_MISMATCH, INVALID_PARAMS, UNSUPPORTED_PROTOCOL_VERSION, JsonRpcError
+from .. import PROTOCOL_VERSION, TASKS_EXTENSION
+from ..jsonrpc import HEADER_MISMATCH, INVALID_PARAMS, UNSUPPORTED_PROTOCOL_VERSION, JsonRpcError
 
 META_PROTOCOL_VERSION = "io.modelcontextprotocol/protocolVersion"
 META_CLIENT_CAPABILITIES = "io.modelcontextprotocol/clientCapabilities"

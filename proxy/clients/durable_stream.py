@@ -1,4 +1,4 @@
-"""A durable call's event stream, derived from its task's record (proxy/durable.py says what durable calls are).
+"""A durable call's event stream, derived from its task's record (proxy/clients/durable.py says what durable calls are).
 
 Event ids are `mtp.<task id>.<record revision>.<n>`: the revision is the record's lastUpdatedAt in microseconds, and n
 counts the events sent for that revision, so a resumed stream sends only what came after, on any replica. The
@@ -17,12 +17,12 @@ from typing import Any
 
 from aiohttp import web
 
-from .jsonrpc import INTERNAL_ERROR, error_object
-from .store.base import StoreUnavailable, TaskStore
-from .tasks.model import TaskRecord, TaskStatus
-from .tasks.runner import TaskRunner
-from .upstream.http.sse import KEEP_ALIVE, event_bytes, message_event
-from .upstream.routing import RELATED_TASK
+from ..jsonrpc import INTERNAL_ERROR, error_object
+from ..store.base import StoreUnavailable, TaskStore
+from ..tasks.model import TaskRecord, TaskStatus
+from ..tasks.runner import TaskRunner
+from ..upstream.http.sse import KEEP_ALIVE, event_bytes, message_event
+from ..upstream.routing import RELATED_TASK
 
 RESUMABLE_VERSIONS = frozenset({"2025-11-25"})
 """Client protocol versions whose streams may be closed and resumed (priming events came with 2025-11-25)."""
@@ -89,7 +89,7 @@ class DurableStream:
         `tasks/result` of that id instead of the call itself, and every message carries related-task metadata.
         With `answer_as`, it answers another request of the same call (one sent again with its idempotency key):
         not resumable, as its event ids would name the first request; the key is what finds the call again.
-        With `kept`, a 2026 client's keyed kept-alive call (proxy/kept_alive.py): its request id, progress token
+        With `kept`, a 2026 client's keyed kept-alive call (proxy/clients/kept_alive.py): its request id, progress token
         and the requestState of its input rounds (`mrtr`), which end the stream as MRTR answers."""
         stream = dict(record.stream or {}) if kept is None else kept
         if reply_to is not None:
