@@ -133,7 +133,10 @@ def check_answer_id(payload: bytes, request_id: RequestId, upstream_url: str) ->
     """Refuse a JSON answer to another request (a late duplicate on a pooled connection, a confused server) as an
     upstream failure, as a task's call does: relayed, it would answer this client with someone else's result. An
     answer that opens with this request's id, as the SDKs write it, is known to be its own without parsing."""
-    if payload.startswith(b'{"jsonrpc":"2.0","id":%s,' % dumps(request_id)):
+    encoded = dumps(request_id)
+    if payload.startswith(b'{"jsonrpc":"2.0","id":%s,' % encoded) or payload.startswith(
+        b'{"jsonrpc": "2.0", "id": %s, ' % encoded  # Python's json.dumps as it is called by default
+    ):
         return
     try:
         message = loads(payload)
