@@ -1,9 +1,11 @@
 """The lane: every client connection is read here first, by httptools (llhttp), without aiohttp's server machinery.
 
 aiohttp's request and response objects, payload writer and handler task cost more CPU per request than a bare
-forwarder's whole hop (bench/ab.py), and most requests need none of them. The lane serves three kinds itself:
+forwarder's whole hop (bench/ab.py), and most requests need none of them. The lane serves these itself, in every
+configuration:
 - a 2026-07-28 request the proxy does not own (`dispatch.relayed_unowned`), posted upstream with the lean client
   and its answer written back as the upstream sent it, or bridged to a 2025-era upstream;
+- a 2025-era client's request the proxy does not own (`dispatch.relayed_as_is`), to an HTTP upstream as it came;
 - `tasks/get`, `tasks/update` and `tasks/cancel` of a 2026 client, and its `tools/call` that declares tasks for a
   tool the policy runs as a task (`dispatch.answered_here`): the proxy's own answers, from the same code as
   aiohttp's path.
@@ -11,9 +13,11 @@ Any other request, and any the proxy would refuse before reading it (a bad heade
 large, JSON that does not parse), is answered by aiohttp on the lane's own connection (a visit,
 proxy/front/lane/visits.py); a request aiohttp must read as it arrives hands it the connection for good.
 
-What the lane's requests still get: the Host/Origin guard, the size and time bounds of `listen` and `limits`, the
-request's metrics and log line, cancellation upstream when the client leaves, and a JSON-RPC error for every
-failure. With tracing on, or with replicas routing sessions (`listen.advertise_url`), every request is aiohttp's.
+What the lane's requests get is the front door's boundary (proxy/front/boundary.py, as aiohttp's do): the
+Host/Origin guard, the request id, the span, the request's metrics and log line, and a JSON-RPC error for every
+failure; with the size and time bounds of `listen` and `limits`, and cancellation upstream when the client leaves.
+With replicas routing sessions (`listen.advertise_url`), a request that may name a 2025 session or a parked call is
+aiohttp's, which routes it.
 
 Modules: `server.py` (the protocol factory and the deadlines' one timer), `connection.py` (reading: parsing,
 pipelining, visits), `routing.py` (which requests it serves: the head in one pass, then the body), `answers.py`
