@@ -1188,3 +1188,15 @@ async def test_the_lane_s_own_refusals_are_counted_and_logged(make_proxy, mcp_up
     received = await raw_exchange(port_of(proxy), chunked_post(call("echo", {"text": "x" * 2000})))
     assert answers(received)[0][0] == 413
     assert counted(before, request_counts(proxy)) == {("none", "local", "413"): 1}
+
+
+async def test_what_waits_behind_a_refused_request_is_dropped(make_proxy, mcp_upstream, caplog):
+    """Pipelined behind a request the lane refuses: nothing more is read or answered on that connection (one
+    refusal, then the end), and nothing is written after the answer that ended it."""
+    proxy = await make_proxy(mcp_upstream, protocol="modern", limits={"max_body_bytes": 1024})
+    first = http_post(call("add", {"a": 1, "b": 2}))
+    refused = chunked_post(call("echo", {"text": "x" * 2000}))
+    with caplog.at_level("ERROR", logger="asyncio"):
+        received = await raw_exchange(port_of(proxy), first + refused + http_post(call("add", {"a": 2, "b": 2})))
+    assert [status for status, _, _ in answers(received)] == [200, 413], received
+    assert not [record for record in caplog.records if record.name == "asyncio"], caplog.text

@@ -469,8 +469,8 @@ class LaneConnection(asyncio.Protocol):
         self.deadline = self._lane.loop.time() + self._lane.header_timeout_s
         pending = self._pending
         while pending and self.running is None and not (self.visiting or self._held or self._visit_due):
-            if self._transport is None:
-                return
+            if self._transport is None or self._lingering is not None:
+                return  # gone, or refused: what waits is dropped
             piece = pending.popleft()
             self.backlog_bytes -= len(piece)
             self._feed(piece)
