@@ -265,3 +265,12 @@ async def test_sizes_say_what_reading_each_record_would_decode(store):
     else:
         assert sizes[0] > 1000 and sizes[1] == 0
     assert await store.sizes([]) == []
+
+
+async def test_running_ids_of_more_tasks_than_a_connection_pool_holds(store):
+    """The running set is checked against the records in pipelines: asked a command apiece at once, 300 running
+    tasks took 300 of redis-py's connections, past its pool's 100 ("Too many connections")."""
+    records = [record() for _ in range(300)]
+    for rec in records:
+        await store.create(rec)
+    assert set(await store.running_task_ids()) == {rec.task_id for rec in records}
