@@ -422,7 +422,7 @@ async def test_a_pipelined_backlog_is_bounded_and_each_request_costs_the_same_ho
 
     def watching_received(self, data):
         received(self, data)
-        held[0] = max(held[0], self.backlog_bytes)
+        held[0] = max(held[0], self.backlog.size)
 
     monkeypatch.setattr(LaneConnection, "_feed", counting_feed)
     monkeypatch.setattr(LaneConnection, "data_received", watching_received)

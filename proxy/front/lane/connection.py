@@ -5,7 +5,6 @@ good."""
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import socket
 import time
@@ -17,6 +16,7 @@ from ...jsonrpc import INVALID_REQUEST, error_object
 from .. import boundary
 from ..context import MCP_PATH, RequestInfo
 from .answers import answer
+from .backlog import Backlog
 from .routing import MAX_FIELD_BYTES, Head, lane_request
 from .visits import Visit
 from .writer import LaneWriter
@@ -26,11 +26,6 @@ if TYPE_CHECKING:
 
 MAX_HEAD_BYTES = 32 * 1024
 """A longer head is aiohttp's to refuse (its limits are lower): the lane never buffers more of one."""
-_MAX_PENDING_BYTES = 64 * 1024
-"""Bytes a client may send ahead of an answer still owed before the lane stops reading its connection."""
-_PIECE_BYTES = 2 * 1024
-"""What waits is kept in pieces of at most this size, and fed to the parser a piece at a time: a request costs its
-own bytes and one piece, however much is queued behind it."""
 _VISITS_IN_A_ROW = 8
 """Requests in a row that aiohttp answers on a lane connection before it is handed the connection for good."""
 _NEVER = float("inf")
@@ -114,10 +109,7 @@ class LaneConnection(asyncio.Protocol):
         self._reading = "head"  # head | body | answering
         self.deadline = lane.loop.time() + lane.header_timeout_s
         """When the head (or, once it is in, the body) being read is late."""
-        self._pending: collections.deque[bytes] = collections.deque()  # received while an answer is owed
-        self.backlog_bytes = 0
-        """Bytes received and not yet parsed: what `_pending` holds."""
-        self._reading_paused = False
+        self.backlog = Backlog()  # received while an answer is owed
         self.running: asyncio.Task[None] | None = None
         self._visit_due = False  # the request read is aiohttp's to answer (a visit), and it has been read whole
         self._visit: Visit | None = None
@@ -147,22 +139,9 @@ class LaneConnection(asyncio.Protocol):
                 self.abort()
             return
         if self.running is not None or self.visiting or self._held:  # what comes next waits for the answer
-            self._queue(data)
+            self.backlog.put(data, self._transport)
             return
         self._feed(data)
-
-    def _queue(self, data: bytes, *, first: bool = False) -> None:
-        """Keep `data` for after the answer owed (`first`: before what waits already), in pieces; stop reading the
-        connection while more than _MAX_PENDING_BYTES wait."""
-        pieces = [data[i : i + _PIECE_BYTES] for i in range(0, len(data), _PIECE_BYTES)]
-        if first:
-            self._pending.extendleft(reversed(pieces))
-        else:
-            self._pending.extend(pieces)
-        self.backlog_bytes += len(data)
-        if self.backlog_bytes > _MAX_PENDING_BYTES and not self._reading_paused and self._transport is not None:
-            self._reading_paused = True
-            self._transport.pause_reading()
 
     def eof_received(self) -> bool:
         return False  # closes the transport; a call in flight is cancelled by connection_lost
@@ -213,7 +192,7 @@ class LaneConnection(asyncio.Protocol):
             self._pipelined = False
             if rest is not None:
                 # Pipelined requests wait, in order, for the answer to this one.
-                self._queue(rest, first=True)
+                self.backlog.put(rest, self._transport, first=True)
                 self._parser = httptools.HttpRequestParser(self)
             elif self.running is not None or (self._visit_due and self._head is not None and self._head.chunked):
                 # What followed a request the lane serves (or a chunked one) cannot be told apart from it: its
@@ -254,7 +233,7 @@ class LaneConnection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         if self.running is not None or self._visit_due:
             self._pipelined = True
-            raise _Pipelined  # parsed after this request's answer, from _pending
+            raise _Pipelined  # parsed after this request's answer, from the backlog
         self._url = b""
         self._fields = []
         self._body = []
@@ -339,12 +318,7 @@ class LaneConnection(asyncio.Protocol):
         self._parser = None  # type: ignore[assignment]  # no cycle back to this protocol
         self.out = None
         # (A chunked request handed over ends its connection after its answer: proxy/front/app.py _end_after_chunked.)
-        data = bytes(self._raw) + b"".join(self._pending)  # the request, and all that came after it
-        self._pending.clear()
-        self.backlog_bytes = 0
-        if self._reading_paused:
-            self._reading_paused = False
-            transport.resume_reading()
+        data = bytes(self._raw) + self.backlog.take_all(transport)  # the request, and all that came after it
         self._lane.hand_over(self, transport, data)
 
     def _reframed(self) -> bytes:
@@ -467,16 +441,12 @@ class LaneConnection(asyncio.Protocol):
     def _next(self) -> None:
         """Ready for the next request: what came meanwhile is read now, a piece at a time, until a request is whole."""
         self.deadline = self._lane.loop.time() + self._lane.header_timeout_s
-        pending = self._pending
-        while pending and self.running is None and not (self.visiting or self._held or self._visit_due):
+        backlog = self.backlog
+        while backlog and self.running is None and not (self.visiting or self._held or self._visit_due):
             if self._transport is None or self._lingering is not None:
                 return  # gone, or refused: what waits is dropped
-            piece = pending.popleft()
-            self.backlog_bytes -= len(piece)
-            self._feed(piece)
-        if self._reading_paused and self.backlog_bytes <= _MAX_PENDING_BYTES and self._transport is not None:
-            self._reading_paused = False
-            self._transport.resume_reading()
+            self._feed(backlog.take())
+        backlog.make_room(self._transport)
 
     # stopping
 
