@@ -5,6 +5,7 @@
     python bench/ab.py --quick            # 2 s runs, 3 repeats: a smoke test, not a figure
     python bench/ab.py --path create      # task creation at 1,000/s instead of pass-through (memory and Redis)
     python bench/ab.py --path get         # tasks/get of a finished task, closed loop (memory and Redis)
+    python bench/ab.py --path discover    # server/discover, the proxy's, answered by the application's handler
     python bench/ab.py --client tasks     # pass-through from a client that declares the tasks extension
     python bench/ab.py --variant tracing  # the work tree plain (A) against itself with tracing configured (B)
 
@@ -30,6 +31,10 @@ millisecond ticks of one thread, so that requests come in small bursts and one w
 
 `--path get` measures the proxy's own read path: each proxy makes one task (which completes at once), then wrk
 asks tasks/get for it with every connection count, closed loop; the figures are CPU µs per tasks/get and req/s.
+
+`--path discover` measures a request the proxy answers through the application's handler (aiohttp's request and
+response objects, proxy/front/dispatch.py) rather than the lane's own code: a 2026 client's server/discover,
+closed loop, memory store.
 
 `--variant tracing` and `--variant advertise` compare configurations instead of commits: A is the work tree as
 configured above, B the same install with OpenTelemetry tracing configured (an OTLP exporter, the sampler off:
@@ -167,23 +172,32 @@ def cpu_s(pid: int) -> float:
 
 
 def wrk_total(
-    url: str, pid: int, connections: int, seconds: int, task_id: str | None = None, meta: dict = META
+    url: str,
+    pid: int,
+    connections: int,
+    seconds: int,
+    task_id: str | None = None,
+    meta: dict = META,
+    method: str = "tools/call",
 ) -> tuple[int, float]:
     """Requests wrk completed against `url` (every one a 2xx, or the run is void), and the CPU seconds the process
-    `pid` spent meanwhile: the pass-through tools/call with `meta`, or tasks/get of `task_id`."""
-    if task_id is None:
+    `pid` spent meanwhile: the pass-through tools/call with `meta`, tasks/get of `task_id`, or `method` with
+    `meta` alone."""
+    if task_id is not None:
+        method, params = "tasks/get", {"taskId": task_id, "_meta": META_TASKS}
+        headers = request_headers(method, task_id)
+    elif method == "tools/call":
         params, headers = {"name": "plain", "arguments": {}, "_meta": meta}, HEADERS
     else:
-        params = {"taskId": task_id, "_meta": META_TASKS}
-        headers = request_headers("tasks/get", task_id)
-    body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tasks/get" if task_id else "tools/call", "params": params})
+        params, headers = {"_meta": meta}, request_headers(method)
+    body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": method, "params": params})
     # wrk counts a JSON-RPC error on HTTP 200 as served: one request first, read here, voids a run of errors.
     check = urllib.request.Request(url, data=body.encode(), headers=headers, method="POST")
     with urllib.request.urlopen(check, timeout=10) as response:
         answer = json.loads(response.read())
     if "result" not in answer:
         raise SystemExit(f"{url} answers the measured request with {answer}: no figure for it")
-    script = WORK / ("passthrough.lua" if task_id is None else f"get-{task_id}.lua")
+    script = WORK / (f"{method.replace('/', '-')}.lua" if task_id is None else f"get-{task_id}.lua")
     lines = ['wrk.method = "POST"', f"wrk.body = {json.dumps(body)}"]
     lines += [f'wrk.headers["{key}"] = "{value}"' for key, value in headers.items()]
     script.write_text("\n".join(lines) + "\n")
@@ -353,27 +367,40 @@ def creation(a_install: Install, b_install: Install, upstream: str, seconds: int
 
 
 def reads(
-    a_install: Install, b_install: Install, upstream: str, seconds: int, repeats: int, connections: list[int]
+    a_install: Install,
+    b_install: Install,
+    upstream: str,
+    seconds: int,
+    repeats: int,
+    connections: list[int],
+    method: str = "tasks/get",
 ) -> None:
-    """tasks/get of a finished task through A and B, closed loop, with the memory store and with Redis."""
-    header = ["store", "c", "A µs/get", "B µs/get", "B/A", "A req/s", "B req/s"]
+    """tasks/get of a finished task through A and B, closed loop, with the memory store and with Redis; or
+    `method` (server/discover), with the memory store."""
+    short = method.rsplit("/", 1)[1]
+    header = ["store", "c", f"A µs/{short}", f"B µs/{short}", "B/A", "A req/s", "B req/s"]
     rows = []
     # A task a day: it must outlive the longest run that polls it (one made before each wrk run).
     for name, targets in proxies_by_store(a_install, b_install, upstream, ttl_ms=86_400_000):
+        if method != "tasks/get" and name != "memory":
+            break
         for count in connections:
             cpu: dict[str, list[float]] = {target: [] for target in targets}
             rate: dict[str, list[float]] = {target: [] for target in targets}
             for repeat in range(repeats):
                 for target in ("A", "B") if repeat % 2 == 0 else ("B", "A"):
                     url, pid = targets[target]
-                    task_id = finished_task(url)  # a new one each time, as in a run of its own
-                    total, spent = wrk_total(url, pid, count, seconds, task_id)
+                    if method == "tasks/get":
+                        task_id = finished_task(url)  # a new one each time, as in a run of its own
+                        total, spent = wrk_total(url, pid, count, seconds, task_id)
+                    else:
+                        total, spent = wrk_total(url, pid, count, seconds, meta=META_TASKS, method=method)
                     cpu[target].append(spent / total * 1e6)
                     rate[target].append(total / seconds)
             ratio = statistics.median(cpu["B"]) / statistics.median(cpu["A"])
             rows.append([name, str(count), summary(cpu["A"]), summary(cpu["B"]), f"{ratio:.3f}",
                          summary(rate["A"]), summary(rate["B"])])  # fmt: skip
-            print(f"  tasks/get, {name} store, c={count}: B/A {ratio:.3f}", file=sys.stderr)
+            print(f"  {method}, {name} store, c={count}: B/A {ratio:.3f}", file=sys.stderr)
     print_table(header, rows)
 
 
@@ -390,9 +417,9 @@ def main() -> None:
     parser.add_argument("--log-level", choices=("warning", "info"), default="warning",
                         help="the proxies' logging.level on the pass-through path: warning writes no line a request "
                              "(the figures of docs/benchmarks.md), info one (the default of a deployment)")  # fmt: skip
-    parser.add_argument("--path", choices=("passthrough", "create", "get"), default="passthrough",
-                        help="what is measured: a pass-through tools/call, task creation at 1,000/s, or "
-                             "tasks/get of a finished task")  # fmt: skip
+    parser.add_argument("--path", choices=("passthrough", "create", "get", "discover"), default="passthrough",
+                        help="what is measured: a pass-through tools/call, task creation at 1,000/s, "
+                             "tasks/get of a finished task, or server/discover")  # fmt: skip
     parser.add_argument("--variant", choices=("tracing", "advertise"), default=None,
                         help="pass-through: the work tree plain (A) against itself with tracing configured or "
                              "listen.advertise_url set (B), instead of --base against the work tree")  # fmt: skip
@@ -441,8 +468,10 @@ def main() -> None:
         if args.path == "create":
             creation(a_install, b_install, upstream, seconds, repeats, args.arrivals)
             return
-        if args.path == "get":
-            reads(a_install, b_install, upstream, seconds, repeats, [int(c) for c in args.connections.split(",")])
+        if args.path in ("get", "discover"):
+            method = "tasks/get" if args.path == "get" else "server/discover"
+            connections = [int(c) for c in args.connections.split(",")]
+            reads(a_install, b_install, upstream, seconds, repeats, connections, method)
             return
         forwarder_port = free_port()
         forwarder = stack.enter_context(process(sys.executable, str(HERE / "minimal_forwarder.py"),

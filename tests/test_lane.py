@@ -592,7 +592,7 @@ async def test_one_connection_carries_relayed_and_handed_over_requests_in_order(
     assert got == [10, 11, 12]
     assert "io.modelcontextprotocol/tasks" in discovered["result"]["capabilities"]["extensions"]
     assert last["result"]["structuredContent"]["result"] == 10
-    assert lane_counts(proxy) == {"relayed": 4, "served": 0, "visited": 1, "handed_over": 0}
+    assert lane_counts(proxy) == {"relayed": 4, "served": 0, "handled": 1, "handed_over": 0}
 
 
 async def read_answers(reader: asyncio.StreamReader, count: int) -> list[Any]:
@@ -684,11 +684,13 @@ async def test_the_connection_cap_counts_the_lane_s_connections(make_proxy, mcp_
         writer.close()
 
 
-async def test_a_connection_aiohttp_takes_over_after_a_visit_is_not_refused_by_the_cap(make_proxy, mcp_upstream):
+async def test_a_connection_aiohttp_takes_over_after_the_application_answered_on_it_is_not_refused_by_the_cap(
+    make_proxy, mcp_upstream
+):
     proxy = await make_proxy(mcp_upstream, protocol="modern", listen={"max_connections": 2})
     port = port_of(proxy)
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(http_post(request("tasks/get", {"taskId": "nope", "_meta": meta()})))  # a visit
+    writer.write(http_post(request("tasks/get", {"taskId": "nope", "_meta": meta()})))  # the application's
     assert (await read_answers(reader, 1))[0]["error"]["code"] == -32602
     other = await asyncio.open_connection("127.0.0.1", port)  # the cap is reached
     message = call("add", {"a": 3, "b": 4})
@@ -750,14 +752,14 @@ async def test_calls_bridged_to_a_2025_server_take_the_lane_with_their_input_rou
     assert done.result["content"][0]["text"] == "hello Ada"
     used = await proxy.client.call("tools/call", retry)  # the handle was single use: the bridge's own refusal
     assert used.status == 400 and used.error["code"] == -32602
-    assert lane_counts(proxy) == {"relayed": 4, "served": 0, "visited": 0, "handed_over": 0}
+    assert lane_counts(proxy) == {"relayed": 4, "served": 0, "handled": 0, "handed_over": 0}
     # The same call on aiohttp's path (a request that expects 100-continue is handed over) answers the same.
     body = json.dumps(message).encode()
     async with proxy.client.session.post(proxy.url, **aiohttp_path(body), headers=headers_for(message)) as response:
         assert response.status == lane.status == 200
         assert response.headers["Content-Type"] == lane.headers["Content-Type"]
         assert json.loads(await response.read()) == json.loads(lane.body)
-    assert lane_counts(proxy) == {"relayed": 4, "served": 0, "visited": 0, "handed_over": 1}
+    assert lane_counts(proxy) == {"relayed": 4, "served": 0, "handled": 0, "handed_over": 1}
 
 
 async def test_a_question_on_the_standalone_stream_is_answered_by_the_task_that_brings_it(make_proxy, legacy_upstream):
@@ -793,20 +795,27 @@ async def test_a_client_that_opens_with_discover_and_polls_tasks_stays_on_the_la
         assert reply.result["structuredContent"]["result"] == a + 1
         polled = await proxy.client.get_task(task_id)
         assert polled.result["taskId"] == task_id
-    assert lane_counts(proxy) == {"relayed": 3, "served": 4, "visited": 1, "handed_over": 0}
+    assert lane_counts(proxy) == {"relayed": 3, "served": 4, "handled": 1, "handed_over": 0}
     done = await task_reaches(proxy.client, task_id, "completed")
     assert done.result["result"]["content"]
 
 
-async def test_a_connection_of_requests_the_lane_leaves_to_aiohttp_is_handed_over_for_good(proxy):
-    """The lane's parse would only add to aiohttp's: after 8 visits in a row aiohttp reads the connection."""
+async def test_the_lane_reads_every_post_to_the_mcp_endpoint_and_hands_aiohttp_the_connection_of_a_get(proxy):
+    """However many POSTs in a row the lane leaves to the application's handler, it reads them (no hand-over, no
+    re-parse of the answer); a GET gives aiohttp the connection for good, and aiohttp answers what follows on it."""
+    port = port_of(proxy)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
     for _ in range(12):
-        discovered = await proxy.client.call("server/discover")
-        assert "io.modelcontextprotocol/tasks" in discovered.result["capabilities"]["extensions"]
-    assert lane_counts(proxy) == {"relayed": 0, "served": 0, "visited": 8, "handed_over": 1}
-    reply = await proxy.client.send(call("add", {"a": 1, "b": 2}))  # aiohttp's path now, the same answer
-    assert reply.result["structuredContent"]["result"] == 3
-    assert lane_counts(proxy)["relayed"] == 0
+        writer.write(http_post(request("server/discover", {"_meta": meta()})))
+        (discovered,) = await read_answers(reader, 1)
+        assert "io.modelcontextprotocol/tasks" in discovered["result"]["capabilities"]["extensions"]
+    assert lane_counts(proxy) == {"relayed": 0, "served": 0, "handled": 12, "handed_over": 0}
+    writer.write(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    assert (await read_answers(reader, 1)) == [{"status": "ok"}]
+    writer.write(http_post(call("add", {"a": 1, "b": 2})))  # aiohttp's reader now: the same answer
+    assert (await read_answers(reader, 1))[0]["result"]["structuredContent"]["result"] == 3
+    writer.close()
+    assert lane_counts(proxy) == {"relayed": 0, "served": 0, "handled": 12, "handed_over": 1}
 
 
 def _owned_requests(task_id: str) -> list[tuple[str, dict[str, Any], dict[str, str]]]:
@@ -866,7 +875,7 @@ async def test_the_proxy_s_own_requests_are_served_on_the_lane_with_the_answers_
             assert ours == theirs, why
         if why == "creation, header disagrees":
             # The body names another tool than the header: aiohttp's to refuse, on the lane's connection.
-            assert (after["served"], after["visited"]) == (before["served"], before["visited"] + 1), why
+            assert (after["served"], after["handled"]) == (before["served"], before["handled"] + 1), why
         else:
             assert after["served"] == before.get("served", 0) + 1, why
     assert lane_counts(proxy)["handed_over"] == len(_owned_requests(task_id))
@@ -1095,11 +1104,11 @@ async def test_with_replicas_routing_sessions_the_lane_serves_what_names_no_sess
     created = await proxy.client.call_tool("slow_report", {"topic": "t", "seconds": 0})
     await task_reaches(proxy.client, created.result["taskId"], "completed")
     counts = lane_counts(proxy)
-    assert counts["relayed"] == 1 and counts["served"] >= 2 and counts["visited"] == 0, counts
+    assert counts["relayed"] == 1 and counts["served"] >= 2 and counts["handled"] == 0, counts
     parked = call("add", {"a": 1, "b": 2}, requestState="mtp1.somewhere~x.y", inputResponses={})
     await proxy.client.send(parked)
     await proxy.client.call_tool("add", {"a": 1, "b": 2}, tasks=False, headers={"Mcp-Session-Id": "s"})
-    assert lane_counts(proxy)["visited"] == 2
+    assert lane_counts(proxy)["handled"] == 2
 
 
 async def test_a_2025_client_s_requests_the_proxy_does_not_own_are_relayed_on_the_lane(
@@ -1121,7 +1130,7 @@ async def test_a_2025_client_s_requests_the_proxy_does_not_own_are_relayed_on_th
         listed = request("tools/list", {})
         on_lane = await proxy.client.post_raw(json.dumps(listed), session)
         assert on_lane.status == 200 and on_lane.message["result"]["tools"], on_lane.message
-        assert lane_counts(proxy) == {"relayed": 2, "served": 0, "visited": 0, "handed_over": 0}
+        assert lane_counts(proxy) == {"relayed": 2, "served": 0, "handled": 0, "handed_over": 0}
         # aiohttp's path (a request that expects 100-continue is handed to it) answers the same.
         async with proxy.client.session.post(proxy.url, **aiohttp_path(json.dumps(listed).encode()),
                                              headers={**session, "Connection": "close"}) as response:  # fmt: skip
@@ -1133,7 +1142,7 @@ async def test_a_2025_client_s_requests_the_proxy_does_not_own_are_relayed_on_th
                                         "clientInfo": {"name": "t", "version": "0"}})  # fmt: skip
     first = await proxy.client.post_raw(json.dumps(initialize), headers_2025)
     assert first.status == 200 and first.message["result"]["capabilities"]["tasks"], first.message  # the proxy's
-    assert lane_counts(proxy)["visited"] == 1 and lane_counts(proxy)["relayed"] == 0
+    assert lane_counts(proxy)["handled"] == 1 and lane_counts(proxy)["relayed"] == 0
 
 
 async def test_a_chunked_request_left_to_aiohttp_keeps_its_method_with_a_request_pipelined_behind_it(
@@ -1157,7 +1166,7 @@ async def test_a_chunked_request_left_to_aiohttp_keeps_its_method_with_a_request
     received = await raw_exchange(port_of(proxy), a + b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     (status, fields, body) = answers(received)[0]
     assert status == 200 and json.loads(body)["id"] == listed["id"] and seen == ["POST"], (seen, received)
-    assert lane_counts(proxy)["visited"] == 1
+    assert lane_counts(proxy)["handled"] == 1
 
 
 @pytest.mark.parametrize(

@@ -83,7 +83,7 @@ async def test_a_task_is_one_span_from_creation_to_completion_with_its_requests_
         assert poll.attributes["mcp.task.id"] == task_id
     no_secrets(spans)
     # Served by the lane, as without tracing: turning tracing on moves no traffic onto other code.
-    assert lane_counts(proxy)["served"] >= 2 and lane_counts(proxy)["visited"] == 0
+    assert lane_counts(proxy)["served"] >= 2 and lane_counts(proxy)["handled"] == 0
 
 
 async def test_update_and_cancel_link_to_the_task_and_a_failure_is_an_error(make_proxy, mcp_upstream, spans):
@@ -132,7 +132,7 @@ async def test_trace_context_from_meta_is_continued_and_the_upstream_gets_the_pr
     request_span = [s for s in named(spans, "tools/call echo_traceparent") if s.kind is SpanKind.SERVER][-1]
     assert passed == f"00-{CLIENT_TRACE}-{format(request_span.context.span_id, '016x')}-01"
     assert format(request_span.parent.span_id, "016x") == CLIENT_SPAN
-    assert lane_counts(plain) == {"relayed": 1, "served": 0, "visited": 0, "handed_over": 0}
+    assert lane_counts(plain) == {"relayed": 1, "served": 0, "handled": 0, "handed_over": 0}
 
 
 async def test_without_the_extra_or_an_exporter_tracing_is_off(monkeypatch, make_proxy, mcp_upstream):

@@ -89,8 +89,7 @@ def cap_connections(
     accept = server.connection_made
 
     def admitted(transport: asyncio.Transport) -> bool:
-        # A lane connection with a handler of aiohttp's (a visit) is in both sets: counted once.
-        on_lane = len(lane.connections) - lane.visitors if lane is not None else 0
+        on_lane = len(lane.connections) if lane is not None else 0
         if len(server.connections) + on_lane <= max_connections:
             return True
         on_refused()
@@ -186,7 +185,7 @@ async def serve(
         await stopping.wait()
         # Open connections (streams, calls in flight) get up to the runner's shutdown_timeout before tasks drain.
         assert runner.server is not None
-        open_connections = len(runner.server.connections) + len(lane.connections) - lane.visitors
+        open_connections = len(runner.server.connections) + len(lane.connections)
         log.info("proxy_stopping", open_connections=open_connections, wait_s=SHUTDOWN_TIMEOUT_S)
     finally:
         await runner.cleanup()

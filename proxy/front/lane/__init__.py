@@ -9,20 +9,22 @@ configuration:
 - `tasks/get`, `tasks/update` and `tasks/cancel` of a 2026 client, and its `tools/call` that declares tasks for a
   tool the policy runs as a task (`dispatch.answered_here`): the proxy's own answers, from the same code as
   aiohttp's path.
-Any other request, and any the proxy would refuse before reading it (a bad header, Host or Origin, a body too
-large, JSON that does not parse), is answered by aiohttp on the lane's own connection (a visit,
-proxy/front/lane/visits.py); a request aiohttp must read as it arrives hands it the connection for good.
+Every other `POST /mcp` (SEP-1686 for 2025 clients, durable and kept-alive calls, subscriptions/listen, discovery,
+notifications, responses and batches, and any the proxy refuses) the lane reads too, and the application's handler
+answers it on the lane's connection (proxy/front/lane/handlers.py): aiohttp's request and response objects, the
+same route and boundary as for a request aiohttp's own reader read. Any other request (GET, DELETE, another path,
+HTTP/1.0, a head only aiohttp's reader may judge) hands aiohttp the connection for good.
 
 What the lane's requests get is the front door's boundary (proxy/front/boundary.py, as aiohttp's do): the
 Host/Origin guard, the request id, the span, the request's metrics and log line, and a JSON-RPC error for every
 failure; with the size and time bounds of `listen` and `limits`, and cancellation upstream when the client leaves.
 With replicas routing sessions (`listen.advertise_url`), a request that may name a 2025 session or a parked call is
-aiohttp's, which routes it.
+the application's handler's, which routes it.
 
 Modules: `server.py` (the protocol factory and the deadlines' one timer), `connection.py` (reading: parsing,
-pipelining, visits), `routing.py` (which requests it serves: the head in one pass, then the body), `answers.py`
-(serving one request, behind the error boundary), `writer.py` (framing the answers), `visits.py` (aiohttp on the
-lane's connection).
+pipelining), `routing.py` (which requests it reads and serves: the head in one pass, then the body), `answers.py`
+(serving one request, behind the error boundary), `writer.py` (framing the answers), `handlers.py` (the
+application's handler on the lane's connection), `backlog.py` (what a connection pipelines meanwhile).
 """
 
 from aiohttp import web

@@ -1,6 +1,6 @@
-"""One client connection while the lane has it: requests parsed (httptools), the ones the lane serves answered in
-order (proxy/front/lane/answers.py), the others visited on aiohttp (proxy/front/lane/visits.py) or handed to it for
-good."""
+"""One client connection while the lane has it: requests parsed (httptools) and answered in order, by the lane itself
+(proxy/front/lane/answers.py) or by the application's handler (proxy/front/lane/handlers.py); a request the lane
+does not read (any but `POST /mcp`, or one only aiohttp's reader may judge) hands aiohttp the connection for good."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from .. import boundary
 from ..context import MCP_PATH, RequestInfo
 from .answers import answer
 from .backlog import Backlog
-from .routing import MAX_FIELD_BYTES, Head, lane_request
-from .visits import Visit
+from .handlers import Channel, handle, reframed_fields
+from .routing import MAX_FIELD_BYTES, Head, decoded_headers, lane_request
 from .writer import LaneWriter
 
 if TYPE_CHECKING:
@@ -26,8 +26,6 @@ if TYPE_CHECKING:
 
 MAX_HEAD_BYTES = 32 * 1024
 """A longer head is aiohttp's to refuse (its limits are lower): the lane never buffers more of one."""
-_VISITS_IN_A_ROW = 8
-"""Requests in a row that aiohttp answers on a lane connection before it is handed the connection for good."""
 _NEVER = float("inf")
 _LINGER_S = 2.0
 _LINGER_BYTES = 1024 * 1024
@@ -93,6 +91,7 @@ class LaneConnection(asyncio.Protocol):
         self.out: LaneWriter | None = None
         self._parser = httptools.HttpRequestParser(self)
         self._raw = bytearray()  # the bytes of the request being read, for aiohttp should it be handed over
+        self._channel: Channel | None = None  # for aiohttp's request and writer
         self._url = b""
         self._fields: list[tuple[bytes, bytes]] = []
         self._body: list[bytes] = []
@@ -100,7 +99,7 @@ class LaneConnection(asyncio.Protocol):
         self._method = b""
         self._chunked: bytearray | None = None
         """The body of a chunked request the lane reads, while it is read: its bytes in one buffer, and `_raw`
-        holds no more of the request (aiohttp gets it re-framed, `_reframed`)."""
+        holds no more of the request (the application's handler gets it re-framed, `reframed_fields`)."""
         self._wire_bytes = 0  # of that body as it came, framing included
         self._head: Head | None = None
         self._trailing = False  # past the head: a field now is a chunked body's trailer, which no request keeps
@@ -111,10 +110,6 @@ class LaneConnection(asyncio.Protocol):
         """When the head (or, once it is in, the body) being read is late."""
         self.backlog = Backlog()  # received while an answer is owed
         self.running: asyncio.Task[None] | None = None
-        self._visit_due = False  # the request read is aiohttp's to answer (a visit), and it has been read whole
-        self._visit: Visit | None = None
-        self.visiting = False  # aiohttp's answer to a visit is under way
-        self._visits_in_a_row = 0
         self._pipelined = False  # a second request began in the read that ended this one
         self._held = False  # answered, but the client reads none of it: the next request waits until it does
         self._lingering: int | None = None  # refused and answered: the bytes dropped since
@@ -124,6 +119,7 @@ class LaneConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
         self.out = LaneWriter(self._transport, self._lane.loop, self._lane.date)  # type: ignore[arg-type]
+        self._channel = Channel(self._lane.loop, self._transport)  # type: ignore[arg-type]
         sock = transport.get_extra_info("socket")
         if sock is not None:
             with contextlib.suppress(OSError):
@@ -138,7 +134,7 @@ class LaneConnection(asyncio.Protocol):
             if self._lingering > _LINGER_BYTES:
                 self.abort()
             return
-        if self.running is not None or self.visiting or self._held:  # what comes next waits for the answer
+        if self.running is not None or self._held:  # what comes next waits for the answer
             self.backlog.put(data, self._transport)
             return
         self._feed(data)
@@ -148,8 +144,8 @@ class LaneConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lane.connections.discard(self)
-        if self._visit is not None:
-            self._drop_visit(exc, now=True)  # aiohttp's handler learns the client left (and cancels what it runs)
+        if self._channel is not None:
+            self._channel.connection_lost(exc)
         if self.running is not None:
             self.running.cancel()  # the client left: the upstream call is closed, as aiohttp's handler_cancellation
         if self.out is not None:
@@ -157,14 +153,14 @@ class LaneConnection(asyncio.Protocol):
         self._transport = None
 
     def pause_writing(self) -> None:
-        if self.visiting and self._visit is not None:
-            self._visit.handler.pause_writing()
+        if self._channel is not None and not self._channel.writing_paused:
+            self._channel.pause_writing()
         if self.out is not None:
             self.out.pause()
 
     def resume_writing(self) -> None:
-        if self._visit is not None:
-            self._visit.handler.resume_writing()
+        if self._channel is not None and self._channel.writing_paused:
+            self._channel.resume_writing()
         if self.out is not None:
             self.out.resume()
         if self._held:
@@ -194,7 +190,7 @@ class LaneConnection(asyncio.Protocol):
                 # Pipelined requests wait, in order, for the answer to this one.
                 self.backlog.put(rest, self._transport, first=True)
                 self._parser = httptools.HttpRequestParser(self)
-            elif self.running is not None or (self._visit_due and self._head is not None and self._head.chunked):
+            elif self.running is not None:
                 # What followed a request the lane serves (or a chunked one) cannot be told apart from it: its
                 # answer, then the end.
                 self.out.closing = True  # type: ignore[union-attr]
@@ -215,9 +211,6 @@ class LaneConnection(asyncio.Protocol):
             return
         if self.running is not None:
             self._raw = bytearray()
-        elif self._visit_due:
-            self._visit_due = False
-            self._start_visit()
         elif self._reading == "head" and self._head_bytes > MAX_HEAD_BYTES:
             # Judged once the read is parsed, so that only a head still unfinished counts (a body that came in the
             # same read as its head does not): the lane holds at most this much of a head, and one read more.
@@ -225,13 +218,13 @@ class LaneConnection(asyncio.Protocol):
             return
         else:
             return  # a request still being read
-        # The request is its answer's or aiohttp's now (the body joined into the request, or for aiohttp in the raw
-        # bytes): an idle connection, or a bridged call parked after a take-over (which holds its connection), keeps
-        # nothing of it. Its head's fields were needed up to here, to split off what was pipelined behind it.
+        # The request is its answer's now (the body joined into the request): an idle connection, or a bridged call
+        # parked after a take-over (which holds its connection), keeps nothing of it. Its head's fields were needed
+        # up to here, to split off what was pipelined behind it.
         self._fields, self._url, self._head, self._body = [], b"", None, []
 
     def on_message_begin(self) -> None:
-        if self.running is not None or self._visit_due:
+        if self.running is not None:
             self._pipelined = True
             raise _Pipelined  # parsed after this request's answer, from the backlog
         self._url = b""
@@ -262,7 +255,7 @@ class LaneConnection(asyncio.Protocol):
             rule_for=config.rule_for,
             short_ascii=len(raw) <= MAX_FIELD_BYTES and raw.isascii(),
         )
-        if head.kind is None and not head.whole:
+        if not head.ours:
             raise _HandOver
         self._reading = "body"
         self.deadline = lane.loop.time() + config.listen.body_timeout_s
@@ -284,18 +277,34 @@ class LaneConnection(asyncio.Protocol):
         if self._chunked is not None:
             self._body, self._chunked = [bytes(self._chunked)], None
         head = self._head
-        request = None if head is None else lane_request(self._lane, head, self._url, self._fields, self._body)
-        if request is None:
-            self._visit_due = True  # once the parser has returned: anything after it in this read is pipelined
-            return
+        assert head is not None  # (a request the lane reads has its head)
+        lane = self._lane
+        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        request = lane_request(lane, head, self._url, self._fields, body)
         self.out.head_sent = False  # type: ignore[union-attr]
         self._reading = "answering"
         self.deadline = _NEVER  # the client's own wait: as long as the upstream call takes
-        self._lane.counts["served" if request.kind == "owned" else "relayed"] += 1
-        self._visits_in_a_row = 0
         keep_alive = self._parser.should_keep_alive()
-        self.running = self._lane.loop.create_task(
-            answer(self._lane, self.out, request, keep_alive=keep_alive, then=self._served)  # type: ignore[arg-type]
+        if request is None:
+            lane.counts["handled"] += 1
+            fields = reframed_fields(self._fields, body, head.chunked)
+            assert self._channel is not None
+            self.running = lane.loop.create_task(
+                handle(
+                    lane,
+                    self._channel,
+                    self._url,
+                    fields,
+                    decoded_headers(fields),
+                    body,
+                    keep_alive=keep_alive,
+                    then=self._served,
+                )
+            )
+            return
+        lane.counts["served" if request.kind == "owned" else "relayed"] += 1
+        self.running = lane.loop.create_task(
+            answer(lane, self.out, request, keep_alive=keep_alive, then=self._served)  # type: ignore[arg-type]
         )
         if request.rule is not None and self._lane.precedence.counts(request.rule, request.message["params"]):
             # Counted from now, before its answer's first step: task work already waiting to run gives way to it
@@ -309,24 +318,14 @@ class LaneConnection(asyncio.Protocol):
 
     def _hand_over(self) -> None:
         self.deadline = _NEVER
-        self._visit_due = False
-        if self._visit is not None:
-            self._drop_visit(None, now=True)  # before the new handler: the cap counts the connection once
         transport, self._transport = self._transport, None
         if transport is None or transport.is_closing():
             return
         self._parser = None  # type: ignore[assignment]  # no cycle back to this protocol
-        self.out = None
+        self.out = self._channel = None
         # (A chunked request handed over ends its connection after its answer: proxy/front/app.py _end_after_chunked.)
         data = bytes(self._raw) + self.backlog.take_all(transport)  # the request, and all that came after it
         self._lane.hand_over(self, transport, data)
-
-    def _reframed(self) -> bytes:
-        """The chunked request just read, as aiohttp gets it: its body whole, with a Content-Length, no trailer."""
-        body = b"".join(self._body)
-        head = [b"%s %s HTTP/1.1\r\n" % (self._method, self._url)]
-        head += [b"%s: %s\r\n" % field for field in self._fields if field[0].lower() != b"transfer-encoding"]
-        return b"".join(head) + b"Content-Length: %d\r\n\r\n" % len(body) + body
 
     def _refuse_too_large(self) -> None:
         """A chunked body past the limit: 413, as aiohttp answers a Content-Length past it, and the end."""
@@ -352,62 +351,6 @@ class LaneConnection(asyncio.Protocol):
         started = time.perf_counter() - waited_s
         boundary.done(info, policy=lane.policy, metrics=lane.metrics, identity=lane.identity, headers=None,
                       http_method=http_method, path=MCP_PATH, status=status, started=started)  # fmt: skip
-
-    # visits (proxy/front/lane/visits.py)
-
-    def _start_visit(self) -> None:
-        transport = self._transport
-        if transport is None:
-            return
-        if self._head is not None and self._head.chunked:
-            self._raw = bytearray(self._reframed())  # aiohttp never sees its trailers
-        self._visits_in_a_row += 1
-        if self._visits_in_a_row > _VISITS_IN_A_ROW:
-            # A connection of requests the lane leaves to aiohttp (GETs, a 2025 session's calls): the lane's parse
-            # only adds to aiohttp's, so aiohttp reads it from here on.
-            self._hand_over()
-            return
-        if self._visit is None:
-            lane = self._lane
-            lane.visitors += 1
-            lane.own = True  # an admitted connection: the cap does not judge it again
-            try:
-                self._visit = Visit(
-                    transport, lane.handlers, on_answered=self._visit_answered, on_close=self._visit_closed
-                )
-            finally:
-                lane.own = False
-        self._lane.counts["visited"] += 1
-        self.visiting = True
-        self._reading, self.deadline = "answering", _NEVER
-        raw, self._raw = bytes(self._raw), bytearray()
-        self._visit.request(raw)
-
-    def _visit_answered(self, keep_alive: bool) -> None:
-        if not self.visiting:
-            return
-        self.visiting = False
-        self._answered(keep_alive)
-
-    def _visit_closed(self) -> None:
-        """aiohttp closes its transport: mid-answer (an error, Connection: close, its shutdown) that ends the
-        client's connection; between requests (its keep-alive timer) only its handler ends."""
-        if self.visiting or (self._visit is not None and self._visit.answering):
-            self.visiting = False
-            self.abort()
-        elif self._visit is not None:
-            self._drop_visit(None)
-
-    def _drop_visit(self, exc: Exception | None, *, now: bool = False) -> None:
-        """End aiohttp's handler for this connection; `now` unless aiohttp itself is closing it (no re-entry)."""
-        visit, self._visit = self._visit, None
-        if visit is None:
-            return
-        self._lane.visitors -= 1
-        if now:
-            visit.handler.connection_lost(exc)
-        else:
-            self._lane.loop.call_soon(visit.handler.connection_lost, exc)
 
     # deadlines
 
@@ -442,7 +385,7 @@ class LaneConnection(asyncio.Protocol):
         """Ready for the next request: what came meanwhile is read now, a piece at a time, until a request is whole."""
         self.deadline = self._lane.loop.time() + self._lane.header_timeout_s
         backlog = self.backlog
-        while backlog and self.running is None and not (self.visiting or self._held or self._visit_due):
+        while backlog and self.running is None and not self._held:
             if self._transport is None or self._lingering is not None:
                 return  # gone, or refused: what waits is dropped
             self._feed(backlog.take())
@@ -451,7 +394,7 @@ class LaneConnection(asyncio.Protocol):
     # stopping
 
     def close_when_idle(self) -> None:
-        if self.running is None and not self.visiting:
+        if self.running is None:
             self.abort()
         elif self.out is not None:
             self.out.closing = True

@@ -54,11 +54,13 @@ def _shared_name(raw: bytes) -> istr:
 
 
 class Head:
-    """One request head, read once: whether aiohttp may answer it on the lane's connection (`whole`), and whether
-    the lane may serve it itself (`kind`: "relay", a request the proxy does not own; "owned", tasks/* or a tool the
-    policy runs as a task; None: aiohttp's). The body decides in the end (proxy/front/lane/connection.py)."""
+    """One request head, read once: whether the lane reads the request (`ours`: a `POST /mcp` nothing about whose
+    head only aiohttp's reader may judge; any other request is aiohttp's, with its connection), and whether the lane
+    may serve it itself (`kind`: "relay", a request the proxy does not own; "owned", tasks/* or a tool the policy
+    runs as a task; None: the application's handler answers it on the lane's connection, proxy/front/lane/handlers.py).
+    The body decides in the end (proxy/front/lane/connection.py)."""
 
-    __slots__ = ("whole", "kind", "tool", "rule", "chunked", "_rule_for")
+    __slots__ = ("ours", "kind", "tool", "rule", "chunked", "_rule_for")
 
     def __init__(
         self,
@@ -76,16 +78,17 @@ class Head:
         self.tool: str | None = None
         self.rule: ToolRule | None = None
         self.kind: str | None = None
+        self.ours = False
         self.chunked = False
         """The body comes in chunks (Transfer-Encoding: chunked alone): the lane reads it, and keeps no trailer."""
         method = parser.get_method()
-        self.whole = (
-            parser.get_http_version() == "1.1"
-            and method not in (b"HEAD", b"CONNECT")
+        if not (
+            method == b"POST"
+            and parser.get_http_version() == "1.1"
+            and url.partition(b"?")[0] == _MCP_PATH
             and len(url) <= MAX_FIELD_BYTES
             and len(fields) <= MAX_FIELDS
-        )
-        if not self.whole:
+        ):
             return
         lengths = 0
         length = mcp_method = name = None
@@ -105,20 +108,17 @@ class Head:
                 if lower == b"transfer-encoding" and not self.chunked and value.strip().lower() == b"chunked":
                     self.chunked = True
                     continue
-                self.whole = False  # aiohttp must read such a body as it arrives, or change the connection
-                return
+                return  # aiohttp must read such a body as it arrives, or change the connection
             if role is _LENGTH:
                 lengths += 1
                 length = value
                 try:
                     if int(value) > max_body_bytes:
-                        self.whole = False
                         return
                 except ValueError:
-                    self.whole = False
                     return
             if not plain:
-                continue  # only the framing matters now: aiohttp answers the request
+                continue  # only the framing matters now: aiohttp reads the request
             if role is _METHOD:
                 mcp_method = value.decode().strip()
             elif role is _NAME:
@@ -127,15 +127,13 @@ class Head:
                 plain = False  # aiohttp refuses a repeated Host, Content-Type...: it must see the request
             else:
                 seen.add(lower)
-        if self.chunked and (lengths or method != b"POST" or url.partition(b"?")[0] != _MCP_PATH):
-            # Both framings (a request smuggled past a front proxy: aiohttp refuses it), or not the MCP endpoint's:
-            # aiohttp reads it as it comes, and the connection ends after it (proxy/front/app.py _end_after_chunked).
-            self.whole = False
+        if (self.chunked and lengths) or not plain:
+            # Both framings (a request smuggled past a front proxy: aiohttp refuses it), or fields only aiohttp's
+            # reader may judge (not ASCII, a repeated singleton): aiohttp reads it, and the connection from here on.
             return
-        if not (plain and method == b"POST" and (lengths == 1 or self.chunked)):
-            return
-        if url.partition(b"?")[0] != _MCP_PATH or (not self.chunked and int(length) <= 0):  # type: ignore[arg-type]
-            return
+        self.ours = True
+        if not (lengths == 1 or self.chunked) or (not self.chunked and int(length) <= 0):  # type: ignore[arg-type]
+            return  # no body: the application's handler answers
         if mcp_method is None:
             self.kind = "as_is"  # no 2026 routing header: a 2025-era client's, relayed untouched if the body agrees
         elif mcp_method in TASK_METHODS:
@@ -156,38 +154,42 @@ class Head:
         return self.rule if tool == self.tool and tool is not None else self._rule_for(tool)
 
 
-def lane_request(
-    lane: Lane,
-    head: Head,
-    url: bytes,
-    fields: list[tuple[bytes, bytes]],
-    body_parts: list[bytes],
-) -> LaneRequest | None:
-    """The request just read, when the lane serves it itself: what its head allowed, and its body says; None
-    when it is aiohttp's."""
-    if head.kind is None:
-        return None
-    if head.kind == "as_is":
-        # An HTTP upstream of either era takes a 2025 client's requests as they are (over stdio the proxy holds
-        # their sessions itself). A replica routing sessions records the ones it makes from aiohttp's answers.
-        kind = "as_is" if isinstance(lane.gateway.relay, HttpRelay) and not lane.routes_sessions else None
-    else:
-        kind = head.kind if head.kind == "owned" else lane.route()
-    if kind is None:
-        return None
+def decoded_headers(fields: list[tuple[bytes, bytes]]) -> CIMultiDict[str]:
+    """A head's fields (ASCII: `Head.ours`) as aiohttp's reader decodes them."""
     # llhttp keeps a value's trailing spaces and tabs; aiohttp strips them, and so must the lane, or `Bearer me ` would
     # be a caller of its own here and another on aiohttp's path (relayed_request_fields strips the relayed ones).
-    headers = CIMultiDict(
+    return CIMultiDict(
         [
             (_shared_name(name) if len(name) <= _SHARED_NAME_BYTES else name.decode(), value.decode().rstrip(" \t"))
             for name, value in fields
         ]
     )
+
+
+def lane_request(
+    lane: Lane,
+    head: Head,
+    url: bytes,
+    fields: list[tuple[bytes, bytes]],
+    body: bytes,
+) -> LaneRequest | None:
+    """The request just read, when the lane serves it itself: what its head allowed, and its body says; None
+    when the application's handler answers it (proxy/front/lane/handlers.py)."""
+    if head.kind is None:
+        return None
+    if head.kind == "as_is":
+        # An HTTP upstream of either era takes a 2025 client's requests as they are (over stdio the proxy holds
+        # their sessions itself). A replica routing sessions records the ones it makes from the application's answers.
+        kind = "as_is" if isinstance(lane.gateway.relay, HttpRelay) and not lane.routes_sessions else None
+    else:
+        kind = head.kind if head.kind == "owned" else lane.route()
+    if kind is None:
+        return None
+    headers = decoded_headers(fields)
     if boundary.refused_by_guard(lane.guard, headers) is not None:
-        return None  # aiohttp's path answers the refusal, from the same check
-    body = b"".join(body_parts)
+        return None  # the application answers the refusal, from the same check
     if lane.routes_sessions and ("Mcp-Session-Id" in headers or may_name_a_parked_call(body)):
-        return None  # aiohttp's path routes it to the replica that holds it
+        return None  # the application routes it to the replica that holds it
     try:
         message = loads(body)
     except ValueError:
@@ -197,7 +199,7 @@ def lane_request(
         if owned is None or (owned == "create") != (head.rule is not None):
             return None
         if owned == "create" and message["params"]["name"] != head.tool:
-            return None  # aiohttp's path says how the headers disagree
+            return None  # the application says how the headers disagree
     elif kind == "as_is":
         if not relayed_as_is(message, headers, lane.policy.config):
             return None

@@ -33,7 +33,6 @@ class LaneConnection(Protocol):
 
     deadline: float
     running: asyncio.Task[None] | None
-    visiting: bool
 
     def expired(self) -> None: ...
 
@@ -44,7 +43,8 @@ class LaneConnection(Protocol):
 
 class Lane:
     """The protocol factory of the listening socket: a `LaneConnection` per client connection, each handed to
-    `handlers` (aiohttp's web.Server) when it carries a request the lane does not serve."""
+    `handlers` (aiohttp's web.Server) when it carries a request the lane does not read; the application's handler
+    (`handlers.request_handler`) answers on the lane's connection what the lane reads but does not serve."""
 
     def __init__(
         self,
@@ -77,16 +77,15 @@ class Lane:
         self.loop = asyncio.get_running_loop()
         self._date = ("", 0)
         self._sweep: asyncio.TimerHandle | None = None
-        self.counts = {"relayed": 0, "served": 0, "visited": 0, "handed_over": 0}
-        """Requests the lane relayed, requests it served itself (tasks/*, task creation), requests aiohttp
-        answered on its connections (proxy/front/lane/visits.py), and connections it handed to aiohttp for good."""
-        self.visitors = 0
-        """Lane connections with an aiohttp handler of their own: both count them, the connection cap once."""
+        self.counts = {"relayed": 0, "served": 0, "handled": 0, "handed_over": 0}
+        """Requests the lane relayed, requests it served itself (tasks/*, task creation), requests the application's
+        handler answered on its connections (proxy/front/lane/handlers.py), and connections it handed to aiohttp
+        for good."""
         self.own = False
         """Set while aiohttp is given a connection the lane admitted already (proxy/front/serve.py's cap skips it)."""
         self.metrics.watch("mcp_tasks_proxy_lane", "Requests the lane relayed without aiohttp (relayed), the "
-                           "proxy's own it answered without aiohttp (served), requests aiohttp answered on its "
-                           "connections (visited), and connections it handed to aiohttp (handed_over)", "outcome",
+                           "proxy's own it answered without aiohttp (served), requests it read that the application's "
+                           "handler answered (handled), and connections it handed to aiohttp (handed_over)", "outcome",
                            lambda: self.counts, counter=True)  # fmt: skip
 
     def __call__(self) -> LaneConnection:
@@ -150,5 +149,4 @@ class Lane:
             else:
                 await asyncio.sleep(min(left, _OWED_RECHECK_S))
         for connection in list(self.connections):
-            if not connection.visiting:  # aiohttp's shutdown, next, gives its answers their time
-                connection.abort()
+            connection.abort()
