@@ -37,8 +37,9 @@ response objects, proxy/front/dispatch.py) rather than the lane's own code: a 20
 closed loop, memory store.
 
 `--variant tracing` and `--variant advertise` compare configurations instead of commits: A is the work tree as
-configured above, B the same install with OpenTelemetry tracing configured (an OTLP exporter, the sampler off:
-what an operator leaves on to turn up when chasing a fault) or with `listen.advertise_url` set (replicas routing
+configured above, B the same install with OpenTelemetry tracing configured (an OTLP exporter, the sampler
+`parentbased_always_off`: a span is recorded only when a client's context asks for it, none does here, and each
+request still makes its unsampled span to pass the context on) or with `listen.advertise_url` set (replicas routing
 2025 sessions, over a Redis store in both). Configuration should move no traffic onto other code: B/A near 1.
 
 The base commit is installed once into a virtual environment of its own under bench/.ab/ (from `git archive`, so
@@ -255,9 +256,10 @@ def proxy(
         policy["store"] = {"backend": "redis", "url": redis_url, "key_prefix": f"ab{port}:"}
     if variant == "advertise":
         policy["listen"] = {"advertise_url": f"http://127.0.0.1:{port}"}
-    elif variant == "tracing":  # an exporter to a port nobody listens on, and no span sampled
+    elif variant == "tracing":  # an exporter to a port nobody listens on; a span only for a sampled client context
+        # (always_off turns tracing off altogether: proxy/tracing.py configure)
         env = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{free_port()}",
-               "OTEL_TRACES_SAMPLER": "always_off"}  # fmt: skip
+               "OTEL_TRACES_SAMPLER": "parentbased_always_off"}  # fmt: skip
     path = WORK / f"policy-{port}.json"
     path.write_text(json.dumps(policy))
     # -P: the working directory (the repository) must not shadow the interpreter's own install of the proxy.

@@ -140,6 +140,13 @@ async def test_without_the_extra_or_an_exporter_tracing_is_off(monkeypatch, make
     assert not tracing.TRACER.enabled
     assert "not one of" in tracing.configure({"OTEL_TRACES_EXPORTER": "zipkin"})
     assert tracing.configure({"OTEL_TRACES_EXPORTER": "console", "OTEL_SDK_DISABLED": "true"}).startswith("off")
+    # A sampler that can record nothing, whatever the client's context: no span is made at all.
+    never = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OTEL_TRACES_SAMPLER": "always_off"}
+    assert tracing.configure(never) == "off (OTEL_TRACES_SAMPLER=always_off: no span is ever recorded)"
+    assert not tracing.TRACER.enabled
+    assert tracing.configure({**never, "OTEL_TRACES_SAMPLER": "parentbased_always_off"}) == "on (otlp)"
+    assert tracing.TRACER.enabled  # a client's sampled parent is still recorded
+    tracing.TRACER.shutdown()  # type: ignore[union-attr]
     monkeypatch.setitem(sys.modules, "opentelemetry.sdk.trace", None)  # as if the otel extra were not installed
     assert "pip install 'mcp-tasks-proxy[otel]'" in tracing.configure({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x"})
     assert not tracing.TRACER.enabled

@@ -32,6 +32,8 @@ _REQUEST_SKIP = HOP_BY_HOP | {"host", "content-length", HOP_HEADER.lower()}
 RESPONSE_SKIP = HOP_BY_HOP | {"content-length"}
 TASK_CALL_SKIP = _REQUEST_SKIP | {"accept-encoding", "accept", "content-type", "last-event-id"}
 _REQUEST_SKIP_BYTES = frozenset(name.encode() for name in _REQUEST_SKIP)
+_REQUEST_SKIP_TRACED_BYTES = _REQUEST_SKIP_BYTES | {b"traceparent", b"tracestate"}
+"""With tracing on, the client's trace context goes no further: the proxy's span is the upstream's parent."""
 
 
 def connection_listed(value: str | None) -> set[str]:
@@ -83,15 +85,12 @@ def request_headers(headers: MultiMapping[str]) -> CIMultiDict[str]:
     return out
 
 
-def relayed_request_fields(
-    raw_headers: tuple[tuple[bytes, bytes], ...], headers: MultiMapping[str]
-) -> bytes | CIMultiDict[str]:
+def relayed_request_fields(raw_headers: tuple[tuple[bytes, bytes], ...], headers: MultiMapping[str]) -> bytes:
     """A relayed request's end-to-end header lines for the upstream, serialized from the bytes as received (the
-    pass-through path: nothing decoded, nothing re-encoded); a mapping instead when tracing adds its own header.
-    `headers` is the same request's decoded view."""
-    if tracing.TRACER.enabled:
-        return request_headers(headers)
-    drop = _REQUEST_SKIP_BYTES
+    pass-through path: nothing decoded, nothing re-encoded), with tracing on the proxy's trace context in place of
+    the client's. `headers` is the same request's decoded view."""
+    traced = tracing.TRACER.enabled
+    drop = _REQUEST_SKIP_TRACED_BYTES if traced else _REQUEST_SKIP_BYTES
     if "Connection" in headers:  # rare: headers named hop-by-hop for this connection only go no further either
         listed = connection_listed(", ".join(headers.getall("Connection")))
         drop = drop.union(name.encode("utf-8", "surrogateescape") for name in listed)
@@ -105,6 +104,10 @@ def relayed_request_fields(
         # whichever path relayed the request. Two searches of the whole block, not a strip per field.
         stripped = ((name, value.rstrip(b" \t")) for name, value in raw_headers if name.lower() not in drop)
         fields = b"".join(b"%s: %s\r\n" % field for field in stripped)
+    if traced:
+        context: dict[str, str] = {}
+        tracing.TRACER.inject(context)  # the propagator's own fields: traceparent, and tracestate when there is one
+        fields += b"".join(b"%s: %s\r\n" % (name.encode(), value.encode()) for name, value in context.items())
     return fields
 
 
