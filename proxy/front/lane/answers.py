@@ -16,13 +16,12 @@ from multidict import CIMultiDict
 from ...clients.envelope import check_modern_request
 from ...config import ToolRule
 from ...jsonrpc import UpstreamError, result_response
-from ...upstream.http.client import CallError, CallResponse
 from ...upstream.http.headers import relayed_request_fields
-from ...upstream.http.relay import READ_WHOLE_BYTES, STREAM_TYPES, AnswerWatcher, broken_stream_event, check_answer_id
+from ...upstream.http.relay import relay_answer
 from .. import boundary
 from ..context import MCP_PATH, RequestInfo
 from ..dispatch import check_reencodable, create_task, task_answer, tool_call
-from .writer import LaneReply, LaneWriter
+from .writer import LaneReply, LaneWriter, RelayedAnswer
 
 if TYPE_CHECKING:
     from .server import Lane
@@ -172,50 +171,7 @@ async def _relay(lane: Lane, out: LaneWriter, request: LaneRequest, *, keep_aliv
     except (OSError, ValueError) as exc:  # CallError included; ValueError: a header that cannot be sent
         raise UpstreamError(f"upstream unreachable ({exc})", upstream=upstream.url) from exc
     try:
-        status = response.status
-        stream = response.content_type in STREAM_TYPES
-        length = response.headers.get("content-length")  # the parser refused a malformed one
-        empty = status in (204, 304)
-        if not empty and (stream or length is None or int(length) > READ_WHOLE_BYTES):
-            whole = None if stream or length is None else int(length)
-            await _relay_stream(lane, out, response, whole, request_id, keep_alive=keep_alive)
-            return status
-        try:
-            payload = await response.read() if not empty else b""
-        except CallError as exc:
-            raise UpstreamError(f"the upstream connection broke mid-response ({exc})", upstream=upstream.url) from exc
-        if response.content_type == "application/json":
-            check_answer_id(payload, request_id, upstream.url)
-        out.write(out.relayed_head(response, keep_alive, None if empty else len(payload)) + payload)
-        return status
+        await relay_answer(response, RelayedAnswer(out, keep_alive), request_id, upstream.url)
+        return response.status
     finally:
         response.close()  # pooled when read to its end, else closed: the upstream sees a cancel
-
-
-async def _relay_stream(
-    lane: Lane, out: LaneWriter, response: CallResponse, length: int | None, request_id: Any, *, keep_alive: bool
-) -> None:
-    """Each chunk as it arrives (a stream is never buffered to its end), chunked unless a length is known."""
-    chunked = length is None
-    out.write(out.relayed_head(response, keep_alive, length))
-    watcher = AnswerWatcher(request_id) if response.content_type in STREAM_TYPES else None
-    chunks = response.iter_chunks()
-    while True:
-        try:
-            chunk = await anext(chunks, b"")
-        except (OSError, CallError) as exc:
-            log.warning("upstream_stream_broken", reason=str(exc) or type(exc).__name__)
-            if watcher is not None and not watcher.answered:
-                event = broken_stream_event(request_id, lane.gateway.url)
-                out.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(event), event))
-                return
-            out.closing = True  # the client sees a broken response, as the proxy did
-            return
-        if not chunk:
-            break
-        if watcher is not None:
-            watcher.feed(chunk)
-        out.write(b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunked else chunk)
-        await out.drain()
-    if chunked:
-        out.write(b"0\r\n\r\n")

@@ -107,6 +107,42 @@ class LaneWriter:
         self.json(error_response(request_id, error), status, keep_alive=keep_alive)
 
 
+class RelayedAnswer:
+    """An upstream's answer relayed on the lane's connection (proxy/upstream/http/relay.py relay_answer): its head
+    fields as received, its body whole or chunk by chunk."""
+
+    __slots__ = ("_out", "_keep_alive", "_chunked")
+
+    def __init__(self, out: LaneWriter, keep_alive: bool) -> None:
+        self._out = out
+        self._keep_alive = keep_alive
+        self._chunked = False
+
+    def whole(self, response: CallResponse, payload: bytes | None) -> None:
+        out = self._out
+        if payload is None:
+            out.write(out.relayed_head(response, self._keep_alive, None))
+        else:
+            out.write(out.relayed_head(response, self._keep_alive, len(payload)) + payload)
+
+    async def start(self, response: CallResponse, length: int | None) -> None:
+        self._chunked = length is None
+        self._out.write(self._out.relayed_head(response, self._keep_alive, length))
+
+    async def write(self, chunk: bytes) -> bool:
+        out = self._out
+        out.write(b"%x\r\n%s\r\n" % (len(chunk), chunk) if self._chunked else chunk)
+        await out.drain()
+        return True
+
+    async def end(self) -> None:
+        if self._chunked:
+            self._out.write(b"0\r\n\r\n")
+
+    def abort(self) -> None:
+        self._out.closing = True  # the client sees a broken response, as the proxy did
+
+
 class LaneReply:
     """A bridged call's answer (proxy/upstream/bridge.py) written by the lane: one JSON body, or an event stream
     once progress came, as bridge.StreamReply writes it on aiohttp."""

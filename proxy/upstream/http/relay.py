@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import structlog
@@ -84,7 +84,10 @@ async def forward(
                 status=response.status, reason=response.reason, headers=response_headers(response.headers)
             )
             relayed.content_length = length if content_type not in STREAM_TYPES else None
-            return await _relay_stream(request, relayed, response.content.iter_any(), upstream, watch_id)
+            sink = ResponseSink(request)
+            await sink.begin(relayed)
+            await relay_stream(response.content.iter_any(), sink, watch_id, upstream.url)
+            return relayed
         try:
             payload = await response.read()
         except (aiohttp.ClientError, OSError) as exc:
@@ -111,22 +114,124 @@ async def _forward_to_endpoint(
     except (OSError, ValueError) as exc:  # CallError included; ValueError: a header that cannot be sent
         raise UpstreamError(f"upstream unreachable ({exc})", upstream=upstream.url) from exc
     with contextlib.closing(response):  # pooled when read to its end, else closed: the upstream sees a cancel
-        headers = response.relayed_headers
-        assert headers is not None
-        content_type = response.content_type
-        length = _content_length(response.headers.get("content-length")) if response.status not in (204, 304) else 0
-        if content_type in STREAM_TYPES or length is None or length > READ_WHOLE_BYTES:
-            watch_id = request_id if content_type in STREAM_TYPES else None
-            relayed = web.StreamResponse(status=response.status, reason=response.reason or None, headers=headers)
-            relayed.content_length = length if content_type not in STREAM_TYPES else None
-            return await _relay_stream(request, relayed, response.iter_chunks(), upstream, watch_id)
+        sink = ResponseSink(request)
+        await relay_answer(response, sink, request_id, upstream.url)
+        assert sink.response is not None
+        return sink.response
+
+
+class AnswerSink(Protocol):
+    """Where `relay_answer` writes an upstream's answer: the lane's connection (proxy/front/lane/writer.py) or
+    aiohttp's response (`ResponseSink`)."""
+
+    def whole(self, response: CallResponse, payload: bytes | None) -> None:
+        """The answer at once, with its body (None: a 204 or 304, which has none)."""
+
+    async def start(self, response: CallResponse, length: int | None) -> None:
+        """The answer's head; its body follows (`length` bytes, or chunks of a stream of unknown length)."""
+
+    async def write(self, chunk: bytes) -> bool:
+        """A piece of the body; False (or ConnectionResetError) when the client has gone: the relay stops reading
+        the upstream."""
+
+    async def end(self) -> None: ...
+
+    def abort(self) -> None:
+        """The answer broke upstream: the client's connection is closed before its end, so it sees it broken."""
+
+
+async def relay_answer(response: CallResponse, sink: AnswerSink, request_id: RequestId, upstream_url: str) -> None:
+    """Relay the upstream's answer to a client's request, as the upstream sent it: a small body whole, in one write,
+    once its id is checked (`check_answer_id`); a stream, or a large or unknown length, chunk by chunk as it comes."""
+    status = response.status
+    empty = status in (204, 304)
+    length = response.headers.get("content-length")  # the parser refused a malformed or repeated one
+    stream = response.content_type in STREAM_TYPES
+    if not empty and (stream or length is None or int(length) > READ_WHOLE_BYTES):
+        await sink.start(response, None if stream or length is None else int(length))
+        await relay_stream(response.iter_chunks(), sink, request_id if stream else None, upstream_url)
+        return
+    try:
+        payload = await response.read() if not empty else None
+    except CallError as exc:
+        raise UpstreamError(f"the upstream connection broke mid-response ({exc})", upstream=upstream_url) from exc
+    if request_id is not None and payload is not None and response.content_type == "application/json":
+        check_answer_id(payload, request_id, upstream_url)
+    sink.whole(response, payload)
+
+
+async def relay_stream(
+    chunks: AsyncIterator[bytes], sink: AnswerSink, request_id: RequestId, upstream_url: str
+) -> None:
+    """Write each chunk as soon as it arrives; never buffer a stream to its end.
+
+    When the upstream connection breaks before the answer to `request_id` went by (an event stream's), the client
+    gets a JSON-RPC error event instead of a stream that just stops, so no caller waits forever. Any other break is
+    passed on as a break: the client's connection is closed before the body's end.
+    """
+    watcher = AnswerWatcher(request_id) if request_id is not None else None
+    while True:
         try:
-            payload = await response.read()
-        except CallError as exc:
-            raise UpstreamError(f"the upstream connection broke mid-response ({exc})", upstream=upstream.url) from exc
-        if request_id is not None and content_type == "application/json":
-            check_answer_id(payload, request_id, upstream.url)
-        return web.Response(status=response.status, reason=response.reason or None, headers=headers, body=payload)
+            chunk = await anext(chunks, b"")
+        except (aiohttp.ClientError, OSError) as exc:  # CallError included
+            log.warning("upstream_stream_broken", reason=str(exc) or type(exc).__name__)
+            if watcher is not None and not watcher.answered:
+                if await sink.write(broken_stream_event(request_id, upstream_url)):
+                    await sink.end()
+                return
+            sink.abort()
+            return
+        if not chunk:
+            break
+        if watcher is not None:
+            watcher.feed(chunk)
+        if not await sink.write(chunk):
+            return
+    await sink.end()
+
+
+class ResponseSink:
+    """`relay_answer` and `relay_stream` writing to aiohttp's response for `request`."""
+
+    def __init__(self, request: web.Request) -> None:
+        self._request = request
+        self.response: web.StreamResponse | None = None
+        """The handler's to return: prepared and written to its end, or (`whole`) for aiohttp to write."""
+
+    def whole(self, response: CallResponse, payload: bytes | None) -> None:
+        self.response = web.Response(
+            status=response.status, reason=response.reason or None, headers=response.relayed_headers, body=payload
+        )
+
+    async def start(self, response: CallResponse, length: int | None) -> None:
+        relayed = web.StreamResponse(status=response.status, reason=response.reason or None,
+                                     headers=response.relayed_headers)  # fmt: skip
+        relayed.content_length = length
+        await self.begin(relayed)
+
+    async def begin(self, relayed: web.StreamResponse) -> None:
+        self.response = relayed
+        await relayed.prepare(self._request)
+
+    async def write(self, chunk: bytes) -> bool:
+        assert self.response is not None
+        try:
+            await self.response.write(chunk)
+        except ConnectionResetError:
+            self._request[client_gone_key] = True
+            return False
+        return True
+
+    async def end(self) -> None:
+        assert self.response is not None
+        try:
+            await self.response.write_eof()
+        except ConnectionResetError:
+            self._request[client_gone_key] = True
+
+    def abort(self) -> None:
+        if self._request.transport is not None:
+            self._request.transport.close()
 
 
 def check_answer_id(payload: bytes, request_id: RequestId, upstream_url: str) -> None:
@@ -150,47 +255,6 @@ def _may_have_body(request: web.Request, response: aiohttp.ClientResponse) -> bo
     return request.method != "HEAD" and response.status not in (204, 304) and response.status >= 200
 
 
-def _content_length(value: str | None) -> int | None:
-    # The parser already refused a malformed or repeated Content-Length.
-    return int(value) if value is not None else None
-
-
-async def _relay_stream(
-    request: web.Request,
-    relayed: web.StreamResponse,
-    chunks: AsyncIterator[bytes],
-    upstream: Upstream,
-    request_id: RequestId,
-) -> web.StreamResponse:
-    """Write each chunk as soon as it arrives; never buffer a stream to its end.
-
-    When the upstream connection breaks before the answer to `request_id` went by, the client gets a JSON-RPC
-    error event instead of a stream that just stops, so no caller waits forever. Any other break is passed on as a
-    break: the client's connection is closed before the body's end.
-    """
-    await relayed.prepare(request)
-    watcher = AnswerWatcher(request_id) if request_id is not None else None
-    while True:
-        try:
-            chunk = await anext(chunks)
-        except StopAsyncIteration:
-            break
-        except (aiohttp.ClientError, OSError) as exc:  # CallError included
-            log.warning("upstream_stream_broken", reason=str(exc) or type(exc).__name__)
-            if watcher is not None and not watcher.answered:
-                await _write_to_client(request, relayed, broken_stream_event(request_id, upstream.url))
-                break
-            if request.transport is not None:
-                request.transport.close()  # the client sees a broken response, as the proxy did
-            return relayed
-        if watcher is not None:
-            watcher.feed(chunk)
-        if not await _write_to_client(request, relayed, chunk):
-            return relayed
-    await _write_to_client(request, relayed, b"", eof=True)
-    return relayed
-
-
 def broken_stream_event(request_id: RequestId, upstream_url: str) -> bytes:
     """The event that answers `request_id` when the upstream's stream broke before its answer went by."""
     error = error_object(
@@ -199,21 +263,6 @@ def broken_stream_event(request_id: RequestId, upstream_url: str) -> bytes:
         {"upstream": upstream_url},
     )
     return message_event(error_response(request_id, error))
-
-
-async def _write_to_client(
-    request: web.Request, relayed: web.StreamResponse, data: bytes, *, eof: bool = False
-) -> bool:
-    """False when the client has gone away; the caller then stops reading the upstream."""
-    try:
-        if eof:
-            await relayed.write_eof()
-        else:
-            await relayed.write(data)
-    except ConnectionResetError:
-        request[client_gone_key] = True
-        return False
-    return True
 
 
 class AnswerWatcher:
