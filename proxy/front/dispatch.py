@@ -114,11 +114,32 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
     info.jsonrpc_id = message["id"]
     info.rpc_method = method
     boundary.trace(info, request.headers, message)
-    modern = is_modern(message, request.headers)
-    if method.startswith("tasks/") and modern:
+    config = app[policy_key].config
+    way = route(message, request.headers, config, config.rule_for)
+    if method == "tools/call":
+        name = params_of(message).get("name")
+        info.tool = name if isinstance(name, str) else None
+    if way == "tasks":
         info.mode = "local"
         answer = await app[tasks2026_key].handle(request.headers, message, info)
         return json_reply(result_response(message["id"], answer))
+    if way == "create":
+        rule = config.rule_for(message["params"]["name"])
+        assert rule is not None
+        runner = app[runner_key]
+        counted = runner.precedence.counts(rule, message["params"])  # (the lane counts from the read)
+        if counted:
+            runner.precedence.begin()
+        try:
+            answer, status = await create(runner, app[identity_key], message, request.headers, body, request.remote,
+                                          rule, info)  # fmt: skip
+        finally:
+            if counted:
+                runner.precedence.end()
+        return json_reply(answer, status=status)
+    if way is not None:
+        return await _relay(request, message, body, modern=way == "relay")
+    modern = is_modern(message, request.headers)
     if method == "tools/call":
         # The era is not needed up front: a task learns it in the background, a pass-through call in _relay.
         return await _tools_call(request, message, body, modern=modern)
@@ -135,35 +156,37 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
     return await _relay(request, message, body, modern=modern)
 
 
-def relayed_unowned(message: Any, headers: MultiMapping[str], rule_for: Callable[[str], ToolRule | None]) -> bool:
-    """Whether handle_mcp_post relays this message to a 2026-07-28 upstream (when its routing headers agree with
-    it), as `upstream_body` has it: a 2026 request, not a notification, response or batch, of a method the proxy does
-    not own and, for tools/call, of a tool no rule runs as a task. proxy/lane relays exactly these without aiohttp;
-    tests/test_lane.py holds the two paths to the same answers."""
-    if classify(message) != "request" or not is_modern(message, headers):
-        return False
+def route(
+    message: dict[str, Any], headers: MultiMapping[str], config: ProxyConfig, rule_for: Callable[[str], ToolRule | None]
+) -> str | None:
+    """The way a parsed JSON-RPC request to the MCP endpoint goes, when it is one that needs nothing of aiohttp's
+    (handle_mcp_post and the lane both take it from here, proxy/front/lane/routing.py):
+    - "tasks": a 2026 client's tasks/* (Tasks2026.handle);
+    - "create": a 2026 client's tools/call that declares tasks, of a tool a rule runs as a task (`create`);
+    - "relay": a 2026 request the proxy does not own, relayed (without a tasks declaration) or bridged to a 2025-era
+      upstream: not tasks/*, subscriptions/listen or server/discover, and for tools/call a tool no rule runs as a
+      task;
+    - "as_is": a 2025-era client's request the proxy does not own, relayed untouched: not server/discover, and no
+      method SEP-1686 may make the proxy's while the policy runs a tool as a task.
+    None for any other (notifications, responses and batches never come here): handle_mcp_post's own handlers.
+    `rule_for`: the policy's rules (the lane's looks up the one its head named once)."""
     method = message["method"]
-    if method.startswith("tasks/") or method in ("subscriptions/listen", "server/discover"):
-        return False
+    if not is_modern(message, headers):
+        if method == "server/discover":
+            return None
+        owned = method in _SEP1686_METHODS and any(rule.task is not TaskMode.NEVER for rule in config.tools)
+        return None if owned else "as_is"
+    if method.startswith("tasks/"):
+        return "tasks"
+    if method in ("subscriptions/listen", "server/discover"):
+        return None
     if method != "tools/call":
-        return True
+        return "relay"
     name = params_of(message).get("name")
     rule = rule_for(name) if isinstance(name, str) else None
-    return rule is None or rule.task is TaskMode.NEVER
-
-
-def relayed_as_is(message: Any, headers: MultiMapping[str], config: ProxyConfig) -> bool:
-    """Whether handle_mcp_post relays this message untouched (when its routing headers agree with it): a 2025-era
-    request, not a notification, response or batch (a durable call's answers and cancellations are the proxy's),
-    other than server/discover, and no method SEP-1686 may make the proxy's while the policy runs a tool as a
-    task. proxy/lane relays exactly these without aiohttp; tests/test_lane.py holds the two paths to the same
-    answers."""
-    if classify(message) != "request" or is_modern(message, headers):
-        return False
-    method = message["method"]
-    if method == "server/discover":
-        return False
-    return method not in _SEP1686_METHODS or all(rule.task is TaskMode.NEVER for rule in config.tools)
+    if rule is None or rule.task is TaskMode.NEVER:
+        return "relay"
+    return "create" if declares_tasks(message) else None
 
 
 def upstream_body(message: dict[str, Any], body: bytes) -> bytes:
@@ -185,20 +208,6 @@ def check_reencodable(message: Any, body: bytes) -> None:
             INVALID_REQUEST, f"Invalid request: nested more than {MAX_DUMPS_DEPTH} levels deep, which the proxy "
             "cannot pass on"
         )  # fmt: skip
-
-
-def answered_here(message: Any, headers: MultiMapping[str]) -> str | None:
-    """Which of its own answers handle_mcp_post gives this message with nothing of aiohttp's: "tasks" for a 2026
-    tasks/* request (Tasks2026.handle), "create" for a 2026 tools/call that declares tasks (a task, when a rule
-    runs its tool as one: the caller looks), else None. proxy/lane serves these itself."""
-    if classify(message) != "request" or not is_modern(message, headers):
-        return None
-    method = message["method"]
-    if method.startswith("tasks/"):
-        return "tasks"
-    if method == "tools/call" and declares_tasks(message) and isinstance(params_of(message).get("name"), str):
-        return "create"
-    return None
 
 
 async def _relay(request: web.Request, message: dict[str, Any], body: bytes, *, modern: bool) -> web.StreamResponse:
@@ -400,7 +409,8 @@ async def _tools_call(
     *,
     modern: bool,
 ) -> web.StreamResponse:
-    """A tools/call: a task when its rule and the request say so, else relayed synchronously."""
+    """A tools/call `route` leaves here: a 2025 client's (a SEP-1686 task, a durable call, or relayed), or a 2026
+    client's that declares no tasks, of a tool a rule runs as a task (a kept-alive call, a refusal, or relayed)."""
     config = request.app[policy_key].config
     params = params_of(message)
     name = params.get("name")
@@ -434,42 +444,49 @@ async def _tools_call(
             return await request.app[durable_key].start(request, message, rule)
     if modern or declares_tasks(message):
         # Before the capability check, as the reference ladder orders them: headers that disagree with the body
-        # say nothing reliable about what the client wants.
+        # say nothing reliable about what the client wants. (A 2025 request that declares tasks fails it: a
+        # 2026 one that does took `route`'s "create".)
         check_modern_request(message, request.headers)
-    kept_alive = False
-    if not declares_tasks(message):
-        if rule.task is TaskMode.REQUIRED and not modern:
-            # SEP-1686: a tool whose taskSupport is required, called without a task (and no durable call possible).
-            raise JsonRpcError(
-                METHOD_NOT_FOUND, f"Tool {name!r} runs only as a task: call it with params.task", http_status=200
-            )
-        if rule.task is TaskMode.REQUIRED:
-            raise missing_tasks_capability(
-                f"Tool {name!r} runs only as a task: declare the {TASKS_EXTENSION} extension in "
-                '_meta["io.modelcontextprotocol/clientCapabilities"].extensions'
-            )
-        if not (modern and rule.durable and wants_event_stream(request.headers)):
-            return await relay()
-        kept_alive = True  # a 2026 client without tasks: the call as in a sync window, with a stream kept alive
-
+    if rule.task is TaskMode.REQUIRED and not modern:
+        # SEP-1686: a tool whose taskSupport is required, called without a task (and no durable call possible).
+        raise JsonRpcError(
+            METHOD_NOT_FOUND, f"Tool {name!r} runs only as a task: call it with params.task", http_status=200
+        )
+    if rule.task is TaskMode.REQUIRED:
+        raise missing_tasks_capability(
+            f"Tool {name!r} runs only as a task: declare the {TASKS_EXTENSION} extension in "
+            '_meta["io.modelcontextprotocol/clientCapabilities"].extensions'
+        )
+    if not (modern and rule.durable and wants_event_stream(request.headers)):
+        return await relay()
+    # A 2026 client without tasks: the call as in a sync window, with a stream kept alive.
     check_reencodable(message, body)  # the call goes upstream encoded again, from the background
-    info.mode = "durable" if kept_alive else "task"
-    app = request.app
-    call, key = tool_call(message, request.headers, request.remote, app[identity_key])
-    if kept_alive:
-        with _refusals():
-            return await app[kept_alive_key].serve(request, message, call, rule, key)
-    runner = app[runner_key]
-    counted = runner.precedence.counts(rule, params)  # (the lane counts from the read: proxy/tasks/precedence.py)
-    if counted:
-        runner.precedence.begin()
-    try:
-        outcome = await create_task(runner, app[identity_key], call, rule, key)
-    finally:
-        if counted:
-            runner.precedence.end()
-    answer, status = task_answer(message["id"], outcome, info)
-    return json_reply(answer, status=status)
+    info.mode = "durable"
+    call, key = tool_call(message, request.headers, request.remote, request.app[identity_key])
+    with _refusals():
+        return await request.app[kept_alive_key].serve(request, message, call, rule, key)
+
+
+async def create(
+    runner: TaskRunner,
+    identity: Identity,
+    message: dict[str, Any],
+    headers: MultiMapping[str],
+    body: bytes,
+    remote: str | None,
+    rule: ToolRule,
+    info: RequestInfo,
+) -> tuple[dict[str, Any], int]:
+    """A 2026 client's task-creating tools/call (`route`'s "create", on either reader): the checks, then its task
+    or its answer within the sync window, as the JSON-RPC answer and its HTTP status."""
+    # Before anything else, as the reference ladder orders them: headers that disagree with the body say nothing
+    # reliable about what the client wants.
+    check_modern_request(message, headers)
+    check_reencodable(message, body)  # the call goes upstream encoded again, from the background
+    info.mode = "task"  # after the checks: a refusal is counted as "local"
+    call, key = tool_call(message, headers, remote, identity)
+    outcome = await create_task(runner, identity, call, rule, key)
+    return task_answer(message["id"], outcome, info)
 
 
 def tool_call(

@@ -13,14 +13,13 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from multidict import CIMultiDict
 
-from ...clients.envelope import check_modern_request
 from ...config import ToolRule
 from ...jsonrpc import UpstreamError, result_response
 from ...upstream.http.headers import relayed_request_fields
 from ...upstream.http.relay import relay_answer
 from .. import boundary
 from ..context import MCP_PATH, RequestInfo
-from ..dispatch import check_reencodable, create_task, task_answer, tool_call
+from ..dispatch import create
 from .writer import LaneReply, LaneWriter, RelayedAnswer
 
 if TYPE_CHECKING:
@@ -147,14 +146,11 @@ async def _owned(lane: Lane, out: LaneWriter, request: LaneRequest, info: Reques
         out.json(result_response(message["id"], result), 200, keep_alive=keep_alive)
         return 200
     info.tool = message["params"]["name"]
-    check_modern_request(message, request.headers)  # the checks dispatch makes before a task is created
-    check_reencodable(message, request.body)
-    info.mode = "task"  # after the checks, as on aiohttp's path: a refusal is counted as "local"
     # The peer's address (a syscall on uvloop): asked only here, where an anonymous caller's limits need it.
     peer = out.transport.get_extra_info("peername") if out.transport is not None else None
-    call, key = tool_call(message, request.headers, peer[0] if isinstance(peer, tuple) else None, lane.identity)
-    outcome = await create_task(lane.runner, lane.identity, call, request.rule, key)
-    reply, status = task_answer(message["id"], outcome, info)
+    remote = peer[0] if isinstance(peer, tuple) else None
+    reply, status = await create(lane.runner, lane.identity, message, request.headers, request.body, remote,
+                                 request.rule, info)  # fmt: skip
     out.json(reply, status, keep_alive=keep_alive)
     return status
 

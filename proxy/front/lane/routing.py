@@ -13,11 +13,11 @@ from multidict import CIMultiDict, istr
 
 from ...clients.envelope import TASK_METHODS, check_modern_request, check_routing_headers, decode_header_value
 from ...config import TaskMode, ToolRule
-from ...jsonrpc import JsonRpcError, loads
+from ...jsonrpc import JsonRpcError, classify, loads
 from ...upstream.http.relay import HttpRelay
 from .. import boundary
 from ..context import MCP_PATH
-from ..dispatch import answered_here, check_reencodable, relayed_as_is, relayed_unowned, upstream_body
+from ..dispatch import check_reencodable, route, upstream_body
 from ..session_routing import may_name_a_parked_call
 from .answers import LaneRequest
 
@@ -194,29 +194,25 @@ def lane_request(
         message = loads(body)
     except ValueError:
         return None
+    if classify(message) != "request":
+        return None  # a notification, a response or a batch: the application's
+    way = route(message, headers, lane.policy.config, head.rule_for)
     if kind == "owned":
-        owned = answered_here(message, headers)
-        if owned is None or (owned == "create") != (head.rule is not None):
+        if way not in ("tasks", "create") or (way == "create") != (head.rule is not None):
             return None
-        if owned == "create" and message["params"]["name"] != head.tool:
+        if way == "create" and message["params"]["name"] != head.tool:
             return None  # the application says how the headers disagree
-    elif kind == "as_is":
-        if not relayed_as_is(message, headers, lane.policy.config):
-            return None
-        try:
-            check_routing_headers(message, headers, required=False)
-        except JsonRpcError:
-            return None
+    elif way != ("as_is" if kind == "as_is" else "relay"):
+        return None
     else:
-        if not relayed_unowned(message, headers, head.rule_for):
-            return None
         try:
             if kind == "legacy":
                 check_modern_request(message, headers)  # a 2025 server cannot check the 2026 headers itself
                 check_reencodable(message, body)  # the bridge encodes it again
             else:
                 check_routing_headers(message, headers, required=False)
-                body = upstream_body(message, body)  # the upstream must not see a tasks declaration
+                if kind == "modern":
+                    body = upstream_body(message, body)  # the upstream must not see a tasks declaration
         except JsonRpcError:
             return None
     _, _, query = url.partition(b"?")
