@@ -107,61 +107,6 @@ async def proxy(make_proxy, mcp_upstream):
     )
 
 
-async def test_a_2026_call_the_proxy_does_not_own_is_relayed_on_the_lane_with_the_answer_aiohttp_gives(proxy):
-    message = call("add", {"a": 2, "b": 3})
-    before = lane_counts(proxy)
-    lane = await proxy.client.send(message)
-    assert lane_counts(proxy)["relayed"] == before.get("relayed", 0) + 1
-    body = json.dumps(message).encode()
-    async with proxy.client.session.post(proxy.url, **aiohttp_path(body), headers=headers_for(message)) as response:
-        aiohttp_body = await response.read()
-        aiohttp_status, aiohttp_type = response.status, response.headers["Content-Type"]
-    assert lane_counts(proxy)["handed_over"] == before.get("handed_over", 0) + 1
-    assert lane.status == aiohttp_status == 200
-    assert lane.headers["Content-Type"] == aiohttp_type
-    assert json.loads(lane.body) == json.loads(aiohttp_body)
-    assert lane.result["structuredContent"] == {"result": 5}
-
-
-@pytest.mark.parametrize("extra", [{}, {"task": {"ttl": 5}}], ids=["declared", "declared-and-params-task"])
-async def test_a_client_that_declares_tasks_is_relayed_on_the_lane_with_the_bytes_aiohttp_sends(
-    make_proxy, fake_upstream, extra
-):
-    """A tasks-capable client declares the extension in every request, the calls the proxy does not own included:
-    the lane relays them with the declaration removed, the very body aiohttp's path sends upstream."""
-
-    async def handler(request):
-        from aiohttp import web
-
-        body = json.loads(await request.read())
-        return web.json_response({"jsonrpc": "2.0", "id": body["id"], "result": {"resultType": "complete"}})
-
-    fake = await fake_upstream(handler)
-    proxy = await make_proxy(fake.url, protocol="modern", tools=[{"match": "long", "task": "optional"}])
-    for message in (
-        request("tools/call", {"name": "quick", "arguments": {"a": 1}, "_meta": meta(sampling={}), **extra}),
-        request("tools/list", {"_meta": meta(), **extra}),
-    ):
-        before = lane_counts(proxy)
-        lane = await proxy.client.send(message)
-        assert lane_counts(proxy)["relayed"] == before.get("relayed", 0) + 1
-        async with proxy.client.session.post(
-            proxy.url,
-            **aiohttp_path(json.dumps(message).encode()),
-            headers={**headers_for(message), "Connection": "close"},  # not the lane's next connection
-        ) as response:
-            aiohttp_body = await response.read()
-        assert lane_counts(proxy)["handed_over"] == before.get("handed_over", 0) + 1
-        assert json.loads(lane.body) == json.loads(aiohttp_body)
-        on_lane, on_aiohttp = (sent["body"] for sent in fake.received[-2:])
-        assert on_lane == on_aiohttp
-        sent = json.loads(on_lane)
-        assert "task" not in sent["params"]
-        capabilities = sent["params"]["_meta"]["io.modelcontextprotocol/clientCapabilities"]
-        assert "io.modelcontextprotocol/tasks" not in capabilities.get("extensions", {})
-        assert sent["params"]["_meta"]["io.modelcontextprotocol/protocolVersion"] == "2026-07-28"
-
-
 async def test_the_upstream_s_response_fields_are_relayed_as_the_bytes_received_without_hop_by_hop_ones(make_proxy):
     """The lane writes the upstream's end-to-end response fields back byte for byte (case, order, repeats, bytes
     that are not ASCII), without the hop-by-hop ones or those the upstream's Connection header names, and with one

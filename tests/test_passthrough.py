@@ -17,6 +17,12 @@ from tests.conftest import eventually
 from tests.factories import TASKS, headers_for, meta, parse_body, request
 
 
+@pytest.fixture
+def front(both_fronts: str) -> str:
+    """Every test here runs through both readers, the lane and aiohttp's server (tests/conftest.py)."""
+    return both_fronts
+
+
 async def test_non_declaring_client_sees_exactly_the_upstream(make_proxy, mcp_upstream, upstream_client):
     proxy = await make_proxy(mcp_upstream, tools=[{"match": "slow_*"}])
     for method, params in [
@@ -460,3 +466,32 @@ async def test_an_answer_the_proxy_rewrites_is_asked_for_without_a_coding(make_p
     reply = await proxy.client.call("server/discover", {}, headers={"Accept-Encoding": "gzip, br"})
     assert "io.modelcontextprotocol/tasks" in reply.result["capabilities"]["extensions"]
     assert fake.received[-1]["headers"].getall("Accept-Encoding") == ["identity"]
+
+
+@pytest.mark.parametrize("extra", [{}, {"task": {"ttl": 5}}], ids=["declared", "declared-and-params-task"])
+async def test_a_client_that_declares_tasks_has_its_unowned_calls_relayed_without_the_declaration(
+    make_proxy, fake_upstream, extra
+):
+    """A tasks-capable client declares the extension in every request, the calls the proxy does not own included:
+    they go upstream without the declaration (nor a legacy params.task), everything else as sent, so the upstream
+    cannot answer with a task of its own."""
+
+    async def handler(http: web.Request) -> web.Response:
+        body = json.loads(await http.read())
+        return web.json_response({"jsonrpc": "2.0", "id": body["id"], "result": {"resultType": "complete"}})
+
+    fake = await fake_upstream(handler)
+    proxy = await make_proxy(fake.url, protocol="modern", tools=[{"match": "long", "task": "optional"}])
+    for message in (
+        request("tools/call", {"name": "quick", "arguments": {"a": 1}, "_meta": meta(sampling={}), **extra}),
+        request("tools/list", {"_meta": meta(), **extra}),
+    ):
+        reply = await proxy.client.send(message)
+        assert json.loads(reply.body) == {"jsonrpc": "2.0", "id": message["id"], "result": {"resultType": "complete"}}
+        expected = json.loads(json.dumps(message))
+        expected["params"].pop("task", None)
+        capabilities = expected["params"]["_meta"]["io.modelcontextprotocol/clientCapabilities"]
+        del capabilities["extensions"]["io.modelcontextprotocol/tasks"]
+        if not capabilities["extensions"]:
+            del capabilities["extensions"]
+        assert json.loads(fake.received[-1]["body"]) == expected
