@@ -8,6 +8,7 @@
     python bench/ab.py --path discover    # server/discover, the proxy's, answered by the application's handler
     python bench/ab.py --client tasks     # pass-through from a client that declares the tasks extension
     python bench/ab.py --variant tracing  # the work tree plain (A) against itself with tracing configured (B)
+    python bench/ab.py --variant tracing-ratio  # the same with a sampler that may begin traces of its own
 
 Both proxies stand in front of one fast upstream (bench/fast_upstream.py), beside the bare aiohttp forwarder
 (bench/minimal_forwarder.py) and, when it is installed, nginx, for an upstream of each era (the proxy translates a
@@ -38,9 +39,11 @@ closed loop, memory store.
 
 `--variant tracing` and `--variant advertise` compare configurations instead of commits: A is the work tree as
 configured above, B the same install with OpenTelemetry tracing configured (an OTLP exporter, the sampler
-`parentbased_always_off`: a span is recorded only when a client's context asks for it, none does here, and each
-request still makes its unsampled span to pass the context on) or with `listen.advertise_url` set (replicas routing
-2025 sessions, over a Redis store in both). Configuration should move no traffic onto other code: B/A near 1.
+`parentbased_always_off`: a span is recorded only when a client's context asks for it, and none does here) or with
+`listen.advertise_url` set (replicas routing 2025 sessions, over a Redis store in both). Configuration should move
+no traffic onto other code: B/A near 1. `--variant tracing-ratio` configures `parentbased_traceidratio` at a ratio
+of 0 instead: a sampler that may begin a trace of its own, so that the SDK makes each request's span (unsampled,
+here) to ask it; that is OpenTelemetry's cost per request, not the proxy's.
 
 The base commit is installed once into a virtual environment of its own under bench/.ab/ (from `git archive`, so
 the work tree is untouched), and the work tree, as it is now (its tracked and untracked files, not the ignored ones),
@@ -256,10 +259,12 @@ def proxy(
         policy["store"] = {"backend": "redis", "url": redis_url, "key_prefix": f"ab{port}:"}
     if variant == "advertise":
         policy["listen"] = {"advertise_url": f"http://127.0.0.1:{port}"}
-    elif variant == "tracing":  # an exporter to a port nobody listens on; a span only for a sampled client context
+    elif variant in ("tracing", "tracing-ratio"):  # an exporter to a port nobody listens on
         # (always_off turns tracing off altogether: proxy/tracing.py configure)
         env = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{free_port()}",
                "OTEL_TRACES_SAMPLER": "parentbased_always_off"}  # fmt: skip
+        if variant == "tracing-ratio":  # ratio 0: every root is asked about and none sampled, nothing exported
+            env |= {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0"}
     path = WORK / f"policy-{port}.json"
     path.write_text(json.dumps(policy))
     # -P: the working directory (the repository) must not shadow the interpreter's own install of the proxy.
@@ -422,7 +427,7 @@ def main() -> None:
     parser.add_argument("--path", choices=("passthrough", "create", "get", "discover"), default="passthrough",
                         help="what is measured: a pass-through tools/call, task creation at 1,000/s, "
                              "tasks/get of a finished task, or server/discover")  # fmt: skip
-    parser.add_argument("--variant", choices=("tracing", "advertise"), default=None,
+    parser.add_argument("--variant", choices=("tracing", "tracing-ratio", "advertise"), default=None,
                         help="pass-through: the work tree plain (A) against itself with tracing configured or "
                              "listen.advertise_url set (B), instead of --base against the work tree")  # fmt: skip
     parser.add_argument("--arrivals", choices=("h2load", "wrk"), default="h2load",
@@ -440,7 +445,7 @@ def main() -> None:
         raise SystemExit("--variant measures the pass-through path, on a Redis store: apt-get install redis-server")
     b_install = worktree_python()
     a_install = base_python(args.base) if args.variant is None else b_install
-    if args.variant == "tracing":  # the otel extra, in the work tree's environment
+    if args.variant in ("tracing", "tracing-ratio"):  # the otel extra, in the work tree's environment
         subprocess.run([str(b_install[0]), "-m", "pip", "install", "--quiet", "opentelemetry-sdk",
                         "opentelemetry-exporter-otlp-proto-http"], check=True)  # fmt: skip
     # A comparison of a tree with itself reads as "no change": make sure A and B are the trees they claim to be.

@@ -30,19 +30,24 @@ class Tracer:
 
     enabled = True
 
-    def __init__(self, provider: Any) -> None:
+    def __init__(self, provider: Any, *, roots_recorded: bool = True) -> None:
         from opentelemetry import context, propagate, trace
 
         self._provider = provider
+        # False when the sampler records no trace the proxy would begin (parentbased_always_off): then a request
+        # whose client context is not sampled gets no span at all, and its trace fields pass upstream as sent.
+        self._roots_recorded = roots_recorded
         self._tracer = provider.get_tracer("mcp-tasks-proxy")
         self._trace, self._context, self._propagate = trace, context, propagate
         self._server, self._client = trace.SpanKind.SERVER, trace.SpanKind.CLIENT
 
     def begin_request(
         self, headers: Mapping[str, str], message: dict[str, Any], method: str, tool: str | None
-    ) -> tuple[Any, object]:
+    ) -> tuple[Any, object] | None:
         """The request's span, made current: continued from the client's `traceparent` header, else from its
-        `params._meta` (as MCP's semantic conventions carry it), else a new trace."""
+        `params._meta` (as MCP's semantic conventions carry it), else a new trace. None when the sampler could
+        record nothing of the request: its span would be one the SDK makes and drops, at about a fifth of the
+        request's CPU (docs/benchmarks.md)."""
         carrier: Mapping[str, Any] = headers
         if "traceparent" not in headers:
             params = message.get("params")
@@ -53,7 +58,11 @@ class Tracer:
                 if isinstance(meta, dict)
                 else {}
             )
+        if not self._roots_recorded and "traceparent" not in carrier:
+            return None
         parent = self._propagate.extract(carrier)
+        if not self._roots_recorded and not self._trace.get_current_span(parent).get_span_context().trace_flags.sampled:
+            return None
         attributes: dict[str, Any] = {"mcp.method.name": method, "network.protocol.name": "http"}
         request_id = message.get("id")
         if isinstance(request_id, (str, int)) and not isinstance(request_id, bool):
@@ -134,10 +143,24 @@ class Tracer:
         span.set_status(self._trace.StatusCode.ERROR)
 
     def inject(self, headers: MutableMapping[str, str]) -> None:
-        """The current span's context on an upstream request, in place of the client's."""
+        """The current span's context on an upstream request, in place of the client's; with no span current (a
+        request the sampler records nothing of), the client's stay as they are."""
+        fields = self.trace_fields()
+        if fields is None:
+            return
         for key in _TRACE_KEYS:
             headers.pop(key, None)
-        self._propagate.inject(headers)
+        headers.update(fields)
+
+    def trace_fields(self) -> dict[str, str] | None:
+        """The propagator's fields for the current span (traceparent, and tracestate when there is one); None when
+        no span is current."""
+        span = self._trace.get_current_span()
+        if not span.get_span_context().is_valid:
+            return None
+        fields: dict[str, str] = {}
+        self._propagate.inject(fields)
+        return fields
 
     def shutdown(self) -> None:
         shutdown = getattr(self._provider, "shutdown", None)
@@ -187,5 +210,9 @@ def configure(environ: Mapping[str, str] = os.environ) -> str:
     resource = Resource.create({"service.name": environ.get("OTEL_SERVICE_NAME", "mcp-tasks-proxy")})
     provider = TracerProvider(resource=resource)
     provider.add_span_processor(BatchSpanProcessor(span_exporter))
-    install(Tracer(provider))
+    # The SDK reads the same variable (TracerProvider's sampler); with this one it begins no trace of its own.
+    roots_recorded = environ.get("OTEL_TRACES_SAMPLER", "").lower() != "parentbased_always_off"
+    install(Tracer(provider, roots_recorded=roots_recorded))
+    if not roots_recorded:
+        return f"on ({exporter}; parentbased_always_off: spans only for requests whose client context is sampled)"
     return f"on ({exporter})"

@@ -144,8 +144,8 @@ async def test_without_the_extra_or_an_exporter_tracing_is_off(monkeypatch, make
     never = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OTEL_TRACES_SAMPLER": "always_off"}
     assert tracing.configure(never) == "off (OTEL_TRACES_SAMPLER=always_off: no span is ever recorded)"
     assert not tracing.TRACER.enabled
-    assert tracing.configure({**never, "OTEL_TRACES_SAMPLER": "parentbased_always_off"}) == "on (otlp)"
-    assert tracing.TRACER.enabled  # a client's sampled parent is still recorded
+    assert tracing.configure({**never, "OTEL_TRACES_SAMPLER": "parentbased_always_on"}) == "on (otlp)"
+    assert tracing.TRACER.enabled
     tracing.TRACER.shutdown()  # type: ignore[union-attr]
     monkeypatch.setitem(sys.modules, "opentelemetry.sdk.trace", None)  # as if the otel extra were not installed
     assert "pip install 'mcp-tasks-proxy[otel]'" in tracing.configure({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x"})
@@ -153,6 +153,38 @@ async def test_without_the_extra_or_an_exporter_tracing_is_off(monkeypatch, make
     proxy = await make_proxy(mcp_upstream)
     reply = await proxy.client.call_tool("echo_traceparent", {}, tasks=False, headers={"traceparent": TRACEPARENT})
     assert reply.result["content"][0]["text"] == TRACEPARENT  # untouched: passed through as the client sent it
+
+
+@pytest.mark.parametrize("front", ["lane", "aiohttp"])
+async def test_with_parentbased_always_off_only_a_sampled_client_context_makes_a_span(make_proxy, mcp_upstream):
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=ParentBased(ALWAYS_OFF))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.install(tracing.Tracer(provider, roots_recorded=False))  # as configure() sets it up for this sampler
+    try:
+        proxy = await make_proxy(mcp_upstream, protocol="modern")
+        unsampled = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-00"
+        for sent, expected in (({}, "<none>"), ({"traceparent": unsampled}, unsampled)):
+            reply = await proxy.client.call_tool("echo_traceparent", {}, tasks=False, headers=sent)
+            assert reply.result["content"][0]["text"] == expected  # passed on as the client sent it, or not at all
+        assert exporter.get_finished_spans() == ()  # nothing the sampler could record was made
+
+        reply = await proxy.client.call_tool("echo_traceparent", {}, tasks=False, headers={"traceparent": TRACEPARENT})
+        (request_span,) = named(exporter, "tools/call echo_traceparent")
+        assert format(request_span.parent.span_id, "016x") == CLIENT_SPAN
+        assert (
+            reply.result["content"][0]["text"] == f"00-{CLIENT_TRACE}-{format(request_span.context.span_id, '016x')}-01"
+        )
+    finally:
+        tracing.install(tracing._Off())
+        provider.shutdown()
+    assert tracing.configure(
+        {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OTEL_TRACES_SAMPLER": "parentbased_always_off"}
+    ).startswith("on (otlp; parentbased_always_off")
+    tracing.TRACER.shutdown()  # type: ignore[union-attr]
+    tracing.install(tracing._Off())
 
 
 async def test_spans_reach_an_otlp_http_receiver(mcp_upstream, tmp_path, aiohttp_server):

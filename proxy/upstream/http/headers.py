@@ -89,8 +89,9 @@ def relayed_request_fields(raw_headers: tuple[tuple[bytes, bytes], ...], headers
     """A relayed request's end-to-end header lines for the upstream, serialized from the bytes as received (the
     pass-through path: nothing decoded, nothing re-encoded), with tracing on the proxy's trace context in place of
     the client's. `headers` is the same request's decoded view."""
-    traced = tracing.TRACER.enabled
-    drop = _REQUEST_SKIP_TRACED_BYTES if traced else _REQUEST_SKIP_BYTES
+    # With a span current, the proxy's trace fields replace the client's; else the client's go as received.
+    context = tracing.TRACER.trace_fields() if tracing.TRACER.enabled else None  # type: ignore[union-attr]
+    drop = _REQUEST_SKIP_BYTES if context is None else _REQUEST_SKIP_TRACED_BYTES
     if "Connection" in headers:  # rare: headers named hop-by-hop for this connection only go no further either
         listed = connection_listed(", ".join(headers.getall("Connection")))
         drop = drop.union(name.encode("utf-8", "surrogateescape") for name in listed)
@@ -104,9 +105,7 @@ def relayed_request_fields(raw_headers: tuple[tuple[bytes, bytes], ...], headers
         # whichever path relayed the request. Two searches of the whole block, not a strip per field.
         stripped = ((name, value.rstrip(b" \t")) for name, value in raw_headers if name.lower() not in drop)
         fields = b"".join(b"%s: %s\r\n" % field for field in stripped)
-    if traced:
-        context: dict[str, str] = {}
-        tracing.TRACER.inject(context)  # the propagator's own fields: traceparent, and tracestate when there is one
+    if context is not None:
         fields += b"".join(b"%s: %s\r\n" % (name.encode(), value.encode()) for name, value in context.items())
     return fields
 
