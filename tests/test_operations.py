@@ -434,3 +434,47 @@ log.debug("not written")
         assert "hunter2" not in done.stderr.decode()
         assert stdlib["event"] == "from caf\u00e9" and stdlib["level"] == "warning"
         assert failed["exception"][0]["exc_type"] == "ZeroDivisionError"
+
+
+def test_the_request_counter_and_histogram_expose_what_prometheus_client_s_own_would():
+    """_RequestStats keeps plain numbers in place of prometheus_client's labelled children (metrics.py says why):
+    the same observations, through both, must read the same at a scrape, bucket bounds included."""
+    import random
+
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+    from mcp_tasks_proxy.metrics import _LATENCY_BUCKETS, Metrics
+
+    ours = Metrics()
+    registry = CollectorRegistry()
+    requests = Counter("mcp_tasks_proxy_requests", "", ["method", "mode", "status"], registry=registry)
+    latency = Histogram(
+        "mcp_tasks_proxy_request_seconds", "", ["method", "mode"], buckets=_LATENCY_BUCKETS, registry=registry
+    )
+    rng = random.Random(48)
+    # On every bound and either side of it, zero, and past the last bound, with random ones between.
+    edges = [b * f for b in _LATENCY_BUCKETS for f in (1, 1 - 1e-12, 1 + 1e-12)] + [0.0, 61.0, 3600.0]
+    for n in range(2_000):
+        seconds = edges[n] if n < len(edges) else rng.expovariate(1 / 0.2)
+        method, mode = rng.choice(["tools/call", "tasks/get", "other"]), rng.choice(["passthrough", "task", "local"])
+        status = rng.choice([200, 202, 400, 502])
+        ours.observe_request(method, mode, status, seconds)
+        requests.labels(method, mode, str(status)).inc()
+        latency.labels(method, mode).observe(seconds)
+
+    def samples(text: bytes, prefix: str) -> dict[tuple, float]:
+        return {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text.decode())
+            if family.name.startswith(prefix)
+            for sample in family.samples
+            if not sample.name.endswith("_created")  # prometheus_client's creation times: not a count
+        }
+
+    for prefix in ("mcp_tasks_proxy_requests", "mcp_tasks_proxy_request_seconds"):
+        expected = samples(generate_latest(registry), prefix)
+        got = samples(ours.render(), prefix)
+        assert len(expected) >= 36  # every (method, mode, status), every (method, mode) with its buckets
+        assert got.keys() == expected.keys(), prefix
+        for key, value in expected.items():
+            assert got[key] == pytest.approx(value, rel=1e-9), key

@@ -57,6 +57,64 @@ async def test_a_cancelled_caller_does_not_shift_the_replies_of_others(redis_url
         await client.aclose()
 
 
+COMMANDS: list[tuple] = [
+    ("SET", "diff:k", b"\x00\xff\r\n binary"),
+    ("GET", "diff:k"),
+    ("GET", "diff:missing"),
+    ("EXISTS", "diff:k", "diff:missing"),
+    ("INCRBY", "diff:n", 7),
+    ("INCRBY", "diff:n", -12),
+    ("RPUSH", "diff:l", "a", "", "c"),
+    ("LRANGE", "diff:l", 0, -1),
+    ("LRANGE", "diff:missing", 0, -1),
+    ("HSET", "diff:h", "f", "ünïcode"),
+    ("HGETALL", "diff:h"),
+    ("ECHO", "ünïcode \r\n"),
+    ("SET", "diff:big", b"x" * 1_000_000),
+    ("STRLEN", "diff:big"),
+    ("GET", "diff:big"),
+    ("EVAL", "return {1, 'two', {3, {}}, false, -5}", 0),
+    ("EVAL", "return redis.status_reply('FINE')", 0),
+    ("EVAL", "return 3.99", 0),
+    ("EVAL", "return {KEYS[1], ARGV[1], ARGV[2]}", 1, "diff:k", "", b"\x00"),
+]
+ERRORS: list[tuple] = [
+    ("INCR", "diff:k"),
+    ("LPUSH", "diff:k", "x"),
+    ("EVAL", "return redis.error_reply('MYERR custom words')", 0),
+    ("EVAL", "return {err = 'ERR from a table'}", 0),
+    ("NOSUCHCOMMAND", "x"),
+    ("GET",),
+]
+
+
+async def test_resp_reads_every_reply_as_redis_py_does(redis_url: str) -> None:
+    """resp.py stands in for redis-py on the store's hot path (docs/benchmarks.md says why): the same commands, sent
+    by both to one real redis-server, get the same replies, and the same errors."""
+    ours = RespClient(redis_url, timeout_s=5, max_reply_bytes=2_000_000)
+    theirs = redis.Redis.from_url(redis_url, protocol=2)  # resp.py speaks RESP2, as Redis does until HELLO 3
+    theirs.response_callbacks.clear()  # redis-py's replies as read, not made into its Python types per command
+    try:
+        expected = []
+        for command in COMMANDS:
+            expected.append(await theirs.execute_command(*command))
+        await theirs.flushdb()
+        assert await ours.pipeline(COMMANDS) == expected  # pipelined in one write
+        await theirs.flushdb()
+        assert [await ours.execute(*command) for command in COMMANDS] == expected  # one at a time
+        for command in ERRORS:
+            with pytest.raises(redis.ResponseError) as their_error:
+                await theirs.execute_command(*command)
+            with pytest.raises(RespError) as our_error:
+                await ours.execute(*command)
+            # redis-py takes a known code (ERR, WRONGTYPE...) off the front of the message; resp.py keeps it.
+            assert str(our_error.value).endswith(str(their_error.value)), command
+        assert await ours.execute("GET", "diff:k") == expected[1]  # the connection is in step after the errors
+    finally:
+        await ours.aclose()
+        await theirs.aclose()
+
+
 async def test_the_store_reloads_its_script_when_redis_forgot_it(redis_url: str) -> None:
     store = RedisTaskStore(redis_url, key_prefix="noscript:", lease_s=2, timeout_s=2)
     admin = redis.Redis.from_url(redis_url)

@@ -31,7 +31,6 @@ class RedisReplicas:
         self._lease_ms = int(lease_s * 1000)
         self._tasks: list[asyncio.Task[None]] = []
         self._replica_id: str | None = None
-        self.events_state = "not subscribed"
         self.advertised: str | None = None
         """The lease's value: where the other replicas reach this one (session_routing.py); "1" without one."""
 
@@ -115,7 +114,6 @@ class RedisReplicas:
                 async for message in pubsub.listen():
                     kind = message.get("type")
                     if kind == "subscribe":
-                        self.events_state = "ok"
                         if not subscribed.done():
                             subscribed.set_result(None)
                         resync_wanted.set()
@@ -134,7 +132,6 @@ class RedisReplicas:
                         log.warning("store_event_failed", event_type=event.get("type"), error=type(exc).__name__)
             except (TimeoutError, *REDIS_ERRORS, OSError, StoreUnavailable) as exc:
                 self._link.failed()
-                self.events_state = f"resubscribing ({reason(exc, self._link.timeout_s)})"
                 log.warning("store_events_interrupted", reason=reason(exc, self._link.timeout_s))
                 await asyncio.sleep(1)
             finally:

@@ -159,7 +159,6 @@ class ChildProcess:
     ) -> None:
         self.spec = spec
         self.generation = generation
-        self.killed = False
         self._on_kill = on_kill
         self._on_message = on_message
         self._on_unreadable = on_unreadable
@@ -283,7 +282,6 @@ class ChildProcess:
         """SIGKILL the child's process group at once; from now on it takes no request (the supervisor sees it exit
         and starts it again)."""
         if self._process is not None and self._process.returncode is None:
-            self.killed = True
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self._process.pid, signal.SIGKILL)
             self._on_kill()
@@ -420,7 +418,6 @@ class Supervisor:
         self._generation = 0
         self._loop_task: asyncio.Task[None] | None = None
         self._stopping = False
-        self.restarts = 0
 
     async def start(self) -> None:
         """Start the first child (OSError when it cannot be spawned at all), then keep it running."""
@@ -476,7 +473,6 @@ class Supervisor:
             while True:
                 try:
                     child = await self._spawn()
-                    self.restarts += 1
                     break
                 except OSError as exc:
                     self.state = f"cannot start ({exc}), retrying in {delay:g} s"
