@@ -9,7 +9,16 @@ from typing import Any
 from multidict import CIMultiDict, MultiMapping
 
 from .. import PROTOCOL_VERSION, TASKS_EXTENSION
-from ..jsonrpc import HEADER_MISMATCH, INVALID_PARAMS, UNSUPPORTED_PROTOCOL_VERSION, JsonRpcError
+from ..jsonrpc import (
+    HEADER_MISMATCH,
+    INVALID_PARAMS,
+    INVALID_REQUEST,
+    MAX_DUMPS_DEPTH,
+    UNSUPPORTED_PROTOCOL_VERSION,
+    JsonRpcError,
+    dumps,
+    too_deep,
+)
 
 META_PROTOCOL_VERSION = "io.modelcontextprotocol/protocolVersion"
 META_CLIENT_CAPABILITIES = "io.modelcontextprotocol/clientCapabilities"
@@ -163,3 +172,24 @@ def without_tasks_declaration(message: dict[str, Any]) -> dict[str, Any]:
         params["_meta"] = {**meta, META_CLIENT_CAPABILITIES: capabilities}
     forwarded["params"] = params
     return forwarded
+
+
+def upstream_body(message: dict[str, Any], body: bytes) -> bytes:
+    """The body a 2026 request the proxy relays goes upstream with: tasks are the proxy's, so the upstream never sees
+    the declaration (nor a legacy params.task opt-in), which would let it answer with a task of its own the proxy
+    knows nothing of. The body as received when it has neither, byte for byte."""
+    if declares_tasks(message) or "task" in params_of(message):
+        check_reencodable(message, body)
+        return dumps(without_tasks_declaration(message))
+    return body
+
+
+def check_reencodable(message: Any, body: bytes) -> None:
+    """Refuse a request the proxy must encode again (to remove the tasks declaration, to bridge it to a 2025-era
+    upstream, to run it as a task) when `dumps` would refuse it: nested deeper than jsonrpc.MAX_DUMPS_DEPTH. The
+    same answer on the lane and on aiohttp's path, before anything starts."""
+    if too_deep(message, body):
+        raise JsonRpcError(
+            INVALID_REQUEST, f"Invalid request: nested more than {MAX_DUMPS_DEPTH} levels deep, which the proxy "
+            "cannot pass on"
+        )  # fmt: skip

@@ -33,7 +33,7 @@ from ..upstream import build_gateway
 from ..upstream.bridge import SyncBridge
 from ..upstream.events import UpstreamUnavailable
 from ..upstream.gateway import Gateway
-from ..upstream.http.relay import client_gone_key
+from ..upstream.http.answer import client_gone_key
 from . import boundary
 from .context import (
     MCP_PATH,

@@ -5,8 +5,7 @@ anything else is relayed to the upstream as it is."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
@@ -14,53 +13,39 @@ from aiohttp import web
 from multidict import MultiMapping
 
 from .. import TASKS_EXTENSION
-from ..clients import idempotency, listen, tasks2025
+from ..clients import listen, tasks2025
 from ..clients.durable import wants_event_stream
 from ..clients.envelope import (
-    META_CLIENT_CAPABILITIES,
     check_batch_routing_headers,
     check_modern_request,
+    check_reencodable,
     check_routing_headers,
     declares_tasks,
     is_modern,
-    meta_of,
     params_of,
+    upstream_body,
     without_tasks_declaration,
 )
 from ..clients.tasks2026 import missing_tasks_capability
 from ..config import ProxyConfig, TaskMode, ToolRule
 from ..jsonrpc import (
-    ERROR_HTTP_STATUS,
-    INTERNAL_ERROR,
-    INVALID_PARAMS,
     INVALID_REQUEST,
-    MAX_DUMPS_DEPTH,
     METHOD_NOT_FOUND,
     PARSE_ERROR,
     JsonRpcError,
     UpstreamError,
     classify,
     dumps,
-    error_response,
     is_valid_id,
     loads,
     result_response,
-    too_deep,
 )
-from ..security import Identity, caller_of
-from ..store.base import StoreFullError
-from ..tasks.admission import LimitReached
-from ..tasks.job import DirectOutcome, ToolCall
-from ..tasks.model import TaskRecord
-from ..tasks.runner import TaskRunner
 from ..upstream.bridge import StreamReply
 from ..upstream.era2025 import discover_result
 from ..upstream.events import UpstreamUnavailable
-from ..upstream.http.headers import call_headers
 from . import boundary
 from .context import (
     MCP_PATH,
-    RequestInfo,
     bridge_key,
     durable_key,
     gateway_key,
@@ -74,6 +59,7 @@ from .context import (
     tasks2025_key,
     tasks2026_key,
 )
+from .creation import create, refusals, tool_call
 
 log = structlog.get_logger(__name__)
 
@@ -187,27 +173,6 @@ def route(
     if rule is None or rule.task is TaskMode.NEVER:
         return "relay"
     return "create" if declares_tasks(message) else None
-
-
-def upstream_body(message: dict[str, Any], body: bytes) -> bytes:
-    """The body a 2026 request the proxy relays goes upstream with: tasks are the proxy's, so the upstream never sees
-    the declaration (nor a legacy params.task opt-in), which would let it answer with a task of its own the proxy
-    knows nothing of. The body as received when it has neither, byte for byte."""
-    if declares_tasks(message) or "task" in params_of(message):
-        check_reencodable(message, body)
-        return dumps(without_tasks_declaration(message))
-    return body
-
-
-def check_reencodable(message: Any, body: bytes) -> None:
-    """Refuse a request the proxy must encode again (to remove the tasks declaration, to bridge it to a 2025-era
-    upstream, to run it as a task) when `dumps` would refuse it: nested deeper than jsonrpc.MAX_DUMPS_DEPTH. The
-    same answer on the lane and on aiohttp's path, before anything starts."""
-    if too_deep(message, body):
-        raise JsonRpcError(
-            INVALID_REQUEST, f"Invalid request: nested more than {MAX_DUMPS_DEPTH} levels deep, which the proxy "
-            "cannot pass on"
-        )  # fmt: skip
 
 
 async def _relay(request: web.Request, message: dict[str, Any], body: bytes, *, modern: bool) -> web.StreamResponse:
@@ -431,7 +396,7 @@ async def _tools_call(
         info.mode = "sep1686"
         info.answers_2025 = True
         check_reencodable(message, body)  # its call goes upstream encoded again
-        with _refusals():
+        with refusals():
             return await request.app[tasks2025_key].create(request, message, rule)
     if not modern and not declares_tasks(message) and rule.durable and wants_event_stream(request.headers):
         # A 2025-era client, which has no tasks of its own to wait with: a durable call. The proxy reads the body
@@ -440,7 +405,7 @@ async def _tools_call(
         info.mode = "durable"
         info.answers_2025 = True
         check_reencodable(message, body)  # its call goes upstream encoded again
-        with _refusals():
+        with refusals():
             return await request.app[durable_key].start(request, message, rule)
     if modern or declares_tasks(message):
         # Before the capability check, as the reference ladder orders them: headers that disagree with the body
@@ -463,93 +428,5 @@ async def _tools_call(
     check_reencodable(message, body)  # the call goes upstream encoded again, from the background
     info.mode = "durable"
     call, key = tool_call(message, request.headers, request.remote, request.app[identity_key])
-    with _refusals():
+    with refusals():
         return await request.app[kept_alive_key].serve(request, message, call, rule, key)
-
-
-async def create(
-    runner: TaskRunner,
-    identity: Identity,
-    message: dict[str, Any],
-    headers: MultiMapping[str],
-    body: bytes,
-    remote: str | None,
-    rule: ToolRule,
-    info: RequestInfo,
-) -> tuple[dict[str, Any], int]:
-    """A 2026 client's task-creating tools/call (`route`'s "create", on either reader): the checks, then its task
-    or its answer within the sync window, as the JSON-RPC answer and its HTTP status."""
-    # Before anything else, as the reference ladder orders them: headers that disagree with the body say nothing
-    # reliable about what the client wants.
-    check_modern_request(message, headers)
-    check_reencodable(message, body)  # the call goes upstream encoded again, from the background
-    info.mode = "task"  # after the checks: a refusal is counted as "local"
-    call, key = tool_call(message, headers, remote, identity)
-    outcome = await create_task(runner, identity, call, rule, key)
-    return task_answer(message["id"], outcome, info)
-
-
-def tool_call(
-    message: dict[str, Any], headers: MultiMapping[str], remote: str | None, identity: Identity
-) -> tuple[ToolCall, str | None]:
-    """The call a task (or a kept-alive call) runs for this tools/call, and the client's idempotency key."""
-    params = params_of(message)
-    arguments = params.get("arguments")
-    if arguments is not None and not isinstance(arguments, dict):
-        raise JsonRpcError(INVALID_PARAMS, "Invalid params: arguments must be an object")
-    # An MRTR retry (requestState) continues a call: it is no new request for a key to name.
-    continued = params.get("requestState") is not None
-    key = idempotency.key_of(message, headers) if not continued else None
-    forwarded = without_tasks_declaration(idempotency.without_key(message))  # the proxy's key, never the upstream's
-    capabilities = meta_of(forwarded).get(META_CLIENT_CAPABILITIES)
-    principal = identity.principal(headers)
-    call = ToolCall(
-        tool=params["name"],
-        message=forwarded,
-        headers=call_headers(headers, identity.principal_header),
-        capabilities=capabilities if isinstance(capabilities, dict) else {},
-        principal=principal,
-        credential=identity.credential(headers),
-        caller=caller_of(principal, remote),
-    )
-    return call, key
-
-
-async def create_task(
-    runner: TaskRunner, identity: Identity, call: ToolCall, rule: ToolRule, key: str | None
-) -> TaskRecord | DirectOutcome:
-    """Submit a task-creating tools/call (dispatch's and the lane's): its task, or its answer within the sync
-    window."""
-    try:  # (not `with _refusals()`: a generator's context manager costs every creation about 1 µs)
-        if key is None:
-            return await runner.submit(call, rule)
-        call.task_id = identity.keyed_task_id(call.principal, call.tool, key, "task")
-        call.fingerprint = idempotency.fingerprint(call.tool, params_of(call.message).get("arguments"))
-        return await runner.submit_keyed(call, rule, key)
-    except (StoreFullError, LimitReached) as exc:
-        raise _refused(exc) from exc
-
-
-def task_answer(request_id: Any, outcome: TaskRecord | DirectOutcome, info: RequestInfo) -> tuple[dict[str, Any], int]:
-    """The JSON-RPC answer to a task-creating tools/call, and its HTTP status."""
-    if isinstance(outcome, TaskRecord):
-        info.task_id = outcome.task_id
-        return result_response(request_id, {**outcome.to_wire(), "resultType": "task"}), 200
-    info.mode = "sync_window"
-    if outcome.result is not None:
-        return result_response(request_id, outcome.result), 200
-    assert outcome.error is not None
-    return error_response(request_id, outcome.error), ERROR_HTTP_STATUS.get(outcome.error.get("code"), 200)
-
-
-@contextlib.contextmanager
-def _refusals() -> Iterator[None]:
-    """The runner's refusals of a new call (a full store, a limit) as the JSON-RPC error every caller gets."""
-    try:
-        yield
-    except (StoreFullError, LimitReached) as exc:
-        raise _refused(exc) from exc
-
-
-def _refused(exc: StoreFullError | LimitReached) -> JsonRpcError:
-    return JsonRpcError(INTERNAL_ERROR, f"Cannot create a task: {exc}", getattr(exc, "data", None))

@@ -15,11 +15,11 @@ from multidict import CIMultiDict
 
 from ...config import ToolRule
 from ...jsonrpc import UpstreamError, result_response
+from ...upstream.http.answer import relay_answer
 from ...upstream.http.headers import relayed_request_fields
-from ...upstream.http.relay import relay_answer
 from .. import boundary
 from ..context import MCP_PATH, RequestInfo
-from ..dispatch import create
+from ..creation import create
 from .writer import LaneReply, LaneWriter, RelayedAnswer
 
 if TYPE_CHECKING:

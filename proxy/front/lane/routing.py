@@ -11,13 +11,20 @@ import httptools
 from aiohttp.http_parser import SINGLETON_HEADERS
 from multidict import CIMultiDict, istr
 
-from ...clients.envelope import TASK_METHODS, check_modern_request, check_routing_headers, decode_header_value
+from ...clients.envelope import (
+    TASK_METHODS,
+    check_modern_request,
+    check_reencodable,
+    check_routing_headers,
+    decode_header_value,
+    upstream_body,
+)
 from ...config import TaskMode, ToolRule
 from ...jsonrpc import JsonRpcError, classify, loads
 from ...upstream.http.relay import HttpRelay
 from .. import boundary
 from ..context import MCP_PATH
-from ..dispatch import check_reencodable, route, upstream_body
+from ..dispatch import route
 from ..session_routing import may_name_a_parked_call
 from .answers import LaneRequest
 

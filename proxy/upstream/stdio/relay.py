@@ -32,7 +32,7 @@ from ...jsonrpc import (
 )
 from ...security import Identity, caller_of
 from ..events import UpstreamUnavailable
-from ..http.relay import client_gone_key
+from ..http.answer import client_gone_key
 from ..http.sse import KEEP_ALIVE
 from ..routing import CallRoute
 from ..session_table import SessionsFull

@@ -18,7 +18,7 @@ from ...clients.envelope import params_of
 from ...jsonrpc import ERROR_HTTP_STATUS, INTERNAL_ERROR, dumps, error_object, error_response
 from ..era2025 import declined_answer
 from ..events import AnswerTooLarge
-from ..http.relay import client_gone_key
+from ..http.answer import client_gone_key
 from ..http.sse import message_event
 from .exchange import Exchange
 from .pool import StdioPool
