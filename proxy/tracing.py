@@ -84,8 +84,7 @@ class Tracer:
         span, token = handle
         if not span.is_recording():  # not sampled: what would be set is dropped anyway
             span.end()
-            with contextlib.suppress(ValueError):
-                self._context.detach(token)
+            _detach(token)
             return
         if task_id is not None:
             span.set_attribute("mcp.task.id", task_id)
@@ -98,21 +97,35 @@ class Tracer:
             span.set_status(self._trace.StatusCode.ERROR)
             span.set_attribute("error.type", str(status))
         span.end()
-        with contextlib.suppress(ValueError):  # detached in another context: nothing left to restore
-            self._context.detach(token)
+        _detach(token)
+
+    def _unrecorded(self, parent: Any = None) -> bool:
+        """Nothing begun under `parent` (the current span when None) could be recorded: the sampler begins no trace
+        of its own and the parent is not sampled."""
+        if self._roots_recorded:
+            return False
+        span = parent if parent is not None else self._trace.get_current_span()
+        return not span.get_span_context().trace_flags.sampled
 
     def start_task(self, task_id: str, tool: str) -> Any:
-        """The task's span, a child of the current one (the request that created it); ended by end_task."""
+        """The task's span, a child of the current one (the request that created it); ended by end_task. None when
+        it could not be recorded: then its calls carry the client's trace fields as sent, as a relayed call does."""
+        if self._unrecorded():
+            return None
         attributes = {"mcp.task.id": task_id, "gen_ai.tool.name": tool, "mcp.method.name": "tools/call"}
         return self._tracer.start_span(f"task {tool}", attributes=attributes)
 
     def traceparent(self, span: Any) -> str | None:
         """The span's W3C traceparent, kept with the task so that any replica links to it."""
+        if span is None:
+            return None
         carrier: dict[str, str] = {}
         self._propagate.inject(carrier, context=self._trace.set_span_in_context(span))
         return carrier.get("traceparent")
 
     def end_task(self, span: Any, status: str, *, error_code: Any = None) -> None:
+        if span is None:
+            return
         span.set_attribute("mcp.task.status", status)
         if status == "failed":
             span.set_status(self._trace.StatusCode.ERROR)
@@ -126,6 +139,9 @@ class Tracer:
         `attempt` counts the attempts of one round (retries of transient failures), `run` the runs of the call
         (another after a lost replica)."""
         # Before its task exists (inside a sync window) the attempt belongs to the request that makes it.
+        if self._unrecorded(task_span):
+            yield None
+            return
         parent = self._trace.set_span_in_context(task_span) if task_span is not None else None
         attributes = {"mcp.method.name": "tools/call", "gen_ai.tool.name": tool}
         attributes["gen_ai.operation.name"] = "execute_tool"
@@ -139,6 +155,8 @@ class Tracer:
     def failed_attempt(self, span: Any, reason: str) -> None:
         """An attempt that failed transiently (`reason`: unsent, unanswered), whether or not another follows. No
         message: an upstream's wording may carry anything."""
+        if span is None:
+            return
         span.set_attribute("error.type", reason)
         span.set_status(self._trace.StatusCode.ERROR)
 
@@ -166,6 +184,14 @@ class Tracer:
         shutdown = getattr(self._provider, "shutdown", None)
         if shutdown is not None:
             shutdown()
+
+
+def _detach(token: Any) -> None:
+    """Restore the context a request's span was attached over, when this is that context: a request answered from
+    another task (a bridged call taken over) ends its span there, with nothing to restore (OpenTelemetry's own
+    detach would log the ValueError as an error, with its traceback)."""
+    with contextlib.suppress(ValueError):
+        token.var.reset(token)
 
 
 TRACER: Tracer | _Off = _Off()

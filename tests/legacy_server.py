@@ -171,6 +171,14 @@ async def ask_roots_standalone(ctx: Context) -> str:
 
 
 @server.tool()
+async def echo_traceparent(ctx: Context) -> str:
+    """The W3C traceparent this call arrived with ("<none>" without one)."""
+    request = ctx.request_context.request
+    headers = request.headers if request is not None else {}
+    return headers.get("traceparent", "<none>")
+
+
+@server.tool()
 async def gated(tag: str, ctx: Context) -> str:
     """Report progress, then wait for release(tag); records a cancellation (notifications/cancelled)."""
     await ctx.report_progress(1, 2, f"waiting at gate {tag}")

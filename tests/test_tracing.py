@@ -170,6 +170,13 @@ async def test_with_parentbased_always_off_only_a_sampled_client_context_makes_a
             reply = await proxy.client.call_tool("echo_traceparent", {}, tasks=False, headers=sent)
             assert reply.result["content"][0]["text"] == expected  # passed on as the client sent it, or not at all
         assert exporter.get_finished_spans() == ()  # nothing the sampler could record was made
+        # A task's call too: no task span, no attempt span, the client's fields as sent.
+        tasked = await make_proxy(mcp_upstream, protocol="modern", tools=[{"match": "echo_traceparent"}])
+        for sent, expected in (({}, "<none>"), ({"traceparent": unsampled, "tracestate": "k=v"}, unsampled)):
+            created = await tasked.client.call_tool("echo_traceparent", {}, headers=sent)
+            done = await task_reaches(tasked.client, created.result["taskId"], "completed")
+            assert done.result["result"]["content"][0]["text"] == expected
+        assert exporter.get_finished_spans() == ()
 
         reply = await proxy.client.call_tool("echo_traceparent", {}, tasks=False, headers={"traceparent": TRACEPARENT})
         (request_span,) = named(exporter, "tools/call echo_traceparent")
@@ -185,6 +192,35 @@ async def test_with_parentbased_always_off_only_a_sampled_client_context_makes_a
     ).startswith("on (otlp; parentbased_always_off")
     tracing.TRACER.shutdown()  # type: ignore[union-attr]
     tracing.install(tracing._Off())
+
+
+async def test_a_request_pipelined_behind_a_taken_over_call_gets_none_of_its_trace(make_proxy, legacy_upstream, caplog):
+    """A bridged call whose question comes on the session's standalone stream is answered by another task (taken
+    over, upstream/bridge.py); the request pipelined behind it starts from there, and must not inherit the first
+    request's span: its upstream call carries no trace context, as its client sent none."""
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
+
+    from tests.test_lane import call, http_post, port_of, raw_exchange
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=ParentBased(ALWAYS_OFF))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.install(tracing.Tracer(provider, roots_recorded=False))
+    try:
+        proxy = await make_proxy(legacy_upstream, protocol="legacy")
+        asks = call("ask_roots_standalone", {})
+        asks["params"]["_meta"] = meta(tasks=False, roots={})
+        sampled = http_post(asks, extra=f"traceparent: {TRACEPARENT}\r\n".encode())
+        raw = await raw_exchange(port_of(proxy), sampled + http_post(call("echo_traceparent", {})), read_s=10)
+        bodies = [part for part in raw.split(b"\r\n\r\n") if part.startswith(b"{")]
+        assert len(bodies) == 2, raw
+        assert json.loads(bodies[1])["result"]["content"][0]["text"] == "<none>"
+        assert all(format(span.context.trace_id, "032x") == CLIENT_TRACE for span in exporter.get_finished_spans())
+        # The first request's span ended in the task that answered it, with nothing to detach there: no error.
+        assert [record.getMessage() for record in caplog.records if record.levelname == "ERROR"] == []
+    finally:
+        tracing.install(tracing._Off())
+        provider.shutdown()
 
 
 async def test_spans_reach_an_otlp_http_receiver(mcp_upstream, tmp_path, aiohttp_server):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import socket
 import time
 from typing import TYPE_CHECKING, Any
@@ -117,6 +118,9 @@ class LaneConnection(asyncio.Protocol):
     # asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # What each request runs in, a fresh copy per request: a request answered from another task (a bridged call
+        # taken over, upstream/bridge.py) starts the next one from there, and must not hand it its span or log ids.
+        self._context = contextvars.copy_context()
         self._transport = transport  # type: ignore[assignment]
         self.out = LaneWriter(self._transport, self._lane.loop, self._lane.date)  # type: ignore[arg-type]
         self._channel = Channel(self._lane.loop, self._transport)  # type: ignore[arg-type]
@@ -299,12 +303,14 @@ class LaneConnection(asyncio.Protocol):
                     body,
                     keep_alive=keep_alive,
                     then=self._served,
-                )
+                ),
+                context=self._context.copy(),
             )
             return
         lane.counts["served" if request.kind == "owned" else "relayed"] += 1
         self.running = lane.loop.create_task(
-            answer(lane, self.out, request, keep_alive=keep_alive, then=self._served)  # type: ignore[arg-type]
+            answer(lane, self.out, request, keep_alive=keep_alive, then=self._served),  # type: ignore[arg-type]
+            context=self._context.copy(),
         )
         if request.rule is not None and self._lane.precedence.counts(request.rule, request.message["params"]):
             # Counted from now, before its answer's first step: task work already waiting to run gives way to it
@@ -325,7 +331,8 @@ class LaneConnection(asyncio.Protocol):
         self.out = self._channel = None
         # (A chunked request handed over ends its connection after its answer: proxy/front/app.py _end_after_chunked.)
         data = bytes(self._raw) + self.backlog.take_all(transport)  # the request, and all that came after it
-        self._lane.hand_over(self, transport, data)
+        # aiohttp's handler task for the connection is made in this context: the connection's, not a request's.
+        self._context.copy().run(self._lane.hand_over, self, transport, data)
 
     def _refuse_too_large(self) -> None:
         """A chunked body past the limit: 413, as aiohttp answers a Content-Length past it, and the end."""
