@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 
+import aiohttp
 import pytest
 import structlog
 from aiohttp import web
 from yarl import URL
 
+from mcp_tasks_proxy.upstream.http.sse import SseParser
 from tests.conftest import free_port, task_reaches
 from tests.factories import headers_for, meta, request
 from tests.schemas import validate, validate_error
@@ -463,6 +466,104 @@ async def test_a_relayed_answer_to_another_request_id_is_refused_as_an_upstream_
     assert reply.status == 502 and reply.message["id"] == message["id"], reply.message
     assert reply.error["code"] == -32603 and "different request id" in reply.error["message"]
     assert b"not yours" not in reply.body
+
+
+def _answer_bytes(request_id, *, text: str = "not yours", result_first: bool = False) -> bytes:
+    """A JSON-RPC answer as an SDK writes it; `result_first` as the TypeScript SDK orders it (the id last)."""
+    result = {"content": [{"type": "text", "text": text}]}
+    answer = {"result": result, "jsonrpc": "2.0", "id": request_id} if result_first else {
+        "jsonrpc": "2.0", "id": request_id, "result": result}  # fmt: skip
+    return json.dumps(answer, separators=(",", ":")).encode()
+
+
+async def _chunked_json(request, body):
+    response = web.StreamResponse(headers={"Content-Type": "application/json"})
+    response.enable_chunked_encoding()
+    await response.prepare(request)
+    await response.write(_answer_bytes("someone-else"))
+    await response.write_eof()
+    return response
+
+
+async def _gzip_json(request, body):
+    import gzip
+
+    return web.Response(body=gzip.compress(_answer_bytes("someone-else")), content_type="application/json",
+                        headers={"Content-Encoding": "gzip"})  # fmt: skip
+
+
+async def _batch_json(request, body):
+    batch = b"[" + _answer_bytes(body["id"]) + b"]"
+    return web.Response(body=batch, content_type="application/json")
+
+
+async def _sse_foreign(request, body):
+    progress = {"jsonrpc": "2.0", "method": "notifications/progress", "params": {"progressToken": 1, "progress": 1}}
+    return await _sse(request, b"data: " + json.dumps(progress).encode() + b"\n\n",
+                      b"event: message\ndata: " + _answer_bytes("someone-else") + b"\n\n")  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", ["chunked", "gzip", "batch", "event-stream"])
+async def test_an_answer_to_another_request_is_refused_whatever_its_framing(make_proxy, fake_upstream, shape):
+    behaviour = {"chunked": _chunked_json, "gzip": _gzip_json, "batch": _batch_json, "event-stream": _sse_foreign}
+    fake = await fake_upstream(_call_handler(behaviour[shape]))
+    proxy = await make_proxy(fake.url, protocol="modern")
+    message = request("tools/call", {"name": "job", "arguments": {}, "_meta": meta(tasks=False)})
+    headers = {**headers_for(message), "Accept-Encoding": "gzip"}
+    reply = await proxy.client.post_raw(json.dumps(message), headers)
+    assert b"not yours" not in reply.body and b"someone-else" not in reply.body, reply.body
+    if shape == "event-stream":  # the head went by with the progress: the stream ends with an error for this id
+        (error,) = [event for event in reply.events if "error" in event]
+        assert error["id"] == message["id"] and "different request id" in error["error"]["message"]
+        return
+    assert reply.status == 502, (reply.status, reply.body)
+    assert reply.message["id"] == message["id"] and reply.error["code"] == -32603
+    assert ("a batch" if shape == "batch" else "different request id") in reply.error["message"]
+
+
+@pytest.mark.parametrize("ours", [True, False])
+async def test_a_large_answer_streams_and_never_arrives_whole_when_it_is_another_requests(
+    make_proxy, fake_upstream, ours
+):
+    """Past 256 KiB an answer streams (memory stays bounded); its id is checked as it goes, the last piece held
+    until the check ends: another request's answer reaches the client broken, never whole. The TypeScript SDK
+    writes the id last."""
+
+    async def large(request, body):
+        answer = _answer_bytes(body["id"] if ours else "someone-else", text="x" * 400_000, result_first=True)
+        return web.Response(body=answer, content_type="application/json")
+
+    fake = await fake_upstream(_call_handler(large))
+    proxy = await make_proxy(fake.url, protocol="modern")
+    message = request("tools/call", {"name": "job", "arguments": {}, "_meta": meta(tasks=False)})
+    async with proxy.client.session.post(proxy.url, data=json.dumps(message), headers=headers_for(message),
+                                         expect100=proxy.client.expect100) as response:  # fmt: skip
+        assert response.status == 200
+        if ours:
+            assert json.loads(await response.read())["id"] == message["id"]
+            return
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await response.read()
+
+
+async def test_a_stream_cut_mid_event_ends_with_an_error_event_a_client_can_read(make_proxy, fake_upstream):
+    async def cut(request, body):
+        return await _sse(request, b'event: message\ndata: {"jsonrpc":"2.0","id":', abort=True)
+
+    fake = await fake_upstream(_call_handler(cut))
+    proxy = await make_proxy(fake.url, protocol="modern")
+    message = request("tools/call", {"name": "job", "arguments": {}, "_meta": meta(tasks=False)})
+    async with proxy.client.session.post(proxy.url, data=json.dumps(message), headers=headers_for(message),
+                                         expect100=proxy.client.expect100) as response:  # fmt: skip
+        raw = await response.read()
+    # As a client's SSE parser reads it: the cut event ends as one (its data is not JSON), then the error event.
+    readable = []
+    for event in SseParser().feed(raw):
+        with contextlib.suppress(ValueError):
+            readable.append(json.loads(event.data))
+    errors = [event for event in readable if "error" in event]
+    assert len(errors) == 1 and errors[0]["id"] == message["id"], raw
+    assert "broke before the response" in errors[0]["error"]["message"]
 
 
 async def test_the_suite_reaches_the_reader_it_names(make_proxy, mcp_upstream, front):

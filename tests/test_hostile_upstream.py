@@ -227,7 +227,8 @@ async def test_bad_framing_in_pass_through_is_a_broken_or_refused_response_never
     except aiohttp.ClientPayloadError:
         assert case in _BODY_FAULTS  # the head was relayed as it came; the body breaks where the upstream's did
         return
-    assert case not in _BODY_FAULTS, "a broken body was relayed as a complete response"
+    # (A JSON answer of unknown length is read before its head is relayed, to check its id: a fault in its body is
+    # then refused as any other.)
     assert response.status == 502, (response.status, body[:200])
     error = json.loads(body)["error"]
     assert error["code"] == -32603 and "Upstream failure" in error["message"]

@@ -1114,6 +1114,22 @@ async def test_a_chunked_request_left_to_aiohttp_keeps_its_method_with_a_request
     assert lane_counts(proxy)["handled"] == 1
 
 
+async def test_an_answer_the_application_gives_says_the_connection_ends_when_the_lane_ends_it(proxy):
+    """A chunked request with another pipelined behind it in the same write: what follows cannot be told apart, so
+    the lane answers the first and ends the connection. The answer says so, whoever makes it (the lane's relay, or
+    the application's handler, here for server/discover)."""
+    discover = request("server/discover", {"_meta": meta()})
+    body = json.dumps(discover).encode()
+    chunked = http_post(
+        discover, extra=b"Transfer-Encoding: chunked\r\n", body=b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    )
+    chunked = chunked.replace(b"Content-Length: %d\r\n" % (len(b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))), b"")
+    raw = await raw_exchange(port_of(proxy), chunked + http_post(call("add", {"a": 1, "b": 2})))
+    head = raw.partition(b"\r\n\r\n")[0].lower()
+    assert head.startswith(b"http/1.1 200"), raw[:200]
+    assert b"connection: close" in head, head
+
+
 @pytest.mark.parametrize(
     "framing",
     [

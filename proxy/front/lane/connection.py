@@ -303,6 +303,7 @@ class LaneConnection(asyncio.Protocol):
                     body,
                     keep_alive=keep_alive,
                     then=self._served,
+                    closing=self._closing,
                 ),
                 context=self._context.copy(),
             )
@@ -317,6 +318,9 @@ class LaneConnection(asyncio.Protocol):
             # (proxy/tasks/precedence.py). A done callback: the answer's task may be cancelled before it starts.
             self._lane.precedence.begin()
             self.running.add_done_callback(self._lane.precedence.end)
+
+    def _closing(self) -> bool:
+        return self.out is None or self.out.closing
 
     def _served(self, keep_alive: bool) -> None:
         self.running = None

@@ -65,9 +65,11 @@ async def handle(
     *,
     keep_alive: bool,
     then: Callable[[bool], None],
+    closing: Callable[[], bool] = lambda: False,
 ) -> None:
     """Answer the request with the application's handler for `POST /mcp` (routed, guarded, counted and logged by
-    it), then call `then` with whether the connection may carry another request."""
+    it), then call `then` with whether the connection may carry another request. `closing` says whether the lane
+    ends the connection after this answer (what was pipelined behind it could not be read): the answer says so."""
     reusable = False
     try:
         request = _request(lane, channel, url, fields, headers, body, keep_alive=keep_alive)
@@ -75,6 +77,8 @@ async def handle(
             response = await lane.handlers.request_handler(request)
         except web.HTTPException as exc:  # as aiohttp's connection handler answers one
             response = exc
+        if closing():
+            response.force_close()
         await response.prepare(request)
         await response.write_eof()
         reusable = keep_alive and bool(response.keep_alive)

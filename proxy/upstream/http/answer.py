@@ -10,13 +10,14 @@ breaks before its answer went by ends with an error event for it.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import aiohttp
 import structlog
 from aiohttp import web
 
-from ...jsonrpc import INTERNAL_ERROR, RequestId, UpstreamError, dumps, error_object, error_response, loads
+from ...jsonrpc import INTERNAL_ERROR, RequestId, UpstreamError, error_object, error_response, loads
+from .answer_id import StreamedIdCheck, check_answer_id
 from .client import CallError, CallResponse
 from .sse import DEFAULT_MAX_EVENT_BYTES, SseEvent, SseLimitError, SseParser, message_event
 
@@ -51,22 +52,85 @@ class AnswerSink(Protocol):
 
 async def relay_answer(response: CallResponse, sink: AnswerSink, request_id: RequestId, upstream_url: str) -> None:
     """Relay the upstream's answer to a client's request, as the upstream sent it: a small body whole, in one write,
-    once its id is checked (`check_answer_id`); a stream, or a large or unknown length, chunk by chunk as it comes."""
+    once its id is checked (answer_id.py); a stream, or a large body, chunk by chunk as it comes (a JSON one checked
+    as it goes, its last piece held back until the check ends)."""
     status = response.status
     empty = status in (204, 304)
     length = response.headers.get("content-length")  # the parser refused a malformed or repeated one
     stream = response.content_type in STREAM_TYPES
+    encoding = response.headers.get("content-encoding", "")
+    checked = request_id is not None and response.content_type == "application/json"
     if not empty and (stream or length is None or int(length) > READ_WHOLE_BYTES):
+        chunks = response.iter_chunks()
+        if checked and length is None:  # of unknown length: a small one is read whole and checked as such
+            first, ended = await _read_up_to(chunks, READ_WHOLE_BYTES, upstream_url)
+            if ended:
+                check_answer_id(first, request_id, upstream_url, encoding)
+                sink.whole(response, first)
+                return
+            chunks = _after(first, chunks)
         await sink.start(response, None if stream or length is None else int(length))
-        await relay_stream(response.iter_chunks(), sink, request_id if stream else None, upstream_url)
+        if checked:
+            await _relay_checked(chunks, sink, StreamedIdCheck(request_id, encoding))
+        else:
+            await relay_stream(chunks, sink, request_id if stream else None, upstream_url)
         return
     try:
         payload = await response.read() if not empty else None
     except CallError as exc:
         raise UpstreamError(f"the upstream connection broke mid-response ({exc})", upstream=upstream_url) from exc
-    if request_id is not None and payload is not None and response.content_type == "application/json":
-        check_answer_id(payload, request_id, upstream_url)
+    if checked and payload is not None:
+        check_answer_id(payload, request_id, upstream_url, encoding)
     sink.whole(response, payload)
+
+
+async def _read_up_to(chunks: AsyncIterator[bytes], limit: int, upstream_url: str) -> tuple[bytes, bool]:
+    """The body's first bytes, past `limit` at most by a chunk, and whether that is all of it."""
+    body = bytearray()
+    try:
+        while len(body) <= limit:
+            chunk = await anext(chunks, b"")
+            if not chunk:
+                return bytes(body), True
+            body += chunk
+    except (aiohttp.ClientError, OSError) as exc:  # CallError included: before the head, a 502
+        raise UpstreamError(f"the upstream connection broke mid-response ({exc})", upstream=upstream_url) from exc
+    return bytes(body), False
+
+
+async def _after(first: bytes, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    yield first
+    async for chunk in chunks:
+        yield chunk
+
+
+async def _relay_checked(chunks: AsyncIterator[bytes], sink: AnswerSink, check: StreamedIdCheck) -> None:
+    """A large JSON answer, chunk by chunk, its id checked as it goes: the last chunk waits for the verdict, so a
+    client is never given the whole of another request's answer (it sees the body broken instead)."""
+    held = b""
+    while True:
+        try:
+            chunk = await anext(chunks, b"")
+        except (aiohttp.ClientError, OSError) as exc:  # CallError included
+            log.warning("upstream_stream_broken", reason=str(exc) or type(exc).__name__)
+            sink.abort()
+            return
+        if not chunk:
+            break
+        check.feed(chunk)
+        if check.refused is not None:
+            break
+        if held and not await sink.write(held):
+            return
+        held = chunk
+    refused = check.end()
+    if refused is not None:
+        log.warning("upstream_answer_refused", reason=refused)
+        sink.abort()
+        return
+    if held and not await sink.write(held):
+        return
+    await sink.end()
 
 
 async def relay_stream(
@@ -85,7 +149,7 @@ async def relay_stream(
         except (aiohttp.ClientError, OSError) as exc:  # CallError included
             log.warning("upstream_stream_broken", reason=str(exc) or type(exc).__name__)
             if watcher is not None and not watcher.answered:
-                if await sink.write(broken_stream_event(request_id, upstream_url)):
+                if await sink.write(watcher.closing_bytes() + broken_stream_event(request_id, upstream_url)):
                     await sink.end()
                 return
             sink.abort()
@@ -94,6 +158,11 @@ async def relay_stream(
             break
         if watcher is not None:
             watcher.feed(chunk)
+            if watcher.refused is not None:  # a response to another request: it goes no further, nor the stream
+                log.warning("upstream_answer_refused", reason=watcher.refused)
+                if await sink.write(watcher.closing_bytes() + _error_event(request_id, watcher.refused, upstream_url)):
+                    await sink.end()
+                return
         if not await sink.write(chunk):
             return
     await sink.end()
@@ -143,30 +212,13 @@ class ResponseSink:
             self._request.transport.close()
 
 
-def check_answer_id(payload: bytes, request_id: RequestId, upstream_url: str) -> None:
-    """Refuse a JSON answer to another request (a late duplicate on a pooled connection, a confused server) as an
-    upstream failure, as a task's call does: relayed, it would answer this client with someone else's result. An
-    answer that opens with this request's id, as the SDKs write it, is known to be its own without parsing."""
-    encoded = dumps(request_id)
-    if payload.startswith(b'{"jsonrpc":"2.0","id":%s,' % encoded) or payload.startswith(
-        b'{"jsonrpc": "2.0", "id": %s, ' % encoded  # Python's json.dumps as it is called by default
-    ):
-        return
-    try:
-        message = loads(payload)
-    except ValueError:
-        return  # not JSON: the client sees what the upstream sent, as for any answer that is not JSON-RPC
-    if isinstance(message, dict) and message.get("id", request_id) not in (request_id, None):
-        raise UpstreamError("the upstream answered a different request id", upstream=upstream_url)
-
-
 def broken_stream_event(request_id: RequestId, upstream_url: str) -> bytes:
     """The event that answers `request_id` when the upstream's stream broke before its answer went by."""
-    error = error_object(
-        INTERNAL_ERROR,
-        "Upstream failure: the upstream connection broke before the response was sent",
-        {"upstream": upstream_url},
-    )
+    return _error_event(request_id, "the upstream connection broke before the response was sent", upstream_url)
+
+
+def _error_event(request_id: RequestId, reason: str, upstream_url: str) -> bytes:
+    error = error_object(INTERNAL_ERROR, f"Upstream failure: {reason}", {"upstream": upstream_url})
     return message_event(error_response(request_id, error))
 
 
@@ -177,8 +229,12 @@ class AnswerWatcher:
         self._request_id = request_id
         self._parser = SseParser(DEFAULT_MAX_EVENT_BYTES)
         self.answered = False
+        self.refused: str | None = None
+        """Set when the stream carries a response to another request, which goes no further."""
+        self._tail = b""
 
     def feed(self, chunk: bytes) -> None:
+        self._tail = (self._tail + chunk[-4:])[-4:]
         if self.answered:
             return
         try:
@@ -189,16 +245,32 @@ class AnswerWatcher:
             self.answered = True
             return
         for event in events:
-            if _answers(event, self._request_id):
-                self.answered = True
-                return
+            response_id = _response_id(event)
+            if response_id is _NOT_A_RESPONSE:
+                continue
+            if response_id not in (self._request_id, None):  # (null: an error the server could not tie to an id)
+                self.refused = "the upstream answered a different request id"
+            self.answered = True
+            return
+
+    def closing_bytes(self) -> bytes:
+        """What ends an event the stream left half-written, so that an event written next is read as one."""
+        at_boundary = not self._tail or self._tail.endswith((b"\n\n", b"\r\r", b"\r\n\r\n"))
+        return b"" if at_boundary else b"\r\n\r\n"
 
 
-def _answers(event: SseEvent, request_id: RequestId) -> bool:
+_NOT_A_RESPONSE = object()
+
+
+def _response_id(event: SseEvent) -> Any:
+    """The id of the JSON-RPC response an event carries; _NOT_A_RESPONSE for a request, a notification or
+    anything else."""
     if '"method"' in event.data and '"result"' not in event.data and '"error"' not in event.data:
-        return False  # fast path for the many progress notifications
+        return _NOT_A_RESPONSE  # fast path for the many progress notifications
     try:
         message = loads(event.data)
     except ValueError:
-        return False
-    return isinstance(message, dict) and "method" not in message and message.get("id") == request_id
+        return _NOT_A_RESPONSE
+    if not isinstance(message, dict) or "method" in message or ("result" not in message and "error" not in message):
+        return _NOT_A_RESPONSE
+    return message.get("id")
