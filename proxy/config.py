@@ -16,7 +16,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    AnyHttpUrl,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from .store.redis_target import hash_tag, parse_store_url
 
@@ -250,6 +259,9 @@ class ToolRule(_Strict):
     never left is sent again. "hint": as true for the tools whose annotations in the upstream's tools/list say
     readOnlyHint or idempotentHint (the operator trusts this server's hints), else as false."""
     retry: RetryPolicy = Field(default_factory=RetryPolicy)
+    scopes: list[Annotated[str, Field(min_length=1, pattern=r"^[\x21\x23-\x5b\x5d-\x7e]+$")]] = []
+    """With principal: jwt, the scopes a token must hold (its `scope` or `scp` claim) to call a matching tool;
+    without them, HTTP 403 with a WWW-Authenticate challenge naming them all."""
 
     def matches(self, tool_name: str) -> bool:
         return _matcher(self.match)(tool_name)
@@ -320,10 +332,78 @@ class LimitsConfig(_Strict):
     """If > 0, tasks/get on one task faster than this is refused (HTTP 429) with the task's pollIntervalMs."""
 
 
+_JWT_ALGORITHMS = ("RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512", "EdDSA")
+
+
+class JwtConfig(_Strict):
+    jwks_url: AnyHttpUrl | None = None
+    """Where the issuer publishes its signing keys (a JWKS): https, or plain http to a loopback address. Fetched at
+    start, kept, and fetched again for a key id it does not hold (at most every 10 s); when the issuer does not
+    answer, the last keys it gave stay in use."""
+    jwks_file: Path | None = None
+    """The signing keys from a file instead (a JWKS, read at start and at each policy reload)."""
+    issuer: Annotated[str, Field(min_length=1)]
+    """The `iss` every token must carry."""
+    audience: str | None = None
+    """The `aud` every token must carry (RFC 8707: issued for this server); default: security.resource_url."""
+    algorithms: list[Literal[_JWT_ALGORITHMS]] = ["RS256", "ES256"]  # type: ignore[valid-type]
+    """The signature algorithms accepted (asymmetric only: never "none", nor a shared secret)."""
+    principal_claims: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] = ["iss", "sub"]
+    """The claims that name the caller, who owns its tasks whatever token it shows next (a refreshed one)."""
+    leeway_s: Annotated[float, Field(ge=0, le=300)] = 30.0
+    """Clock skew allowed on exp and nbf."""
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> JwtConfig:
+        if (self.jwks_url is None) == (self.jwks_file is None):
+            raise ValueError("set one of jwks_url and jwks_file")
+        if self.jwks_url is not None and self.jwks_url.scheme == "http" and self.jwks_url.host not in _LOOPBACK:
+            raise ValueError("jwks_url must be https (plain http only to a loopback address)")
+        return self
+
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def _url_as_written(value: str) -> str:
+    """An http(s) URL checked, and kept as written: an issuer or resource identifier is compared as a string, where
+    pydantic's URL type would add a trailing slash to a bare host."""
+    parsed = AnyHttpUrl(value)
+    if parsed.host is None:
+        raise ValueError("an http or https URL with a host")
+    return value
+
+
+UrlText = Annotated[str, AfterValidator(_url_as_written)]
+
+
+class ResourceMetadataConfig(_Strict):
+    """The Protected Resource Metadata document (RFC 9728) the proxy serves at /.well-known/oauth-protected-resource
+    (and at that path followed by the MCP endpoint's): how clients find the authorization server."""
+
+    authorization_servers: Annotated[list[UrlText], Field(min_length=1)]
+    """The issuers whose tokens the resource takes, as their metadata names them (clients discover them here)."""
+    scopes_supported: list[str] | None = None
+    """The scopes a client may ask for (without offline_access: refresh tokens are no resource's need)."""
+    resource_name: str | None = None
+    """A name for people, shown by clients that ask for consent."""
+    resource_documentation: UrlText | None = None
+    """A page for developers about this server."""
+
+
 class SecurityConfig(_Strict):
-    principal: Literal["authorization", "header", "none"] = "authorization"
-    """Who owns a task: a keyed hash of the Authorization header; a header a trusted front proxy sets; or nobody
-    (one tenant). Only its owner can see, answer or cancel a task."""
+    principal: Literal["authorization", "jwt", "header", "none"] = "authorization"
+    """Who owns a task: a keyed hash of the Authorization header (a refreshed token is a new caller); the named
+    claims of a bearer token the proxy verifies (security.jwt: a refreshed token is the same caller); a header a
+    trusted front proxy sets; or nobody (one tenant). Only its owner can see, answer or cancel a task."""
+    jwt: JwtConfig | None = None
+    """With principal: jwt, how tokens are verified. Every request to the MCP endpoint must carry a valid one
+    (401 with a WWW-Authenticate challenge otherwise); the token still goes to the upstream."""
+    resource_url: UrlText | None = None
+    """The MCP endpoint's public URL (https://mcp.example.com/mcp): the tokens' audience unless jwt.audience says
+    otherwise, and the `resource` of the Protected Resource Metadata."""
+    resource_metadata: ResourceMetadataConfig | None = None
+    """Served by the proxy when set; else a request for it goes to the upstream like any other path."""
     principal_header: str = "X-Forwarded-User"
     """With principal: header, the header that names the caller (only trust it behind a proxy that sets it)."""
     principal_key: str | None = None
@@ -334,6 +414,19 @@ class SecurityConfig(_Strict):
     allowed_origins: list[str] | None = None
     """Origin header values accepted ("scheme://host[:port]", "*"); requests without Origin are not browsers and pass.
     Default: loopback origins when listening on loopback, none otherwise."""
+
+    @model_validator(mode="after")
+    def _jwt_complete(self) -> SecurityConfig:
+        if self.principal == "jwt":
+            if self.jwt is None:
+                raise ValueError("principal: jwt needs security.jwt (jwks_url or jwks_file, issuer)")
+            if self.jwt.audience is None and self.resource_url is None:
+                raise ValueError("principal: jwt needs the tokens' audience: security.jwt.audience or resource_url")
+        elif self.jwt is not None:
+            raise ValueError(f"security.jwt is used only with principal: jwt (principal is {self.principal})")
+        if self.resource_metadata is not None and self.resource_url is None:
+            raise ValueError("resource_metadata needs resource_url, the document's `resource`")
+        return self
 
 
 class LoggingConfig(_Strict):
@@ -352,6 +445,16 @@ class ProxyConfig(_Strict):
     limits: LimitsConfig = LimitsConfig()
     security: SecurityConfig = SecurityConfig()
     logging: LoggingConfig = LoggingConfig()
+
+    @model_validator(mode="after")
+    def _scopes_need_tokens(self) -> ProxyConfig:
+        scoped = [rule.match for rule in self.tools if rule.scopes]
+        if scoped and self.security.principal != "jwt":
+            raise ValueError(
+                f"tools {scoped[0]!r}: scopes are checked only with security.principal: jwt (it is "
+                f"{self.security.principal}), which reads them from the verified token"
+            )
+        return self
 
     @field_validator("tools")
     @classmethod

@@ -21,6 +21,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 from .config import ProxyConfig, SecurityConfig
 from .jsonrpc import INTERNAL_ERROR, JsonRpcError, dumps
 from .store.base import StoreUnavailable, TaskStore
+from .tokens import TokenRefused, TokenVerifier
 
 log = structlog.get_logger(__name__)
 SHARED_KEY_NAME = "principal-key"
@@ -48,6 +49,8 @@ class Identity:
         self._key: bytes | None = None if self.from_store else (explicit or secrets.token_hex(32)).encode()
         self._mode = config.principal
         self._header = config.principal_header
+        self.verifier = TokenVerifier(config) if config.principal == "jwt" else None
+        """With principal: jwt, what checks every request's bearer token at the front door (proxy/tokens.py)."""
         # A bridged call asks for its caller's session key twice, a log line once more: an HMAC each (2 µs).
         self._kept_hashes = functools.lru_cache(maxsize=_HASHES_KEPT)(self._keyed_hash)
 
@@ -124,11 +127,21 @@ class Identity:
         if self._mode == "header":
             value = headers.get(self._header, "")
             return self._hash("header:" + value) if value else ""
+        if self.verifier is not None:  # the token's claims: the same caller whichever token it shows
+            return self._hash("jwt:" + self.verifier.principal_of(headers))
         return self.credential(headers)
 
     def logged_principal(self, headers: MultiMapping[str]) -> str | None:
         """The principal for a log line: None when anonymous, or while the key is not loaded yet."""
-        return (self.principal(headers) or None) if self._key is not None else None
+        if self._key is None:
+            return None
+        if self.verifier is not None:  # a token verified at the front door, else none to name (a refusal's)
+            try:
+                caller = self.verifier.cached(headers)
+            except TokenRefused:
+                return None
+            return self._hash("jwt:" + caller.principal) if caller is not None else None
+        return self.principal(headers) or None
 
 
 async def keep_shared_key(identity: Identity, store: TaskStore, *, interval_s: float) -> None:

@@ -29,6 +29,7 @@ from ..store.redis_store import RedisTaskStore
 from ..tasks.model import utc_now
 from ..tasks.runner import TaskRunner
 from ..tasks.sealing import CallSeal
+from ..tokens import WELL_KNOWN, TokenRefused
 from ..upstream import build_gateway
 from ..upstream.bridge import SyncBridge
 from ..upstream.events import UpstreamUnavailable
@@ -60,7 +61,7 @@ from .session_routing import SessionRouting
 
 log = structlog.get_logger(__name__)
 
-LOCAL_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+LOCAL_PATHS = frozenset({"/healthz", "/readyz", "/metrics", WELL_KNOWN, WELL_KNOWN + MCP_PATH})
 
 
 def create_app(
@@ -114,6 +115,8 @@ def create_app(
         await app[store_key].aclose()
 
     async def identity_ctx(app: web.Application) -> AsyncIterator[None]:
+        if identity.verifier is not None:  # the issuer's keys before the first request (a failure is logged, not fatal)
+            await identity.verifier.keys.refresh()
         if not identity.from_store:
             yield
             return
@@ -170,6 +173,9 @@ def create_app(
     app.router.add_get("/healthz", served(healthz))
     app.router.add_get("/readyz", served(readyz))
     app.router.add_get("/metrics", served(metrics))
+    if config.security.resource_metadata is not None:  # else the upstream's, if it has one, like any other path
+        for path in (WELL_KNOWN, WELL_KNOWN + MCP_PATH):
+            app.router.add_get(path, served(resource_metadata))
     post, other = handle_mcp_post, handle_other
     if config.listen.advertise_url is not None:
         if app[store_key].shared:
@@ -217,10 +223,18 @@ async def _in_context(handler: Handler, request: web.Request) -> web.StreamRespo
         elif refused := boundary.refused_by_guard(app[guard_key], request.headers):
             response = _json_error(request, *boundary.refusal(*refused, info, metrics))
         else:
+            verifier = app[identity_key].verifier
             try:
+                if verifier is not None and request.path == MCP_PATH:
+                    await verifier.verify(request.headers)
                 response = await handler(request)
             except web.HTTPException:
                 raise
+            except TokenRefused as exc:  # (a scope a tool needs is checked once the message is read: dispatch.py)
+                assert verifier is not None
+                body, refused_status, headers = boundary.token_refusal(exc, verifier, info, metrics)
+                response = web.Response(body=body, status=refused_status, headers=headers,
+                                        content_type="application/json")  # fmt: skip
             except Exception as exc:  # no request sees a traceback
                 transport = request.transport
                 answered = boundary.failure(exc, info, metrics, client_gone=transport is None or transport.is_closing())
@@ -303,6 +317,19 @@ async def healthz(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     """Prometheus text format; never forwarded upstream."""
     return web.Response(body=request.app[metrics_key].render(), content_type="text/plain", charset="utf-8")
+
+
+async def resource_metadata(request: web.Request) -> web.Response:
+    """The Protected Resource Metadata document (RFC 9728) from the policy: where clients find the authorization
+    server; never forwarded upstream."""
+    security = request.app[policy_key].config.security
+    assert security.resource_metadata is not None and security.resource_url is not None
+    document = {"resource": str(security.resource_url)}
+    document |= security.resource_metadata.model_dump(mode="json", exclude_none=True)
+    if security.jwt is not None:
+        document.setdefault("bearer_methods_supported", ["header"])
+        document.setdefault("resource_signing_alg_values_supported", list(security.jwt.algorithms))
+    return web.json_response(document, headers={"Cache-Control": "max-age=3600"})
 
 
 async def readyz(request: web.Request) -> web.Response:

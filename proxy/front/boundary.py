@@ -12,11 +12,12 @@ import structlog
 from multidict import MultiMapping
 
 from .. import tracing
-from ..jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, UpstreamError, error_object
+from ..jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, UpstreamError, dumps, error_object
 from ..log import bind_request_id
 from ..metrics import Metrics, method_label
 from ..policy import LivePolicy
 from ..security import HostGuard, Identity
+from ..tokens import Caller, TokenRefused, TokenVerifier, missing_scopes
 from .context import RequestInfo, log_request_handled, wire_error
 
 log = structlog.get_logger(__name__)
@@ -40,6 +41,51 @@ def refused_by_guard(guard: HostGuard, headers: MultiMapping[str]) -> tuple[dict
     if not guard.origin_allowed(headers.get("Origin")):
         return error_object(INVALID_REQUEST, "Origin not allowed (security.allowed_origins)"), 403
     return None
+
+
+def token_refusal(
+    refused: TokenRefused, verifier: TokenVerifier, info: RequestInfo, metrics: Metrics
+) -> tuple[bytes, int, dict[str, str]]:
+    """A request refused for its credential (principal: jwt), counted: its body (RFC 6750's error, as the MCP SDKs
+    answer one), status and WWW-Authenticate challenge, which names the Protected Resource Metadata."""
+    metrics.errors.labels(str(refused.status)).inc()
+    info.mode = "local"
+    body = {"error": refused.error or "invalid_request", "error_description": refused.description}
+    return dumps(body), refused.status, {"WWW-Authenticate": verifier.challenge(refused)}
+
+
+def scopes_refusal(verifier: TokenVerifier, headers: MultiMapping[str], message: Any, rule_for: Any) -> None:
+    """Raise TokenRefused (403) when a tools/call (or one in a batch) names a tool whose rule needs scopes the
+    request's token lacks. Its token passed `verifier.verify` at the front door (app.py) or is kept verified (the
+    lane asks `allowed_on_lane` first)."""
+    calls = message if isinstance(message, list) else [message]
+    needed: list[str] = []
+    for call in calls:
+        if not isinstance(call, dict) or call.get("method") != "tools/call":
+            continue
+        params = call.get("params")
+        name = params.get("name") if isinstance(params, dict) else None
+        rule = rule_for(name) if isinstance(name, str) else None
+        if rule is not None:
+            needed += [scope for scope in rule.scopes if scope not in needed]
+    if not needed:
+        return
+    caller = verifier.cached(headers)
+    refused = missing_scopes(caller, needed) if caller is not None else TokenRefused(401, "invalid_token", "expired")
+    if refused is not None:
+        raise refused
+
+
+def allowed_on_lane(verifier: TokenVerifier | None, headers: MultiMapping[str]) -> Caller | bool:
+    """Whether the lane may serve a request as far as its credential goes: no verification configured, or a token
+    verified before and not expired. Anything else (no token, a new one, one to refuse) is the application's, which
+    verifies it (fetching the issuer's keys if need be) or answers the refusal."""
+    if verifier is None:
+        return True
+    try:
+        return verifier.cached(headers) or False
+    except TokenRefused:
+        return False
 
 
 def trace(info: RequestInfo, headers: MultiMapping[str], message: dict[str, Any]) -> None:

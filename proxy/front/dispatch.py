@@ -94,6 +94,9 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
             'Invalid request: expected a JSON-RPC 2.0 object with "jsonrpc": "2.0", a string method, '
             "object params and a string or integer id",
         )
+    verifier = app[identity_key].verifier
+    if verifier is not None and kind in ("request", "batch"):
+        boundary.scopes_refusal(verifier, request.headers, message, app[policy_key].config.rule_for)
     if kind != "request":
         return await _not_a_request(request, kind, message, body)
     method = message["method"]

@@ -21,6 +21,7 @@ from ...clients.envelope import (
 )
 from ...config import TaskMode, ToolRule
 from ...jsonrpc import JsonRpcError, classify, loads
+from ...tokens import missing_scopes
 from ...upstream.http.relay import HttpRelay
 from .. import boundary
 from ..context import MCP_PATH
@@ -195,6 +196,9 @@ def lane_request(
     headers = decoded_headers(fields)
     if boundary.refused_by_guard(lane.guard, headers) is not None:
         return None  # the application answers the refusal, from the same check
+    caller = boundary.allowed_on_lane(lane.verifier, headers)
+    if not caller:
+        return None  # the application verifies the token, or refuses it
     if lane.routes_sessions and ("Mcp-Session-Id" in headers or may_name_a_parked_call(body)):
         return None  # the application routes it to the replica that holds it
     try:
@@ -204,6 +208,11 @@ def lane_request(
     if classify(message) != "request":
         return None  # a notification, a response or a batch: the application's
     way = route(message, headers, lane.policy.config, head.rule_for)
+    if caller is not True and message["method"] == "tools/call":
+        name = message["params"].get("name") if isinstance(message.get("params"), dict) else None
+        rule = head.rule_for(name) if isinstance(name, str) else None
+        if rule is not None and rule.scopes and missing_scopes(caller, rule.scopes) is not None:
+            return None  # the application answers 403, from the same check
     if kind == "owned":
         if way not in ("tasks", "create") or (way == "create") != (head.rule is not None):
             return None

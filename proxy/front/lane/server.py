@@ -67,6 +67,7 @@ class Lane:
         self.guard = app[guard_key]
         self.metrics = app[metrics_key]
         self.identity = app[identity_key]
+        self.verifier = self.identity.verifier
         self.bridge = app[bridge_key]
         self.runner = app[runner_key]
         self.precedence = self.runner.precedence
