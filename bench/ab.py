@@ -9,6 +9,7 @@
     python bench/ab.py --client tasks     # pass-through from a client that declares the tasks extension
     python bench/ab.py --variant tracing  # the work tree plain (A) against itself with tracing configured (B)
     python bench/ab.py --variant tracing-ratio  # the same with a sampler that may begin traces of its own
+    python bench/ab.py --variant jwt      # the same with every request's bearer token verified
 
 Both proxies stand in front of one fast upstream (bench/fast_upstream.py), beside the bare aiohttp forwarder
 (bench/minimal_forwarder.py) and, when it is installed, nginx, for an upstream of each era (the proxy translates a
@@ -40,7 +41,9 @@ closed loop, memory store.
 `--variant tracing` and `--variant advertise` compare configurations instead of commits: A is the work tree as
 configured above, B the same install with OpenTelemetry tracing configured (an OTLP exporter, the sampler
 `parentbased_always_off`: a span is recorded only when a client's context asks for it, and none does here) or with
-`listen.advertise_url` set (replicas routing 2025 sessions, over a Redis store in both). Configuration should move
+`listen.advertise_url` set (replicas routing 2025 sessions, over a Redis store in both), or with verified callers
+(`--variant jwt`: `security.principal: jwt` with a JWKS file; every request carries the same valid token, which A
+forwards unread and B checks: verified once, then kept until it expires). Configuration should move
 no traffic onto other code: B/A near 1. `--variant tracing-ratio` configures `parentbased_traceidratio` at a ratio
 of 0 instead: a sampler that may begin a trace of its own, so that the SDK makes each request's span (unsampled,
 here) to ask it; that is OpenTelemetry's cost per request, not the proxy's.
@@ -65,6 +68,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -83,6 +87,20 @@ WORK = Path(tempfile.mkdtemp(prefix="mcp-tasks-proxy-ab-"))
 atexit.register(shutil.rmtree, WORK, ignore_errors=True)  # scripts, policies, logs: this run's alone
 TICKS = os.sysconf("SC_CLK_TCK")
 HEADERS = request_headers("tools/call", "plain")
+BENCH_ISSUER, BENCH_RESOURCE = "https://issuer.bench", "https://mcp.bench/mcp"
+
+
+def bench_token() -> str:
+    """A bearer token for --variant jwt (RS256, valid for a day); its JWKS written where the policy reads it."""
+    import jwt  # the proxy's own dependency
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    jwk = {**json.loads(jwt.algorithms.RSAAlgorithm.to_jwk(key.public_key())), "kid": "bench", "use": "sig"}
+    (WORK / "jwks.json").write_text(json.dumps({"keys": [jwk]}))
+    now = int(time.time())
+    claims = {"iss": BENCH_ISSUER, "aud": BENCH_RESOURCE, "sub": "bench", "iat": now, "exp": now + 86_400}
+    return jwt.encode(claims, key, algorithm="RS256", headers={"kid": "bench"})
 
 
 Install = tuple[Path, str]
@@ -259,6 +277,9 @@ def proxy(
         policy["store"] = {"backend": "redis", "url": redis_url, "key_prefix": f"ab{port}:"}
     if variant == "advertise":
         policy["listen"] = {"advertise_url": f"http://127.0.0.1:{port}"}
+    elif variant == "jwt":  # every request's token checked: verified once, then kept until it expires
+        policy["security"] |= {"principal": "jwt", "resource_url": BENCH_RESOURCE,
+                               "jwt": {"jwks_file": str(WORK / "jwks.json"), "issuer": BENCH_ISSUER}}  # fmt: skip
     elif variant in ("tracing", "tracing-ratio"):  # an exporter to a port nobody listens on
         # (always_off turns tracing off altogether: proxy/tracing.py configure)
         env = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{free_port()}",
@@ -427,7 +448,7 @@ def main() -> None:
     parser.add_argument("--path", choices=("passthrough", "create", "get", "discover"), default="passthrough",
                         help="what is measured: a pass-through tools/call, task creation at 1,000/s, "
                              "tasks/get of a finished task, or server/discover")  # fmt: skip
-    parser.add_argument("--variant", choices=("tracing", "tracing-ratio", "advertise"), default=None,
+    parser.add_argument("--variant", choices=("tracing", "tracing-ratio", "advertise", "jwt"), default=None,
                         help="pass-through: the work tree plain (A) against itself with tracing configured or "
                              "listen.advertise_url set (B), instead of --base against the work tree")  # fmt: skip
     parser.add_argument("--arrivals", choices=("h2load", "wrk"), default="h2load",
@@ -445,6 +466,8 @@ def main() -> None:
         raise SystemExit("--variant measures the pass-through path, on a Redis store: apt-get install redis-server")
     b_install = worktree_python()
     a_install = base_python(args.base) if args.variant is None else b_install
+    if args.variant == "jwt":  # both proxies get the token (A forwards it unread), B verifies it
+        HEADERS["Authorization"] = f"Bearer {bench_token()}"
     if args.variant in ("tracing", "tracing-ratio"):  # the otel extra, in the work tree's environment
         subprocess.run([str(b_install[0]), "-m", "pip", "install", "--quiet", "opentelemetry-sdk",
                         "opentelemetry-exporter-otlp-proto-http"], check=True)  # fmt: skip
