@@ -32,6 +32,7 @@ from mcp_tasks_proxy.front.lane.server import Lane
 from mcp_tasks_proxy.front.serve import bind, start
 from mcp_tasks_proxy.store.redis_keys import RedisKeys
 from tests.factories import McpClient, Reply
+from tests.issuer import Issuer
 
 ROOT = Path(__file__).resolve().parents[1]
 PROXY = [sys.executable, "-m", "mcp_tasks_proxy"]
@@ -742,3 +743,14 @@ def pki(tmp_path_factory) -> Pki:
     client.private_key_pem.write_to_path(str(where / "client.key"))
     client.private_key_and_cert_chain_pem.write_to_path(str(where / "client-both.pem"))
     return Pki(where / "ca.pem", where / "client.pem", where / "client.key", where / "client-both.pem")
+
+
+@pytest.fixture
+async def issuer(aiohttp_server) -> Issuer:
+    """A test authorization server (tests/issuer.py) whose JWKS is served on a loopback port."""
+    made = Issuer()
+    app = web.Application()
+    app.router.add_get("/jwks", made.serve)
+    server = await aiohttp_server(app)
+    made.url = str(server.make_url("/jwks"))
+    return made

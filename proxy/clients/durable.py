@@ -229,6 +229,7 @@ class DurableCalls:
                 body=dumps({"jsonrpc": "2.0", "id": None, "error": error}), status=404, content_type="application/json"
             )
         log.info("durable_call_resumed", task_id=task_id, tool=record.tool)
+        await self._runner.credentials.shown(record, request.headers)
         return await self._stream(rules(record.tool)).serve(request, record, (after_revision, after_n))
 
     async def answer(self, request: web.Request, message: dict[str, Any]) -> web.Response | None:
@@ -243,6 +244,7 @@ class DurableCalls:
         result = message.get("result")
         # A refusal (a JSON-RPC error) goes back to the server as such: the tool decides what it means.
         answer = result if isinstance(result, dict) else {ERROR_ANSWER: _refusal(message.get("error"))}
+        await self._runner.credentials.shown(record, request.headers)
         delivered = await self._runner.deliver_input(task_id, {key: answer}, record.principal)
         log.info("durable_call_answered", task_id=task_id, accepted=delivered is not None, refused=result is None)
         return web.Response(status=202)

@@ -333,6 +333,7 @@ class Tasks2025:
             or record.stream.get("session") != self._identity.session_tag(request.headers)
         ):
             raise _not_found()
+        await self._runner.credentials.shown(record, request.headers)
         return record
 
     @staticmethod

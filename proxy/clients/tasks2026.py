@@ -67,6 +67,7 @@ class Tasks2026:
                 raise _not_found()
             info.tool, info.task_trace = record.tool, record.trace
             self._poll_guard.check(task_id, record.poll_interval_ms)
+            await runner.credentials.shown(record, headers)
             return {**record.to_wire(), "resultType": "complete"}
         if method == "tasks/update":
             assert isinstance(responses, dict)
@@ -77,6 +78,7 @@ class Tasks2026:
         if record is None:
             raise _not_found()
         info.tool, info.task_trace = record.tool, record.trace
+        await runner.credentials.shown(record, headers)
         return {"resultType": "complete"}
 
 

@@ -146,6 +146,7 @@ def create_app(
             metrics=app[metrics_key],
             rule_for=lambda tool: policy.config.rule_for(tool),
             seal=CallSeal(identity.operator_key) if identity.operator_key is not None else None,
+            credentials_follow=config.security.principal in ("jwt", "header"),
         )
         app[runner_key] = runner
         app[durable_key] = DurableCalls(runner, app[store_key], app[identity_key])

@@ -70,6 +70,13 @@ class TaskStore(Protocol):
     async def forget_call_context(self, task_id: str) -> None:
         """Drop the sealed call kept with a task before it ends (nothing will run it again)."""
 
+    async def put_credential(self, task_id: str, sealed: bytes, ttl_ms: int) -> None:
+        """Keep the owner's newest credential for a running task (sealed: sealing.py), for the replica that runs it;
+        a store that is not shared has no other replica to tell."""
+
+    async def credential(self, task_id: str) -> bytes | None:
+        """The credential kept by put_credential, or None."""
+
     async def alias(self, name: str, task_id: str, ttl_ms: int) -> None:
         """Let `name` find the task for ttl_ms: a request that joined a task made for an idempotency key (its own
         derived id is not the task's)."""
@@ -205,6 +212,12 @@ class MemoryTaskStore:
         return None
 
     async def forget_call_context(self, task_id: str) -> None:
+        return None
+
+    async def put_credential(self, task_id: str, sealed: bytes, ttl_ms: int) -> None:
+        return None  # one replica: the runner gave the credential to the call itself
+
+    async def credential(self, task_id: str) -> bytes | None:
         return None
 
     async def alias(self, name: str, task_id: str, ttl_ms: int) -> None:

@@ -32,6 +32,10 @@ class RedisKeys:
         """A running task's call, sealed (sealing.py): apart from the record, which every poll reads."""
         return f"{self.prefix}call:{task_id}"
 
+    def credential(self, task_id: str) -> str:
+        """A running task's owner's newest credential, sealed: what its later upstream requests carry."""
+        return f"{self.prefix}credential:{task_id}"
+
     def alias(self, name: str) -> str:
         """Another id that finds a task (a request that joined a keyed durable call)."""
         return f"{self.prefix}alias:{name}"

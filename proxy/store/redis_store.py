@@ -228,6 +228,17 @@ class RedisTaskStore:
     async def listeners(self) -> int:
         return await self._replicas.listeners()
 
+    async def put_credential(self, task_id: str, sealed: bytes, ttl_ms: int) -> None:
+        async with self._link.answering("credential"):
+            await self._fast.execute("SET", self._keys.credential(task_id), sealed, "PX", ttl_ms)
+
+    async def credential(self, task_id: str) -> bytes | None:
+        async with self._link.answering("credential"):
+            sealed = await self._fast.execute("GET", self._keys.credential(task_id))
+        if sealed is not None and not isinstance(sealed, bytes):
+            raise Inconsistent("GET answered something other than a string")
+        return sealed
+
     async def alias(self, name: str, task_id: str, ttl_ms: int) -> None:
         async with self._link.answering("alias"):
             await self._fast.execute("SET", self._keys.alias(name), task_id, "PX", ttl_ms)

@@ -15,6 +15,7 @@ import structlog
 from .. import tracing
 from ..jsonrpc import INTERNAL_ERROR, dumps, error_object
 from ..upstream.events import Failed, Finished, InputNeeded, Progress
+from .credentials import Credentials
 from .hints import RepeatHints
 from .input_rounds import InputRounds
 from .job import Job, RoundLimit
@@ -41,12 +42,18 @@ class Attempts:
     """Runs a job's upstream call, one attempt per round, until one ends it."""
 
     def __init__(
-        self, state: RunnerState, settlement: Settlement, input_rounds: InputRounds, hints: RepeatHints
+        self,
+        state: RunnerState,
+        settlement: Settlement,
+        input_rounds: InputRounds,
+        hints: RepeatHints,
+        credentials: Credentials,
     ) -> None:
         self._state = state
         self._settlement = settlement
         self._input_rounds = input_rounds
         self._hints = hints
+        self._credentials = credentials
 
     async def run(self, job: Job) -> None:
         """The job's own asyncio task: the call (in one of its tool's slots when the rule limits them); stopped, it
@@ -176,9 +183,16 @@ class Attempts:
                 tracing.TRACER.failed_attempt(span, outcome.transient or "failed")
             return outcome
 
-    async def _call_upstream(self, job: Job, message: dict[str, Any], deadline: float) -> Outcome:
+    async def _call_upstream(
+        self, job: Job, message: dict[str, Any], deadline: float, *, credential_retried: bool = False
+    ) -> Outcome:
         if self._state.precedence.pending and job.is_task:  # the creations being answered first (precedence.py)
             await self._state.precedence.give_way()  # (not in a sync window: its creation waits for this call)
+        if self._credentials.follow and (job.run > 1 or message is not job.call.message):
+            # A later request of the call (the call as created goes with the token it was created with): the owner
+            # may have shown a newer token on another replica since.
+            await self._credentials.refresh(job)
+        used = job.call.headers.get("Authorization")
         job.upstream_id = message["id"]
         job.upstream_busy = True
         events = self._state.upstream.call_tool(
@@ -195,6 +209,7 @@ class Attempts:
         outcome = "cancelled"
         settle: tuple[TaskStatus, dict[str, Any]] | None = None
         transient: Failed | None = None
+        refused: Failed | None = None
         try:
             with self._state.deadlines.limit(deadline - asyncio.get_running_loop().time()):
                 async for event in events:
@@ -223,7 +238,9 @@ class Attempts:
                         outcome = "failed"
                         if event.unread:  # unreachable, or the stream cut: the upstream failed, not the tool
                             self._state.metrics.upstream_errors.labels("task").inc()
-                        if may_retry(job, event):
+                        if event.refused_credentials and self._credentials.follow:
+                            refused = event  # the call did not run: with a newer credential it is sent again
+                        elif may_retry(job, event):
                             transient = event
                         else:
                             settle = (TaskStatus.FAILED, {"error": event.error, "status_message": event.status_message})
@@ -243,6 +260,18 @@ class Attempts:
             job.upstream_busy = False
             self._state.metrics.upstream_seconds.labels(job.call.tool, outcome).observe(self._state.timer() - started_s)
             await events.aclose()
+        if refused is not None:
+            await self._credentials.refresh(job)
+            if not credential_retried and job.call.headers.get("Authorization") != used:
+                log.info("upstream_credential_refused", retry="with the owner's newer credential")
+                return await self._call_upstream(job, sent_again(message), deadline, credential_retried=True)
+            reason = (
+                "the upstream refused the owner's newest credential too (HTTP 401)"
+                if credential_retried
+                else "the upstream refused the task's credential (HTTP 401), and its owner has shown no newer one "
+                "since it was sent"
+            )
+            settle = (TaskStatus.FAILED, {"error": refused.error, "status_message": reason})
         if settle is not None:
             # Outside the call's timeout: an outcome in hand is written however long the store takes (it is retried
             # until the TTL), never turned into a timeout failure.

@@ -25,6 +25,7 @@ from ..metrics import Metrics
 from ..store.base import TaskIdTaken, TaskStore
 from .admission import Admission
 from .attempts import SHUTDOWN, Attempts
+from .credentials import Credentials
 from .hints import RepeatHints
 from .input_rounds import InputRounds
 from .job import TAKEN_OVER, DirectOutcome, ToolCall
@@ -64,6 +65,7 @@ class TaskRunner:
         metrics: Metrics | None = None,
         rule_for: Callable[[str], ToolRule | None] = lambda tool: None,
         seal: CallSeal | None = None,
+        credentials_follow: bool = False,
     ) -> None:
         self._state = RunnerState(
             store=store,
@@ -86,7 +88,8 @@ class TaskRunner:
         )
         self._input_rounds = InputRounds(self._state, self._settlement, self._recovery, self._rounds)
         hints = RepeatHints(upstream, lambda: limits().max_result_bytes)
-        attempts = Attempts(self._state, self._settlement, self._input_rounds, hints)
+        self.credentials = Credentials(self._state, follow=credentials_follow)
+        attempts = Attempts(self._state, self._settlement, self._input_rounds, hints, self.credentials)
         self._admission = Admission(self._state, attempts, self._rounds, defaults, limits)
         running_limit = lambda: limits().max_running_tasks  # noqa: E731
         self._takeover = Takeover(

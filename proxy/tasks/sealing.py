@@ -76,6 +76,17 @@ class CallSeal:
             log.warning("upstream_task_unreadable", task_id=task_id, reason=type(exc).__name__)
             return None
 
+    def seal_credential(self, task_id: str, principal: str, authorization: str) -> bytes:
+        """The owner's newest Authorization for its running task, for whichever replica runs the call."""
+        return self._sealed(authorization.encode("utf-8", "surrogateescape"), _credential_bound(task_id, principal))
+
+    def unseal_credential(self, task_id: str, sealed: bytes, principal: str) -> str | None:
+        try:
+            return self._opened(sealed, _credential_bound(task_id, principal)).decode("utf-8", "surrogateescape")
+        except (InvalidTag, ValueError) as exc:
+            log.warning("task_credential_unreadable", task_id=task_id, reason=type(exc).__name__)
+            return None
+
     def _sealed(self, plain: bytes, bound: bytes) -> bytes:
         # 96 random bits per nonce: a repeat is as likely as a task id colliding, under one key for any number
         # of tasks within the 2^32 messages AES-GCM allows per key with random nonces (NIST SP 800-38D).
@@ -106,6 +117,11 @@ def _bound(task_id: str, principal: str, tool: str) -> bytes:
     """The associated data: what the record says a sealed value belongs to, so that editing the record's owner or
     tool in the store (to run a victim's call as someone else) makes it not open."""
     return dumps([task_id, principal, tool])
+
+
+def _credential_bound(task_id: str, principal: str) -> bytes:
+    """A credential's associated data: of another shape than a call's, so that neither opens as the other."""
+    return dumps(["credential", task_id, principal])
 
 
 def _call_of(context: Any, principal: str) -> ToolCall:

@@ -98,6 +98,8 @@ class Failed:
     runs again)."""
     retry_after_s: float | None = None
     """The server's Retry-After, when it gave one."""
+    refused_credentials: bool = False
+    """The upstream answered HTTP 401: the call's credential, not its work, failed (the call did not run)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ from ..events import (
     RETRIED_STATUSES,
     CredentialsNeeded,
     Event,
+    Failed,
     NotMcp,
     Progress,
     UpstreamUnavailable,
@@ -270,10 +271,11 @@ class Upstream:
             reason = f"the upstream answered {detail} without a JSON-RPC response"
             if response.status in RETRIED_STATUSES:
                 after = retry_after_s(response.headers.get("retry-after"))
-                yield proxy_failure(reason, self.url, transient="unanswered", retry_after_s=after)
+                event = proxy_failure(reason, self.url, transient="unanswered", retry_after_s=after)
             else:
-                yield proxy_failure(reason, self.url)
-            return
+                event = proxy_failure(reason, self.url)
+        if response.status == 401 and isinstance(event, Failed):  # the call's credential, refused: not its work
+            event = dataclasses.replace(event, refused_credentials=True)
         yield event
 
 
