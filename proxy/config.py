@@ -6,6 +6,7 @@ import difflib
 import fnmatch
 import functools
 import ipaddress
+import math
 import os
 import re
 import ssl
@@ -318,6 +319,35 @@ class StoreConfig(_Strict):
         return self
 
 
+class RateLimit(_Strict):
+    """One limit on the requests to the MCP endpoint: a sustained rate with a burst above it."""
+
+    per: Literal["caller", "tool", "caller+tool", "upstream"]
+    """What is counted apart: each caller (a principal, or an anonymous caller's network address), each tool, each
+    caller's use of each tool, or the upstream as a whole. `tool` and `caller+tool` count only tools/call."""
+    match: Annotated[str, Field(min_length=1)] | None = None
+    """A tool name or glob: the entry counts only the tools/call of those tools. Without it, every JSON-RPC message
+    POSTed to the MCP endpoint (tools/call and tasks/get polling alike; each message of a batch)."""
+    requests_per_s: Annotated[float, Field(gt=0, le=1_000_000)]
+    """The sustained rate."""
+    burst: PositiveInt | None = None
+    """How many may come at once above the rate (default: the rate, rounded up)."""
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:+*?-]+$")] | None = None
+    """What a refusal's data.limit and the mcp_tasks_proxy_rate_limited_total label call it (default: `per`,
+    then `match`)."""
+
+    @property
+    def label(self) -> str:
+        return self.name or (self.per if self.match is None else f"{self.per}:{self.match}")
+
+    def matches(self, tool_name: str) -> bool:
+        return self.match is None or _matcher(self.match)(tool_name)
+
+    @property
+    def allowed_burst(self) -> int:
+        return self.burst if self.burst is not None else max(1, math.ceil(self.requests_per_s))
+
+
 class LimitsConfig(_Strict):
     max_body_bytes: PositiveInt = 4 * 1024 * 1024
     """Largest request body accepted from a client (tool arguments included); larger ones get HTTP 413."""
@@ -330,6 +360,20 @@ class LimitsConfig(_Strict):
     """Largest result a task stores; a larger one fails the task with a message that says so."""
     min_poll_interval_ms: Annotated[int, Field(ge=0)] = 0
     """If > 0, tasks/get on one task faster than this is refused (HTTP 429) with the task's pollIntervalMs."""
+    rates: list[RateLimit] = []
+    """Rate limits on the requests to the MCP endpoint, each by caller, tool, both, or the upstream: kept in Redis
+    with the Redis store, so that every replica counts against the same limit (per replica with the memory store,
+    or while Redis does not answer). Past one: HTTP 429, Retry-After, and -32603 with data.limit and
+    data.retryAfterMs."""
+
+    @field_validator("rates")
+    @classmethod
+    def _distinct_names(cls, rates: list[RateLimit]) -> list[RateLimit]:
+        labels = [rate.label for rate in rates]
+        for label in labels:
+            if labels.count(label) > 1:
+                raise ValueError(f"two rate limits are called {label!r}: name one of them (name: ...)")
+        return rates
 
 
 _JWT_ALGORITHMS = ("RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512", "EdDSA")

@@ -130,6 +130,14 @@ class Metrics:
         )  # fmt: skip
         for outcome in ("run_again", "unknown", "released"):  # each a series from the start, for rate() and alerts
             self.tasks_taken_over.labels(outcome)
+        self.rate_limited = Counter(
+            "mcp_tasks_proxy_rate_limited", "Requests refused past a rate limit (limits.rates), by limit",
+            ["limit"], registry=r,
+        )  # fmt: skip
+        self.rate_limit_local = Counter(
+            "mcp_tasks_proxy_rate_limit_local", "Rate-limit checks each replica made alone because Redis did not "
+            "answer (the limit then holds per replica)", registry=r,
+        )  # fmt: skip
         self.connections_refused = Counter(
             "mcp_tasks_proxy_connections_refused", "Client connections refused past listen.max_connections",
             registry=r,

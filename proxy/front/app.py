@@ -50,6 +50,7 @@ from .context import (
     metrics_key,
     policy_key,
     poll_guard_key,
+    rates_key,
     read_headers_key,
     runner_key,
     store_key,
@@ -57,6 +58,7 @@ from .context import (
     tasks2026_key,
 )
 from .dispatch import handle_mcp_post, handle_other
+from .rates import Rates
 from .session_routing import SessionRouting
 
 log = structlog.get_logger(__name__)
@@ -85,6 +87,7 @@ def create_app(
     )  # fmt: skip
     app[poll_guard_key] = PollGuard(config.limits.min_poll_interval_ms, timer=timer)
     app[guard_key] = HostGuard(config)
+    app[rates_key] = Rates(lambda: policy.config.limits, app[store_key], app[metrics_key], timer=timer)
 
     async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         async with build_gateway(config, identity, max_bytes=lambda: policy.config.limits.max_result_bytes) as gateway:
@@ -244,6 +247,8 @@ async def _in_context(handler: Handler, request: web.Request) -> web.StreamRespo
                     response = web.Response(status=499)
                 else:
                     response = _json_error(request, answered[0], answered[1])
+                    if (wait := boundary.retry_after(exc)) is not None:
+                        response.headers["Retry-After"] = wait
         status = 499 if request[client_gone_key] else response.status
         return response
     except asyncio.CancelledError:

@@ -5,6 +5,7 @@ request."""
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -16,9 +17,10 @@ from ..jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, UpstreamError, dumps, err
 from ..log import bind_request_id
 from ..metrics import Metrics, method_label
 from ..policy import LivePolicy
-from ..security import HostGuard, Identity
+from ..security import HostGuard, Identity, caller_of
 from ..tokens import Caller, TokenRefused, TokenVerifier, missing_scopes
 from .context import RequestInfo, log_request_handled, wire_error
+from .rates import Rates
 
 log = structlog.get_logger(__name__)
 
@@ -86,6 +88,18 @@ def allowed_on_lane(verifier: TokenVerifier | None, headers: MultiMapping[str]) 
         return verifier.cached(headers) or False
     except TokenRefused:
         return False
+
+
+def retry_after(exc: Exception) -> str | None:
+    """The Retry-After of a refusal that says when to come back (a rate limit's), in whole seconds."""
+    wait = getattr(exc, "retry_after_s", None)
+    return str(max(1, math.ceil(wait))) if isinstance(wait, float | int) else None
+
+
+async def count_rates(rates: Rates, identity: Identity, headers: MultiMapping[str], messages: Any, remote: Any) -> None:
+    """Count the request against limits.rates (RateLimited past one); nothing to do without limits."""
+    if rates.configured:
+        await rates.check(messages, caller_of(identity.principal(headers), remote))
 
 
 def trace(info: RequestInfo, headers: MultiMapping[str], message: dict[str, Any]) -> None:

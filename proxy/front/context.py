@@ -22,6 +22,7 @@ from ..tasks.admission import ShuttingDown
 from ..tasks.runner import TaskRunner
 from ..upstream.bridge import SyncBridge
 from ..upstream.gateway import Gateway
+from .rates import Rates
 
 log = structlog.get_logger(__name__)
 
@@ -33,6 +34,7 @@ bridge_key = web.AppKey("bridge_key", SyncBridge)
 metrics_key = web.AppKey("metrics_key", Metrics)
 identity_key = web.AppKey("identity_key", Identity)
 guard_key = web.AppKey("guard_key", HostGuard)
+rates_key = web.AppKey("rates_key", Rates)
 poll_guard_key = web.AppKey("poll_guard_key", PollGuard)
 durable_key = web.AppKey("durable_key", DurableCalls)
 kept_alive_key = web.AppKey("kept_alive_key", KeptAliveCalls)

@@ -54,6 +54,7 @@ from .context import (
     json_reply,
     kept_alive_key,
     policy_key,
+    rates_key,
     runner_key,
     store_key,
     tasks2025_key,
@@ -97,6 +98,7 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
     verifier = app[identity_key].verifier
     if verifier is not None and kind in ("request", "batch"):
         boundary.scopes_refusal(verifier, request.headers, message, app[policy_key].config.rule_for)
+    await boundary.count_rates(app[rates_key], app[identity_key], request.headers, message, request.remote)
     if kind != "request":
         return await _not_a_request(request, kind, message, body)
     method = message["method"]

@@ -77,6 +77,10 @@ class TaskStore(Protocol):
     async def credential(self, task_id: str) -> bytes | None:
         """The credential kept by put_credential, or None."""
 
+    async def rate(self, name: str, interval_us: int, tolerance_us: int) -> int | None:
+        """Count a request against a rate limit shared by every replica: 0 when allowed, else the microseconds until
+        it would be; None for a store no other replica shares (the limit is then the replica's own)."""
+
     async def alias(self, name: str, task_id: str, ttl_ms: int) -> None:
         """Let `name` find the task for ttl_ms: a request that joined a task made for an idempotency key (its own
         derived id is not the task's)."""
@@ -218,6 +222,9 @@ class MemoryTaskStore:
         return None  # one replica: the runner gave the credential to the call itself
 
     async def credential(self, task_id: str) -> bytes | None:
+        return None
+
+    async def rate(self, name: str, interval_us: int, tolerance_us: int) -> int | None:
         return None
 
     async def alias(self, name: str, task_id: str, ttl_ms: int) -> None:

@@ -36,6 +36,10 @@ class RedisKeys:
         """A running task's owner's newest credential, sealed: what its later upstream requests carry."""
         return f"{self.prefix}credential:{task_id}"
 
+    def rate(self, name: str) -> str:
+        """A rate limit's next theoretical arrival time (limits.rates), for one caller, tool or both."""
+        return f"{self.prefix}rate:{name}"
+
     def alias(self, name: str) -> str:
         """Another id that finds a task (a request that joined a keyed durable call)."""
         return f"{self.prefix}alias:{name}"

@@ -57,6 +57,23 @@ return 1
 """
 _CREATE_SHA = hashlib.sha1(_CREATE, usedforsecurity=False).hexdigest()
 
+# GCRA (the generic cell rate algorithm) on Redis's clock, so that replicas whose clocks differ count alike. KEYS: the
+# limit's key. ARGV: the emission interval and the tolerance (interval x (burst - 1)), in microseconds. The key holds
+# the theoretical arrival time of the next request. Returns 0 when the request is allowed (and counted), else the
+# microseconds until it would be.
+_RATE = b"""
+local now = redis.call('TIME')
+now = tonumber(now[1]) * 1000000 + tonumber(now[2])
+local tat = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
+if tat < now then tat = now end
+local wait = tat - now - tonumber(ARGV[2])
+if wait > 0 then return math.ceil(wait) end
+tat = tat + tonumber(ARGV[1])
+redis.call('SET', KEYS[1], string.format('%.0f', tat), 'PX', math.ceil((tat - now) / 1000) + 1)
+return 0
+"""
+_RATE_SHA = hashlib.sha1(_RATE, usedforsecurity=False).hexdigest()
+
 _INDEX_TIES = 64
 """Entries read past a page's end, for those that share the cursor's score (told apart by task id)."""
 
@@ -194,6 +211,15 @@ class RedisTaskStore:
             raise Inconsistent("the compare-and-set script answered out of its range")
         assert isinstance(written, int)
         return written
+
+    async def rate(self, name: str, interval_us: int, tolerance_us: int) -> int:
+        """Count a request against the rate limit `name` for every replica (GCRA): 0 when allowed, else the
+        microseconds until it would be."""
+        async with self._link.answering("rate"):
+            wait = await self._script(_RATE, _RATE_SHA, (self._keys.rate(name),), (interval_us, tolerance_us))
+        if not isinstance(wait, int) or isinstance(wait, bool) or wait < 0:
+            raise Inconsistent("the rate script answered out of its range")
+        return wait
 
     async def _script(self, body: bytes, sha: str, keys: tuple[str, ...], args: tuple[str | bytes | int, ...]) -> Any:
         try:

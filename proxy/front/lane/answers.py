@@ -63,6 +63,10 @@ async def answer(
     status = 500
     reply = None
     try:
+        if lane.rates.configured:
+            peer = out.transport.get_extra_info("peername") if out.transport is not None else None
+            await boundary.count_rates(lane.rates, lane.identity, headers, request.message,
+                                       peer[0] if isinstance(peer, tuple) else None)  # fmt: skip
         if request.kind == "owned":
             status = await _owned(lane, out, request, info, keep_alive=keep_alive)
         elif request.kind == "legacy":
@@ -100,7 +104,7 @@ async def answer(
             else:
                 error, status, fault = answered
                 keep_alive = keep_alive and not fault
-                out.error(info.jsonrpc_id, error, status, keep_alive=keep_alive)
+                out.error(info.jsonrpc_id, error, status, keep_alive=keep_alive, retry_after=boundary.retry_after(exc))
     finally:
         if reply is None or not reply.taken:
             _account(lane, info, headers, status, started)

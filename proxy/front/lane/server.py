@@ -19,6 +19,7 @@ from ..context import (
     identity_key,
     metrics_key,
     policy_key,
+    rates_key,
     runner_key,
     tasks2026_key,
 )
@@ -65,6 +66,7 @@ class Lane:
         self.policy = app[policy_key]
         self.gateway = app[gateway_key]
         self.guard = app[guard_key]
+        self.rates = app[rates_key]
         self.metrics = app[metrics_key]
         self.identity = app[identity_key]
         self.verifier = self.identity.verifier

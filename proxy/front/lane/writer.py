@@ -90,21 +90,27 @@ class LaneWriter:
         lines.append(b"\r\n")
         return b"".join(lines)
 
-    def own_head(self, status: int, content_type: str, keep_alive: bool, length: int | None) -> bytes:
+    def own_head(
+        self, status: int, content_type: str, keep_alive: bool, length: int | None, retry_after: str | None = None
+    ) -> bytes:
         """The head of an answer the proxy makes itself, as aiohttp would write it."""
         head = f"{_status_line(status)}Content-Type: {content_type}\r\n"
+        if retry_after is not None:
+            head += f"Retry-After: {retry_after}\r\n"
         head += f"Date: {self._date()}\r\nServer: {SERVER_SOFTWARE}\r\n"
         head += f"Content-Length: {length}\r\n" if length is not None else "Transfer-Encoding: chunked\r\n"
         if not keep_alive or self.closing:
             head += "Connection: close\r\n"
         return head.encode() + b"\r\n"
 
-    def json(self, message: dict[str, Any], status: int, *, keep_alive: bool) -> None:
+    def json(self, message: dict[str, Any], status: int, *, keep_alive: bool, retry_after: str | None = None) -> None:
         body = dumps(message)
-        self.write(self.own_head(status, "application/json", keep_alive, len(body)) + body)
+        self.write(self.own_head(status, "application/json", keep_alive, len(body), retry_after) + body)
 
-    def error(self, request_id: Any, error: dict[str, Any], status: int, *, keep_alive: bool) -> None:
-        self.json(error_response(request_id, error), status, keep_alive=keep_alive)
+    def error(
+        self, request_id: Any, error: dict[str, Any], status: int, *, keep_alive: bool, retry_after: str | None = None
+    ) -> None:
+        self.json(error_response(request_id, error), status, keep_alive=keep_alive, retry_after=retry_after)
 
 
 class RelayedAnswer:

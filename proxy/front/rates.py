@@ -1,0 +1,134 @@
+"""Rate limits on the requests to the MCP endpoint (limits.rates), checked at the front door for both readers.
+
+Each limit is a GCRA (the generic cell rate algorithm: a sustained rate and a burst, kept as one timestamp per
+key). With the Redis store every replica counts against the same key, on Redis's clock (store.rate, one script
+call per limit that applies); with the memory store, or while Redis does not answer, each replica counts alone
+(logged, and counted in mcp_tasks_proxy_rate_limit_local_total). A request past a limit gets HTTP 429 with
+Retry-After, and -32603 naming the limit and the wait."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import structlog
+from cachetools import TLRUCache
+
+from ..config import LimitsConfig, RateLimit
+from ..jsonrpc import INTERNAL_ERROR, JsonRpcError
+from ..metrics import Metrics
+from ..store.base import StoreUnavailable, TaskStore
+
+log = structlog.get_logger(__name__)
+
+_LOCAL_KEYS = 100_000
+"""Keys one replica counts alone at most (the least recently used go first: their next request starts afresh)."""
+_LONG_NAME = 128
+"""A tool name longer than this is counted under its hash: the key stays short whatever a client sends."""
+_FALLBACK_LOG_S = 30.0
+
+
+class RateLimited(JsonRpcError):
+    """A request past a rate limit: HTTP 429 with Retry-After (retry_after_s)."""
+
+    def __init__(self, limit: str, wait_s: float) -> None:
+        wait_ms = max(1, math.ceil(wait_s * 1000))
+        super().__init__(
+            INTERNAL_ERROR,
+            f"Rate limited: past the limit {limit!r} (limits.rates); retry in {wait_ms} ms",
+            {"limit": limit, "retryAfterMs": wait_ms},
+            http_status=429,
+        )
+        self.retry_after_s = wait_s
+
+
+class Rates:
+    def __init__(
+        self,
+        limits: Callable[[], LimitsConfig],
+        store: TaskStore,
+        metrics: Metrics,
+        *,
+        timer: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._limits = limits
+        self._store = store
+        self._metrics = metrics
+        self._timer = timer
+        self._local: TLRUCache[str, float] = TLRUCache(_LOCAL_KEYS, ttu=lambda _key, tat, _now: tat, timer=timer)
+        """Per key, the theoretical arrival time of its next request (on `timer`), kept until then."""
+        self._fallback_logged = -_FALLBACK_LOG_S
+
+    @property
+    def configured(self) -> bool:
+        return bool(self._limits().rates)
+
+    async def check(self, messages: Any, caller: str) -> None:
+        """Count the request's JSON-RPC messages (a message, or a batch's) against every limit that applies;
+        RateLimited for the first one past its limit (those already counted stay counted, as at any gateway)."""
+        for rate, index, key in _keys(self._limits().rates, messages, caller):
+            wait_s = await self._count(rate, f"{index}:{key}")
+            if wait_s > 0:
+                self._metrics.rate_limited.labels(rate.label).inc()
+                raise RateLimited(rate.label, wait_s)
+
+    async def _count(self, rate: RateLimit, key: str) -> float:
+        interval_s = 1 / rate.requests_per_s
+        tolerance_s = interval_s * (rate.allowed_burst - 1)
+        if self._store.shared:
+            try:
+                wait_us = await self._store.rate(key, math.ceil(interval_s * 1e6), math.floor(tolerance_s * 1e6))
+                if wait_us is not None:
+                    return wait_us / 1e6
+            except StoreUnavailable as exc:
+                self._metrics.rate_limit_local.inc()
+                now = self._timer()
+                if now - self._fallback_logged >= _FALLBACK_LOG_S:
+                    self._fallback_logged = now
+                    log.warning("rate_limits_local", reason=str(exc), meaning="each replica counts alone meanwhile")
+        return self._count_here(key, interval_s, tolerance_s)
+
+    def _count_here(self, key: str, interval_s: float, tolerance_s: float) -> float:
+        now = self._timer()
+        tat = max(self._local.get(key, now), now)
+        wait_s = tat - now - tolerance_s
+        if wait_s > 0:
+            return wait_s
+        self._local[key] = tat + interval_s
+        return 0.0
+
+
+def _keys(rates: list[RateLimit], messages: Any, caller: str) -> Iterator[tuple[RateLimit, int, str]]:
+    """Each limit a message counts against, with its key: what the limit's `per` names for it."""
+    for message in messages if isinstance(messages, list) else [messages]:
+        tool = _tool(message)
+        for index, rate in enumerate(rates):
+            if (rate.match is not None or rate.per in ("tool", "caller+tool")) and tool is None:
+                continue
+            if rate.match is not None and not rate.matches(tool):  # type: ignore[arg-type]
+                continue
+            if rate.per == "caller":
+                yield rate, index, caller
+            elif rate.per == "tool":
+                yield rate, index, _short(tool)  # type: ignore[arg-type]
+            elif rate.per == "caller+tool":
+                yield rate, index, f"{caller}|{_short(tool)}"  # type: ignore[arg-type]
+            else:
+                yield rate, index, "upstream"
+
+
+def _tool(message: Any) -> str | None:
+    if not isinstance(message, dict) or message.get("method") != "tools/call":
+        return None
+    params = message.get("params")
+    name = params.get("name") if isinstance(params, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def _short(name: str) -> str:
+    if len(name) <= _LONG_NAME and name.isprintable():
+        return name
+    return "#" + hashlib.sha256(name.encode("utf-8", "surrogateescape")).hexdigest()
