@@ -10,6 +10,7 @@
     python bench/ab.py --variant tracing  # the work tree plain (A) against itself with tracing configured (B)
     python bench/ab.py --variant tracing-ratio  # the same with a sampler that may begin traces of its own
     python bench/ab.py --variant jwt      # the same with every request's bearer token verified
+    python bench/ab.py --variant rates    # the same with every request counted against a rate limit in Redis
 
 Both proxies stand in front of one fast upstream (bench/fast_upstream.py), beside the bare aiohttp forwarder
 (bench/minimal_forwarder.py) and, when it is installed, nginx, for an upstream of each era (the proxy translates a
@@ -43,7 +44,8 @@ configured above, B the same install with OpenTelemetry tracing configured (an O
 `parentbased_always_off`: a span is recorded only when a client's context asks for it, and none does here) or with
 `listen.advertise_url` set (replicas routing 2025 sessions, over a Redis store in both), or with verified callers
 (`--variant jwt`: `security.principal: jwt` with a JWKS file; every request carries the same valid token, which A
-forwards unread and B checks: verified once, then kept until it expires). Configuration should move
+forwards unread and B checks: verified once, then kept until it expires), or with a rate limit (`--variant rates`: one
+per caller, far above the load, so that every request is counted in Redis and none refused). Configuration should move
 no traffic onto other code: B/A near 1. `--variant tracing-ratio` configures `parentbased_traceidratio` at a ratio
 of 0 instead: a sampler that may begin a trace of its own, so that the SDK makes each request's span (unsampled,
 here) to ask it; that is OpenTelemetry's cost per request, not the proxy's.
@@ -277,6 +279,8 @@ def proxy(
         policy["store"] = {"backend": "redis", "url": redis_url, "key_prefix": f"ab{port}:"}
     if variant == "advertise":
         policy["listen"] = {"advertise_url": f"http://127.0.0.1:{port}"}
+    elif variant == "rates":  # one limit per caller, far above the load: every request counted in Redis, none refused
+        policy["limits"] = {"rates": [{"per": "caller", "requests_per_s": 1_000_000, "burst": 1_000_000}]}
     elif variant == "jwt":  # every request's token checked: verified once, then kept until it expires
         policy["security"] |= {"principal": "jwt", "resource_url": BENCH_RESOURCE,
                                "jwt": {"jwks_file": str(WORK / "jwks.json"), "issuer": BENCH_ISSUER}}  # fmt: skip
@@ -448,7 +452,7 @@ def main() -> None:
     parser.add_argument("--path", choices=("passthrough", "create", "get", "discover"), default="passthrough",
                         help="what is measured: a pass-through tools/call, task creation at 1,000/s, "
                              "tasks/get of a finished task, or server/discover")  # fmt: skip
-    parser.add_argument("--variant", choices=("tracing", "tracing-ratio", "advertise", "jwt"), default=None,
+    parser.add_argument("--variant", choices=("tracing", "tracing-ratio", "advertise", "jwt", "rates"), default=None,
                         help="pass-through: the work tree plain (A) against itself with tracing configured or "
                              "listen.advertise_url set (B), instead of --base against the work tree")  # fmt: skip
     parser.add_argument("--arrivals", choices=("h2load", "wrk"), default="h2load",
