@@ -135,8 +135,8 @@ class Metrics:
             ["limit"], registry=r,
         )  # fmt: skip
         self.rate_limit_local = Counter(
-            "mcp_tasks_proxy_rate_limit_local", "Rate-limit checks each replica made alone because Redis did not "
-            "answer (the limit then holds per replica)", registry=r,
+            "mcp_tasks_proxy_rate_limit_local", "Rate-limit checks a replica made alone because Redis did not "
+            "answer (the limit then holds per replica), by limit", ["limit"], registry=r,
         )  # fmt: skip
         self.connections_refused = Counter(
             "mcp_tasks_proxy_connections_refused", "Client connections refused past listen.max_connections",

@@ -124,9 +124,12 @@ async def exported(make_proxy, mcp_upstream) -> dict[str, tuple[str, set[str]]]:
     Another has its Redis and its upstream where nothing listens: a task call fails in the store (store errors
     exist only with a Redis store), a pass-through call fails upstream. A third has only its upstream away: a
     task's call is sent again (a retry) before it fails. The scrapes are merged."""
-    proxy = await make_proxy(mcp_upstream, tools=[{"match": "slow_report"}, {"match": "one_question"}])
+    once = {"rates": [{"per": "tool", "match": "slow_report", "requests_per_s": 0.001, "burst": 1}]}
+    proxy = await make_proxy(mcp_upstream, tools=[{"match": "slow_report"}, {"match": "one_question"}], limits=once)
     done = await proxy.client.call_tool("slow_report", {"topic": "dashboards", "seconds": 0})
     await task_reaches(proxy.client, done.result["taskId"], "completed")
+    limited = await proxy.client.call_tool("slow_report", {"topic": "dashboards", "seconds": 0})
+    assert limited.status == 429, limited.body
     asking = await proxy.client.call(
         "tools/call", {"name": "one_question", "arguments": {}, "_meta": meta(elicitation={})}
     )
@@ -142,6 +145,7 @@ async def exported(make_proxy, mcp_upstream) -> dict[str, tuple[str, set[str]]]:
             store={"backend": "redis", "url": f"redis://127.0.0.1:{redis_port}/0", "key_prefix": "dashboards:",
                    "timeout_s": 0.5, "lease_s": 1, "reap_interval_s": 0.3},
             tools=[{"match": "slow_report"}],
+            limits={"rates": [{"per": "caller", "requests_per_s": 1000}]},  # counted here alone: Redis is away
         )  # fmt: skip
         no_store = await broken.client.call_tool("slow_report", {"topic": "dashboards", "seconds": 0})
         assert no_store.status == 503, no_store.body

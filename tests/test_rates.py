@@ -98,7 +98,7 @@ async def test_while_redis_does_not_answer_each_replica_counts_alone(make_proxy,
     stop(process)
     replies = await calls(proxy, 3)
     assert [reply.status for reply in replies] == [200, 200, 429]  # no 500: the replica's own count
-    assert "mcp_tasks_proxy_rate_limit_local_total 3.0" in proxy.app[metrics_key].render().decode()
+    assert 'mcp_tasks_proxy_rate_limit_local_total{limit="caller"} 3.0' in proxy.app[metrics_key].render().decode()
 
 
 def test_two_limits_with_one_name_are_refused():

@@ -61,6 +61,8 @@ class Rates:
         self._local: TLRUCache[str, float] = TLRUCache(_LOCAL_KEYS, ttu=lambda _key, tat, _now: tat, timer=timer)
         """Per key, the theoretical arrival time of its next request (on `timer`), kept until then."""
         self._fallback_logged = -_FALLBACK_LOG_S
+        for rate in limits().rates:  # each limit a series from the start, for rate() and alerts
+            metrics.rate_limited.labels(rate.label)
 
     @property
     def configured(self) -> bool:
@@ -84,7 +86,7 @@ class Rates:
                 if wait_us is not None:
                     return wait_us / 1e6
             except StoreUnavailable as exc:
-                self._metrics.rate_limit_local.inc()
+                self._metrics.rate_limit_local.labels(rate.label).inc()
                 now = self._timer()
                 if now - self._fallback_logged >= _FALLBACK_LOG_S:
                     self._fallback_logged = now
