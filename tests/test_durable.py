@@ -301,6 +301,10 @@ async def test_a_2026_client_without_tasks_gets_keepalives_then_the_result(
     assert b"retry:" not in reply.body and not reply.body.startswith(b"id:")  # 2026 streams are not resumable
     assert reply.message["result"]["content"][0]["text"] == "quiet for 1 s"
     assert reply.message["result"]["resultType"] == "complete"
+    from tests.test_lane import request_counts
+
+    # Counted as what it is: a kept-alive call (a 2025 client's durable call is `durable`).
+    assert request_counts(proxy).get(("tools/call", "kept_alive", "200")) == 1
 
 
 async def test_a_2026_client_without_tasks_gets_a_quick_answer_as_plain_json(make_proxy, mcp_upstream):

@@ -431,7 +431,7 @@ async def _tools_call(
         return await relay()
     # A 2026 client without tasks: the call as in a sync window, with a stream kept alive.
     check_reencodable(message, body)  # the call goes upstream encoded again, from the background
-    info.mode = "durable"
+    info.mode = "kept_alive"
     call, key = tool_call(message, request.headers, request.remote, request.app[identity_key])
     with refusals():
         return await request.app[kept_alive_key].serve(request, message, call, rule, key)
