@@ -11,6 +11,7 @@
     python bench/ab.py --variant tracing-ratio  # the same with a sampler that may begin traces of its own
     python bench/ab.py --variant jwt      # the same with every request's bearer token verified
     python bench/ab.py --variant rates    # the same with every request counted against a rate limit in Redis
+    python bench/ab.py --variant rates-memory  # the same limit counted by the replica alone (the memory store)
 
 Both proxies stand in front of one fast upstream (bench/fast_upstream.py), beside the bare aiohttp forwarder
 (bench/minimal_forwarder.py) and, when it is installed, nginx, for an upstream of each era (the proxy translates a
@@ -279,8 +280,10 @@ def proxy(
         policy["store"] = {"backend": "redis", "url": redis_url, "key_prefix": f"ab{port}:"}
     if variant == "advertise":
         policy["listen"] = {"advertise_url": f"http://127.0.0.1:{port}"}
-    elif variant == "rates":  # one limit per caller, far above the load: every request counted in Redis, none refused
+    elif variant in ("rates", "rates-memory"):  # one limit per caller, far above the load: every request counted
         policy["limits"] = {"rates": [{"per": "caller", "requests_per_s": 1_000_000, "burst": 1_000_000}]}
+        if variant == "rates-memory":  # counted by the replica alone (the pass-through path reads no other store)
+            policy["store"] = {"backend": "memory"}
     elif variant == "jwt":  # every request's token checked: verified once, then kept until it expires
         policy["security"] |= {"principal": "jwt", "resource_url": BENCH_RESOURCE,
                                "jwt": {"jwks_file": str(WORK / "jwks.json"), "issuer": BENCH_ISSUER}}  # fmt: skip
@@ -452,9 +455,11 @@ def main() -> None:
     parser.add_argument("--path", choices=("passthrough", "create", "get", "discover"), default="passthrough",
                         help="what is measured: a pass-through tools/call, task creation at 1,000/s, "
                              "tasks/get of a finished task, or server/discover")  # fmt: skip
-    parser.add_argument("--variant", choices=("tracing", "tracing-ratio", "advertise", "jwt", "rates"), default=None,
-                        help="pass-through: the work tree plain (A) against itself with tracing configured or "
-                             "listen.advertise_url set (B), instead of --base against the work tree")  # fmt: skip
+    variants = ("tracing", "tracing-ratio", "advertise", "jwt", "rates", "rates-memory")
+    parser.add_argument("--variant", choices=variants, default=None,
+                        help="pass-through: the work tree plain (A) against itself so configured (B): tracing, "
+                             "listen.advertise_url, verified tokens, a rate limit in Redis or in memory; instead "
+                             "of --base against the work tree")  # fmt: skip
     parser.add_argument("--arrivals", choices=("h2load", "wrk"), default="h2load",
                         help="--path create: Poisson arrivals from h2load (one process per connection), or wrk's "
                              "delay(), which bunches them on millisecond ticks")  # fmt: skip
