@@ -36,6 +36,10 @@ KNOWN_METHODS = frozenset(
     }
 )
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_OPERATION_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
+"""The OpenTelemetry MCP semantic conventions' advice for mcp.server/client.operation.duration."""
+_PROTOCOL_VERSIONS = frozenset({"", "2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25", "2026-07-28"})
+_OPERATION_LABELS = ["mcp_method_name", "gen_ai_tool_name", "error_type", "mcp_protocol_version", "network_transport"]
 _DURATION_BUCKETS = (0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200)
 
 
@@ -138,14 +142,27 @@ class Metrics:
             "mcp_tasks_proxy_rate_limit_local", "Rate-limit checks a replica made alone because Redis did not "
             "answer (the limit then holds per replica), by limit", ["limit"], registry=r,
         )  # fmt: skip
+        self.client_operations = _Bounded(Histogram(
+            "mcp_client_operation_duration_seconds", "The OpenTelemetry MCP semantic conventions' "
+            "mcp.client.operation.duration: each tools/call the proxy makes upstream for a task, by tool and error "
+            "type (empty when it succeeded)", ["gen_ai_tool_name", "error_type"], buckets=_OPERATION_BUCKETS,
+            registry=r,
+        ))  # fmt: skip
         self.connections_refused = Counter(
             "mcp_tasks_proxy_connections_refused", "Client connections refused past listen.max_connections",
             registry=r,
         )  # fmt: skip
 
-    def observe_request(self, method: str, mode: str, status: int, seconds: float) -> None:
-        """Count one answered request (this runs for every request)."""
-        self._requests.observe(method, mode, status, seconds)
+    def observe_request(
+        self, method: str, mode: str, status: int, seconds: float, operation: tuple[str, str, str] | None = None
+    ) -> None:
+        """Count one answered request (this runs for every request); `operation`, for a JSON-RPC request: its tool,
+        error type and protocol version, for mcp_server_operation_duration_seconds."""
+        self._requests.observe(method, mode, status, seconds, operation)
+
+    def observe_upstream_operation(self, tool: str, error_type: str, seconds: float) -> None:
+        """One tools/call the proxy made upstream for a task (mcp_client_operation_duration_seconds)."""
+        self.client_operations.labels(tool, error_type).observe(seconds)
 
     def watch_running(self, running_by_status: Callable[[], dict[str, int]]) -> None:
         """Report the tasks whose calls run on this replica, by status, at every scrape."""
@@ -192,8 +209,13 @@ class _RequestStats(Collector):
         self._counts: dict[tuple[str, str, int], int] = {}
         self._latency: dict[tuple[str, str], list[float]] = {}
         """Per (method, mode): the count in each bucket (not cumulative), the count past the last bound, the sum."""
+        self._operations: dict[tuple[str, str, str, str], list[float]] = {}
+        """Per (method, tool, error type, protocol version): as `_latency`, on the semantic conventions' bounds."""
+        self._tools: set[str] = set()
 
-    def observe(self, method: str, mode: str, status: int, seconds: float) -> None:
+    def observe(
+        self, method: str, mode: str, status: int, seconds: float, operation: tuple[str, str, str] | None = None
+    ) -> None:
         key = (method, mode, status)
         self._counts[key] = self._counts.get(key, 0) + 1
         latency = self._latency.get((method, mode))
@@ -201,6 +223,20 @@ class _RequestStats(Collector):
             latency = self._latency[(method, mode)] = [0] * (len(_LATENCY_BUCKETS) + 2)
         latency[bisect.bisect_left(_LATENCY_BUCKETS, seconds)] += 1  # le: the first bound at or above
         latency[-1] += seconds
+        if operation is None:
+            return
+        tool, error_type, version = operation
+        if tool and tool not in self._tools:  # a client's name: a bounded set of them, as _Bounded keeps
+            if len(self._tools) < MAX_LABEL_VALUES and len(tool) <= MAX_LABEL_CHARS:
+                self._tools.add(tool)
+            else:
+                tool = OTHER_VALUE
+        labels = (method, tool, error_type, version if version in _PROTOCOL_VERSIONS else OTHER_VALUE)
+        counts = self._operations.get(labels)
+        if counts is None:
+            counts = self._operations[labels] = [0] * (len(_OPERATION_BUCKETS) + 2)
+        counts[bisect.bisect_left(_OPERATION_BUCKETS, seconds)] += 1
+        counts[-1] += seconds
 
     def collect(self) -> Iterable[CounterMetricFamily | HistogramMetricFamily]:
         requests = CounterMetricFamily(
@@ -215,8 +251,20 @@ class _RequestStats(Collector):
             labels=["method", "mode"],
         )  # fmt: skip
         for labels, counts in sorted(self._latency.items()):
-            cumulative = list(itertools.accumulate(counts[:-1]))  # one count per bound, then the +Inf one
-            bounds = [floatToGoString(bound) for bound in _LATENCY_BUCKETS] + ["+Inf"]
-            buckets = list(zip(bounds, cumulative, strict=True))
-            latency.add_metric(list(labels), buckets, sum_value=counts[-1])
+            latency.add_metric(list(labels), _buckets(counts, _LATENCY_BUCKETS), sum_value=counts[-1])
         yield latency
+        operations = HistogramMetricFamily(
+            "mcp_server_operation_duration_seconds", "The OpenTelemetry MCP semantic conventions' "
+            "mcp.server.operation.duration: each JSON-RPC request a client made, by method, tool, error type (401, "
+            "403 or 429; else the JSON-RPC error code the proxy answered, else an HTTP status from 400; empty for a "
+            "success), protocol version and transport", labels=_OPERATION_LABELS,
+        )  # fmt: skip
+        for (method, tool, error_type, version), counts in sorted(self._operations.items()):
+            operations.add_metric([method, tool, error_type, version, "tcp"], _buckets(counts, _OPERATION_BUCKETS),
+                                  sum_value=counts[-1])  # fmt: skip
+        yield operations
+
+
+def _buckets(counts: list[float], bounds: tuple[float, ...]) -> list[tuple[str, float]]:
+    cumulative = list(itertools.accumulate(counts[:-1]))  # one count per bound, then the +Inf one
+    return list(zip([floatToGoString(bound) for bound in bounds] + ["+Inf"], cumulative, strict=True))

@@ -478,3 +478,35 @@ def test_the_request_counter_and_histogram_expose_what_prometheus_client_s_own_w
         assert got.keys() == expected.keys(), prefix
         for key, value in expected.items():
             assert got[key] == pytest.approx(value, rel=1e-9), key
+
+
+async def test_operations_are_measured_in_the_semantic_conventions_names(make_proxy, mcp_upstream):
+    """mcp.server.operation.duration and mcp.client.operation.duration (the OpenTelemetry MCP semantic conventions),
+    as Prometheus names them: a success, a refusal past a rate limit (429), a JSON-RPC error the proxy answered, and
+    a task's call upstream."""
+    from tests.test_dashboards import scrape
+
+    limits = {"rates": [{"per": "tool", "match": "add", "requests_per_s": 0.001, "burst": 1}]}
+    proxy = await make_proxy(mcp_upstream, protocol="modern", tools=[{"match": "slow_report"}], limits=limits)
+    assert (await proxy.client.call_tool("add", {"a": 1, "b": 2}, tasks=False)).status == 200
+    assert (await proxy.client.call_tool("add", {"a": 1, "b": 2}, tasks=False)).status == 429
+    assert (await proxy.client.get_task("no-such-task")).error["code"] == -32602
+    created = await proxy.client.call_tool("slow_report", {"topic": "semconv", "seconds": 0})
+    await task_reaches(proxy.client, created.result["taskId"], "completed")
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(await scrape(proxy))
+        for sample in family.samples
+    }
+
+    def count(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return samples.get(key, 0.0)
+
+    server = "mcp_server_operation_duration_seconds_count"
+    common = {"mcp_protocol_version": "2026-07-28", "network_transport": "tcp"}
+    assert count(server, mcp_method_name="tools/call", gen_ai_tool_name="add", error_type="", **common) == 1
+    assert count(server, mcp_method_name="tools/call", gen_ai_tool_name="add", error_type="429", **common) == 1
+    assert count(server, mcp_method_name="tasks/get", gen_ai_tool_name="", error_type="-32602", **common) == 1
+    client = "mcp_client_operation_duration_seconds_count"
+    assert count(client, gen_ai_tool_name="slow_report", error_type="") == 1

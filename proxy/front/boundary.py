@@ -115,7 +115,8 @@ def trace(info: RequestInfo, headers: MultiMapping[str], message: dict[str, Any]
 def refusal(error: dict[str, Any], status: int, info: RequestInfo, metrics: Metrics) -> tuple[dict[str, Any], int]:
     """An error the proxy answers itself, counted; a 2025-era client's on HTTP 200 (its SDKs end the whole session
     on a 4xx or 5xx to a request of theirs)."""
-    metrics.errors.labels(str(error.get("code"))).inc()
+    info.error_code = str(error.get("code"))
+    metrics.errors.labels(info.error_code).inc()
     if info.mode == "passthrough":
         info.mode = "local"
     return error, 200 if info.answers_2025 else status
@@ -157,7 +158,15 @@ def done(
             info.trace, status=status, task_id=info.task_id, task_trace=info.task_trace, mode=info.mode
         )
     elapsed_s = time.perf_counter() - started
-    metrics.observe_request(method_label(info.rpc_method), info.mode, status, elapsed_s)
+    operation = None
+    if info.rpc_method is not None:  # a JSON-RPC request (not a GET, a DELETE, a notification or a batch)
+        # Who may call, and how much, by HTTP status; any other error by the JSON-RPC code answered, else the status.
+        error_type = info.error_code or (str(status) if status >= 400 else "")
+        if status in (401, 403, 429):
+            error_type = str(status)
+        version = headers.get("MCP-Protocol-Version", "") if headers is not None else ""
+        operation = (info.tool or "", error_type, version)
+    metrics.observe_request(method_label(info.rpc_method), info.mode, status, elapsed_s, operation)
     if policy.config.logging.level in VERBOSE_LEVELS:  # spare the work when not logged
         log_request_handled(
             info,

@@ -59,6 +59,8 @@ class RequestInfo:
     """The traceparent of the task this request is about, for its span to link to."""
     trace: Any = None
     """The request's span and context token while tracing is on (proxy/tracing.py)."""
+    error_code: str = ""
+    """The JSON-RPC error code the proxy answered with, when it answered one."""
 
 
 info_key = web.RequestKey("info_key", RequestInfo)

@@ -258,7 +258,10 @@ class Attempts:
             settle = (TaskStatus.FAILED, {"error": error, "status_message": reason})
         finally:
             job.upstream_busy = False
-            self._state.metrics.upstream_seconds.labels(job.call.tool, outcome).observe(self._state.timer() - started_s)
+            spent_s = self._state.timer() - started_s
+            self._state.metrics.upstream_seconds.labels(job.call.tool, outcome).observe(spent_s)
+            error_type = "" if outcome in ("completed", "input_required") else outcome
+            self._state.metrics.observe_upstream_operation(job.call.tool, error_type, spent_s)
             await events.aclose()
         if refused is not None:
             await self._credentials.refresh(job)

@@ -55,9 +55,9 @@ async def answer(
     boundary.bind_request(headers)
     started = time.perf_counter()
     info = RequestInfo(jsonrpc_id=message["id"], rpc_method=message["method"])
-    if info.rpc_method == "tools/call" and lane.policy.config.logging.level in boundary.VERBOSE_LEVELS:
+    if info.rpc_method == "tools/call":  # for the log line and the metrics: the message is not kept that long
         tool = message["params"].get("name") if isinstance(message.get("params"), dict) else None
-        info.tool = tool if isinstance(tool, str) else None  # for the log line: the message is not kept that long
+        info.tool = tool if isinstance(tool, str) else None
     boundary.trace(info, headers, message)
     del message  # `request` holds it, for as long as the kind's own answer needs it
     status = 500
