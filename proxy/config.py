@@ -385,7 +385,8 @@ class JwtConfig(_Strict):
     start, kept, and fetched again for a key id it does not hold (at most every 10 s); when the issuer does not
     answer, the last keys it gave stay in use."""
     jwks_file: Path | None = None
-    """The signing keys from a file instead (a JWKS, read at start and at each policy reload)."""
+    """The signing keys from a file instead (a JWKS, read at start: a key removed from it is dropped at the next
+    start)."""
     issuer: Annotated[str, Field(min_length=1)]
     """The `iss` every token must carry."""
     audience: str | None = None

@@ -20,7 +20,7 @@ import structlog
 from cachetools import TLRUCache
 from multidict import MultiMapping
 
-from .config import JwtConfig, SecurityConfig
+from .config import ConfigError, JwtConfig, SecurityConfig
 from .jsonrpc import dumps
 
 log = structlog.get_logger(__name__)
@@ -33,6 +33,8 @@ REFETCH_EVERY_S = 10.0
 """A key id the proxy does not hold makes it ask the issuer again, at most this often: made-up key ids cost the
 issuer nothing."""
 KEPT_TOKENS = 10_000
+_MAX_KEYS = 100
+"""The entries of a JWKS read at most."""
 WELL_KNOWN = "/.well-known/oauth-protected-resource"
 
 
@@ -64,7 +66,10 @@ class Keys:
         self._fetched_at = -REFETCH_EVERY_S
         self._fetching: asyncio.Future[None] | None = None
         if config.jwks_file is not None:
-            self._take(_parse_jwks(Path(config.jwks_file).read_bytes()))
+            try:
+                self._take(_parse_jwks(Path(config.jwks_file).read_bytes()))
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"security.jwt.jwks_file: {exc}") from None
 
     def known(self, kid: str | None) -> list[jwt.PyJWK]:
         """The keys a token with this key id may be signed with, from those held now."""
@@ -94,7 +99,7 @@ class Keys:
         try:
             self._take(await _fetch_jwks(self._url))
             log.info("jwks_fetched", keys=len(self._all))
-        except (OSError, TimeoutError, aiohttp.ClientError, ValueError) as exc:
+        except Exception as exc:  # whatever the issuer answers (or fails to), the keys held stay in use
             log.warning("jwks_unavailable", reason=str(exc) or type(exc).__name__, keys_kept=len(self._all))
         finally:
             self._fetching.set_result(None)
@@ -117,12 +122,26 @@ async def _fetch_jwks(url: str) -> list[jwt.PyJWK]:
 
 
 def _parse_jwks(body: bytes) -> list[jwt.PyJWK]:
-    """The usable keys of a JWKS document (those of a type or curve PyJWT cannot use are left out)."""
+    """The usable keys of a JWKS document. An entry PyJWT cannot use (a type, curve or algorithm it does not know,
+    a key id that is not text) is left out, logged; ValueError when none is left."""
     try:
         document = json.loads(body)
-        return list(jwt.PyJWKSet.from_dict(document).keys)
-    except (ValueError, TypeError, AttributeError, jwt.PyJWKSetError) as exc:
-        raise ValueError(f"not a JWKS with a usable key ({exc})") from None
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"not JSON ({type(exc).__name__})") from None
+    entries = document.get("keys") if isinstance(document, dict) else None
+    if not isinstance(entries, list):
+        raise ValueError('not a JWKS: no "keys" list')
+    keys = []
+    for entry in entries[:_MAX_KEYS]:
+        try:
+            if not isinstance(entry, dict) or not isinstance(entry.get("kid", ""), str):
+                raise ValueError("an entry that is not a key with a text key id")
+            keys.append(jwt.PyJWK(entry))
+        except Exception as exc:  # PyJWT raises more than its own errors for entries it cannot use
+            log.warning("jwks_key_skipped", reason=str(exc)[:200] or type(exc).__name__)
+    if not keys:
+        raise ValueError("a JWKS without a usable key")
+    return keys
 
 
 class TokenVerifier:
@@ -176,7 +195,7 @@ class TokenVerifier:
                 claims = jwt.decode(token, key, algorithms=self._algorithms, audience=self._audience,
                                     issuer=self._config.issuer, leeway=self._leeway, options=options)  # fmt: skip
                 break
-            except jwt.InvalidSignatureError as exc:
+            except (jwt.InvalidSignatureError, jwt.InvalidAlgorithmError) as exc:  # perhaps the next key's
                 failure = exc
             except jwt.PyJWTError as exc:
                 raise TokenRefused(401, "invalid_token", _described(exc)) from None

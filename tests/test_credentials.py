@@ -9,6 +9,7 @@ import asyncio
 from typing import Any
 
 import pytest
+import redis as sync_redis
 from aiohttp import web
 
 from tests.conftest import eventually, start_redis, stop, task_reaches
@@ -116,6 +117,7 @@ async def test_a_401_without_a_newer_token_fails_the_task_saying_so(make_proxy, 
     assert done.result["statusMessage"] == (
         "the upstream refused the task's credential (HTTP 401), and its owner has shown no newer one since it was sent"
     )
+    assert "refused the call's credential (HTTP 401)" in done.result["error"]["message"]
     assert len(picky.seen) == 2  # tried once: no newer token to try
 
 
@@ -143,5 +145,9 @@ async def test_a_token_shown_to_another_replica_reaches_the_call_through_redis(m
         done = await task_reaches(other.client, task_id, "completed", "failed", headers=bearer(refreshed))
         assert done.result["status"] == "completed", done.result
         assert picky.seen == [f"Bearer {first}", f"Bearer {refreshed}"]
+        # The credential kept for the call goes with the task's end, as the sealed call does.
+        redis = sync_redis.Redis.from_url(url)
+        assert redis.exists(f"credentials:credential:{task_id}", f"credentials:call:{task_id}") == 0
+        redis.close()
     finally:
         stop(process)

@@ -17,6 +17,7 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from mcp_tasks_proxy import tokens
 from mcp_tasks_proxy.config import ConfigError, parse_config
 from tests.conftest import task_reaches
+from tests.factories import headers_for, meta, request
 from tests.issuer import ISSUER, RESOURCE, bearer, security
 from tests.test_lane import lane_counts
 
@@ -245,3 +246,70 @@ def test_a_policy_that_cannot_verify_tokens_is_refused_with_what_is_wrong(settin
 def test_scopes_without_verified_tokens_are_refused():
     with pytest.raises(ConfigError, match="scopes are checked only with security.principal: jwt"):
         parse_config({"upstream": {"url": "http://127.0.0.1:1/mcp"}, "tools": [{"match": "x", "scopes": ["a"]}]})
+
+
+@pytest.mark.parametrize(
+    "path", ["/./mcp", "/x/../mcp", "/%2e/mcp", "//mcp", "/mcp/", "/MCP", "/mcp;x", "/mcp%2F", "/elsewhere"]
+)
+async def test_no_path_reaches_the_upstream_without_a_token_nor_the_endpoint_under_another_name(proxy, issuer, path):
+    """Every request the proxy forwards needs a token, whatever its path; and a path the upstream might take for
+    its MCP endpoint (collapsed, in another case, with a slash more) is refused even with one: it would pass by the
+    checks made there (scopes, limits)."""
+    from tests.test_lane import port_of, raw_exchange
+
+    message = request("tools/call", {"name": "echo_authorization", "arguments": {}, "_meta": meta(tasks=False)})
+    body = json.dumps(message).encode()
+
+    async def post(headers: dict[str, str]) -> tuple[int, bytes]:
+        head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+        head += "".join(f"{name}: {value}\r\n" for name, value in {**headers_for(message), **headers}.items())
+        raw = await raw_exchange(port_of(proxy), head.encode() + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        return int(raw.split(b" ", 2)[1]), raw
+
+    status, raw = await post({})
+    assert status == 401, raw[:300]
+    status, raw = await post(bearer(issuer.token(scope="deploy")))
+    if path == "/elsewhere":  # another path of the upstream's: relayed, with the token
+        assert status != 401, raw[:300]
+    else:
+        assert status == 404 and b"the MCP endpoint is /mcp" in raw, raw[:300]
+
+
+async def test_a_jwks_with_entries_pyjwt_cannot_use_keeps_the_others(
+    make_proxy, mcp_upstream, issuer, tmp_path, monkeypatch
+):
+    """An issuer's JWKS may hold keys of kinds PyJWT does not read: they are left out, the rest verify, whether the
+    set comes from a file at start or from the issuer later; a document that is not a JWKS at all keeps the keys
+    held."""
+    good = issuer.jwks()["keys"]
+    odd = [{"kty": "RSA", "alg": "none", "kid": "odd-alg", "n": "AQAB", "e": "AQAB"}, {"kty": "EC", "kid": ["x"]}, 7]
+    path = tmp_path / "jwks.json"
+    path.write_text(json.dumps({"keys": odd + good}))
+    settings = security(issuer)
+    settings["jwt"] = {"jwks_file": str(path), "issuer": ISSUER}
+    proxy = await make_proxy(mcp_upstream, protocol="modern", security=settings)
+    for kid in ("rsa-1", "ec-1"):
+        reply = await proxy.client.call_tool("pid", {}, tasks=False, headers=bearer(issuer.token(kid=kid)))
+        assert reply.status == 200, kid
+    # From the issuer: garbage nested past any parser's depth, then an odd entry beside a new key.
+    served = await make_proxy(mcp_upstream, protocol="modern", security=security(issuer))
+    monkeypatch.setattr(tokens, "REFETCH_EVERY_S", 0.0)
+
+    async def status(token: str) -> int:
+        return (await served.client.call_tool("pid", {}, tasks=False, headers=bearer(token))).status
+
+    issuer.answer = b"[" * 200_000
+    issuer.add("rsa-2", rsa.generate_private_key(public_exponent=65537, key_size=2048), publish=False)
+    assert await status(issuer.token(kid="rsa-2")) == 401
+    assert await status(issuer.token()) == 200
+    issuer.published.append("rsa-2")
+    issuer.answer = json.dumps({"keys": odd + issuer.jwks()["keys"]}).encode()
+    assert await status(issuer.token(kid="rsa-2")) == 200
+
+
+async def test_a_token_without_a_key_id_is_tried_against_each_key(proxy, issuer):
+    now = int(time.time())
+    claims = {"iss": ISSUER, "aud": RESOURCE, "sub": "alice", "exp": now + 60}
+    token = jwt.encode(claims, issuer.keys["ec-1"], algorithm="ES256")  # the set lists an RSA key first
+    assert "kid" not in jwt.get_unverified_header(token)
+    assert (await proxy.client.call_tool("pid", {}, tasks=False, headers=bearer(token))).status == 200

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from mcp_tasks_proxy.config import ConfigError, parse_config
-from mcp_tasks_proxy.front.context import metrics_key
+from mcp_tasks_proxy.front.context import metrics_key, store_key
 from tests.conftest import start_redis, stop
 from tests.factories import meta
 from tests.test_lane import lane_counts
@@ -99,6 +99,8 @@ async def test_while_redis_does_not_answer_each_replica_counts_alone(make_proxy,
     replies = await calls(proxy, 3)
     assert [reply.status for reply in replies] == [200, 200, 429]  # no 500: the replica's own count
     assert 'mcp_tasks_proxy_rate_limit_local_total{limit="caller"} 3.0' in proxy.app[metrics_key].render().decode()
+    # Asked once: for a while after a failure the replica counts alone without waiting on Redis for each request.
+    assert proxy.app[store_key].failures.get("rate") == 1
 
 
 def test_two_limits_with_one_name_are_refused():

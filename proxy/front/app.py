@@ -229,7 +229,7 @@ async def _in_context(handler: Handler, request: web.Request) -> web.StreamRespo
         else:
             verifier = app[identity_key].verifier
             try:
-                if verifier is not None and request.path == MCP_PATH:
+                if verifier is not None and request.path not in LOCAL_PATHS:  # whatever reaches the upstream
                     await verifier.verify(request.headers)
                 response = await handler(request)
             except web.HTTPException:

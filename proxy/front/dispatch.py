@@ -67,7 +67,12 @@ log = structlog.get_logger(__name__)
 
 async def handle_other(request: web.Request) -> web.StreamResponse:
     """GET, DELETE and any other path go to the upstream untouched (legacy GET streams, session DELETE, OAuth);
-    a GET that resumes a durable call's stream (Last-Event-ID) is the proxy's."""
+    a GET that resumes a durable call's stream (Last-Event-ID) is the proxy's. A path that may reach the upstream's
+    MCP endpoint under another name is refused: it would pass by what the proxy checks there (scopes, limits)."""
+    refused = _endpoint_in_disguise(request)
+    if refused is not None:
+        raise JsonRpcError(INVALID_REQUEST, f"Invalid request: {refused}; the MCP endpoint is {MCP_PATH}",
+                           http_status=404)  # fmt: skip
     if request.method == "GET" and request.path == MCP_PATH and "Last-Event-ID" in request.headers:
         config = request.app[policy_key].config
         resumed = await request.app[durable_key].resume(request, config.rule_for)
@@ -76,6 +81,28 @@ async def handle_other(request: web.Request) -> web.StreamResponse:
             return resumed
     body = await read_body(request) if request.can_read_body else None
     return await request.app[gateway_key].relay.relay_other(request, body)
+
+
+def _endpoint_in_disguise(request: web.Request) -> str | None:
+    """Why a path other than the MCP endpoint's may be the endpoint to the upstream, or None: dot segments, encoded
+    or doubled slashes (a client or the upstream may collapse them into /mcp), or the endpoint's own path in
+    another case, with a trailing slash or parameters, or the upstream's endpoint path when it is not /mcp."""
+    raw = request.raw_path.partition("?")[0]
+    if "://" in raw[:12]:  # the absolute form: its path
+        raw = "/" + raw.partition("://")[2].partition("/")[2]
+    lowered = raw.lower()
+    if "//" in raw or "\\" in raw or any(code in lowered for code in ("%2e", "%2f", "%5c")):
+        return "a path with an encoded or doubled slash or dot"
+    if any(segment in (".", "..") for segment in raw.split("/")):
+        return "a path with dot segments"
+    plain = request.path.partition(";")[0].rstrip("/").lower()
+    upstream = request.app[policy_key].config.upstream
+    endpoints = {MCP_PATH}
+    if upstream.url is not None:
+        endpoints.add((upstream.url.path or "/").rstrip("/").lower())
+    if plain in endpoints and request.path != MCP_PATH:
+        return "another spelling of the MCP endpoint's path"
+    return None
 
 
 async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
@@ -96,7 +123,7 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
             "object params and a string or integer id",
         )
     verifier = app[identity_key].verifier
-    if verifier is not None and kind in ("request", "batch"):
+    if verifier is not None and kind in ("request", "notification", "batch"):
         boundary.scopes_refusal(verifier, request.headers, message, app[policy_key].config.rule_for)
     await boundary.count_rates(app[rates_key], app[identity_key], request.headers, message, request.remote)
     if kind != "request":

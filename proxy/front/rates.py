@@ -3,8 +3,8 @@
 Each limit is a GCRA (the generic cell rate algorithm: a sustained rate and a burst, kept as one timestamp per
 key). With the Redis store every replica counts against the same key, on Redis's clock (store.rate, one script
 call per limit that applies); with the memory store, or while Redis does not answer, each replica counts alone
-(logged, and counted in mcp_tasks_proxy_rate_limit_local_total). A request past a limit gets HTTP 429 with
-Retry-After, and -32603 naming the limit and the wait."""
+(logged, and counted in mcp_tasks_proxy_rate_limit_local_total; after a failure, for 5 s without asking Redis). A
+request past a limit gets HTTP 429 with Retry-After, and -32603 naming the limit and the wait."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ _LOCAL_KEYS = 100_000
 _LONG_NAME = 128
 """A tool name longer than this is counted under its hash: the key stays short whatever a client sends."""
 _FALLBACK_LOG_S = 30.0
+_LOCAL_AFTER_FAILURE_S = 5.0
 
 
 class RateLimited(JsonRpcError):
@@ -61,6 +62,8 @@ class Rates:
         self._local: TLRUCache[str, float] = TLRUCache(_LOCAL_KEYS, ttu=lambda _key, tat, _now: tat, timer=timer)
         """Per key, the theoretical arrival time of its next request (on `timer`), kept until then."""
         self._fallback_logged = -_FALLBACK_LOG_S
+        self._local_until = -1.0
+        """Until then (after Redis failed to answer), limits are counted here without asking Redis."""
         for rate in limits().rates:  # each limit a series from the start, for rate() and alerts
             metrics.rate_limited.labels(rate.label)
 
@@ -80,17 +83,21 @@ class Rates:
     async def _count(self, rate: RateLimit, key: str) -> float:
         interval_s = 1 / rate.requests_per_s
         tolerance_s = interval_s * (rate.allowed_burst - 1)
-        if self._store.shared:
+        if self._store.shared and self._timer() >= self._local_until:
             try:
                 wait_us = await self._store.rate(key, math.ceil(interval_s * 1e6), math.floor(tolerance_s * 1e6))
                 if wait_us is not None:
                     return wait_us / 1e6
             except StoreUnavailable as exc:
-                self._metrics.rate_limit_local.labels(rate.label).inc()
                 now = self._timer()
+                # For a while, each replica counts alone without asking: a Redis that stalls must not hold every
+                # request for its timeout once per limit.
+                self._local_until = now + _LOCAL_AFTER_FAILURE_S
                 if now - self._fallback_logged >= _FALLBACK_LOG_S:
                     self._fallback_logged = now
                     log.warning("rate_limits_local", reason=str(exc), meaning="each replica counts alone meanwhile")
+        if self._store.shared:
+            self._metrics.rate_limit_local.labels(rate.label).inc()
         return self._count_here(key, interval_s, tolerance_s)
 
     def _count_here(self, key: str, interval_s: float, tolerance_s: float) -> float:

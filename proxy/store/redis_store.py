@@ -27,9 +27,10 @@ from .redis_replicas import RedisReplicas
 from .redis_secrets import agreed_secret
 from .resp import DEFAULT_MAX_REPLY_BYTES, RespError
 
-# KEYS: the task, the running set, the task's sealed call. ARGV: SHA-1 of the value the update was computed from,
-# the new value, "1" when the new status is terminal, the task id. Returns 1 when written, 0 when the record changed
-# meanwhile, -1 when gone. An ended task's call (its client's credentials, sealed) is deleted with the same write.
+# KEYS: the task, the running set, the task's sealed call, its owner's newest credential. ARGV: SHA-1 of the value
+# the update was computed from, the new value, "1" when the new status is terminal, the task id. Returns 1 when
+# written, 0 when the record changed meanwhile, -1 when gone. An ended task's call and credential (its client's
+# credentials, sealed) are deleted with the same write.
 _COMPARE_AND_SET = b"""
 local current = redis.call('GET', KEYS[1])
 if not current then return -1 end
@@ -37,7 +38,7 @@ if redis.sha1hex(current) ~= ARGV[1] then return 0 end
 redis.call('SET', KEYS[1], ARGV[2], 'XX', 'KEEPTTL')
 if ARGV[3] == '1' then
   redis.call('SREM', KEYS[2], ARGV[4])
-  redis.call('DEL', KEYS[3])
+  redis.call('DEL', KEYS[3], KEYS[4])
 end
 return 1
 """
@@ -204,7 +205,7 @@ class RedisTaskStore:
 
     async def _compare_and_set(self, key: str, raw: bytes, new: TaskRecord) -> int:
         read = hashlib.sha1(raw, usedforsecurity=False).hexdigest()  # a fingerprint, not a security measure
-        keys = (key, self._keys.running, self._keys.context(new.task_id))
+        keys = (key, self._keys.running, self._keys.context(new.task_id), self._keys.credential(new.task_id))
         args = (read, to_json(new), int(new.is_terminal), new.task_id)
         written = await self._script(_COMPARE_AND_SET, _COMPARE_AND_SET_SHA, keys, args)
         if written not in (-1, 0, 1) or isinstance(written, bool):

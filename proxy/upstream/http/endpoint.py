@@ -275,6 +275,7 @@ class Upstream:
             else:
                 event = proxy_failure(reason, self.url)
         if response.status == 401 and isinstance(event, Failed):  # the call's credential, refused: not its work
+            event = proxy_failure("the upstream refused the call's credential (HTTP 401)", self.url)
             event = dataclasses.replace(event, refused_credentials=True)
         yield event
 
