@@ -256,28 +256,28 @@ class RedisTaskStore:
         return await self._replicas.listeners()
 
     async def put_credential(self, task_id: str, sealed: bytes, ttl_ms: int) -> None:
-        async with self._link.answering("credential"):
-            await self._fast.execute("SET", self._keys.credential(task_id), sealed, "PX", ttl_ms)
+        await self._set("credential", self._keys.credential(task_id), sealed, ttl_ms)
 
     async def credential(self, task_id: str) -> bytes | None:
-        async with self._link.answering("credential"):
-            sealed = await self._fast.execute("GET", self._keys.credential(task_id))
-        if sealed is not None and not isinstance(sealed, bytes):
-            raise Inconsistent("GET answered something other than a string")
-        return sealed
+        return await self._get("credential", self._keys.credential(task_id))
 
     async def alias(self, name: str, task_id: str, ttl_ms: int) -> None:
-        async with self._link.answering("alias"):
-            await self._fast.execute("SET", self._keys.alias(name), task_id, "PX", ttl_ms)
+        await self._set("alias", self._keys.alias(name), task_id, ttl_ms)
 
     async def aliased(self, name: str) -> str | None:
-        async with self._link.answering("alias"):
-            found = await self._fast.execute("GET", self._keys.alias(name))
-        if found is None:
-            return None
-        if not isinstance(found, bytes):
+        found = await self._get("alias", self._keys.alias(name))
+        return text(found) if found is not None else None
+
+    async def _set(self, operation: str, key: str, value: str | bytes, ttl_ms: int) -> None:
+        async with self._link.answering(operation):
+            await self._fast.execute("SET", key, value, "PX", ttl_ms)
+
+    async def _get(self, operation: str, key: str) -> bytes | None:
+        async with self._link.answering(operation):
+            found = await self._fast.execute("GET", key)
+        if found is not None and not isinstance(found, bytes):
             raise Inconsistent("GET answered something other than a string")
-        return text(found)
+        return found
 
     def advertise(self, url: str) -> None:
         self._replicas.advertised = url
@@ -286,14 +286,10 @@ class RedisTaskStore:
         return await self._replicas.replica_url(replica_id)
 
     async def claim_session(self, tag: str, replica_id: str, ttl_ms: int) -> None:
-        async with self._link.answering("session"):
-            await self._fast.execute("SET", self._keys.session(tag), replica_id, "PX", ttl_ms)
+        await self._set("session", self._keys.session(tag), replica_id, ttl_ms)
 
     async def session_owner(self, tag: str) -> str | None:
-        async with self._link.answering("session"):
-            found = await self._fast.execute("GET", self._keys.session(tag))
-        if found is not None and not isinstance(found, bytes):
-            raise Inconsistent("GET answered something other than a string")
+        found = await self._get("session", self._keys.session(tag))
         return text(found) if found is not None else None
 
     async def forget_session(self, tag: str) -> None:
