@@ -204,7 +204,10 @@ class TokenVerifier:
         values = [claims[name] for name in self._claims]
         if not all(isinstance(value, (str, int)) and not isinstance(value, bool) for value in values):
             raise TokenRefused(401, "invalid_token", "The token's principal claims are not strings")
-        caller = Caller(dumps(values).decode(), _scopes(claims), float(claims["exp"]) + self._leeway)
+        expires = claims["exp"]  # (a number whenever PyJWT checked it: not when asked of a token verified before)
+        if not isinstance(expires, int | float) or isinstance(expires, bool):
+            raise TokenRefused(401, "invalid_token", "The token's exp is not a number")
+        caller = Caller(dumps(values).decode(), _scopes(claims), float(expires) + self._leeway)
         if verify_exp:
             self._kept[token] = caller
         return caller
