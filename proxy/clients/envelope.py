@@ -38,6 +38,15 @@ def params_of(message: dict[str, Any]) -> dict[str, Any]:
     return params if isinstance(params, dict) else {}
 
 
+def tool_name(message: Any) -> str | None:
+    """The tool a tools/call names (a string), else None: any other message, or a name that is not text."""
+    if not isinstance(message, dict) or message.get("method") != "tools/call":
+        return None
+    params = message.get("params")
+    name = params.get("name") if isinstance(params, dict) else None
+    return name if isinstance(name, str) else None
+
+
 def meta_of(message: dict[str, Any]) -> dict[str, Any]:
     meta = params_of(message).get("_meta")
     return meta if isinstance(meta, dict) else {}

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import structlog
 from multidict import MultiMapping
 
 from .. import tracing
+from ..clients.envelope import tool_name
+from ..config import ToolRule
 from ..jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, UpstreamError, dumps, error_object
 from ..log import bind_request_id
 from ..metrics import Metrics, method_label
@@ -56,26 +59,24 @@ def token_refusal(
     return dumps(body), refused.status, {"WWW-Authenticate": verifier.challenge(refused)}
 
 
-def scopes_refusal(verifier: TokenVerifier, headers: MultiMapping[str], message: Any, rule_for: Any) -> None:
-    """Raise TokenRefused (403) when a tools/call (or one in a batch) names a tool whose rule needs scopes the
-    request's token lacks. Its token passed `verifier.verify` at the front door (app.py) or is kept verified (the
-    lane asks `allowed_on_lane` first)."""
-    calls = message if isinstance(message, list) else [message]
+def scopes_refusal(
+    caller: Caller | None, message: Any, rule_for: Callable[[str], ToolRule | None]
+) -> TokenRefused | None:
+    """The 403 for a tools/call (or one in a batch, or a notification) that names a tool whose rule needs scopes
+    the caller's token lacks; None when it needs none it lacks. Both readers ask it: the application raises the
+    refusal, the lane leaves such a request to the application. `caller`: the token's, verified at the front door
+    (None: it expired meanwhile, a 401)."""
     needed: list[str] = []
-    for call in calls:
-        if not isinstance(call, dict) or call.get("method") != "tools/call":
-            continue
-        params = call.get("params")
-        name = params.get("name") if isinstance(params, dict) else None
-        rule = rule_for(name) if isinstance(name, str) else None
+    for call in message if isinstance(message, list) else [message]:
+        name = tool_name(call)
+        rule = rule_for(name) if name is not None else None
         if rule is not None:
             needed += [scope for scope in rule.scopes if scope not in needed]
     if not needed:
-        return
-    caller = verifier.cached(headers)
-    refused = missing_scopes(caller, needed) if caller is not None else TokenRefused(401, "invalid_token", "expired")
-    if refused is not None:
-        raise refused
+        return None
+    if caller is None:
+        return TokenRefused(401, "invalid_token", "The token has expired")
+    return missing_scopes(caller, needed)
 
 
 def allowed_on_lane(verifier: TokenVerifier | None, headers: MultiMapping[str]) -> Caller | bool:

@@ -124,7 +124,9 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
         )
     verifier = app[identity_key].verifier
     if verifier is not None and kind in ("request", "notification", "batch"):
-        boundary.scopes_refusal(verifier, request.headers, message, app[policy_key].config.rule_for)
+        refused = boundary.scopes_refusal(verifier.cached(request.headers), message, app[policy_key].config.rule_for)
+        if refused is not None:
+            raise refused
     await boundary.count_rates(app[rates_key], app[identity_key], request.headers, message, request.remote)
     if kind != "request":
         return await _not_a_request(request, kind, message, body)

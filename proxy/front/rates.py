@@ -17,6 +17,7 @@ from typing import Any
 import structlog
 from cachetools import TLRUCache
 
+from ..clients.envelope import tool_name
 from ..config import LimitsConfig, RateLimit
 from ..jsonrpc import INTERNAL_ERROR, JsonRpcError
 from ..metrics import Metrics
@@ -113,7 +114,7 @@ class Rates:
 def _keys(rates: list[RateLimit], messages: Any, caller: str) -> Iterator[tuple[RateLimit, int, str]]:
     """Each limit a message counts against, with its key: what the limit's `per` names for it."""
     for message in messages if isinstance(messages, list) else [messages]:
-        tool = _tool(message)
+        tool = tool_name(message)
         for index, rate in enumerate(rates):
             if (rate.match is not None or rate.per in ("tool", "caller+tool")) and tool is None:
                 continue
@@ -127,14 +128,6 @@ def _keys(rates: list[RateLimit], messages: Any, caller: str) -> Iterator[tuple[
                 yield rate, index, f"{caller}|{_short(tool)}"  # type: ignore[arg-type]
             else:
                 yield rate, index, "upstream"
-
-
-def _tool(message: Any) -> str | None:
-    if not isinstance(message, dict) or message.get("method") != "tools/call":
-        return None
-    params = message.get("params")
-    name = params.get("name") if isinstance(params, dict) else None
-    return name if isinstance(name, str) else None
 
 
 def _short(name: str) -> str:

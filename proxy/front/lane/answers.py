@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from multidict import CIMultiDict
 
+from ...clients.envelope import tool_name
 from ...config import ToolRule
 from ...jsonrpc import UpstreamError, result_response
 from ...upstream.http.answer import relay_answer
@@ -55,9 +56,7 @@ async def answer(
     boundary.bind_request(headers)
     started = time.perf_counter()
     info = RequestInfo(jsonrpc_id=message["id"], rpc_method=message["method"])
-    if info.rpc_method == "tools/call":  # for the log line and the metrics: the message is not kept that long
-        tool = message["params"].get("name") if isinstance(message.get("params"), dict) else None
-        info.tool = tool if isinstance(tool, str) else None
+    info.tool = tool_name(message)  # for the log line and the metrics: the message is not kept that long
     boundary.trace(info, headers, message)
     del message  # `request` holds it, for as long as the kind's own answer needs it
     status = 500

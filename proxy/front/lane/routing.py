@@ -21,7 +21,6 @@ from ...clients.envelope import (
 )
 from ...config import TaskMode, ToolRule
 from ...jsonrpc import JsonRpcError, classify, loads
-from ...tokens import missing_scopes
 from ...upstream.http.relay import HttpRelay
 from .. import boundary
 from ..context import MCP_PATH
@@ -208,11 +207,8 @@ def lane_request(
     if classify(message) != "request":
         return None  # a notification, a response or a batch: the application's
     way = route(message, headers, lane.policy.config, head.rule_for)
-    if caller is not True and message["method"] == "tools/call":
-        name = message["params"].get("name") if isinstance(message.get("params"), dict) else None
-        rule = head.rule_for(name) if isinstance(name, str) else None
-        if rule is not None and rule.scopes and missing_scopes(caller, rule.scopes) is not None:
-            return None  # the application answers 403, from the same check
+    if caller is not True and boundary.scopes_refusal(caller, message, head.rule_for) is not None:
+        return None  # the application answers 403, from the same check
     if kind == "owned":
         if way not in ("tasks", "create") or (way == "create") != (head.rule is not None):
             return None

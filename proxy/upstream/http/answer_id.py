@@ -50,10 +50,14 @@ def _refused(message: Any, request_id: RequestId) -> str | None:
     return None
 
 
+_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+"""zlib's window bits for each Content-Encoding it reads; others (br, zstd) are not checked."""
+
+
 def _inflated(payload: bytes, encoding: str) -> bytes:
-    wbits = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}.get(encoding)
+    wbits = _WBITS.get(encoding)
     if wbits is None:
-        return payload  # an encoding the proxy does not read (br, zstd): not checked
+        return payload
     try:
         return zlib.decompressobj(wbits).decompress(payload, MAX_INFLATED_BYTES)
     except zlib.error:
@@ -69,7 +73,7 @@ class StreamedIdCheck:
         self._request_id = request_id
         self._events = ijson.sendable_list()
         self._parser = ijson.parse_coro(self._events, use_float=True)
-        wbits = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}.get(encoding)
+        wbits = _WBITS.get(encoding)
         self._decoder = zlib.decompressobj(wbits) if wbits is not None else None
         self._done = bool(encoding and encoding != "identity" and wbits is None)  # not read: not checked
         self.refused: str | None = None
