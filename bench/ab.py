@@ -12,6 +12,8 @@
     python bench/ab.py --variant jwt      # the same with every request's bearer token verified
     python bench/ab.py --variant rates    # the same with every request counted against a rate limit in Redis
     python bench/ab.py --variant rates-memory  # the same limit counted by the replica alone (the memory store)
+    python bench/ab.py --variant concurrency  # the same with every call holding a slot of a limit in Redis
+    python bench/ab.py --variant concurrency-memory  # the same slots counted by the replica alone
 
 Both proxies stand in front of one fast upstream (bench/fast_upstream.py), beside the bare aiohttp forwarder
 (bench/minimal_forwarder.py) and, when it is installed, nginx, for an upstream of each era (the proxy translates a
@@ -46,10 +48,11 @@ configured above, B the same install with OpenTelemetry tracing configured (an O
 `listen.advertise_url` set (replicas routing 2025 sessions, over a Redis store in both), or with verified callers
 (`--variant jwt`: `security.principal: jwt` with a JWKS file; every request carries the same valid token, which A
 forwards unread and B checks: verified once, then kept until it expires), or with a rate limit (`--variant rates`: one
-per caller, far above the load, so that every request is counted in Redis and none refused). Configuration should move
-no traffic onto other code: B/A near 1. `--variant tracing-ratio` configures `parentbased_traceidratio` at a ratio
-of 0 instead: a sampler that may begin a trace of its own, so that the SDK makes each request's span (unsampled,
-here) to ask it; that is OpenTelemetry's cost per request, not the proxy's.
+per caller, far above the load, so that every request is counted in Redis and none refused; `--variant concurrency`:
+a limit on calls at once per caller, so that every call takes a slot in Redis and gives it back). Configuration
+should move no traffic onto other code: B/A near 1. `--variant tracing-ratio` configures `parentbased_traceidratio`
+at a ratio of 0 instead: a sampler that may begin a trace of its own, so that the SDK makes each request's span
+(unsampled, here) to ask it; that is OpenTelemetry's cost per request, not the proxy's.
 
 The base commit is installed once into a virtual environment of its own under bench/.ab/ (from `git archive`, so
 the work tree is untouched), and the work tree, as it is now (its tracked and untracked files, not the ignored ones),
@@ -284,6 +287,10 @@ def proxy(
         policy["limits"] = {"rates": [{"per": "caller", "requests_per_s": 1_000_000, "burst": 1_000_000}]}
         if variant == "rates-memory":  # counted by the replica alone (the pass-through path reads no other store)
             policy["store"] = {"backend": "memory"}
+    elif variant in ("concurrency", "concurrency-memory"):  # calls at once per caller, far above the load
+        policy["limits"] = {"rates": [{"per": "caller", "concurrency": 1_000_000}]}
+        if variant == "concurrency-memory":
+            policy["store"] = {"backend": "memory"}
     elif variant == "jwt":  # every request's token checked: verified once, then kept until it expires
         policy["security"] |= {"principal": "jwt", "resource_url": BENCH_RESOURCE,
                                "jwt": {"jwks_file": str(WORK / "jwks.json"), "issuer": BENCH_ISSUER}}  # fmt: skip
@@ -455,7 +462,8 @@ def main() -> None:
     parser.add_argument("--path", choices=("passthrough", "create", "get", "discover"), default="passthrough",
                         help="what is measured: a pass-through tools/call, task creation at 1,000/s, "
                              "tasks/get of a finished task, or server/discover")  # fmt: skip
-    variants = ("tracing", "tracing-ratio", "advertise", "jwt", "rates", "rates-memory")
+    variants = ("tracing", "tracing-ratio", "advertise", "jwt", "rates", "rates-memory", "concurrency",
+                "concurrency-memory")  # fmt: skip
     parser.add_argument("--variant", choices=variants, default=None,
                         help="pass-through: the work tree plain (A) against itself so configured (B): tracing, "
                              "listen.advertise_url, verified tokens, a rate limit in Redis or in memory; instead "

@@ -320,7 +320,8 @@ class StoreConfig(_Strict):
 
 
 class RateLimit(_Strict):
-    """One limit on the requests to the MCP endpoint: a sustained rate with a burst above it."""
+    """One limit on the requests to the MCP endpoint: a sustained rate with a burst above it, or how many may run at
+    once (concurrency), or both."""
 
     per: Literal["caller", "tool", "caller+tool", "upstream"]
     """What is counted apart: each caller (a principal, or an anonymous caller's network address), each tool, each
@@ -328,13 +329,34 @@ class RateLimit(_Strict):
     match: Annotated[str, Field(min_length=1)] | None = None
     """A tool name or glob: the entry counts only the tools/call of those tools. Without it, every JSON-RPC message
     POSTed to the MCP endpoint (tools/call and tasks/get polling alike; each message of a batch)."""
-    requests_per_s: Annotated[float, Field(gt=0, le=1_000_000)]
+    requests_per_s: Annotated[float, Field(gt=0, le=1_000_000)] | None = None
     """The sustained rate."""
     burst: PositiveInt | None = None
     """How many may come at once above the rate (default: the rate, rounded up)."""
+    concurrency: PositiveInt | None = None
+    """How many may run at once: a request until it is answered, a call that runs in the background (a task, a
+    durable or kept-alive call) until it ends. Held in Redis as leases with the Redis store: every replica counts
+    against the same limit, and a lost replica's leases lapse within 30 s."""
+    on_limit: Literal["refuse", "queue"] = "refuse"
+    """Past `concurrency`: refuse (HTTP 429), or queue until one ends. A queued call that becomes a task is
+    answered at once and its task waits, working, with a status message that says so; any other request waits
+    up to queue_timeout_s, then is refused."""
+    queue_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    """With on_limit: queue, how long a request (not a task, which waits as long as its TTL) waits for its turn."""
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:+*?-]+$")] | None = None
     """What a refusal's data.limit and the mcp_tasks_proxy_rate_limited_total label call it (default: `per`,
     then `match`)."""
+
+    @model_validator(mode="after")
+    def _limits_something(self) -> RateLimit:
+        if self.requests_per_s is None and self.concurrency is None:
+            raise ValueError("a limit needs requests_per_s, concurrency or both")
+        if self.burst is not None and self.requests_per_s is None:
+            raise ValueError("burst needs requests_per_s")
+        # (By value, not by what was written: the policy's layers are merged with every default in place.)
+        if self.on_limit != "refuse" and self.concurrency is None:
+            raise ValueError("on_limit: queue needs concurrency")
+        return self
 
     @property
     def label(self) -> str:
@@ -345,6 +367,7 @@ class RateLimit(_Strict):
 
     @property
     def allowed_burst(self) -> int:
+        assert self.requests_per_s is not None
         return self.burst if self.burst is not None else max(1, math.ceil(self.requests_per_s))
 
 
@@ -361,10 +384,10 @@ class LimitsConfig(_Strict):
     min_poll_interval_ms: Annotated[int, Field(ge=0)] = 0
     """If > 0, tasks/get on one task faster than this is refused (HTTP 429) with the task's pollIntervalMs."""
     rates: list[RateLimit] = []
-    """Rate limits on the requests to the MCP endpoint, each by caller, tool, both, or the upstream: kept in Redis
-    with the Redis store, so that every replica counts against the same limit (per replica with the memory store,
-    or while Redis does not answer). Past one: HTTP 429, Retry-After, and -32603 with data.limit and
-    data.retryAfterMs."""
+    """Limits on the requests to the MCP endpoint (a rate, calls at once, or both), each by caller, tool, both, or
+    the upstream: kept in Redis with the Redis store, so that every replica counts against the same limit (per
+    replica with the memory store, or while Redis does not answer). Past one: HTTP 429, Retry-After, and -32603
+    with data.limit and data.retryAfterMs."""
 
     @field_validator("rates")
     @classmethod

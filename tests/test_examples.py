@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.conftest import ROOT, free_port, quiet_proxy, stop, wait_for_port, wait_ready
+from tests.conftest import ROOT, free_port, quiet_proxy, start_redis, stop, wait_for_port, wait_ready
 
 CLIENT = ROOT / "examples" / "task_client.py"
 
@@ -189,3 +189,27 @@ def test_client_timeout_cancels_the_task_it_leaves(proxy_url):
         proxy_url, "tasks/get", {"taskId": task_id, "_meta": task_client.envelope()}, name=task_id, quiet=True
     )
     assert answer["result"]["status"] == "cancelled"
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+def test_verified_callers_walks_refusals_a_token_refresh_and_a_limit_across_replicas(store):
+    """The newcomer's run of docs/getting-started.md, "Accept only your issuer's tokens": one proxy, or two replicas
+    on one Redis with every request after the first sent to the other one."""
+    process, url = start_redis() if store == "redis" else (None, None)
+    try:
+        done = subprocess.run(
+            [sys.executable, "examples/verified_callers.py", "--server-port", str(free_port()),
+             "--proxy-port", str(free_port()), *(["--redis", url] if url else [])],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    finally:
+        if process is not None:
+            stop(process)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert 'HTTP 401, WWW-Authenticate: Bearer resource_metadata="http://127.0.0.1:' in out
+    assert 'error="invalid_token"' in out
+    assert "HTTP 429, Retry-After: 1" in out and '"limit": "one-slow-call"' in out
+    assert "Task not found" in out
+    assert "Report on tides: all 5 steps done in 4 s." in out
+    assert len(set(re.findall(r"--> (http://\S+)", out))) == (2 if store == "redis" else 1)

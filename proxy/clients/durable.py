@@ -30,7 +30,7 @@ from ..config import ToolRule
 from ..jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, dumps, error_object
 from ..security import Identity, caller_of
 from ..store.base import StoreUnavailable, TaskIdTaken, TaskStore
-from ..tasks.job import ToolCall
+from ..tasks.job import Slots, ToolCall
 from ..tasks.model import TaskRecord, is_task_id, new_task_id
 from ..tasks.runner import TaskRunner
 from ..upstream.era2025 import ERROR_ANSWER, LegacySession
@@ -113,14 +113,17 @@ class DurableCalls:
         self._store = store
         self._identity = identity
 
-    async def start(self, request: web.Request, message: dict[str, Any], rule: ToolRule) -> web.StreamResponse:
-        """A 2025-era client's tools/call: run as a task, answered with the stream that follows it."""
+    async def start(
+        self, request: web.Request, message: dict[str, Any], rule: ToolRule, slots: Slots | None = None
+    ) -> web.StreamResponse:
+        """A 2025-era client's tools/call: run as a task, answered with the stream that follows it. `slots`: the
+        request's under the concurrency limits, which the call takes over."""
         headers = request.headers
         principal = self._identity.principal(headers)
         session_tag = self._identity.session_tag(headers)
         key = idempotency.key_of(message, headers)
         if key is not None:
-            return await self._start_keyed(request, idempotency.without_key(message), rule, key)
+            return await self._start_keyed(request, idempotency.without_key(message), rule, key, slots)
         task_id: str | None = None
         if session_tag:
             # On a session, a request id names one call while it runs: the id is derived from it, so that any
@@ -131,10 +134,10 @@ class DurableCalls:
                 return await self._stream(rule).serve(request, existing, None)
             if existing is not None:  # that call is over: this is a new one under a request id used before
                 task_id = await self._next_free(principal, session_tag, message["id"])
-        return await self._run(request, message, rule, task_id)
+        return await self._run(request, message, rule, task_id, slots=slots)
 
     async def _start_keyed(
-        self, request: web.Request, message: dict[str, Any], rule: ToolRule, key: str
+        self, request: web.Request, message: dict[str, Any], rule: ToolRule, key: str, slots: Slots | None
     ) -> web.StreamResponse:
         """A durable call with an idempotency key: the task made for the key on this session, running or finished,
         answered as this request's (the connection of the first one dropped); else a new one."""
@@ -150,7 +153,7 @@ class DurableCalls:
             # notifications/cancelled names the request's id: it finds the call through the alias.
             await self._store.alias(alias, task_id, rule.ttl_ms or self._runner.default_ttl_ms())
             try:
-                return await self._run(request, message, rule, task_id, fingerprint)
+                return await self._run(request, message, rule, task_id, fingerprint, slots=slots)
             except TaskIdTaken:  # the same key, sent at the same moment: both follow the one call
                 existing = await self._store.get(task_id)
                 if existing is None:
@@ -173,6 +176,8 @@ class DurableCalls:
         rule: ToolRule,
         task_id: str | None,
         fingerprint: str | None = None,
+        *,
+        slots: Slots | None,
     ) -> web.StreamResponse:
         headers = request.headers
         principal = self._identity.principal(headers)
@@ -190,6 +195,7 @@ class DurableCalls:
             stream=stream_of(message, headers, session_tag),
             client_session=client_session(headers, principal, on_status=_first(accepted)),
             fingerprint=fingerprint,
+            slots=slots,
         )
         try:
             outcome = await self._runner.submit(call, rule.model_copy(update={"sync_window_ms": 0}))

@@ -35,7 +35,7 @@ from ..jsonrpc import (
 )
 from ..security import Identity, PollGuard, caller_of
 from ..store.base import TaskStore
-from ..tasks.job import ToolCall
+from ..tasks.job import Slots, ToolCall
 from ..tasks.model import TaskRecord, TaskStatus, format_time, is_task_id
 from ..tasks.runner import TaskRunner
 from ..upstream.http.headers import call_headers
@@ -177,7 +177,9 @@ class Tasks2025:
         """With Redis, a finished task's view: its tasks/get answered without reading (and decoding) its record,
         result included, again; a finished record does not change, and its length says it is still the one seen."""
 
-    async def create(self, request: web.Request, message: dict[str, Any], rule: ToolRule) -> web.Response:
+    async def create(
+        self, request: web.Request, message: dict[str, Any], rule: ToolRule, slots: Slots | None = None
+    ) -> web.Response:
         """tools/call with `params.task`: the 2025 CreateTaskResult, the call running on the client's session."""
         params = dict(params_of(message))
         options = params.pop("task")
@@ -200,6 +202,7 @@ class Tasks2025:
             caller=caller_of(principal, request.remote),
             stream=_stream_of(message, session_tag),
             client_session=client_session(headers, principal),
+            slots=slots,
         )
         key = idempotency.key_of(message, headers)
         rule = rule.model_copy(update={"sync_window_ms": 0, "ttl_ms": ttl_ms})

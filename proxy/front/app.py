@@ -36,10 +36,12 @@ from ..upstream.events import UpstreamUnavailable
 from ..upstream.gateway import Gateway
 from ..upstream.http.answer import client_gone_key
 from . import boundary
+from .concurrency import Concurrency
 from .context import (
     MCP_PATH,
     RequestInfo,
     bridge_key,
+    concurrency_key,
     durable_key,
     gateway_key,
     guard_key,
@@ -88,6 +90,7 @@ def create_app(
     app[poll_guard_key] = PollGuard(config.limits.min_poll_interval_ms, timer=timer)
     app[guard_key] = HostGuard(config)
     app[rates_key] = Rates(lambda: policy.config.limits, app[store_key], app[metrics_key], timer=timer)
+    app[concurrency_key] = Concurrency(lambda: policy.config.limits, app[store_key], app[metrics_key], timer=timer)
 
     async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         async with build_gateway(config, identity, max_bytes=lambda: policy.config.limits.max_result_bytes) as gateway:
@@ -150,6 +153,7 @@ def create_app(
             rule_for=lambda tool: policy.config.rule_for(tool),
             seal=CallSeal(identity.operator_key) if identity.operator_key is not None else None,
             credentials_follow=config.security.principal in ("jwt", "header"),
+            slots_for=app[concurrency_key].claim_for_call,
         )
         app[runner_key] = runner
         app[durable_key] = DurableCalls(runner, app[store_key], app[identity_key])
@@ -163,6 +167,7 @@ def create_app(
             log.warning("store_unavailable_at_start", reason=str(exc))
         yield
         await app[runner_key].aclose(config.tasks.shutdown_grace_s)
+        await app[concurrency_key].aclose()
 
     async def stop_taking_over(app: web.Application) -> None:
         # From the moment the proxy is told to stop (before its connections' grace): a call another replica hands

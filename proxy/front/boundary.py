@@ -153,7 +153,10 @@ def done(
     status: int,
     started: float,
 ) -> None:
-    """The request is answered (or its client left: 499): its span ends, its metrics and its log line."""
+    """The request is answered (or its client left: 499): its slots are given back (unless a background call took
+    them over), its span ends, its metrics and its log line."""
+    if info.claim is not None and not info.claim.passed:
+        info.claim.release()
     if info.trace is not None:
         tracing.TRACER.end_request(  # type: ignore[union-attr]
             info.trace, status=status, task_id=info.task_id, task_trace=info.task_trace, mode=info.mode

@@ -22,6 +22,7 @@ from ..tasks.admission import ShuttingDown
 from ..tasks.runner import TaskRunner
 from ..upstream.bridge import SyncBridge
 from ..upstream.gateway import Gateway
+from .concurrency import Claim, Concurrency
 from .rates import Rates
 
 log = structlog.get_logger(__name__)
@@ -35,6 +36,7 @@ metrics_key = web.AppKey("metrics_key", Metrics)
 identity_key = web.AppKey("identity_key", Identity)
 guard_key = web.AppKey("guard_key", HostGuard)
 rates_key = web.AppKey("rates_key", Rates)
+concurrency_key = web.AppKey("concurrency_key", Concurrency)
 poll_guard_key = web.AppKey("poll_guard_key", PollGuard)
 durable_key = web.AppKey("durable_key", DurableCalls)
 kept_alive_key = web.AppKey("kept_alive_key", KeptAliveCalls)
@@ -61,6 +63,9 @@ class RequestInfo:
     """The request's span and context token while tracing is on (proxy/tracing.py)."""
     error_code: str = ""
     """The JSON-RPC error code the proxy answered with, when it answered one."""
+    claim: Claim | None = None
+    """The request's slots under the concurrency limits (proxy/front/concurrency.py): given back once it is
+    answered, unless a background call took them over."""
 
 
 info_key = web.RequestKey("info_key", RequestInfo)

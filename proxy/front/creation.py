@@ -23,7 +23,7 @@ from ..jsonrpc import ERROR_HTTP_STATUS, INTERNAL_ERROR, INVALID_PARAMS, JsonRpc
 from ..security import Identity, caller_of
 from ..store.base import StoreFullError
 from ..tasks.admission import LimitReached
-from ..tasks.job import DirectOutcome, ToolCall
+from ..tasks.job import DirectOutcome, Slots, ToolCall
 from ..tasks.model import TaskRecord
 from ..tasks.runner import TaskRunner
 from ..upstream.http.headers import call_headers
@@ -47,15 +47,16 @@ async def create(
     check_modern_request(message, headers)
     check_reencodable(message, body)  # the call goes upstream encoded again, from the background
     info.mode = "task"  # after the checks: a refusal is counted as "local"
-    call, key = tool_call(message, headers, remote, identity)
+    call, key = tool_call(message, headers, remote, identity, info.claim)
     outcome = await create_task(runner, identity, call, rule, key)
     return task_answer(message["id"], outcome, info)
 
 
 def tool_call(
-    message: dict[str, Any], headers: MultiMapping[str], remote: str | None, identity: Identity
+    message: dict[str, Any], headers: MultiMapping[str], remote: str | None, identity: Identity, slots: Slots | None
 ) -> tuple[ToolCall, str | None]:
-    """The call a task (or a kept-alive call) runs for this tools/call, and the client's idempotency key."""
+    """The call a task (or a kept-alive call) runs for this tools/call, and the client's idempotency key. `slots`:
+    the request's under the concurrency limits, which the call takes over."""
     params = params_of(message)
     arguments = params.get("arguments")
     if arguments is not None and not isinstance(arguments, dict):
@@ -74,6 +75,7 @@ def tool_call(
         principal=principal,
         credential=identity.credential(headers),
         caller=caller_of(principal, remote),
+        slots=slots,
     )
     return call, key
 

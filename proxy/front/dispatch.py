@@ -5,7 +5,7 @@ anything else is relayed to the upstream as it is."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -23,6 +23,7 @@ from ..clients.envelope import (
     declares_tasks,
     is_modern,
     params_of,
+    tool_name,
     upstream_body,
     without_tasks_declaration,
 )
@@ -40,13 +41,16 @@ from ..jsonrpc import (
     loads,
     result_response,
 )
+from ..security import caller_of
 from ..upstream.bridge import StreamReply
 from ..upstream.era2025 import discover_result
 from ..upstream.events import UpstreamUnavailable
 from . import boundary
+from .concurrency import Concurrency
 from .context import (
     MCP_PATH,
     bridge_key,
+    concurrency_key,
     durable_key,
     gateway_key,
     identity_key,
@@ -122,23 +126,24 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
             'Invalid request: expected a JSON-RPC 2.0 object with "jsonrpc": "2.0", a string method, '
             "object params and a string or integer id",
         )
+    if kind == "request":  # known before any refusal below: its answer carries the id, its log line the method
+        info.jsonrpc_id = message["id"]
+        info.rpc_method = message["method"]
+        info.tool = tool_name(message)
     verifier = app[identity_key].verifier
     if verifier is not None and kind in ("request", "notification", "batch"):
         refused = boundary.scopes_refusal(verifier.cached(request.headers), message, app[policy_key].config.rule_for)
         if refused is not None:
             raise refused
     await boundary.count_rates(app[rates_key], app[identity_key], request.headers, message, request.remote)
+    if app[concurrency_key].configured:
+        await _take_slots(request, message)
     if kind != "request":
         return await _not_a_request(request, kind, message, body)
     method = message["method"]
-    info.jsonrpc_id = message["id"]
-    info.rpc_method = method
     boundary.trace(info, request.headers, message)
     config = app[policy_key].config
     way = route(message, request.headers, config, config.rule_for)
-    if method == "tools/call":
-        name = params_of(message).get("name")
-        info.tool = name if isinstance(name, str) else None
     if way == "tasks":
         info.mode = "local"
         answer = await app[tasks2026_key].handle(request.headers, message, info)
@@ -174,6 +179,21 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
         body = upstream_body(message, body) if modern else body
         return await app[gateway_key].relay.relay_rewritten(request, body, message["id"], _advertise_tasks, limit=limit)
     return await _relay(request, message, body, modern=modern)
+
+
+async def _take_slots(request: web.Request, message: Any) -> None:
+    """The request's calls' slots under the concurrency limits, taken, refused or waited for; a call that may go
+    on in the background (a rule runs its tool) waits as a queued task instead, or in `_tools_call` when it does
+    not. Given back once the request is answered (boundary.done), unless a background call took them over."""
+    app = request.app
+    caller = caller_of(app[identity_key].principal(request.headers), request.remote)
+    claim = app[concurrency_key].claim(message, caller)
+    if claim is None:
+        return
+    request[info_key].claim = claim
+    name = tool_name(message)  # (a batch's calls never go on in the background)
+    rule = app[policy_key].config.rule_for(name) if name is not None else None
+    await app[concurrency_key].enter(claim, background=rule is not None and rule.task is not TaskMode.NEVER)
 
 
 def route(
@@ -415,10 +435,10 @@ async def _tools_call(
     name = params.get("name")
     rule = config.rule_for(name) if isinstance(name, str) else None
     info = request[info_key]
-    info.tool = name if isinstance(name, str) else None
 
-    def relay() -> Awaitable[web.StreamResponse]:
-        return _relay(request, message, body, modern=modern)
+    async def relay() -> web.StreamResponse:
+        await Concurrency.hold(info.claim)  # not a background call after all
+        return await _relay(request, message, body, modern=modern)
 
     if rule is None or rule.task is TaskMode.NEVER:
         return await relay()
@@ -431,7 +451,7 @@ async def _tools_call(
         info.answers_2025 = True
         check_reencodable(message, body)  # its call goes upstream encoded again
         with refusals():
-            return await request.app[tasks2025_key].create(request, message, rule)
+            return await request.app[tasks2025_key].create(request, message, rule, info.claim)
     if not modern and not declares_tasks(message) and rule.durable and wants_event_stream(request.headers):
         # A 2025-era client, which has no tasks of its own to wait with: a durable call. The proxy reads the body
         # here, so headers a gateway may have routed on must not say something else (SEP-2243).
@@ -440,7 +460,7 @@ async def _tools_call(
         info.answers_2025 = True
         check_reencodable(message, body)  # its call goes upstream encoded again
         with refusals():
-            return await request.app[durable_key].start(request, message, rule)
+            return await request.app[durable_key].start(request, message, rule, info.claim)
     if modern or declares_tasks(message):
         # Before the capability check, as the reference ladder orders them: headers that disagree with the body
         # say nothing reliable about what the client wants. (A 2025 request that declares tasks fails it: a
@@ -461,6 +481,6 @@ async def _tools_call(
     # A 2026 client without tasks: the call as in a sync window, with a stream kept alive.
     check_reencodable(message, body)  # the call goes upstream encoded again, from the background
     info.mode = "kept_alive"
-    call, key = tool_call(message, request.headers, request.remote, request.app[identity_key])
+    call, key = tool_call(message, request.headers, request.remote, request.app[identity_key], info.claim)
     with refusals():
         return await request.app[kept_alive_key].serve(request, message, call, rule, key)

@@ -36,11 +36,12 @@ _LOCAL_AFTER_FAILURE_S = 5.0
 class RateLimited(JsonRpcError):
     """A request past a rate limit: HTTP 429 with Retry-After (retry_after_s)."""
 
-    def __init__(self, limit: str, wait_s: float) -> None:
+    def __init__(self, limit: str, wait_s: float, why: str | None = None) -> None:
         wait_ms = max(1, math.ceil(wait_s * 1000))
+        which = "limits.rates" if why is None else f"limits.rates: {why}"
         super().__init__(
             INTERNAL_ERROR,
-            f"Rate limited: past the limit {limit!r} (limits.rates); retry in {wait_ms} ms",
+            f"Rate limited: past the limit {limit!r} ({which}); retry in {wait_ms} ms",
             {"limit": limit, "retryAfterMs": wait_ms},
             http_status=429,
         )
@@ -70,18 +71,21 @@ class Rates:
 
     @property
     def configured(self) -> bool:
-        return bool(self._limits().rates)
+        return any(rate.requests_per_s is not None for rate in self._limits().rates)
 
     async def check(self, messages: Any, caller: str) -> None:
         """Count the request's JSON-RPC messages (a message, or a batch's) against every limit that applies;
         RateLimited for the first one past its limit (those already counted stay counted, as at any gateway)."""
-        for rate, index, key in _keys(self._limits().rates, messages, caller):
+        for rate, index, key in limited_keys(self._limits().rates, messages, caller):
+            if rate.requests_per_s is None:
+                continue
             wait_s = await self._count(rate, f"{index}:{key}")
             if wait_s > 0:
                 self._metrics.rate_limited.labels(rate.label).inc()
                 raise RateLimited(rate.label, wait_s)
 
     async def _count(self, rate: RateLimit, key: str) -> float:
+        assert rate.requests_per_s is not None
         interval_s = 1 / rate.requests_per_s
         tolerance_s = interval_s * (rate.allowed_burst - 1)
         if self._store.shared and self._timer() >= self._local_until:
@@ -111,8 +115,9 @@ class Rates:
         return 0.0
 
 
-def _keys(rates: list[RateLimit], messages: Any, caller: str) -> Iterator[tuple[RateLimit, int, str]]:
-    """Each limit a message counts against, with its key: what the limit's `per` names for it."""
+def limited_keys(rates: list[RateLimit], messages: Any, caller: str) -> Iterator[tuple[RateLimit, int, str]]:
+    """Each limit a message counts against, with its index and its key: what the limit's `per` names for it (for
+    a rate and for a concurrency alike)."""
     for message in messages if isinstance(messages, list) else [messages]:
         tool = tool_name(message)
         for index, rate in enumerate(rates):

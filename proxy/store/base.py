@@ -81,6 +81,17 @@ class TaskStore(Protocol):
         """Count a request against a rate limit shared by every replica: 0 when allowed, else the microseconds until
         it would be; None for a store no other replica shares (the limit is then the replica's own)."""
 
+    async def take_slots(
+        self, names: list[str], wanted: list[tuple[int, int]], lease: str, life_us: int, *, force: bool = False
+    ) -> int | None:
+        """Take slots of concurrency limits shared by every replica, all or none: for each name, (limit, how
+        many). 0 when taken, else the 1-based index of a name with too few free; None for a store no other
+        replica shares (the limits are then the replica's own)."""
+
+    async def keep_slots(self, held: list[tuple[str, str]], life_us: int) -> int | None:
+        """Renew the slots' leases `held` (name, member) for life_us, or release them (life_us 0): how many were
+        found; None for a store no other replica shares."""
+
     async def alias(self, name: str, task_id: str, ttl_ms: int) -> None:
         """Let `name` find the task for ttl_ms: a request that joined a task made for an idempotency key (its own
         derived id is not the task's)."""
@@ -225,6 +236,14 @@ class MemoryTaskStore:
         return None
 
     async def rate(self, name: str, interval_us: int, tolerance_us: int) -> int | None:
+        return None
+
+    async def take_slots(
+        self, names: list[str], wanted: list[tuple[int, int]], lease: str, life_us: int, *, force: bool = False
+    ) -> int | None:
+        return None
+
+    async def keep_slots(self, held: list[tuple[str, str]], life_us: int) -> int | None:
         return None
 
     async def alias(self, name: str, task_id: str, ttl_ms: int) -> None:

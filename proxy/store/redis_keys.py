@@ -40,6 +40,10 @@ class RedisKeys:
         """A rate limit's next theoretical arrival time (limits.rates), for one caller, tool or both."""
         return f"{self.prefix}rate:{name}"
 
+    def slots(self, name: str) -> str:
+        """A concurrency limit's leases (limits.rates), for one caller, tool or both: a sorted set by expiry."""
+        return f"{self.prefix}slots:{name}"
+
     def alias(self, name: str) -> str:
         """Another id that finds a task (a request that joined a keyed durable call)."""
         return f"{self.prefix}alias:{name}"

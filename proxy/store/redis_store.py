@@ -75,6 +75,49 @@ return 0
 """
 _RATE_SHA = hashlib.sha1(_RATE, usedforsecurity=False).hexdigest()
 
+# Concurrency slots (limits.rates' concurrency) as leases in sorted sets, scored by their expiry on Redis's clock: a
+# lost replica's slots lapse by themselves. KEYS: the limits' keys, each once. ARGV: the lease's name, its life in
+# microseconds, whether to take it whatever the counts (1: a call taken over from a lost replica), then per key the
+# limit and how many slots the request takes. All or nothing: returns 0 when taken, else the index of a full key.
+_SLOTS_TAKE = b"""
+local now = redis.call('TIME')
+now = tonumber(now[1]) * 1000000 + tonumber(now[2])
+for i, key in ipairs(KEYS) do
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+  if ARGV[3] == '0' and redis.call('ZCARD', key) + tonumber(ARGV[3 + 2 * i]) > tonumber(ARGV[2 + 2 * i]) then
+    return i
+  end
+end
+local expiry = string.format('%.0f', now + tonumber(ARGV[2]))
+local life_ms = math.ceil(tonumber(ARGV[2]) / 1000)
+for i, key in ipairs(KEYS) do
+  for n = 1, tonumber(ARGV[3 + 2 * i]) do redis.call('ZADD', key, expiry, ARGV[1] .. ':' .. n) end
+  redis.call('PEXPIRE', key, life_ms)
+end
+return 0
+"""
+_SLOTS_TAKE_SHA = hashlib.sha1(_SLOTS_TAKE, usedforsecurity=False).hexdigest()
+
+# Renew (ARGV[1]: the new life in microseconds) or, with ARGV[1] 0, release the leases named in ARGV[2..], each a
+# member of the key at the same place in KEYS. Returns how many leases were found.
+_SLOTS_KEEP = b"""
+local now = redis.call('TIME')
+now = tonumber(now[1]) * 1000000 + tonumber(now[2])
+local life = tonumber(ARGV[1])
+local expiry = string.format('%.0f', now + life)
+local found = 0
+for i, key in ipairs(KEYS) do
+  if life == 0 then
+    found = found + redis.call('ZREM', key, ARGV[i + 1])
+  elseif redis.call('ZADD', key, 'XX', 'CH', expiry, ARGV[i + 1]) == 1 then
+    found = found + 1
+    redis.call('PEXPIRE', key, math.ceil(life / 1000))
+  end
+end
+return found
+"""
+_SLOTS_KEEP_SHA = hashlib.sha1(_SLOTS_KEEP, usedforsecurity=False).hexdigest()
+
 _INDEX_TIES = 64
 """Entries read past a page's end, for those that share the cursor's score (told apart by task id)."""
 
@@ -218,9 +261,32 @@ class RedisTaskStore:
         microseconds until it would be."""
         async with self._link.answering("rate"):
             wait = await self._script(_RATE, _RATE_SHA, (self._keys.rate(name),), (interval_us, tolerance_us))
-        if not isinstance(wait, int) or isinstance(wait, bool) or wait < 0:
-            raise Inconsistent("the rate script answered out of its range")
+            if not isinstance(wait, int) or isinstance(wait, bool) or wait < 0:
+                raise Inconsistent("the rate script answered out of its range")
         return wait
+
+    async def take_slots(
+        self, names: list[str], wanted: list[tuple[int, int]], lease: str, life_us: int, *, force: bool = False
+    ) -> int:
+        """Take slots of concurrency limits for every replica, all or none: for each name, (limit, how many).
+        0 when taken (members `lease:1`..), else the 1-based index of a name with too few free."""
+        args: list[str | bytes | int] = [lease, life_us, int(force)]
+        for limit, count in wanted:
+            args += [limit, count]
+        async with self._link.answering("slots"):
+            full = await self._script(_SLOTS_TAKE, _SLOTS_TAKE_SHA, tuple(map(self._keys.slots, names)), tuple(args))
+            if not isinstance(full, int) or isinstance(full, bool) or not 0 <= full <= len(names):
+                raise Inconsistent("the slots script answered out of its range")
+        return full
+
+    async def keep_slots(self, held: list[tuple[str, str]], life_us: int) -> int:
+        """Renew the leases `held` (name, member) for life_us, or release them (life_us 0); how many were found."""
+        keys = tuple(self._keys.slots(name) for name, _ in held)
+        async with self._link.answering("slots"):
+            found = await self._script(_SLOTS_KEEP, _SLOTS_KEEP_SHA, keys, (life_us, *(member for _, member in held)))
+            if not isinstance(found, int) or isinstance(found, bool) or found < 0:
+                raise Inconsistent("the slots script answered out of its range")
+        return found
 
     async def _script(self, body: bytes, sha: str, keys: tuple[str, ...], args: tuple[str | bytes | int, ...]) -> Any:
         try:

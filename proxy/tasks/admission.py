@@ -98,6 +98,8 @@ class Admission:
                 job.slots.release()
             raise TaskIdTaken(job.task_id)
         call.message = retry_message(call.message, None, None, keep_client_round=True)
+        if call.slots is not None:  # the request's concurrency slots are the job's from now on (released in _forget)
+            call.slots.passed = True
         # Known before its record exists, so that no lost-replica sweep takes a task being created for a stray.
         self._enter(job)
         if rule.sync_window_ms == 0:
@@ -195,6 +197,7 @@ class Admission:
         return (
             rule.idempotent is not False
             or rule.max_concurrency is not None
+            or (call.slots is not None and not call.slots.held)  # it queues: unsent, another replica may run it
             or self._state.upstream.tasks_reach_replicas
         )
 
@@ -316,3 +319,5 @@ class Admission:
         if job.holds_slot and job.slots is not None:
             job.holds_slot = False
             job.slots.release()
+        if job.call.slots is not None:
+            job.call.slots.release()

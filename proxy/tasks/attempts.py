@@ -65,6 +65,10 @@ class Attempts:
             await self._fail_at_shutdown(job)
             return
         try:
+            limited = job.call.slots
+            if limited is not None and not limited.held:  # a concurrency limit that queues (limits.rates)
+                await self._settlement.queue(job, f"queued: past the concurrency limit {limited.full!r}")
+                await limited.wait(None)
             if job.slots is None or job.holds_slot:
                 # (A call taken over from a lost replica may still be marked queued, slots or not.)
                 if not job.queued or await self._settlement.unqueue(job):

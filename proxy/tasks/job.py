@@ -5,13 +5,32 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from multidict import CIMultiDict
 
 from ..config import ToolRule
 from ..upstream.events import UpstreamTask
 from .model import TaskStatus
+
+
+class Slots(Protocol):
+    """A call's slots under the policy's concurrency limits (proxy/front/concurrency.py's Claim): taken at the
+    front door, or waited for by the call's job when its limit queues."""
+
+    held: bool
+    passed: bool
+    """Its job holds it, and gives it back when it ends."""
+
+    @property
+    def full(self) -> str | None:
+        """The limit that had no free slot when last asked."""
+
+    async def take(self, *, force: bool = False) -> Any: ...
+
+    async def wait(self, timeout_s: float | None) -> None: ...
+
+    def release(self) -> None: ...
 
 
 @dataclasses.dataclass(slots=True)
@@ -40,6 +59,8 @@ class ToolCall:
     """A 2025-era client's own upstream session (a LegacySession): its call goes there, verbatim."""
     on_progress: Callable[[Any], None] | None = None
     """Told of every progress event of the call (a kept-alive call relays them to its client)."""
+    slots: Slots | None = None
+    """Its request's slots under limits.rates' concurrency, which the job takes over: held, or to wait for."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

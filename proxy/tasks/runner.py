@@ -28,7 +28,7 @@ from .attempts import SHUTDOWN, Attempts
 from .credentials import Credentials
 from .hints import RepeatHints
 from .input_rounds import InputRounds
-from .job import TAKEN_OVER, DirectOutcome, ToolCall
+from .job import TAKEN_OVER, DirectOutcome, Slots, ToolCall
 from .model import TaskRecord, TaskStatus, utc_now
 from .recovery import CANCELLED_BY_CLIENT, Recovery
 from .runner_state import RunnerState
@@ -66,6 +66,7 @@ class TaskRunner:
         rule_for: Callable[[str], ToolRule | None] = lambda tool: None,
         seal: CallSeal | None = None,
         credentials_follow: bool = False,
+        slots_for: Callable[[str, str], Slots | None] | None = None,
     ) -> None:
         self._state = RunnerState(
             store=store,
@@ -77,6 +78,8 @@ class TaskRunner:
             replica_id=f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}",
             seal=seal if store.shared else None,
         )
+        if slots_for is not None:
+            self._state.slots_for = slots_for
         self._defaults = defaults
         self._rounds = SyncRounds(input_wait_s=input_wait_s, upstream_url=upstream.url, owner=self._state.replica_id)
         self._settlement = Settlement(self._state)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from ..metrics import Metrics
 from ..store.base import TaskStore
 from .deadlines import Deadlines
-from .job import Job
+from .job import Job, Slots
 from .precedence import Precedence
 from .sealing import CallSeal
 from .watchers import TaskWatchers
@@ -36,5 +36,7 @@ class RunnerState:
     """The creations being answered, which the tasks' upstream calls and settlements give way to."""
     accepting: bool = True
     """False once shutdown began: no new task is taken."""
+    slots_for: Callable[[str, str], Slots | None] = lambda tool, caller: None
+    """The slots a call of a tool by a caller needs under the concurrency limits (proxy/front/concurrency.py)."""
     seal: CallSeal | None = None
     """With a shared store and an operator's principal key: seals calls for another replica to take over."""

@@ -242,6 +242,11 @@ class Takeover:
             job.upstream_task = claimed.upstream_task
         else:
             job.run = attempt
+        slots = state.slots_for(call.tool, call.caller)
+        if slots is not None:  # admitted on the lost replica, whose slots lapse: counted here from now on
+            await slots.take(force=True)
+            slots.passed = True
+            job.call.slots = slots
         if tracing.TRACER.enabled:
             job.span = tracing.TRACER.start_task(job.task_id, job.call.tool)
         self._admission.start(job)

@@ -14,6 +14,7 @@ from aiohttp import web
 from ...upstream.http.relay import HttpRelay
 from ..context import (
     bridge_key,
+    concurrency_key,
     gateway_key,
     guard_key,
     identity_key,
@@ -67,6 +68,7 @@ class Lane:
         self.gateway = app[gateway_key]
         self.guard = app[guard_key]
         self.rates = app[rates_key]
+        self.concurrency = app[concurrency_key]
         self.metrics = app[metrics_key]
         self.identity = app[identity_key]
         self.verifier = self.identity.verifier
