@@ -389,6 +389,16 @@ class LimitsConfig(_Strict):
     replica with the memory store, or while Redis does not answer). Past one: HTTP 429, Retry-After, and -32603
     with data.limit and data.retryAfterMs."""
 
+    @functools.cached_property
+    def rated(self) -> bool:
+        """Some entry limits a rate (kept: the front door asks on every request)."""
+        return any(rate.requests_per_s is not None for rate in self.rates)
+
+    @functools.cached_property
+    def concurrent(self) -> bool:
+        """Some entry limits calls at once."""
+        return any(rate.concurrency is not None for rate in self.rates)
+
     @field_validator("rates")
     @classmethod
     def _distinct_names(cls, rates: list[RateLimit]) -> list[RateLimit]:

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from mcp_tasks_proxy.config import ConfigError, parse_config
-from mcp_tasks_proxy.front.context import metrics_key, store_key
+from mcp_tasks_proxy.front.context import metrics_key, rates_key, store_key
+from mcp_tasks_proxy.front.rates import RateLimited
 from tests.conftest import start_redis, stop
 from tests.factories import meta
 from tests.test_lane import lane_counts
@@ -107,3 +108,43 @@ def test_two_limits_with_one_name_are_refused():
     rates = [{"per": "caller", "requests_per_s": 1}, {"per": "caller", "requests_per_s": 2}]
     with pytest.raises(ConfigError, match="two rate limits are called 'caller'"):
         parse_config({"upstream": {"url": "http://127.0.0.1:1/mcp"}, "limits": {"rates": rates}})
+
+
+async def test_under_load_each_replica_counts_ahead_in_redis_and_the_limit_still_holds(make_proxy, mcp_upstream):
+    """A replica that sees many requests of a key counts several at once in Redis (up to 50 ms of the rate, never
+    past the burst) and admits them without asking again: fewer script calls, and never more admitted than the
+    limit allows, whichever replica each request hits."""
+    process, url = start_redis()
+    try:
+        store = {"backend": "redis", "url": url, "key_prefix": "ahead:"}
+        rate, burst = 200.0, 10
+        limits = {"rates": [{"per": "caller", "requests_per_s": rate, "burst": burst}]}
+        replicas = [await make_proxy(mcp_upstream, protocol="modern", store=store, limits=limits) for _ in range(3)]
+        asked = 0
+        for replica in replicas:
+            store_of = replica.app[store_key]
+            counting = store_of.rate
+
+            async def counted(*args, counting=counting):
+                nonlocal asked
+                asked += 1
+                return await counting(*args)
+
+            store_of.rate = counted
+        message = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "pid"}}
+        offered = admitted = 0
+        started = time.monotonic()
+        while time.monotonic() - started < 1.0:
+            for replica in replicas:
+                offered += 1
+                try:
+                    await replica.app[rates_key].check(message, "alice")
+                    admitted += 1
+                except RateLimited:
+                    pass
+        elapsed = time.monotonic() - started
+        assert admitted <= burst + rate * elapsed + 1, (admitted, elapsed)
+        assert admitted >= min(offered * 0.9, rate * elapsed * 0.8), (admitted, offered, elapsed)
+        assert asked < offered, (asked, offered)  # some were admitted from what was counted ahead
+    finally:
+        stop(process)

@@ -112,7 +112,7 @@ class Concurrency:
 
     @property
     def configured(self) -> bool:
-        return any(rate.concurrency is not None for rate in self._limits().rates)
+        return self._limits().concurrent
 
     def claim(self, messages: Any, caller: str) -> Claim | None:
         """The slots the request's calls need (its tools/call, or a batch's), or None when no limit applies. Only

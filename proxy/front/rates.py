@@ -31,6 +31,22 @@ _LONG_NAME = 128
 """A tool name longer than this is counted under its hash: the key stays short whatever a client sends."""
 _FALLBACK_LOG_S = 30.0
 _LOCAL_AFTER_FAILURE_S = 5.0
+_AHEAD_S = 0.05
+"""With Redis, a replica under load counts a limit's requests ahead, up to this long's worth of its rate (never more
+than its burst), and admits them without asking again: one script call for many requests. What it counted and did
+not use within this time is not given back: at most this long's worth of the rate goes unused when a replica's load
+stops, and what is admitted over any period stays within the limit over that period and this long more."""
+
+
+class _Ahead:
+    """Requests of one key a replica counted in Redis ahead of their coming: `left` of `size`, until `until`."""
+
+    __slots__ = ("left", "size", "until")
+
+    def __init__(self, left: int, size: int, until: float) -> None:
+        self.left = left
+        self.size = size
+        self.until = until
 
 
 class RateLimited(JsonRpcError):
@@ -63,6 +79,10 @@ class Rates:
         self._timer = timer
         self._local: TLRUCache[str, float] = TLRUCache(_LOCAL_KEYS, ttu=lambda _key, tat, _now: tat, timer=timer)
         """Per key, the theoretical arrival time of its next request (on `timer`), kept until then."""
+        self._ahead: TLRUCache[str, _Ahead] = TLRUCache(
+            _LOCAL_KEYS, ttu=lambda _key, ahead, _now: ahead.until + _AHEAD_S, timer=timer
+        )
+        """Per key, the requests counted in Redis ahead (kept a while after, for how many the next count takes)."""
         self._fallback_logged = -_FALLBACK_LOG_S
         self._local_until = -1.0
         """Until then (after Redis failed to answer), limits are counted here without asking Redis."""
@@ -71,7 +91,7 @@ class Rates:
 
     @property
     def configured(self) -> bool:
-        return any(rate.requests_per_s is not None for rate in self._limits().rates)
+        return self._limits().rated
 
     async def check(self, messages: Any, caller: str) -> None:
         """Count the request's JSON-RPC messages (a message, or a batch's) against every limit that applies;
@@ -88,11 +108,20 @@ class Rates:
         assert rate.requests_per_s is not None
         interval_s = 1 / rate.requests_per_s
         tolerance_s = interval_s * (rate.allowed_burst - 1)
-        if self._store.shared and self._timer() >= self._local_until:
+        now = self._timer()
+        if self._store.shared and now >= self._local_until:
+            ahead = self._ahead.get(key)
+            if ahead is not None and ahead.left and now < ahead.until:
+                ahead.left -= 1
+                return 0.0
+            count = _ahead_of(rate, ahead, now)
             try:
-                wait_us = await self._store.rate(key, math.ceil(interval_s * 1e6), math.floor(tolerance_s * 1e6))
-                if wait_us is not None:
-                    return wait_us / 1e6
+                counted = await self._store.rate(key, math.ceil(interval_s * 1e6), math.floor(tolerance_s * 1e6), count)
+                if counted is not None:
+                    if counted < 0:
+                        return -counted / 1e6
+                    self._keep_ahead(key, counted)
+                    return 0.0
             except StoreUnavailable as exc:
                 now = self._timer()
                 # For a while, each replica counts alone without asking: a Redis that stalls must not hold every
@@ -105,6 +134,15 @@ class Rates:
             self._metrics.rate_limit_local.labels(rate.label).inc()
         return self._count_here(key, interval_s, tolerance_s)
 
+    def _keep_ahead(self, key: str, counted: int) -> None:
+        now = self._timer()
+        kept = self._ahead.get(key)
+        if kept is not None and kept.left and now < kept.until:  # counted by a request that asked meanwhile
+            kept.left += counted - 1
+            kept.size += counted
+        else:
+            self._ahead[key] = _Ahead(counted - 1, counted, now + _AHEAD_S)
+
     def _count_here(self, key: str, interval_s: float, tolerance_s: float) -> float:
         now = self._timer()
         tat = max(self._local.get(key, now), now)
@@ -113,6 +151,18 @@ class Rates:
             return wait_s
         self._local[key] = tat + interval_s
         return 0.0
+
+
+def _ahead_of(rate: RateLimit, last: _Ahead | None, now: float) -> int:
+    """How many requests to count in Redis for the one at hand: twice the last count when all of it was used in
+    time, else as many as were used; 1 for a key not seen lately. Never past _AHEAD_S of the rate, nor the burst."""
+    assert rate.requests_per_s is not None
+    most = min(rate.allowed_burst, math.floor(rate.requests_per_s * _AHEAD_S))
+    if last is None or most <= 1:
+        return 1
+    if last.left == 0 and now < last.until:
+        return min(most, last.size * 2)
+    return max(1, min(most, last.size - last.left))
 
 
 def limited_keys(rates: list[RateLimit], messages: Any, caller: str) -> Iterator[tuple[RateLimit, int, str]]:

@@ -77,9 +77,10 @@ class TaskStore(Protocol):
     async def credential(self, task_id: str) -> bytes | None:
         """The credential kept by put_credential, or None."""
 
-    async def rate(self, name: str, interval_us: int, tolerance_us: int) -> int | None:
-        """Count a request against a rate limit shared by every replica: 0 when allowed, else the microseconds until
-        it would be; None for a store no other replica shares (the limit is then the replica's own)."""
+    async def rate(self, name: str, interval_us: int, tolerance_us: int, count: int = 1) -> int | None:
+        """Count up to `count` requests against a rate limit shared by every replica: how many were counted (as
+        many as it allows now), or when none is allowed, minus the microseconds until one would be; None for a
+        store no other replica shares (the limit is then the replica's own)."""
 
     async def take_slots(
         self, names: list[str], wanted: list[tuple[int, int]], lease: str, life_us: int, *, force: bool = False
@@ -235,7 +236,7 @@ class MemoryTaskStore:
     async def credential(self, task_id: str) -> bytes | None:
         return None
 
-    async def rate(self, name: str, interval_us: int, tolerance_us: int) -> int | None:
+    async def rate(self, name: str, interval_us: int, tolerance_us: int, count: int = 1) -> int | None:
         return None
 
     async def take_slots(

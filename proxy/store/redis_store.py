@@ -59,19 +59,22 @@ return 1
 _CREATE_SHA = hashlib.sha1(_CREATE, usedforsecurity=False).hexdigest()
 
 # GCRA (the generic cell rate algorithm) on Redis's clock, so that replicas whose clocks differ count alike. KEYS: the
-# limit's key. ARGV: the emission interval and the tolerance (interval x (burst - 1)), in microseconds. The key holds
-# the theoretical arrival time of the next request. Returns 0 when the request is allowed (and counted), else the
-# microseconds until it would be.
+# limit's key. ARGV: the emission interval and the tolerance (interval x (burst - 1)), in microseconds, and how many
+# requests to count at once (a replica counts ahead: proxy/front/rates.py). The key holds the theoretical arrival time
+# of the next request. Returns how many were counted (1 to ARGV[3], as many as the limit allows now), or when none is
+# allowed, minus the microseconds until one would be.
 _RATE = b"""
 local now = redis.call('TIME')
 now = tonumber(now[1]) * 1000000 + tonumber(now[2])
+local interval = tonumber(ARGV[1])
 local tat = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
 if tat < now then tat = now end
 local wait = tat - now - tonumber(ARGV[2])
-if wait > 0 then return math.ceil(wait) end
-tat = tat + tonumber(ARGV[1])
+if wait > 0 then return -math.ceil(wait) end
+local counted = math.min(math.floor(-wait / interval) + 1, tonumber(ARGV[3]))
+tat = tat + counted * interval
 redis.call('SET', KEYS[1], string.format('%.0f', tat), 'PX', math.ceil((tat - now) / 1000) + 1)
-return 0
+return counted
 """
 _RATE_SHA = hashlib.sha1(_RATE, usedforsecurity=False).hexdigest()
 
@@ -256,14 +259,15 @@ class RedisTaskStore:
         assert isinstance(written, int)
         return written
 
-    async def rate(self, name: str, interval_us: int, tolerance_us: int) -> int:
-        """Count a request against the rate limit `name` for every replica (GCRA): 0 when allowed, else the
-        microseconds until it would be."""
+    async def rate(self, name: str, interval_us: int, tolerance_us: int, count: int = 1) -> int:
+        """Count up to `count` requests against the rate limit `name` for every replica (GCRA): how many were
+        counted (as many as it allows now), or when none is allowed, minus the microseconds until one would be."""
         async with self._link.answering("rate"):
-            wait = await self._script(_RATE, _RATE_SHA, (self._keys.rate(name),), (interval_us, tolerance_us))
-            if not isinstance(wait, int) or isinstance(wait, bool) or wait < 0:
+            keys = (self._keys.rate(name),)
+            counted = await self._script(_RATE, _RATE_SHA, keys, (interval_us, tolerance_us, count))
+            if not isinstance(counted, int) or isinstance(counted, bool) or counted == 0 or counted > count:
                 raise Inconsistent("the rate script answered out of its range")
-        return wait
+        return counted
 
     async def take_slots(
         self, names: list[str], wanted: list[tuple[int, int]], lease: str, life_us: int, *, force: bool = False
