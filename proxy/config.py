@@ -334,15 +334,16 @@ class RateLimit(_Strict):
     burst: PositiveInt | None = None
     """How many may come at once above the rate (default: the rate, rounded up)."""
     concurrency: PositiveInt | None = None
-    """How many may run at once: a request until it is answered, a call that runs in the background (a task, a
-    durable or kept-alive call) until it ends. Held in Redis as leases with the Redis store: every replica counts
-    against the same limit, and a lost replica's leases lapse within 30 s."""
+    """How many tools/call may run at once: a call answered directly until it is answered, a call that goes on in
+    the background (a task, a durable or kept-alive call) until it ends. Held in Redis as leases with the Redis
+    store: every replica counts against the same limit, and a lost replica's leases lapse within 30 s."""
     on_limit: Literal["refuse", "queue"] = "refuse"
-    """Past `concurrency`: refuse (HTTP 429), or queue until one ends. A queued call that becomes a task is
-    answered at once and its task waits, working, with a status message that says so; any other request waits
-    up to queue_timeout_s, then is refused."""
+    """Past `concurrency`: refuse (HTTP 429), or queue until one ends. A queued call that goes on in the background
+    starts at once (a task is answered with its task) and waits, working, with a status message that says so; a
+    call answered directly waits up to queue_timeout_s, then is refused."""
     queue_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
-    """With on_limit: queue, how long a request (not a task, which waits as long as its TTL) waits for its turn."""
+    """With on_limit: queue, how long a call answered directly waits for its turn (a background call waits as long
+    as its task lives)."""
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:+*?-]+$")] | None = None
     """What a refusal's data.limit and the mcp_tasks_proxy_rate_limited_total label call it (default: `per`,
     then `match`)."""

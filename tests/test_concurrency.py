@@ -245,3 +245,97 @@ async def test_a_2025_clients_tasks_queue_behind_the_limit_in_front_of_a_2025_se
             await rpc(client, "tools/call", {"name": "release", "arguments": {"tag": gate}})
             await until_status(client, created[gates.index(gate)]["task"]["taskId"], "completed")
     assert proxy.app[concurrency_key]._counts == {}
+
+
+async def test_a_replayed_input_round_retry_takes_a_slot_like_any_call(make_proxy, mcp_upstream, upstream_client,
+                                                                       front):  # fmt: skip
+    """The retry of an input round runs the tool again upstream (a modern server keeps no call open between
+    rounds): it takes a slot, so replaying one requestState cannot run more calls at once than the limit."""
+    rates = [{"per": "upstream", "match": "ask_then_gated", "concurrency": 1}]
+    proxy = await make_proxy(mcp_upstream, protocol="modern", limits={"rates": rates})  # no rule: relayed
+    gate = tag()
+    params = {"name": "ask_then_gated", "arguments": {"tag": gate}, "_meta": meta(tasks=False, **ELICIT)}
+    round_one = await proxy.client.call("tools/call", params, tasks=False)
+    assert round_one.result["resultType"] == "input_required", round_one.message
+    retry = {**params, "inputResponses": {"name": accept("Ada")}, "requestState": round_one.result["requestState"]}
+    first = asyncio.ensure_future(proxy.client.call("tools/call", retry, tasks=False))
+
+    async def started():
+        return await gate_state(upstream_client, gate) == "started"
+
+    await eventually(started, what="the first retry at its gate")
+    replays = [await proxy.client.call("tools/call", retry, tasks=False) for _ in range(2)]
+    assert [reply.status for reply in replays] == [429, 429]
+    arrivals = await upstream_client.call_tool("gate_arrivals", {"tag": gate}, tasks=False)
+    assert arrivals.result["structuredContent"]["result"] == "1"
+    await release(upstream_client, gate)
+    assert (await first).status == 200
+
+
+async def test_the_retry_of_a_keyed_call_finds_its_running_task_and_takes_no_slot(make_proxy, mcp_upstream,
+                                                                                  upstream_client):  # fmt: skip
+    rates = [{"per": "caller", "match": "gated", "concurrency": 1}]
+    proxy = await make_proxy(mcp_upstream, tools=[{"match": "gated"}], limits={"rates": rates})
+    gate, key = tag(), tag()
+    headers = {"Idempotency-Key": key, **auth("alice")}
+    first = await proxy.client.call_tool("gated", {"tag": gate}, headers=headers)
+    again = await proxy.client.call_tool("gated", {"tag": gate}, headers=headers)  # its first answer was lost
+    assert again.status == 200 and again.result["taskId"] == first.result["taskId"]
+    assert (await proxy.client.call_tool("gated", {"tag": tag()}, headers=auth("alice"))).status == 429  # still full
+    await release(upstream_client, gate)
+    await task_reaches(proxy.client, first.result["taskId"], "completed", headers=auth("alice"))
+
+
+async def test_a_queued_task_that_meets_a_refusing_limit_waits_for_it_too(make_proxy, mcp_upstream,
+                                                                          upstream_client):  # fmt: skip
+    """Admitted (queued), a task waits for every slot of its call, whatever each limit says of new calls: it never
+    fails for a limit it was admitted under."""
+    rates = [
+        {"per": "tool", "match": "gated", "concurrency": 1, "on_limit": "queue"},
+        {"per": "caller", "concurrency": 1},
+    ]
+    proxy = await make_proxy(mcp_upstream, tools=[{"match": "gated"}], limits={"rates": rates})
+    bob_gate, alice_gate, other_gate = tag(), tag(), tag()
+    bobs = await proxy.client.call_tool("gated", {"tag": bob_gate}, headers=auth("bob"))
+    alices = await proxy.client.call_tool("gated", {"tag": alice_gate}, headers=auth("alice"))  # queued
+    assert alices.result["resultType"] == "task"
+    # Alice's direct call of another tool holds her caller slot while Bob's ends.
+    other = asyncio.ensure_future(
+        proxy.client.call_tool("gated_idempotent", {"tag": other_gate}, tasks=False, headers=auth("alice"))
+    )
+    await eventually(lambda: _started(upstream_client, other_gate), what="Alice's direct call at its gate")
+    await release(upstream_client, bob_gate)
+    await task_reaches(proxy.client, bobs.result["taskId"], "completed", headers=auth("bob"))
+    await asyncio.sleep(0.3)
+    assert await gate_state(upstream_client, alice_gate) == "unknown"  # still waiting for her caller slot
+    assert (await proxy.client.get_task(alices.result["taskId"], headers=auth("alice"))).result["status"] == "working"
+    await release(upstream_client, other_gate)
+    assert (await other).status == 200
+    await eventually(lambda: _started(upstream_client, alice_gate), what="the queued task sent")
+    await release(upstream_client, alice_gate)
+    await task_reaches(proxy.client, alices.result["taskId"], "completed", headers=auth("alice"))
+
+
+async def _started(upstream_client, gate: str) -> bool:
+    return await gate_state(upstream_client, gate) == "started"
+
+
+async def test_a_replica_that_stops_gives_its_slots_back_in_redis(make_proxy, mcp_upstream, upstream_client):
+    """A graceful stop (a rolling deploy) gives back what the replica held: the limits are not left full of calls
+    that no longer run until their leases lapse."""
+    process, url = start_redis()
+    try:
+        prefix = f"slots-{tag()}:"
+        store = {"backend": "redis", "url": url, "key_prefix": prefix}
+        limits = {"rates": [{"per": "upstream", "match": "gated", "concurrency": 2}]}
+        proxy = await make_proxy(mcp_upstream, tools=[{"match": "gated"}], store=store, limits=limits)
+        gate = tag()
+        created = await proxy.client.call_tool("gated", {"tag": gate})
+        assert created.result["resultType"] == "task"
+        redis = proxy.app[store_key]._fast
+        assert await redis.execute("ZCARD", f"{prefix}slots:0:upstream") == 1
+        await proxy.app[concurrency_key].aclose()
+        assert await redis.execute("ZCARD", f"{prefix}slots:0:upstream") == 0
+        await release(upstream_client, gate)
+    finally:
+        stop(process)

@@ -15,13 +15,14 @@ from multidict import MultiMapping
 
 from .. import tracing
 from ..clients.envelope import tool_name
-from ..config import ToolRule
+from ..config import TaskMode, ToolRule
 from ..jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, UpstreamError, dumps, error_object
 from ..log import bind_request_id
 from ..metrics import Metrics, method_label
 from ..policy import LivePolicy
 from ..security import HostGuard, Identity, caller_of
 from ..tokens import Caller, TokenRefused, TokenVerifier, missing_scopes
+from .concurrency import Concurrency
 from .context import RequestInfo, log_request_handled, wire_error
 from .rates import Rates
 
@@ -101,6 +102,30 @@ async def count_rates(rates: Rates, identity: Identity, headers: MultiMapping[st
     """Count the request against limits.rates (RateLimited past one); nothing to do without limits."""
     if rates.configured:
         await rates.check(messages, caller_of(identity.principal(headers), remote))
+
+
+async def take_slots(
+    concurrency: Concurrency,
+    identity: Identity,
+    headers: MultiMapping[str],
+    messages: Any,
+    remote: Any,
+    info: RequestInfo,
+    rule_for: Callable[[str], ToolRule | None],
+) -> None:
+    """The request's calls' slots under the concurrency limits (limits.rates' concurrency), taken, refused or
+    waited for; nothing to do without such limits. A call that may go on in the background (a rule runs its tool)
+    takes them as its background call starts (Claim.admit: never for a retry that finds its call running, by
+    idempotency key or input round), or in dispatch's `_tools_call` when it is answered directly after all. Given
+    back once the request is answered (`done`), unless a background call took them over."""
+    claim = concurrency.claim(messages, caller_of(identity.principal(headers), remote))
+    if claim is None:
+        return
+    info.claim = claim
+    name = tool_name(messages)  # (a batch's calls never go on in the background)
+    rule = rule_for(name) if name is not None else None
+    if rule is None or rule.task is TaskMode.NEVER:
+        await concurrency.enter(claim)
 
 
 def trace(info: RequestInfo, headers: MultiMapping[str], message: dict[str, Any]) -> None:

@@ -13,12 +13,12 @@ import asyncio
 import itertools
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import structlog
 
-from ..clients.envelope import params_of, tool_name
+from ..clients.envelope import tool_name
 from ..config import LimitsConfig, RateLimit
 from ..metrics import Metrics
 from ..store.base import StoreUnavailable, TaskStore
@@ -41,15 +41,10 @@ _FALLBACK_LOG_S = 30.0
 class Claim:
     """The slots one request (and the background call it may become) needs: per limit and key, how many."""
 
-    __slots__ = ("_owner", "wanted", "lease", "continues", "held", "shared", "passed", "limit")
+    __slots__ = ("_owner", "wanted", "lease", "held", "shared", "passed", "limit")
 
-    def __init__(
-        self, owner: Concurrency, wanted: dict[str, tuple[RateLimit, int]], lease: str, *, continues: bool = False
-    ) -> None:
+    def __init__(self, owner: Concurrency, wanted: dict[str, tuple[RateLimit, int]], lease: str) -> None:
         self._owner = owner
-        self.continues = continues
-        """The retry of an input round (requestState): it continues a call admitted before, so it is never refused
-        nor queued (a slot is taken whatever the counts, for a call that goes on from it)."""
         self.wanted = wanted
         """By the limit's index and key (`index:key`), the limit and how many slots."""
         self.lease = lease
@@ -71,10 +66,18 @@ class Claim:
         self.limit = await self._owner.take(self, force=force)
         return self.limit
 
-    async def wait(self, timeout_s: float | None) -> None:
+    async def admit(self) -> bool:
+        """A new background call's slots, taken as it starts: True when held, False when its limit queues (the
+        call waits for them, `wait`); RateLimited when a limit that refuses is full."""
+        full = await self.take()
+        if full is not None and full.on_limit == "refuse":
+            raise self._owner.refused(full)
+        return full is None
+
+    async def wait(self, timeout_s: float | None, *, patient: bool = False) -> None:
         """Wait until every slot is free and take them; RateLimited past `timeout_s`, or as soon as a limit that
-        refuses is full."""
-        await self._owner.wait(self, timeout_s)
+        refuses is full unless `patient` (a background call admitted before: it waits whatever the limit says)."""
+        await self._owner.wait(self, timeout_s, patient=patient)
 
     def release(self) -> None:
         """Give the slots back (nothing when none is held); Redis hears of it in the background."""
@@ -101,6 +104,8 @@ class Concurrency:
         self._numbers = itertools.count(1)
         self._counts: dict[str, int] = {}
         """Slots held on this replica (not in Redis), by `index:key`; no entry for a count of 0."""
+        self._shared_counts: dict[str, int] = {}
+        """Slots this replica holds in Redis, by `index:key`: counted too while it counts alone (Redis failed)."""
         self._freed: asyncio.Event | None = None
         """Set when slots held here are given back: the requests queued here try again, in the order they came."""
         self._renewed: set[Claim] = set()
@@ -125,33 +130,28 @@ class Concurrency:
             if rate.concurrency is not None:
                 name = f"{index}:{key}"
                 wanted[name] = (rate, wanted[name][1] + 1 if name in wanted else 1)
-        if not wanted:
-            return None
-        continues = len(calls) == 1 and params_of(calls[0]).get("requestState") is not None
-        return Claim(self, wanted, f"{self._name}:{next(self._numbers)}", continues=continues)
+        return Claim(self, wanted, f"{self._name}:{next(self._numbers)}") if wanted else None
 
     def claim_for_call(self, tool: str, caller: str) -> Claim | None:
         """The slots a tools/call of `tool` by `caller` needs (a call taken over from a lost replica)."""
         return self.claim({"method": "tools/call", "params": {"name": tool}}, caller)
 
-    async def enter(self, claim: Claim, *, background: bool) -> None:
-        """A request's claim at the front door: taken, or refused (RateLimited), or waited for (on_limit: queue).
-        `background`: the request may become a background call, which waits as a queued task instead (`hold`
-        waits here, should it not)."""
-        full = await claim.take(force=claim.continues)
+    async def enter(self, claim: Claim) -> None:
+        """A request's claim at the front door: taken, or refused (RateLimited), or waited for (on_limit: queue,
+        up to its queue_timeout_s)."""
+        full = await claim.take()
         if full is None:
             return
         if full.on_limit == "refuse":
-            raise self._refused(full)
-        if not background:
-            await claim.wait(full.queue_timeout_s)
+            raise self.refused(full)
+        await claim.wait(full.queue_timeout_s)
 
     @staticmethod
     async def hold(claim: Claim | None) -> None:
-        """A request that `enter` let by unheld, to become a background call, is answered directly after all: it
-        waits for its slots here."""
+        """A call the front door let by to become a background call (which takes its slots as it starts: `admit`)
+        is answered directly after all: its slots are taken, refused or waited for here, as `enter` does."""
         if claim is not None and not claim.held and not claim.passed:
-            await claim.wait(claim.limit.queue_timeout_s if claim.limit is not None else None)
+            await claim._owner.enter(claim)
 
     async def take(self, claim: Claim, *, force: bool = False) -> RateLimit | None:
         if claim.held:
@@ -161,13 +161,17 @@ class Concurrency:
             wanted = [(rate.concurrency or 0, count) for rate, count in claim.wanted.values()]
             try:
                 full = await self._store.take_slots(names, wanted, claim.lease, int(LEASE_S * 1e6), force=force)
-            except StoreUnavailable as exc:
+            except StoreUnavailable as exc:  # (should the script still run, its lease lapses: counted too long)
                 self._fall_back(exc)
+            except asyncio.CancelledError:  # the client left while Redis took the slots
+                self._drop_lease(claim)
+                raise
             else:
                 if full is not None:
                     if full:
                         return claim.wanted[names[full - 1]][0]
                     claim.held = claim.shared = True
+                    _add(self._shared_counts, claim, 1)
                     self._renew(claim)
                     return None
         return self._take_here(claim, force=force)
@@ -178,15 +182,15 @@ class Concurrency:
                 self._metrics.rate_limit_local.labels(rate.label).inc()
         if not force:
             for name, (rate, count) in claim.wanted.items():
-                if self._counts.get(name, 0) + count > (rate.concurrency or 0):
+                held = self._counts.get(name, 0) + self._shared_counts.get(name, 0)
+                if held + count > (rate.concurrency or 0):
                     return rate
-        for name, (_, count) in claim.wanted.items():
-            self._counts[name] = self._counts.get(name, 0) + count
+        _add(self._counts, claim, 1)
         claim.held = True
         claim.shared = False
         return None
 
-    async def wait(self, claim: Claim, timeout_s: float | None) -> None:
+    async def wait(self, claim: Claim, timeout_s: float | None, *, patient: bool = False) -> None:
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
         poll_s = _POLL_S[0]
@@ -194,11 +198,11 @@ class Concurrency:
             full = await claim.take()  # (the claim's: it notes the full limit)
             if full is None:
                 return
-            if full.on_limit == "refuse":
-                raise self._refused(full)
+            if full.on_limit == "refuse" and not patient:
+                raise self.refused(full)
             left = None if deadline is None else deadline - loop.time()
             if left is not None and left <= 0:
-                raise self._refused(full, waited=True)
+                raise self.refused(full, waited=True)
             if self._freed is None:
                 self._freed = asyncio.Event()
             freed = self._freed
@@ -212,32 +216,36 @@ class Concurrency:
     def release(self, claim: Claim) -> None:
         if claim.shared:
             self._renewed.discard(claim)
-            held = [
-                (name, f"{claim.lease}:{n}") for name, (_, count) in claim.wanted.items() for n in range(1, count + 1)
-            ]
-            self._background(self._keep(held, 0))
+            _add(self._shared_counts, claim, -1)
+            self._drop_lease(claim)
         else:
-            for name, (_, count) in claim.wanted.items():
-                left = self._counts.get(name, 0) - count
-                if left > 0:
-                    self._counts[name] = left
-                else:
-                    self._counts.pop(name, None)
+            _add(self._counts, claim, -1)
         if self._freed is not None:  # the requests queued here try again
             self._freed.set()
             self._freed = None
 
     async def aclose(self) -> None:
-        """Stop renewing (the leases lapse) and let go of the releases under way."""
+        """Stop renewing, and give back in Redis what this replica still holds (calls stopped at shutdown) and what
+        it was giving back, within a second: a rolling deploy must not leave the limits full of calls that no
+        longer run (what is not given back lapses with its lease)."""
         if self._renewer is not None:
             self._renewer.cancel()
+        held = [member for claim in self._renewed for member in _members(claim)]
+        self._renewed.clear()
+        if held:
+            self._background(self._keep(held, 0))
+        if self._pending:
+            await asyncio.wait(list(self._pending), timeout=1.0)
         for task in list(self._pending):
             task.cancel()
 
-    def _refused(self, rate: RateLimit, *, waited: bool = False) -> RateLimited:
+    def refused(self, rate: RateLimit, *, waited: bool = False) -> RateLimited:
         self._metrics.rate_limited.labels(rate.label).inc()
         why = f"queued {rate.queue_timeout_s:g} s without a free slot" if waited else "no free slot"
         return RateLimited(rate.label, _REFUSED_WAIT_S, f"{rate.concurrency} at once, {why}")
+
+    def _drop_lease(self, claim: Claim) -> None:
+        self._background(self._keep(list(_members(claim)), 0))
 
     def _renew(self, claim: Claim) -> None:
         self._renewed.add(claim)
@@ -247,17 +255,11 @@ class Concurrency:
     async def _renewing(self) -> None:
         while self._renewed:
             await asyncio.sleep(_RENEW_S)
-            held = [
-                (name, f"{claim.lease}:{n}")
-                for claim in list(self._renewed)
-                for name, (_, count) in claim.wanted.items()
-                for n in range(1, count + 1)
-            ]
+            held = [member for claim in list(self._renewed) for member in _members(claim)]
             if held:
                 found = await self._keep(held, int(LEASE_S * 1e6))
-                if found is not None and found < len(held):
-                    meaning = "Redis lost slots this replica holds: the limits count fewer calls"
-                    log.warning("concurrency_leases_lost", held=len(held), found=found, meaning=meaning)
+                if found is not None and found < len(held):  # (a Redis restarted empty): written again
+                    log.warning("concurrency_leases_restored", held=len(held), found=found)
 
     async def _keep(self, held: list[tuple[str, str]], life_us: int) -> int | None:
         try:
@@ -278,3 +280,20 @@ class Concurrency:
         if now - self._fallback_logged >= _FALLBACK_LOG_S:
             self._fallback_logged = now
             log.warning("concurrency_limits_local", reason=str(exc), meaning="each replica counts alone meanwhile")
+
+
+def _members(claim: Claim) -> Iterator[tuple[str, str]]:
+    """The claim's leases in Redis: (limit key, member) for each slot it takes."""
+    for name, (_, count) in claim.wanted.items():
+        for n in range(1, count + 1):
+            yield name, f"{claim.lease}:{n}"
+
+
+def _add(counts: dict[str, int], claim: Claim, sign: int) -> None:
+    """Count the claim's slots in (sign 1) or out (-1); no entry is kept for a count of 0."""
+    for name, (_, count) in claim.wanted.items():
+        left = counts.get(name, 0) + sign * count
+        if left > 0:
+            counts[name] = left
+        else:
+            counts.pop(name, None)

@@ -41,7 +41,6 @@ from ..jsonrpc import (
     loads,
     result_response,
 )
-from ..security import caller_of
 from ..upstream.bridge import StreamReply
 from ..upstream.era2025 import discover_result
 from ..upstream.events import UpstreamUnavailable
@@ -137,7 +136,8 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
             raise refused
     await boundary.count_rates(app[rates_key], app[identity_key], request.headers, message, request.remote)
     if app[concurrency_key].configured:
-        await _take_slots(request, message)
+        await boundary.take_slots(app[concurrency_key], app[identity_key], request.headers, message, request.remote,
+                                  info, app[policy_key].config.rule_for)  # fmt: skip
     if kind != "request":
         return await _not_a_request(request, kind, message, body)
     method = message["method"]
@@ -179,21 +179,6 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
         body = upstream_body(message, body) if modern else body
         return await app[gateway_key].relay.relay_rewritten(request, body, message["id"], _advertise_tasks, limit=limit)
     return await _relay(request, message, body, modern=modern)
-
-
-async def _take_slots(request: web.Request, message: Any) -> None:
-    """The request's calls' slots under the concurrency limits, taken, refused or waited for; a call that may go
-    on in the background (a rule runs its tool) waits as a queued task instead, or in `_tools_call` when it does
-    not. Given back once the request is answered (boundary.done), unless a background call took them over."""
-    app = request.app
-    caller = caller_of(app[identity_key].principal(request.headers), request.remote)
-    claim = app[concurrency_key].claim(message, caller)
-    if claim is None:
-        return
-    request[info_key].claim = claim
-    name = tool_name(message)  # (a batch's calls never go on in the background)
-    rule = app[policy_key].config.rule_for(name) if name is not None else None
-    await app[concurrency_key].enter(claim, background=rule is not None and rule.task is not TaskMode.NEVER)
 
 
 def route(

@@ -34,8 +34,8 @@ _LOCAL_AFTER_FAILURE_S = 5.0
 _AHEAD_S = 0.05
 """With Redis, a replica under load counts a limit's requests ahead, up to this long's worth of its rate (never more
 than its burst), and admits them without asking again: one script call for many requests. What it counted and did
-not use within this time is not given back: at most this long's worth of the rate goes unused when a replica's load
-stops, and what is admitted over any period stays within the limit over that period and this long more."""
+not use within this time is given back with its next call for the key (lost only when none comes): what is admitted
+over any period stays within the limit over that period and this long more."""
 
 
 class _Ahead:
@@ -115,8 +115,12 @@ class Rates:
                 ahead.left -= 1
                 return 0.0
             count = _ahead_of(rate, ahead, now)
+            unused = 0
+            if ahead is not None and ahead.left:  # counted before, and its time is up: given back in this call
+                unused, ahead.left = ahead.left, 0
+            interval_us, tolerance_us = math.ceil(interval_s * 1e6), math.floor(tolerance_s * 1e6)
             try:
-                counted = await self._store.rate(key, math.ceil(interval_s * 1e6), math.floor(tolerance_s * 1e6), count)
+                counted = await self._store.rate(key, interval_us, tolerance_us, count, unused)
                 if counted is not None:
                     if counted < 0:
                         return -counted / 1e6

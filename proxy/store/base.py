@@ -77,10 +77,11 @@ class TaskStore(Protocol):
     async def credential(self, task_id: str) -> bytes | None:
         """The credential kept by put_credential, or None."""
 
-    async def rate(self, name: str, interval_us: int, tolerance_us: int, count: int = 1) -> int | None:
-        """Count up to `count` requests against a rate limit shared by every replica: how many were counted (as
-        many as it allows now), or when none is allowed, minus the microseconds until one would be; None for a
-        store no other replica shares (the limit is then the replica's own)."""
+    async def rate(self, name: str, interval_us: int, tolerance_us: int, count: int = 1, unused: int = 0) -> int | None:
+        """Count up to `count` requests against a rate limit shared by every replica, after giving back `unused`
+        it counted before: how many were counted (as many as it allows now), or when none is allowed, minus the
+        microseconds until one would be; None for a store no other replica shares (the limit is then the
+        replica's own)."""
 
     async def take_slots(
         self, names: list[str], wanted: list[tuple[int, int]], lease: str, life_us: int, *, force: bool = False
@@ -236,7 +237,7 @@ class MemoryTaskStore:
     async def credential(self, task_id: str) -> bytes | None:
         return None
 
-    async def rate(self, name: str, interval_us: int, tolerance_us: int, count: int = 1) -> int | None:
+    async def rate(self, name: str, interval_us: int, tolerance_us: int, count: int = 1, unused: int = 0) -> int | None:
         return None
 
     async def take_slots(

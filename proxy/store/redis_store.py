@@ -59,15 +59,16 @@ return 1
 _CREATE_SHA = hashlib.sha1(_CREATE, usedforsecurity=False).hexdigest()
 
 # GCRA (the generic cell rate algorithm) on Redis's clock, so that replicas whose clocks differ count alike. KEYS: the
-# limit's key. ARGV: the emission interval and the tolerance (interval x (burst - 1)), in microseconds, and how many
-# requests to count at once (a replica counts ahead: proxy/front/rates.py). The key holds the theoretical arrival time
-# of the next request. Returns how many were counted (1 to ARGV[3], as many as the limit allows now), or when none is
-# allowed, minus the microseconds until one would be.
+# limit's key. ARGV: the emission interval and the tolerance (interval x (burst - 1)), in microseconds, how many
+# requests to count at once (a replica counts ahead: proxy/front/rates.py), and how many it counted before and did not
+# use (given back first). The key holds the theoretical arrival time of the next request. Returns how many were
+# counted (1 to ARGV[3], as many as the limit allows now), or when none is allowed, minus the microseconds until one
+# would be.
 _RATE = b"""
 local now = redis.call('TIME')
 now = tonumber(now[1]) * 1000000 + tonumber(now[2])
 local interval = tonumber(ARGV[1])
-local tat = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
+local tat = (tonumber(redis.call('GET', KEYS[1]) or '0') or 0) - tonumber(ARGV[4]) * interval
 if tat < now then tat = now end
 local wait = tat - now - tonumber(ARGV[2])
 if wait > 0 then return -math.ceil(wait) end
@@ -102,7 +103,8 @@ return 0
 _SLOTS_TAKE_SHA = hashlib.sha1(_SLOTS_TAKE, usedforsecurity=False).hexdigest()
 
 # Renew (ARGV[1]: the new life in microseconds) or, with ARGV[1] 0, release the leases named in ARGV[2..], each a
-# member of the key at the same place in KEYS. Returns how many leases were found.
+# member of the key at the same place in KEYS. A lease renewed that Redis no longer held (it restarted empty) is
+# written again: the call still runs. Returns how many leases were found.
 _SLOTS_KEEP = b"""
 local now = redis.call('TIME')
 now = tonumber(now[1]) * 1000000 + tonumber(now[2])
@@ -112,8 +114,8 @@ local found = 0
 for i, key in ipairs(KEYS) do
   if life == 0 then
     found = found + redis.call('ZREM', key, ARGV[i + 1])
-  elseif redis.call('ZADD', key, 'XX', 'CH', expiry, ARGV[i + 1]) == 1 then
-    found = found + 1
+  else
+    found = found + 1 - redis.call('ZADD', key, expiry, ARGV[i + 1])
     redis.call('PEXPIRE', key, math.ceil(life / 1000))
   end
 end
@@ -259,12 +261,13 @@ class RedisTaskStore:
         assert isinstance(written, int)
         return written
 
-    async def rate(self, name: str, interval_us: int, tolerance_us: int, count: int = 1) -> int:
-        """Count up to `count` requests against the rate limit `name` for every replica (GCRA): how many were
-        counted (as many as it allows now), or when none is allowed, minus the microseconds until one would be."""
+    async def rate(self, name: str, interval_us: int, tolerance_us: int, count: int = 1, unused: int = 0) -> int:
+        """Count up to `count` requests against the rate limit `name` for every replica (GCRA), after giving back
+        `unused` counted before: how many were counted (as many as it allows now), or when none is allowed, minus
+        the microseconds until one would be."""
         async with self._link.answering("rate"):
             keys = (self._keys.rate(name),)
-            counted = await self._script(_RATE, _RATE_SHA, keys, (interval_us, tolerance_us, count))
+            counted = await self._script(_RATE, _RATE_SHA, keys, (interval_us, tolerance_us, count, unused))
             if not isinstance(counted, int) or isinstance(counted, bool) or counted == 0 or counted > count:
                 raise Inconsistent("the rate script answered out of its range")
         return counted

@@ -73,6 +73,10 @@ class Admission:
             return resumed
         defaults = self._defaults()  # the policy in force now; the job keeps these values through any reload
         limits = self._limits()
+        if call.slots is not None and not call.slots.held:
+            # A new call (not a retry that found its call running): its concurrency slots now, or refused, or
+            # waited for by its job (queued).
+            await call.slots.admit()
         slots = self._admit(call, rule, limits)
         holds_slot = False
         if slots is not None and rule.on_limit == "refuse":

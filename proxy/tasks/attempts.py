@@ -68,7 +68,7 @@ class Attempts:
             limited = job.call.slots
             if limited is not None and not limited.held:  # a concurrency limit that queues (limits.rates)
                 await self._settlement.queue(job, f"queued: past the concurrency limit {limited.full!r}")
-                await limited.wait(None)
+                await limited.wait(None, patient=True)  # admitted: it waits whatever its limits say
             if job.slots is None or job.holds_slot:
                 # (A call taken over from a lost replica may still be marked queued, slots or not.)
                 if not job.queued or await self._settlement.unqueue(job):

@@ -15,8 +15,8 @@ from .model import TaskStatus
 
 
 class Slots(Protocol):
-    """A call's slots under the policy's concurrency limits (proxy/front/concurrency.py's Claim): taken at the
-    front door, or waited for by the call's job when its limit queues."""
+    """A call's slots under the policy's concurrency limits (proxy/front/concurrency.py's Claim): taken as its
+    background call starts (admit), or waited for by the call's job when its limit queues."""
 
     held: bool
     passed: bool
@@ -28,7 +28,9 @@ class Slots(Protocol):
 
     async def take(self, *, force: bool = False) -> Any: ...
 
-    async def wait(self, timeout_s: float | None) -> None: ...
+    async def admit(self) -> bool: ...
+
+    async def wait(self, timeout_s: float | None, *, patient: bool = False) -> None: ...
 
     def release(self) -> None: ...
 

@@ -243,9 +243,10 @@ class Takeover:
         else:
             job.run = attempt
         slots = state.slots_for(call.tool, call.caller)
-        if slots is not None:  # admitted on the lost replica, whose slots lapse: counted here from now on
-            await slots.take(force=True)
-            slots.passed = True
+        if slots is not None:
+            if not job.queued:  # it ran on the lost replica, whose slots lapse: counted here from now on
+                await slots.take(force=True)
+            slots.passed = True  # (one still queued waits for its slots here, as it did there)
             job.call.slots = slots
         if tracing.TRACER.enabled:
             job.span = tracing.TRACER.start_task(job.task_id, job.call.tool)

@@ -62,10 +62,14 @@ async def answer(
     status = 500
     reply = None
     try:
-        if lane.rates.configured:
+        if lane.rates.configured or lane.concurrency.configured:
             peer = out.transport.get_extra_info("peername") if out.transport is not None else None
-            await boundary.count_rates(lane.rates, lane.identity, headers, request.message,
-                                       peer[0] if isinstance(peer, tuple) else None)  # fmt: skip
+            remote = peer[0] if isinstance(peer, tuple) else None
+            await boundary.count_rates(lane.rates, lane.identity, headers, request.message, remote)
+            if lane.concurrency.configured:
+                rule_for = lane.policy.config.rule_for
+                await boundary.take_slots(lane.concurrency, lane.identity, headers, request.message, remote, info,
+                                          rule_for)  # fmt: skip
         if request.kind == "owned":
             status = await _owned(lane, out, request, info, keep_alive=keep_alive)
         elif request.kind == "legacy":

@@ -209,8 +209,6 @@ def lane_request(
     way = route(message, headers, lane.policy.config, head.rule_for)
     if caller is not True and boundary.scopes_refusal(caller, message, head.rule_for) is not None:
         return None  # the application answers 403, from the same check
-    if message["method"] == "tools/call" and lane.concurrency.configured:
-        return None  # the application takes its slots under the concurrency limits
     if kind == "owned":
         if way not in ("tasks", "create") or (way == "create") != (head.rule is not None):
             return None
