@@ -95,13 +95,18 @@ def main() -> int:
     except KeyboardInterrupt:
         return 0
     finally:
-        for process in (proxy, server):
-            if process is not None and process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    process.kill()
+        stop(proxy, server)
+
+
+def stop(*processes: subprocess.Popen[bytes] | None) -> None:
+    """Stop each process still running, in order: asked to end, killed after 10 s."""
+    for process in processes:
+        if process is not None and process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
 
 
 if __name__ == "__main__":

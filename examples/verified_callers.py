@@ -199,13 +199,7 @@ def main() -> int:
             print(exc, file=sys.stderr)
             return 1
         finally:
-            for process in reversed(processes):
-                if process.poll() is None:
-                    process.terminate()
-                    try:
-                        process.wait(timeout=10)
-                    except subprocess.TimeoutExpired:
-                        process.kill()
+            demo.stop(*reversed(processes))
 
 
 if __name__ == "__main__":

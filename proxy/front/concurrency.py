@@ -22,7 +22,7 @@ from ..clients.envelope import tool_name
 from ..config import LimitsConfig, RateLimit
 from ..metrics import Metrics
 from ..store.base import StoreUnavailable, TaskStore
-from .rates import RateLimited, limited_keys
+from .rates import CountingAlone, RateLimited, limited_keys
 
 log = structlog.get_logger(__name__)
 
@@ -34,8 +34,6 @@ _POLL_S = (0.05, 1.0)
 slots without telling."""
 _REFUSED_WAIT_S = 1.0
 """The Retry-After of a refusal: when a call ends is not known."""
-_LOCAL_AFTER_FAILURE_S = 5.0
-_FALLBACK_LOG_S = 30.0
 
 
 class Claim:
@@ -98,7 +96,6 @@ class Concurrency:
         self._limits = limits
         self._store = store
         self._metrics = metrics
-        self._timer = timer
         self._name = secrets.token_hex(6)
         """This replica's leases' prefix."""
         self._numbers = itertools.count(1)
@@ -112,8 +109,7 @@ class Concurrency:
         """The claims held in Redis, whose leases are renewed."""
         self._renewer: asyncio.Task[None] | None = None
         self._pending: set[asyncio.Task[Any]] = set()
-        self._local_until = -1.0
-        self._fallback_logged = -_FALLBACK_LOG_S
+        self._alone = CountingAlone(timer, "concurrency_limits_local")
 
     @property
     def configured(self) -> bool:
@@ -156,13 +152,13 @@ class Concurrency:
     async def take(self, claim: Claim, *, force: bool = False) -> RateLimit | None:
         if claim.held:
             return None
-        if self._store.shared and self._timer() >= self._local_until:
+        if self._store.shared and not self._alone.now:
             names = list(claim.wanted)
             wanted = [(rate.concurrency or 0, count) for rate, count in claim.wanted.values()]
             try:
                 full = await self._store.take_slots(names, wanted, claim.lease, int(LEASE_S * 1e6), force=force)
             except StoreUnavailable as exc:  # (should the script still run, its lease lapses: counted too long)
-                self._fall_back(exc)
+                self._alone.failed(exc)
             except asyncio.CancelledError:  # the client left while Redis took the slots
                 self._drop_lease(claim)
                 raise
@@ -265,21 +261,13 @@ class Concurrency:
         try:
             return await self._store.keep_slots(held, life_us)
         except StoreUnavailable as exc:
-            self._fall_back(exc)
+            self._alone.failed(exc)
             return None  # a lease not renewed or released lapses by itself
 
     def _background(self, work: Any) -> None:
         task = asyncio.get_running_loop().create_task(work)
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
-
-    def _fall_back(self, exc: StoreUnavailable) -> None:
-        now = self._timer()
-        # For a while each replica counts alone without asking: a Redis that stalls must not hold every request.
-        self._local_until = now + _LOCAL_AFTER_FAILURE_S
-        if now - self._fallback_logged >= _FALLBACK_LOG_S:
-            self._fallback_logged = now
-            log.warning("concurrency_limits_local", reason=str(exc), meaning="each replica counts alone meanwhile")
 
 
 def _members(claim: Claim) -> Iterator[tuple[str, str]]:

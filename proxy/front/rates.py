@@ -29,8 +29,6 @@ _LOCAL_KEYS = 100_000
 """Keys one replica counts alone at most (the least recently used go first: their next request starts afresh)."""
 _LONG_NAME = 128
 """A tool name longer than this is counted under its hash: the key stays short whatever a client sends."""
-_FALLBACK_LOG_S = 30.0
-_LOCAL_AFTER_FAILURE_S = 5.0
 _AHEAD_S = 0.05
 """With Redis, a replica under load counts a limit's requests ahead, up to this long's worth of its rate (never more
 than its burst), and admits them without asking again: one script call for many requests. What it counted and did
@@ -47,6 +45,31 @@ class _Ahead:
         self.left = left
         self.size = size
         self.until = until
+
+
+class CountingAlone:
+    """After Redis failed to answer, a replica counts its limits alone for 5 s without asking it again (a Redis that
+    stalls must not hold every request for its timeout once per limit), said in the log every 30 s at most."""
+
+    _FOR_S = 5.0
+    _LOG_EVERY_S = 30.0
+
+    def __init__(self, timer: Callable[[], float], event: str) -> None:
+        self._timer = timer
+        self._event = event
+        self._until = -1.0
+        self._logged = -self._LOG_EVERY_S
+
+    @property
+    def now(self) -> bool:
+        return self._timer() < self._until
+
+    def failed(self, exc: StoreUnavailable) -> None:
+        now = self._timer()
+        self._until = now + self._FOR_S
+        if now - self._logged >= self._LOG_EVERY_S:
+            self._logged = now
+            log.warning(self._event, reason=str(exc), meaning="each replica counts alone meanwhile")
 
 
 class RateLimited(JsonRpcError):
@@ -83,9 +106,7 @@ class Rates:
             _LOCAL_KEYS, ttu=lambda _key, ahead, _now: ahead.until + _AHEAD_S, timer=timer
         )
         """Per key, the requests counted in Redis ahead (kept a while after, for how many the next count takes)."""
-        self._fallback_logged = -_FALLBACK_LOG_S
-        self._local_until = -1.0
-        """Until then (after Redis failed to answer), limits are counted here without asking Redis."""
+        self._alone = CountingAlone(timer, "rate_limits_local")
         for rate in limits().rates:  # each limit a series from the start, for rate() and alerts
             metrics.rate_limited.labels(rate.label)
 
@@ -109,7 +130,7 @@ class Rates:
         interval_s = 1 / rate.requests_per_s
         tolerance_s = interval_s * (rate.allowed_burst - 1)
         now = self._timer()
-        if self._store.shared and now >= self._local_until:
+        if self._store.shared and not self._alone.now:
             ahead = self._ahead.get(key)
             if ahead is not None and ahead.left and now < ahead.until:
                 ahead.left -= 1
@@ -127,13 +148,7 @@ class Rates:
                     self._keep_ahead(key, counted)
                     return 0.0
             except StoreUnavailable as exc:
-                now = self._timer()
-                # For a while, each replica counts alone without asking: a Redis that stalls must not hold every
-                # request for its timeout once per limit.
-                self._local_until = now + _LOCAL_AFTER_FAILURE_S
-                if now - self._fallback_logged >= _FALLBACK_LOG_S:
-                    self._fallback_logged = now
-                    log.warning("rate_limits_local", reason=str(exc), meaning="each replica counts alone meanwhile")
+                self._alone.failed(exc)
         if self._store.shared:
             self._metrics.rate_limit_local.labels(rate.label).inc()
         return self._count_here(key, interval_s, tolerance_s)
