@@ -32,6 +32,9 @@ _RENEW_S = 10.0
 _POLL_S = (0.05, 1.0)
 """A queued request asks Redis again after the first wait, doubling up to the second: another replica frees its
 slots without telling."""
+_RELEASE_AFTER_S = 0.005
+"""Slots given back in Redis wait this long for the next take on this replica, which carries them in its script
+call (one call per request under load, not two); alone, they go in a call of their own."""
 _REFUSED_WAIT_S = 1.0
 """The Retry-After of a refusal: when a call ends is not known."""
 
@@ -109,6 +112,9 @@ class Concurrency:
         """The claims held in Redis, whose leases are renewed."""
         self._renewer: asyncio.Task[None] | None = None
         self._pending: set[asyncio.Task[Any]] = set()
+        self._releasing: list[tuple[str, str]] = []
+        """Leases given back here, not yet in Redis: the next take carries them, or `_flush` after _RELEASE_AFTER_S."""
+        self._flushing: asyncio.TimerHandle | None = None
         self._alone = CountingAlone(timer, "concurrency_limits_local")
 
     @property
@@ -155,12 +161,16 @@ class Concurrency:
         if self._store.shared and not self._alone.now:
             names = list(claim.wanted)
             wanted = [(rate.concurrency or 0, count) for rate, count in claim.wanted.values()]
+            releasing = self._take_releases()
             try:
-                full = await self._store.take_slots(names, wanted, claim.lease, int(LEASE_S * 1e6), force=force)
+                full = await self._store.take_slots(
+                    names, wanted, claim.lease, int(LEASE_S * 1e6), force=force, releasing=releasing
+                )
             except StoreUnavailable as exc:  # (should the script still run, its lease lapses: counted too long)
                 self._alone.failed(exc)
+                self._release_in_redis(releasing)  # asked again: they lapse if Redis does not answer
             except asyncio.CancelledError:  # the client left while Redis took the slots
-                self._drop_lease(claim)
+                self._release_in_redis([*releasing, *_members(claim)])
                 raise
             else:
                 if full is not None:
@@ -213,7 +223,9 @@ class Concurrency:
         if claim.shared:
             self._renewed.discard(claim)
             _add(self._shared_counts, claim, -1)
-            self._drop_lease(claim)
+            self._releasing.extend(_members(claim))
+            if self._flushing is None:
+                self._flushing = asyncio.get_running_loop().call_later(_RELEASE_AFTER_S, self._flush)
         else:
             _add(self._counts, claim, -1)
         if self._freed is not None:  # the requests queued here try again
@@ -226,10 +238,9 @@ class Concurrency:
         longer run (what is not given back lapses with its lease)."""
         if self._renewer is not None:
             self._renewer.cancel()
-        held = [member for claim in self._renewed for member in _members(claim)]
+        held = [*self._take_releases(), *(member for claim in self._renewed for member in _members(claim))]
         self._renewed.clear()
-        if held:
-            self._background(self._keep(held, 0))
+        self._release_in_redis(held)
         if self._pending:
             await asyncio.wait(list(self._pending), timeout=1.0)
         for task in list(self._pending):
@@ -240,8 +251,21 @@ class Concurrency:
         why = f"queued {rate.queue_timeout_s:g} s without a free slot" if waited else "no free slot"
         return RateLimited(rate.label, _REFUSED_WAIT_S, f"{rate.concurrency} at once, {why}")
 
-    def _drop_lease(self, claim: Claim) -> None:
-        self._background(self._keep(list(_members(claim)), 0))
+    def _take_releases(self) -> list[tuple[str, str]]:
+        """The leases given back here and not yet in Redis, now this replica's to send."""
+        if self._flushing is not None:
+            self._flushing.cancel()
+            self._flushing = None
+        releasing, self._releasing = self._releasing, []
+        return releasing
+
+    def _flush(self) -> None:
+        self._flushing = None
+        self._release_in_redis(self._take_releases())
+
+    def _release_in_redis(self, held: list[tuple[str, str]]) -> None:
+        if held:
+            self._background(self._keep(held, 0))
 
     def _renew(self, claim: Claim) -> None:
         self._renewed.add(claim)

@@ -84,11 +84,19 @@ class TaskStore(Protocol):
         replica's own)."""
 
     async def take_slots(
-        self, names: list[str], wanted: list[tuple[int, int]], lease: str, life_us: int, *, force: bool = False
+        self,
+        names: list[str],
+        wanted: list[tuple[int, int]],
+        lease: str,
+        life_us: int,
+        *,
+        force: bool = False,
+        releasing: list[tuple[str, str]] = (),  # type: ignore[assignment]
     ) -> int | None:
         """Take slots of concurrency limits shared by every replica, all or none: for each name, (limit, how
-        many). 0 when taken, else the 1-based index of a name with too few free; None for a store no other
-        replica shares (the limits are then the replica's own)."""
+        many), after giving back the leases `releasing` (name, member). 0 when taken, else the 1-based index of
+        a name with too few free; None for a store no other replica shares (the limits are then the replica's
+        own)."""
 
     async def keep_slots(self, held: list[tuple[str, str]], life_us: int) -> int | None:
         """Renew the slots' leases `held` (name, member) for life_us, or release them (life_us 0): how many were
@@ -241,7 +249,14 @@ class MemoryTaskStore:
         return None
 
     async def take_slots(
-        self, names: list[str], wanted: list[tuple[int, int]], lease: str, life_us: int, *, force: bool = False
+        self,
+        names: list[str],
+        wanted: list[tuple[int, int]],
+        lease: str,
+        life_us: int,
+        *,
+        force: bool = False,
+        releasing: list[tuple[str, str]] = (),  # type: ignore[assignment]
     ) -> int | None:
         return None
 

@@ -80,23 +80,27 @@ return counted
 _RATE_SHA = hashlib.sha1(_RATE, usedforsecurity=False).hexdigest()
 
 # Concurrency slots (limits.rates' concurrency) as leases in sorted sets, scored by their expiry on Redis's clock: a
-# lost replica's slots lapse by themselves. KEYS: the limits' keys, each once. ARGV: the lease's name, its life in
-# microseconds, whether to take it whatever the counts (1: a call taken over from a lost replica), then per key the
-# limit and how many slots the request takes. All or nothing: returns 0 when taken, else the index of a full key.
+# lost replica's slots lapse by themselves. KEYS: the limits' keys, each once (the first ARGV[4]), then the keys of
+# leases given back first (the replica's releases since its last call). ARGV: the lease's name, its life in
+# microseconds, whether to take it whatever the counts (1: a call taken over from a lost replica), how many keys are
+# the limits', then per limit key the limit and how many slots the request takes, then the member given back from
+# each further key. All or nothing: returns 0 when taken, else the index of a full key.
 _SLOTS_TAKE = b"""
 local now = redis.call('TIME')
 now = tonumber(now[1]) * 1000000 + tonumber(now[2])
-for i, key in ipairs(KEYS) do
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
-  if ARGV[3] == '0' and redis.call('ZCARD', key) + tonumber(ARGV[3 + 2 * i]) > tonumber(ARGV[2 + 2 * i]) then
+local n = tonumber(ARGV[4])
+for j = n + 1, #KEYS do redis.call('ZREM', KEYS[j], ARGV[4 + n + j]) end
+for i = 1, n do
+  redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now)
+  if ARGV[3] == '0' and redis.call('ZCARD', KEYS[i]) + tonumber(ARGV[4 + 2 * i]) > tonumber(ARGV[3 + 2 * i]) then
     return i
   end
 end
 local expiry = string.format('%.0f', now + tonumber(ARGV[2]))
 local life_ms = math.ceil(tonumber(ARGV[2]) / 1000)
-for i, key in ipairs(KEYS) do
-  for n = 1, tonumber(ARGV[3 + 2 * i]) do redis.call('ZADD', key, expiry, ARGV[1] .. ':' .. n) end
-  redis.call('PEXPIRE', key, life_ms)
+for i = 1, n do
+  for m = 1, tonumber(ARGV[4 + 2 * i]) do redis.call('ZADD', KEYS[i], expiry, ARGV[1] .. ':' .. m) end
+  redis.call('PEXPIRE', KEYS[i], life_ms)
 end
 return 0
 """
@@ -273,15 +277,25 @@ class RedisTaskStore:
         return counted
 
     async def take_slots(
-        self, names: list[str], wanted: list[tuple[int, int]], lease: str, life_us: int, *, force: bool = False
+        self,
+        names: list[str],
+        wanted: list[tuple[int, int]],
+        lease: str,
+        life_us: int,
+        *,
+        force: bool = False,
+        releasing: list[tuple[str, str]] = (),  # type: ignore[assignment]
     ) -> int:
-        """Take slots of concurrency limits for every replica, all or none: for each name, (limit, how many).
-        0 when taken (members `lease:1`..), else the 1-based index of a name with too few free."""
-        args: list[str | bytes | int] = [lease, life_us, int(force)]
+        """Take slots of concurrency limits for every replica, all or none: for each name, (limit, how many), after
+        giving back the leases `releasing` (name, member). 0 when taken (members `lease:1`..), else the 1-based
+        index of a name with too few free."""
+        args: list[str | bytes | int] = [lease, life_us, int(force), len(names)]
         for limit, count in wanted:
             args += [limit, count]
+        args += [member for _, member in releasing]
+        keys = (*map(self._keys.slots, names), *(self._keys.slots(name) for name, _ in releasing))
         async with self._link.answering("slots"):
-            full = await self._script(_SLOTS_TAKE, _SLOTS_TAKE_SHA, tuple(map(self._keys.slots, names)), tuple(args))
+            full = await self._script(_SLOTS_TAKE, _SLOTS_TAKE_SHA, keys, tuple(args))
             if not isinstance(full, int) or isinstance(full, bool) or not 0 <= full <= len(names):
                 raise Inconsistent("the slots script answered out of its range")
         return full
