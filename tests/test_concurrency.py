@@ -121,7 +121,7 @@ async def test_a_queued_call_answered_directly_waits_at_the_door_then_is_refused
     await asyncio.sleep(0.1)
     await release(upstream_client, gate)
     assert (await first).status == 200
-    await eventually(lambda: gate_state(upstream_client, second_gate), what="the second call sent")
+    await eventually(lambda: _started(upstream_client, second_gate), what="the second call sent")
     await release(upstream_client, second_gate)
     assert (await second).status == 200
     assert proxy.app[concurrency_key]._counts == {}
