@@ -127,8 +127,9 @@ async def test_a_queued_call_answered_directly_waits_at_the_door_then_is_refused
     assert proxy.app[concurrency_key]._counts == {}
 
 
-async def test_the_retry_of_an_input_round_continues_its_call_and_takes_no_slot(make_proxy, mcp_upstream,
-                                                                                upstream_client):  # fmt: skip
+async def test_the_retry_of_an_input_round_that_becomes_a_task_holds_its_slot_while_it_runs(
+    make_proxy, mcp_upstream, upstream_client
+):
     rates = [{"per": "caller", "concurrency": 1}]
     tools = [{"match": "ask_then_gated", "sync_window_ms": 1500}]
     proxy = await make_proxy(mcp_upstream, tools=tools, limits={"rates": rates})

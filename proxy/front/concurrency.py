@@ -1,11 +1,11 @@
-"""Concurrency limits (limits.rates' `concurrency`): how many requests and background calls may run at once, per
-caller, tool, both, or the upstream, checked at the front door (the lane leaves a request one applies to the
-application's handler).
+"""Concurrency limits (limits.rates' `concurrency`): how many tools/call may run at once, per caller, tool, both, or
+the upstream, checked at the front door for both readers (boundary.take_slots).
 
-A request takes its slots as it comes in (a Claim) and gives them back once answered; a call that goes on in the
-background (a task, a durable or kept-alive call) takes its request's claim over and gives it back when it ends.
-With the Redis store a slot is a lease in Redis, renewed by the replica that holds it and lapsing when that replica
-is lost; with the memory store, or for 5 s after Redis failed to answer, each replica counts alone."""
+A call answered directly takes its slots as it comes in (a Claim) and gives them back once answered; a call that goes
+on in the background (a task, a durable or kept-alive call) takes them as it starts (Claim.admit) and gives them back
+when it ends. With the Redis store a slot is a lease in Redis, renewed by the replica that holds it, given back when
+it stops and lapsing when it is lost; with the memory store, or for 5 s after Redis failed to answer, each replica
+counts alone."""
 
 from __future__ import annotations
 
