@@ -327,8 +327,9 @@ class RateLimit(_Strict):
     """What is counted apart: each caller (a principal, or an anonymous caller's network address), each tool, each
     caller's use of each tool, or the upstream as a whole. `tool` and `caller+tool` count only tools/call."""
     match: Annotated[str, Field(min_length=1)] | None = None
-    """A tool name or glob: the entry counts only the tools/call of those tools. Without it, every JSON-RPC message
-    POSTed to the MCP endpoint (tools/call and tasks/get polling alike; each message of a batch)."""
+    """A tool name or glob: the entry counts only the tools/call of those tools. Without it, a rate counts every
+    JSON-RPC message POSTed to the MCP endpoint (tools/call and tasks/get polling alike; each message of a batch),
+    and a concurrency every tools/call."""
     requests_per_s: Annotated[float, Field(gt=0, le=1_000_000)] | None = None
     """The sustained rate."""
     burst: PositiveInt | None = None
@@ -388,7 +389,7 @@ class LimitsConfig(_Strict):
     """Limits on the requests to the MCP endpoint (a rate, calls at once, or both), each by caller, tool, both, or
     the upstream: kept in Redis with the Redis store, so that every replica counts against the same limit (per
     replica with the memory store, or while Redis does not answer). Past one: HTTP 429, Retry-After, and -32603
-    with data.limit and data.retryAfterMs."""
+    with data.limit and data.retryAfterMs (or queued, for a concurrency with on_limit: queue)."""
 
     @functools.cached_property
     def rated(self) -> bool:

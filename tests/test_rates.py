@@ -148,3 +148,23 @@ async def test_under_load_each_replica_counts_ahead_in_redis_and_the_limit_still
         assert asked < offered, (asked, offered)  # some were admitted from what was counted ahead
     finally:
         stop(process)
+
+
+async def test_counts_given_back_stay_given_back_when_the_request_is_refused(make_proxy, mcp_upstream):
+    """A replica gives back what it counted ahead and did not use with its next script call for the key; that call
+    may be refused, and what it gave back must stay given back (it was lost, and the limit admitted less)."""
+    process, url = start_redis()
+    try:
+        store = {"backend": "redis", "url": url, "key_prefix": "given:"}
+        limits = {"rates": [{"per": "caller", "requests_per_s": 1, "burst": 1}]}
+        proxy = await make_proxy(mcp_upstream, protocol="modern", store=store, limits=limits)
+        redis_store = proxy.app[store_key]
+        seconds, micros = await redis_store._fast.execute("TIME")
+        now = int(seconds) * 1_000_000 + int(micros)
+        await redis_store._fast.execute("SET", "given:rate:k", str(now + 5_000_000))  # 5 counted ahead, 1 µs apart
+        refused = await redis_store.rate("k", 1_000_000, 0, 1, 2)  # 2 of them given back, and still refused
+        assert -3_100_000 < refused < -2_500_000, refused
+        kept = int(await redis_store._fast.execute("GET", "given:rate:k"))
+        assert now + 2_500_000 < kept < now + 3_500_000, kept - now
+    finally:
+        stop(process)

@@ -32,8 +32,8 @@ _LONG_NAME = 128
 _AHEAD_S = 0.05
 """With Redis, a replica under load counts a limit's requests ahead, up to this long's worth of its rate (never more
 than its burst), and admits them without asking again: one script call for many requests. What it counted and did
-not use within this time is given back with its next call for the key (lost only when none comes): what is admitted
-over any period stays within the limit over that period and this long more."""
+not use within this time is given back with its next call for the key, if that comes within twice this time: what is
+admitted over any period stays within the limit over that period and this long more."""
 
 
 class _Ahead:

@@ -71,7 +71,12 @@ local interval = tonumber(ARGV[1])
 local tat = (tonumber(redis.call('GET', KEYS[1]) or '0') or 0) - tonumber(ARGV[4]) * interval
 if tat < now then tat = now end
 local wait = tat - now - tonumber(ARGV[2])
-if wait > 0 then return -math.ceil(wait) end
+if wait > 0 then
+  if ARGV[4] ~= '0' then  -- what was given back stays given back
+    redis.call('SET', KEYS[1], string.format('%.0f', tat), 'PX', math.ceil((tat - now) / 1000) + 1)
+  end
+  return -math.ceil(wait)
+end
 local counted = math.min(math.floor(-wait / interval) + 1, tonumber(ARGV[3]))
 tat = tat + counted * interval
 redis.call('SET', KEYS[1], string.format('%.0f', tat), 'PX', math.ceil((tat - now) / 1000) + 1)
@@ -107,8 +112,9 @@ return 0
 _SLOTS_TAKE_SHA = hashlib.sha1(_SLOTS_TAKE, usedforsecurity=False).hexdigest()
 
 # Renew (ARGV[1]: the new life in microseconds) or, with ARGV[1] 0, release the leases named in ARGV[2..], each a
-# member of the key at the same place in KEYS. A lease renewed that Redis no longer held (it restarted empty) is
-# written again: the call still runs. Returns how many leases were found.
+# member of the key at the same place in KEYS. When Redis held none of the leases renewed (it restarted empty), they
+# are written again: their calls still run (one lease missing among others was released, and stays so). Returns how
+# many leases were found.
 _SLOTS_KEEP = b"""
 local now = redis.call('TIME')
 now = tonumber(now[1]) * 1000000 + tonumber(now[2])
@@ -119,7 +125,12 @@ for i, key in ipairs(KEYS) do
   if life == 0 then
     found = found + redis.call('ZREM', key, ARGV[i + 1])
   else
-    found = found + 1 - redis.call('ZADD', key, expiry, ARGV[i + 1])
+    found = found + redis.call('ZADD', key, 'XX', 'CH', expiry, ARGV[i + 1])
+  end
+end
+if life > 0 then
+  for i, key in ipairs(KEYS) do
+    if found == 0 then redis.call('ZADD', key, expiry, ARGV[i + 1]) end
     redis.call('PEXPIRE', key, math.ceil(life / 1000))
   end
 end

@@ -100,6 +100,8 @@ class Admission:
         if job.task_id in self._state.jobs:  # a caller-fixed id (a durable call's) whose call runs here already
             if job.holds_slot and job.slots is not None:
                 job.slots.release()
+            if call.slots is not None:  # its request follows the call that runs: it needs no slot of its own
+                call.slots.release()
             raise TaskIdTaken(job.task_id)
         call.message = retry_message(call.message, None, None, keep_client_round=True)
         if call.slots is not None:  # the request's concurrency slots are the job's from now on (released in _forget)

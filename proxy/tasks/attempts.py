@@ -66,7 +66,7 @@ class Attempts:
             return
         try:
             limited = job.call.slots
-            if limited is not None and not limited.held:  # a concurrency limit that queues (limits.rates)
+            if limited is not None and not limited.held and await limited.take() is not None:  # it queues
                 await self._settlement.queue(job, f"queued: past the concurrency limit {limited.full!r}")
                 await limited.wait(None, patient=True)  # admitted: it waits whatever its limits say
             if job.slots is None or job.holds_slot:

@@ -245,7 +245,11 @@ class Takeover:
         slots = state.slots_for(call.tool, call.caller)
         if slots is not None:
             if not job.queued:  # it ran on the lost replica, whose slots lapse: counted here from now on
-                await slots.take(force=True)
+                try:
+                    await slots.take(force=True)
+                except BaseException:  # (stopped meanwhile: the job must not stay in the table unstarted)
+                    self._admission.forget(job)
+                    raise
             slots.passed = True  # (one still queued waits for its slots here, as it did there)
             job.call.slots = slots
         if tracing.TRACER.enabled:
