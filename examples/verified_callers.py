@@ -168,14 +168,16 @@ def policy(server_url: str, resource_url: str, jwks: Path, redis_url: str | None
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--server-port", type=int, default=9000, help="port of the example MCP server")
-    parser.add_argument("--proxy-port", type=int, default=8080, help="port of mcp-tasks-proxy (the second: one more)")
+    parser.add_argument("--proxy-port", type=int, default=8080, help="port of mcp-tasks-proxy")
+    parser.add_argument("--second-port", type=int, help="with --redis, port of the second replica (default: one more)")
     parser.add_argument("--redis", metavar="URL", help="run two replicas that share this Redis")
     args = parser.parse_args()
-    replicas = 2 if args.redis else 1
-    ports = [args.proxy_port + n for n in range(replicas)]
+    ports = [args.proxy_port]
+    if args.redis:
+        ports.append(args.second_port or args.proxy_port + 1)
     demo.require_free(args.server_port, "--server-port")
     for port in ports:
-        demo.require_free(port, "--proxy-port")
+        demo.require_free(port, "--proxy-port" if port == args.proxy_port else "--second-port")
     server_url = f"http://127.0.0.1:{args.server_port}/mcp"
     urls = [f"http://127.0.0.1:{port}/mcp" for port in ports]
     issuer = Issuer(audience=urls[0])

@@ -199,7 +199,7 @@ def test_verified_callers_walks_refusals_a_token_refresh_and_a_limit_across_repl
     try:
         done = subprocess.run(
             [sys.executable, "examples/verified_callers.py", "--server-port", str(free_port()),
-             "--proxy-port", str(free_port()), *(["--redis", url] if url else [])],
+             "--proxy-port", str(free_port()), *(["--redis", url, "--second-port", str(free_port())] if url else [])],
             cwd=ROOT, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
     finally:
