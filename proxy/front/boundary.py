@@ -98,13 +98,13 @@ def retry_after(exc: Exception) -> str | None:
     return str(max(1, math.ceil(wait))) if isinstance(wait, float | int) else None
 
 
-async def count_rates(rates: Rates, identity: Identity, headers: MultiMapping[str], messages: Any, remote: Any) -> None:
-    """Count the request against limits.rates (RateLimited past one); nothing to do without limits."""
-    if rates.configured:
-        await rates.check(messages, caller_of(identity.principal(headers), remote))
+def limited(rates: Rates, concurrency: Concurrency) -> bool:
+    """Whether limits.rates holds any limit for `apply_limits` to apply (both readers ask before any other work)."""
+    return rates.configured or concurrency.configured
 
 
-async def take_slots(
+async def apply_limits(
+    rates: Rates,
     concurrency: Concurrency,
     identity: Identity,
     headers: MultiMapping[str],
@@ -113,12 +113,16 @@ async def take_slots(
     info: RequestInfo,
     rule_for: Callable[[str], ToolRule | None],
 ) -> None:
-    """The request's calls' slots under the concurrency limits (limits.rates' concurrency), taken, refused or
-    waited for; nothing to do without such limits. A call that may go on in the background (a rule runs its tool)
-    takes them as its background call starts (Claim.admit: never for a retry that finds its call running, by
-    idempotency key or input round), or in dispatch's `_tools_call` when it is answered directly after all. Given
-    back once the request is answered (`done`), unless a background call took them over."""
-    claim = concurrency.claim(messages, caller_of(identity.principal(headers), remote))
+    """limits.rates for the request's messages, the caller found once for both kinds: counted against the rates
+    (RateLimited past one), then its calls' slots under the concurrency limits taken, refused or waited for. A call
+    that may go on in the background (a rule runs its tool) takes its slots as its background call starts
+    (Claim.admit: never for a retry that finds its call running, by idempotency key or input round), or in
+    dispatch's `_tools_call` when it is answered directly after all. Given back once the request is answered
+    (`done`), unless a background call took them over."""
+    caller = caller_of(identity.principal(headers), remote)
+    if rates.configured:
+        await rates.check(messages, caller)
+    claim = concurrency.claim(messages, caller) if concurrency.configured else None
     if claim is None:
         return
     info.claim = claim

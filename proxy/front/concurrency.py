@@ -1,5 +1,5 @@
 """Concurrency limits (limits.rates' `concurrency`): how many tools/call may run at once, per caller, tool, both, or
-the upstream, checked at the front door for both readers (boundary.take_slots).
+the upstream, checked at the front door for both readers (boundary.apply_limits).
 
 A call answered directly takes its slots as it comes in (a Claim) and gives them back once answered; a call that goes
 on in the background (a task, a durable or kept-alive call) takes them as it starts (Claim.admit) and gives them back

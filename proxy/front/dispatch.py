@@ -134,10 +134,9 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
         refused = boundary.scopes_refusal(verifier.cached(request.headers), message, app[policy_key].config.rule_for)
         if refused is not None:
             raise refused
-    await boundary.count_rates(app[rates_key], app[identity_key], request.headers, message, request.remote)
-    if app[concurrency_key].configured:
-        await boundary.take_slots(app[concurrency_key], app[identity_key], request.headers, message, request.remote,
-                                  info, app[policy_key].config.rule_for)  # fmt: skip
+    if boundary.limited(app[rates_key], app[concurrency_key]):
+        await boundary.apply_limits(app[rates_key], app[concurrency_key], app[identity_key], request.headers, message,
+                                    request.remote, info, app[policy_key].config.rule_for)  # fmt: skip
     if kind != "request":
         return await _not_a_request(request, kind, message, body)
     method = message["method"]

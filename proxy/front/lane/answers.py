@@ -62,14 +62,11 @@ async def answer(
     status = 500
     reply = None
     try:
-        if lane.rates.configured or lane.concurrency.configured:
+        if boundary.limited(lane.rates, lane.concurrency):
             peer = out.transport.get_extra_info("peername") if out.transport is not None else None
             remote = peer[0] if isinstance(peer, tuple) else None
-            await boundary.count_rates(lane.rates, lane.identity, headers, request.message, remote)
-            if lane.concurrency.configured:
-                rule_for = lane.policy.config.rule_for
-                await boundary.take_slots(lane.concurrency, lane.identity, headers, request.message, remote, info,
-                                          rule_for)  # fmt: skip
+            await boundary.apply_limits(lane.rates, lane.concurrency, lane.identity, headers, request.message, remote,
+                                        info, lane.policy.config.rule_for)  # fmt: skip
         if request.kind == "owned":
             status = await _owned(lane, out, request, info, keep_alive=keep_alive)
         elif request.kind == "legacy":
