@@ -5,7 +5,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import structlog
@@ -91,7 +91,7 @@ class TaskStore(Protocol):
         life_us: int,
         *,
         force: bool = False,
-        releasing: list[tuple[str, str]] = (),  # type: ignore[assignment]
+        releasing: Sequence[tuple[str, str]] = (),
     ) -> int | None:
         """Take slots of concurrency limits shared by every replica, all or none: for each name, (limit, how
         many), after giving back the leases `releasing` (name, member). 0 when taken, else the 1-based index of
@@ -256,7 +256,7 @@ class MemoryTaskStore:
         life_us: int,
         *,
         force: bool = False,
-        releasing: list[tuple[str, str]] = (),  # type: ignore[assignment]
+        releasing: Sequence[tuple[str, str]] = (),
     ) -> int | None:
         return None
 

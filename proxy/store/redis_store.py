@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from ..tasks.model import TaskRecord, from_json, to_json
@@ -295,7 +295,7 @@ class RedisTaskStore:
         life_us: int,
         *,
         force: bool = False,
-        releasing: list[tuple[str, str]] = (),  # type: ignore[assignment]
+        releasing: Sequence[tuple[str, str]] = (),
     ) -> int:
         """Take slots of concurrency limits for every replica, all or none: for each name, (limit, how many), after
         giving back the leases `releasing` (name, member). 0 when taken (members `lease:1`..), else the 1-based
