@@ -339,3 +339,32 @@ async def test_a_replica_that_stops_gives_its_slots_back_in_redis(make_proxy, mc
         await release(upstream_client, gate)
     finally:
         stop(process)
+
+
+@pytest.mark.parametrize("answer", [b"garbage", -1, 7, [1, 2]])
+async def test_a_redis_answering_garbage_to_the_slots_script_makes_the_replica_count_alone(
+    make_proxy, mcp_upstream, upstream_client, answer
+):
+    """An answer out of the script's range is a store failure: the call is counted on its replica (no 500), and
+    nothing is held in Redis for it."""
+    process, url = start_redis()
+    try:
+        store = {"backend": "redis", "url": url, "key_prefix": f"slots-{tag()}:"}
+        limits = {"rates": [{"per": "caller", "match": "gated", "concurrency": 1}]}
+        proxy = await make_proxy(mcp_upstream, protocol="modern", store=store, limits=limits)
+        redis_store = proxy.app[store_key]
+
+        async def garbled(*_args):
+            return answer
+
+        redis_store._script = garbled
+        gate = tag()
+        running = asyncio.ensure_future(proxy.client.call_tool("gated", {"tag": gate}, tasks=False))
+        await eventually(lambda: _started(upstream_client, gate), what="the call counted on its replica")
+        assert (await proxy.client.call_tool("gated", {"tag": tag()}, tasks=False)).status == 429
+        assert redis_store.failures.get("slots") == 1
+        await release(upstream_client, gate)
+        assert (await running).status == 200
+        assert proxy.app[concurrency_key]._counts == {}
+    finally:
+        stop(process)
