@@ -100,9 +100,17 @@ class StdioConfig(_Strict):
     children: PositiveInt = 1
     """How many copies of the server the proxy starts (each restarted and stopped alike)."""
     max_children: PositiveInt | None = None
-    """How many copies may run at most (default: 4, or children if more). Another is started when a call that may
-    be asked something finds every copy waiting on an open question of another caller's (shared dispatch) or busy
-    with an asking call (exclusive); copies started so stay. 1 with children 1: always one copy."""
+    """How many copies may run at most (default: 4, or children if more). Another is started when a caller has no
+    copy of its own free for a call (see share_children), or, shared, when a call that may be asked something finds
+    every copy waiting on an open question of another caller's; copies started so stay. 1 with children 1: always
+    one copy."""
+    share_children: bool = False
+    """false: each copy serves one caller (a principal, or an anonymous client's address) until it is restarted for
+    another, so that nothing a server keeps of a caller (the roots it was given, its subscriptions, its log level,
+    an abandoned question) reaches the next. A caller with no copy of its own free takes a copy nobody has, a new
+    one up to max_children, or the idle copy of another caller, restarted (its state gone); past that its call
+    waits up to start_timeout_s for one, then fails. true: any copy serves any caller, for servers that keep
+    nothing of their clients."""
     dispatch: Literal["shared", "exclusive"] = "shared"
     """stdio ties a 2025 server's question to no call, so with two calls that may be asked something in flight on
     one copy the proxy must refuse it. shared: each request goes to the copy with the fewest in flight, but never a
@@ -184,8 +192,14 @@ class UpstreamConfig(_Strict):
     """Legacy upstreams: sessions the proxy keeps open (one per credential). Past it the least recently used idle
     one is ended; one with a call in flight never is, and when all have one, a call that needs a new session fails
     saying so."""
+    round_wait_s: Annotated[float, Field(gt=0)] = 20.0
+    """Legacy upstreams: how long a synchronous call that asked for input (an MRTR round: its answer is
+    input_required) stays open upstream for the client's retry. MRTR lets a client read a round and never come back;
+    past this the call is cancelled there, and the session or stdio child it held serves other calls. Raise it when
+    people answer forms in synchronous calls; a task's questions wait input_wait_s instead."""
     input_wait_s: Annotated[float, Field(gt=0)] = 300.0
-    """Legacy upstreams: how long a synchronous call that asked for input stays open for the client's MRTR retry."""
+    """Legacy upstreams: how long a task's call that asked for input stays open upstream for the client's answers
+    (tasks/update); past this the task fails, the call is cancelled there, and its session or child is free."""
 
     @model_validator(mode="after")
     def _one_upstream(self) -> UpstreamConfig:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
+import sys
 
 import aiohttp
 import pytest
@@ -165,3 +166,22 @@ async def test_before_the_shared_key_loads_a_session_is_answered_here_and_its_an
     request = make_mocked_request("POST", "/mcp", headers={"Mcp-Session-Id": "s-1"})
     assert await routing._forward_if_elsewhere(request) is None  # tried here: the upstream knows its sessions
     await routing.on_response_prepare(request, web.Response(headers={"Mcp-Session-Id": "s-1"}))  # no exception
+
+
+async def test_a_2026_stdio_childs_mrtr_retry_reaches_the_child_that_sealed_its_state(replicas):
+    """Each replica runs its own copy of a 2026 stdio server, whose SDK seals requestState with a key of its process:
+    a retry on another replica was refused there (-32602). The proxy's handle names the replica and the copy."""
+    fixture = [sys.executable, str(ROOT / "tests" / "conformance" / "fixture_server.py"), "--stdio"]
+    asked_on, retried_on = (replicas(fixture, advertise=True, tools=[]) for _ in range(2))
+    async with aiohttp.ClientSession() as http:
+        params = {"name": "confirm_delete", "arguments": {"filename": "a.txt"}, "_meta": meta(tasks=False)}
+        first = await McpClient(http, asked_on.url).call("tools/call", params)
+        assert first.result["resultType"] == "input_required", first.message
+        assert first.result["requestState"].startswith("mtp1c.")  # the child's own state, wrapped
+        retry = {**params, "inputResponses": {"confirm": {"action": "accept", "content": {"confirm": "yes"}}},
+                 "requestState": first.result["requestState"]}  # fmt: skip
+        done = await McpClient(http, retried_on.url).call("tools/call", retry)
+        assert done.result["content"][0]["text"] == "a.txt deleted", done.message
+        # Bound to the caller: another one's retry is refused, wherever it lands.
+        stolen = await McpClient(http, asked_on.url).call("tools/call", retry, headers={"Authorization": "Bearer x"})
+        assert stolen.error["data"] == {"reason": "invalid_request_state"}, stolen.message

@@ -14,6 +14,7 @@ tests/conformance/node_modules.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -60,14 +61,19 @@ def _upstream_command(era: str) -> list[str]:
     return [sys.executable, str(HERE / "fixture_server.py")]
 
 
-@pytest.fixture(scope="module", params=["modern", "legacy", "modern-stdio", "legacy-stdio"])
-def proxied_fixture(request: pytest.FixtureRequest) -> Iterator[str]:
-    """A fixture server of each era, and the proxy in front of it: over HTTP, or started by the proxy itself over
-    stdio (`-- COMMAND`); yields the proxy's MCP URL."""
-    era, _, transport = request.param.partition("-")
+@contextlib.contextmanager
+def proxied(column: str, tmp_path: Path) -> Iterator[str]:
+    """The fixture server of a column, and the proxy in front of it: over HTTP (`modern`, `legacy`), or started by
+    the proxy itself over stdio (`-stdio`; `-stdio-shared`: with dispatch: shared instead of the policy's
+    exclusive); yields the proxy's MCP URL."""
+    era, _, transport = column.partition("-")
+    policy = HERE / "policy.yaml"
+    if transport == "stdio-shared":
+        policy = tmp_path / "policy.yaml"
+        policy.write_text((HERE / "policy.yaml").read_text().replace("dispatch: exclusive", "dispatch: shared"))
     proxy_port = free_port()
     server = None
-    if transport == "stdio":
+    if transport.startswith("stdio"):
         upstream = ["--", *_upstream_command(era), "--stdio"]
     else:
         server_port = free_port()
@@ -80,7 +86,7 @@ def proxied_fixture(request: pytest.FixtureRequest) -> Iterator[str]:
         proxy = subprocess.Popen(
             [
                 sys.executable, "-m", "mcp_tasks_proxy",
-                "--config", str(HERE / "policy.yaml"),
+                "--config", str(policy),
                 "--port", str(proxy_port),
                 "--log-level", "warning",
                 *upstream,
@@ -94,6 +100,12 @@ def proxied_fixture(request: pytest.FixtureRequest) -> Iterator[str]:
         for process in (proxy, server):
             if process is not None:
                 stop(process)
+
+
+@pytest.fixture(scope="module", params=["modern", "legacy", "modern-stdio", "legacy-stdio"])
+def proxied_fixture(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with proxied(request.param, tmp_path_factory.mktemp("column")) as url:
+        yield url
 
 
 def test_the_suite_has_no_tasks_scenario_we_do_not_run(suite):

@@ -50,6 +50,22 @@ async def test_roots_asked_on_the_standalone_stream_become_a_tasks_input(make_pr
     assert "file:///srv/project" in done.result["result"]["content"][0]["text"]
 
 
+async def test_an_abandoned_question_and_given_roots_stay_with_their_caller(make_proxy, everything_upstream):
+    """Alice leaves her task's roots question unanswered (a client that cannot answer it): Bob's own question still
+    reaches him. It was refused for as long as hers stayed open ("2 calls are in flight on this proxy session"), and
+    server-everything answered Bob "no roots are currently configured". Then the roots each gave stay theirs."""
+    proxy = await everything_proxy(make_proxy, everything_upstream)
+    alice, bob = {"Authorization": "Bearer alice"}, {"Authorization": "Bearer bob"}
+    params = {"name": "get-roots-list", "arguments": {}, "_meta": meta(roots={})}
+    abandoned = await proxy.client.call("tools/call", params)
+    await task_reaches(proxy.client, abandoned.result["taskId"], "input_required")
+    assert "file:///srv/project" in await roots_round(proxy.client, "get-roots-list")  # the same (anonymous) caller
+    alices = {"roots": [{"uri": "file:///home/alice", "name": "alice"}]}
+    assert "file:///home/alice" in await roots_round(proxy.client, "get-roots-list", alices, headers=alice)
+    bobs = await roots_round(proxy.client, "get-roots-list", headers=bob)
+    assert "file:///srv/project" in bobs and "alice" not in bobs, bobs
+
+
 async def test_a_tool_that_requires_a_task_upstream_runs_as_the_proxys_task(make_proxy, everything_upstream):
     proxy = await everything_proxy(make_proxy, everything_upstream)
     arguments = {"topic": "tides", "ambiguous": False}

@@ -274,7 +274,7 @@ async def test_a_parked_round_nobody_answers_is_cancelled_upstream(make_proxy, l
     proxy = await make_proxy(
         legacy_upstream,
         tools=[{"match": "ask_gated", "task": "optional", "sync_window_ms": 10_000}],
-        upstream={"input_wait_s": 0.5},
+        upstream={"round_wait_s": 0.5},
     )
     params = {"name": "ask_gated", "arguments": {"tag": gate}, "_meta": meta(**ELICIT)}
     first = await proxy.client.call("tools/call", params)
@@ -286,6 +286,48 @@ async def test_a_parked_round_nobody_answers_is_cancelled_upstream(make_proxy, l
     await eventually(cancelled, what="the unanswered legacy call being cancelled upstream")
     late = {**params, "inputResponses": {}, "requestState": first.result["requestState"]}
     assert (await proxy.client.call("tools/call", late)).error["code"] == -32602
+
+
+async def _asking_task(make_proxy, legacy_upstream, input_wait_s: float) -> tuple[object, str, str]:
+    """A task of ask_gated (a question, then a wait at its gate) under `upstream.input_wait_s`: the proxy, the gate,
+    the task id."""
+    gate = secrets.token_hex(6)
+    proxy = await make_proxy(
+        legacy_upstream,
+        tools=[{"match": "ask_gated", "task": "optional"}],
+        upstream={"input_wait_s": input_wait_s},
+        tasks={"poll_interval_ms": 50},
+    )
+    params = {"name": "ask_gated", "arguments": {"tag": gate}, "_meta": meta(**ELICIT)}
+    return proxy, gate, (await proxy.client.call("tools/call", params)).result["taskId"]
+
+
+async def test_a_task_nobody_answers_fails_after_input_wait_s_and_is_cancelled_upstream(
+    make_proxy, legacy_upstream, legacy_client
+):
+    """A task's question keeps the call open upstream (a session, a stdio child) only for input_wait_s."""
+    proxy, gate, task_id = await _asking_task(make_proxy, legacy_upstream, 0.5)
+    await task_reaches(proxy.client, task_id, "input_required")
+    failed = await task_reaches(proxy.client, task_id, "failed")
+    assert "upstream.input_wait_s" in failed.result["statusMessage"]
+    assert failed.result["error"]["data"] == {"reason": "input_not_given"}
+
+    async def cancelled():
+        return await legacy_client.call_tool("gate_state", {"tag": gate}) == "cancelled"
+
+    await eventually(cancelled, what="the unanswered task's call being cancelled upstream")
+
+
+async def test_a_task_answered_in_time_runs_on_past_its_input_wait(make_proxy, legacy_upstream, legacy_client):
+    proxy, gate, task_id = await _asking_task(make_proxy, legacy_upstream, 0.5)
+    waiting = await task_reaches(proxy.client, task_id, "input_required")
+    (key,) = waiting.result["inputRequests"]
+    await proxy.client.call("tasks/update", {"taskId": task_id, "inputResponses": {key: accept(name="Ada")}})
+    await task_reaches(proxy.client, task_id, "working")
+    await asyncio.sleep(1)  # twice the wait the round had: it ended with the answer, the call runs on
+    assert (await proxy.client.get_task(task_id)).result["status"] == "working"
+    await legacy_client.call_tool("release", {"tag": gate})
+    await task_reaches(proxy.client, task_id, "completed")
 
 
 @pytest.mark.parametrize(("tasks", "times"), [(True, 5), (False, 6)], ids=["task", "sync-window"])

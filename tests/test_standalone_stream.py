@@ -39,15 +39,16 @@ async def test_a_standalone_request_becomes_the_tasks_input_round(proxy):
     assert done.result["result"]["content"][0]["text"] == "file:///srv/project"
 
 
-async def roots_round(client, tool: str) -> str:
-    """A synchronous call of `tool` whose one MRTR round must be roots/list: answered with ROOTS, the tool's text."""
+async def roots_round(client, tool: str, roots: dict = ROOTS, **kw) -> str:
+    """A synchronous call of `tool` whose one MRTR round must be roots/list: answered with `roots`, the tool's
+    text."""
     params = {"name": tool, "arguments": {}, "_meta": meta(tasks=False, roots={})}
-    first = await client.call("tools/call", params)
+    first = await client.call("tools/call", params, **kw)
     validate_response(first.message, "InputRequiredResult", "core")
     ((key, question),) = first.result["inputRequests"].items()
     assert question["method"] == "roots/list"
-    retry = {**params, "inputResponses": {key: ROOTS}, "requestState": first.result["requestState"]}
-    done = await client.call("tools/call", retry)
+    retry = {**params, "inputResponses": {key: roots}, "requestState": first.result["requestState"]}
+    done = await client.call("tools/call", retry, **kw)
     return done.result["content"][0]["text"]
 
 
@@ -61,8 +62,8 @@ async def test_a_client_without_roots_gets_the_request_declined(proxy):
     assert done.result["result"]["content"][0]["text"].startswith("roots refused: -32601")
 
 
-async def test_a_request_no_call_can_be_told_for_is_refused_at_once(proxy, legacy_upstream):
-    """Two calls in flight on the session and no related-task metadata: the server hears why, immediately."""
+async def _gated_call(proxy, legacy_upstream) -> tuple[str, str, LegacyClient]:
+    """A call (that declares no kind of question) waiting upstream: its task id, its gate, and a client to open it."""
     gate = secrets.token_hex(6)
     waiting = await proxy.client.call_tool("gated", {"tag": gate})
     legacy = LegacyClient(proxy.client.session, legacy_upstream)
@@ -71,14 +72,37 @@ async def test_a_request_no_call_can_be_told_for_is_refused_at_once(proxy, legac
         return await legacy.call_tool("gate_state", {"tag": gate}) == "started"
 
     await eventually(started, what="the first call waiting upstream")
+    return waiting.result["taskId"], gate, legacy
+
+
+async def test_a_call_that_may_be_asked_has_a_session_of_its_own(proxy, legacy_upstream):
+    """Another call of the same caller in flight: the question still names its call, on the session made for it."""
+    waiting, gate, legacy = await _gated_call(proxy, legacy_upstream)
     params = {"name": "ask_roots_standalone", "arguments": {}, "_meta": meta(roots={})}
+    created = await proxy.client.call("tools/call", params)
+    asking = await task_reaches(proxy.client, created.result["taskId"], "input_required")
+    ((key, question),) = asking.result["inputRequests"].items()
+    assert question["method"] == "roots/list"
+    await proxy.client.call("tasks/update", {"taskId": created.result["taskId"], "inputResponses": {key: ROOTS}})
+    done = await task_reaches(proxy.client, created.result["taskId"], "completed")
+    assert done.result["result"]["content"][0]["text"] == "file:///srv/project"
+    assert len(proxy.app[gateway_key].legacy._sessions) == 2
+    await legacy.call_tool("release", {"tag": gate})
+    await task_reaches(proxy.client, waiting, "completed")
+
+
+async def test_a_request_no_call_can_be_told_for_is_refused_at_once(proxy, legacy_upstream):
+    """Two calls in flight on the session, neither of which may be asked anything, and no related-task metadata:
+    the server hears why, immediately."""
+    waiting, gate, legacy = await _gated_call(proxy, legacy_upstream)
+    params = {"name": "ask_roots_standalone", "arguments": {}, "_meta": meta()}
     created = await proxy.client.call("tools/call", params)
     done = await task_reaches(proxy.client, created.result["taskId"], "completed")
     text = done.result["result"]["content"][0]["text"]
     assert text.startswith("roots refused: -32603"), text
     assert "2 calls are in flight" in text
     await legacy.call_tool("release", {"tag": gate})
-    assert (await task_reaches(proxy.client, waiting.result["taskId"], "completed")).result["status"] == "completed"
+    assert (await task_reaches(proxy.client, waiting, "completed")).result["status"] == "completed"
 
 
 async def test_the_proxy_session_keeps_one_standalone_stream_open(proxy, legacy_upstream):

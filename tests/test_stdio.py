@@ -73,8 +73,8 @@ async def stdio_proxy(make_proxy, command, **sections):
     return proxy
 
 
-async def tool_text(proxy, name: str, arguments: dict | None = None, **caps) -> str:
-    reply = await proxy.client.call_tool(name, arguments or {}, tasks=False)
+async def tool_text(proxy, name: str, arguments: dict | None = None, **kw) -> str:
+    reply = await proxy.client.call_tool(name, arguments or {}, tasks=False, **kw)
     assert "result" in reply.message, reply.message
     return reply.result["content"][0]["text"]
 
@@ -585,7 +585,7 @@ async def test_requests_past_max_in_flight_fail_at_once_even_in_a_burst(make_pro
     replies = await asyncio.gather(*(proxy.client.call_tool("sleep", {"seconds": 1}, tasks=False) for _ in range(6)))
     failed = [r for r in replies if "error" in r.message]
     assert len(failed) == 4, [r.message for r in replies]
-    assert all("2 calls are in flight" in r.message["error"]["message"] for r in failed)
+    assert all("2 calls are in flight" in r.message["error"]["message"] for r in failed), failed
 
 
 def test_a_caller_at_its_bound_ends_only_its_own_idle_sessions_and_is_refused_when_all_are_busy():

@@ -5,7 +5,7 @@
   (upstream.stdio.max_children), so their own questions reach them instead of being refused as ambiguous.
 - A cancelled call frees its max_concurrency slot at once, whether or not the child ever answers it (the hostile
   child's sleep never does); what does hold a slot without a cancel, a parked MRTR round, is bounded by
-  upstream.input_wait_s.
+  upstream.round_wait_s.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import structlog
 from mcp_tasks_proxy.front.context import gateway_key
 from tests.conftest import eventually, task_reaches
 from tests.factories import meta, request
+from tests.test_standalone_stream import roots_round
 from tests.test_stdio import (
     everything_command,
     hostile_command,
@@ -26,6 +27,7 @@ from tests.test_stdio import (
     open_2025_session,
     stdio_proxy,
     text_of,
+    tool_text,
 )
 
 ELICIT = {"elicitation": {}}
@@ -172,24 +174,24 @@ async def test_a_cancelled_call_frees_its_slot_once_the_child_call_is_dropped(ma
     assert not await _refused(proxy)
 
 
-async def test_a_parked_mrtr_round_holds_the_slot_and_the_question_until_input_wait_s(make_proxy):
+async def test_a_parked_mrtr_round_holds_the_slot_and_the_question_until_round_wait_s(make_proxy):
     """The hold that exists: no cancellation is possible, the client just never retries its MRTR round."""
     proxy = await stdio_proxy(
         make_proxy,
         legacy_command(),
         tools=[{"match": "ask_name", "max_concurrency": 1, "on_limit": "refuse"}],
-        upstream={"input_wait_s": 3},
+        upstream={"round_wait_s": 3},
     )
     message = request("tools/call", {"name": "ask_name", "arguments": {}, "_meta": meta(tasks=False, **ELICIT)})
     assert (await proxy.client.send(message)).result["resultType"] == "input_required"
     again = await proxy.client.send(request("tools/call", {**message["params"]}))
-    assert "max_concurrency" in again.error["message"]  # refused until input_wait_s (300 s by default)
+    assert "max_concurrency" in again.error["message"]  # refused until round_wait_s
 
     async def freed():
         reply = await proxy.client.send(request("tools/call", {**message["params"]}))
         return "result" in reply.message
 
-    await eventually(freed, what="the parked round dropped after input_wait_s")
+    await eventually(freed, what="the parked round dropped after round_wait_s")
 
 
 async def test_with_one_copy_at_most_an_open_question_still_makes_others_ambiguous(make_proxy):
@@ -223,3 +225,81 @@ async def test_the_childs_own_task_is_followed_on_the_copy_that_made_it(make_pro
     assert done.result["status"] in ("completed", "input_required"), done.result
     assert [line["event"] for line in logs if line["event"] == "upstream_task_created"] == ["upstream_task_created"]
     assert len(proxy.app[gateway_key].relay.pool.channels) == 2
+
+
+# --- each copy serves one caller -----------------------------------------------------------------------------------
+
+ALICE, BOB = {"Authorization": "Bearer alice"}, {"Authorization": "Bearer bob"}
+ALICES_ROOTS = {"roots": [{"uri": "file:///home/alice", "name": "alice"}]}
+
+
+async def test_the_roots_one_caller_gave_never_reach_another(make_proxy):
+    """server-everything keeps the roots it was given: on a copy shared by callers, Bob was served Alice's."""
+    proxy = await stdio_proxy(make_proxy, everything_command(), tools=[])
+    assert "file:///home/alice" in await roots_round(proxy.client, "get-roots-list", ALICES_ROOTS, headers=ALICE)
+    bobs = await roots_round(proxy.client, "get-roots-list", headers=BOB)
+    assert "alice" not in bobs and "file:///srv/project" in bobs, bobs
+    owners = {channel.owner for channel in proxy.app[gateway_key].relay.pool.channels}
+    assert len(owners) == 2, owners
+
+
+async def test_shared_copies_serve_one_callers_roots_to_the_next(make_proxy):
+    """What share_children: true leaks, as the docs say (for servers that keep nothing of a caller)."""
+    proxy = await stdio_proxy(make_proxy, everything_command(), tools=[], upstream={"stdio": {"share_children": True}})
+    assert "file:///home/alice" in await roots_round(proxy.client, "get-roots-list", ALICES_ROOTS, headers=ALICE)
+    bob = request("tools/call", {"name": "get-roots-list", "arguments": {}, "_meta": meta(tasks=False, **ROOTS)})
+    reply = await proxy.client.send(bob, headers=BOB)
+    assert "file:///home/alice" in json.dumps(reply.message), reply.message
+
+
+async def test_an_idle_copy_of_another_caller_is_restarted_for_a_caller_with_none(make_proxy):
+    proxy = await stdio_proxy(make_proxy, legacy_command(), tools=[], upstream={"stdio": {"max_children": 1}})
+    pool = proxy.app[gateway_key].relay.pool
+    assert await tool_text(proxy, "add", {"a": 1, "b": 2}, headers=ALICE) == "3"
+    alices = pool.channels[0].pid
+    with structlog.testing.capture_logs() as logs:
+        assert await tool_text(proxy, "add", {"a": 2, "b": 2}, headers=BOB) == "4"
+    assert [line["event"] for line in logs if line["event"] == "stdio_child_reassigned"] == ["stdio_child_reassigned"]
+    assert pool.channels[0].pid != alices
+    assert len(pool.channels) == 1
+
+
+async def test_a_caller_waits_for_a_copy_while_every_one_is_busy_then_is_refused_saying_why(make_proxy):
+    proxy = await stdio_proxy(
+        make_proxy,
+        hostile_command("ok"),
+        tools=[],
+        upstream={"stdio": {"max_children": 1, "start_timeout_s": 2, "stop_grace_s": 0.1}},
+    )
+    held = asyncio.ensure_future(proxy.client.call_tool("sleep", {"seconds": 30}, tasks=False, headers=ALICE))
+    pool = proxy.app[gateway_key].relay.pool
+
+    async def in_the_child():
+        return pool.in_flight > 0
+
+    await eventually(in_the_child, what="Alice's call in the only copy")
+    refused = await proxy.client.call_tool("sleep", {"seconds": 0}, tasks=False, headers=BOB)
+    message = refused.message["error"]["message"]
+    assert "serves another caller's calls" in message and "upstream.stdio.max_children" in message, message
+    assert not held.done()  # Alice's call was never touched
+    held.cancel()
+    await asyncio.gather(held, return_exceptions=True)
+    reply = await proxy.client.call_tool("sleep", {"seconds": 0}, tasks=False, headers=BOB)
+    assert "result" in reply.message, reply.message  # once Alice's copy is idle, it is restarted for Bob
+
+
+@pytest.mark.parametrize("who", ["another caller", "the same caller"])
+async def test_a_round_nobody_retried_yields_its_copy_to_a_call_that_needs_it(make_proxy, who):
+    """Every copy held by a parked MRTR round (MRTR lets a client read a round and never retry): a call that needs
+    one ends the oldest round rather than wait behind it for round_wait_s, or be refused as ambiguous."""
+    proxy = await stdio_proxy(
+        make_proxy, legacy_command(), tools=[], upstream={"stdio": {"max_children": 1}, "round_wait_s": 600}
+    )
+    ask = {"name": "ask_name", "arguments": {}, "_meta": meta(tasks=False, **ELICIT)}
+    first = await proxy.client.call("tools/call", ask, headers=ALICE)
+    assert first.result["resultType"] == "input_required"
+    second = BOB if who == "another caller" else ALICE
+    again = await proxy.client.call("tools/call", ask, headers=second)
+    assert again.result["resultType"] == "input_required", again.message  # its own question reached it
+    late = {**ask, "requestState": first.result["requestState"], "inputResponses": {}}
+    assert (await proxy.client.call("tools/call", late, headers=ALICE)).error["code"] == -32602

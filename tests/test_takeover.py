@@ -46,7 +46,9 @@ class GatedUpstream:
         self.gates: dict[str, asyncio.Event] = {}
         self.cancelled: list[str] = []
 
-    def call_tool(self, message, headers, capabilities, *, max_bytes, on_request, session, follow, detached=None):
+    def call_tool(
+        self, message, headers, capabilities, *, max_bytes, on_request, session, follow, detached=None, caller=""
+    ):
         tag = message["params"]["arguments"]["tag"]
         self.sent.append(tag)
         gate = self.gates.setdefault(tag, asyncio.Event())
@@ -168,7 +170,7 @@ class FollowingLegacy:
     def __init__(self) -> None:
         self.calls: list = []
 
-    def call(self, message, headers, capabilities, *, max_bytes, on_request, follow, detached=None):
+    def call(self, message, headers, capabilities, *, max_bytes, on_request, follow, detached=None, caller=""):
         self.calls.append(follow)
 
         async def events():

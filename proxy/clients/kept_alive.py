@@ -41,6 +41,7 @@ from ..upstream.http.sse import KEEP_ALIVE, message_event
 from . import idempotency
 from .durable_stream import STREAM_HEADERS, DurableStream
 from .envelope import params_of, progress_token
+from .parking import invalid_state
 
 log = structlog.get_logger(__name__)
 
@@ -83,13 +84,13 @@ class KeptAliveCalls:
         """The client's retry of an input round: its answers go to the task, and the call is followed on."""
         _, task_id, mac = (state.split(".") + ["", ""])[:3]
         if not (is_task_id(task_id) and same_mac(mac, self._mac(task_id, call))):
-            raise _invalid_state()
+            raise invalid_state()
         answers = params_of(message).get("inputResponses")
         if not isinstance(answers, dict) or not all(isinstance(answer, dict) for answer in answers.values()):
             raise JsonRpcError(INVALID_PARAMS, "Invalid params: inputResponses must be an object of result objects")
         record = await self._runner.deliver_input(task_id, answers, call.principal)
         if record is None:  # gone (its TTL ended) or another caller's
-            raise _invalid_state()
+            raise invalid_state()
         return await self._follow(request, message, call, rule, record)
 
     async def _follow(
@@ -174,10 +175,6 @@ class KeptAliveCalls:
         await response.write(message_event(answer))
         await response.write_eof()
         return response
-
-
-def _invalid_state() -> JsonRpcError:
-    return JsonRpcError(INVALID_PARAMS, "Invalid or expired requestState", {"reason": "invalid_request_state"})
 
 
 def _answer_of(request_id: Any, outcome: DirectOutcome | TaskRecord) -> tuple[dict[str, Any], int]:

@@ -1,15 +1,18 @@
-"""Calls held open upstream while a synchronous 2026 client answers an MRTR round.
+"""Calls held open upstream while a synchronous 2026 client answers an MRTR round, and a stdio child's own MRTR
+state, which only that child can read.
 
 The client's `requestState` is a handle to the parked call: HMAC-protected, bound to what the caller and the request
 say they are, single-use, and dropped (the call cancelled upstream) when it expires or the table is full. The handle
 names the replica that holds the call (`parked_owner`), so that a retry landing on another replica is forwarded to
-it (proxy/front/session_routing.py); the MAC covers that name too.
+it (proxy/front/session_routing.py); the MAC covers that name too. A 2026 stdio child's own `requestState` is
+wrapped the same way (`ChildStates`): it names the replica and the copy of the server whose process sealed it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextvars
 import hashlib
 import hmac
 import secrets
@@ -19,6 +22,7 @@ from typing import Generic, TypeVar
 import structlog
 from cachetools import TTLCache
 
+from ..jsonrpc import INVALID_PARAMS, JsonRpcError
 from ..security import same_mac
 
 log = structlog.get_logger(__name__)
@@ -31,17 +35,17 @@ class _Expiring(TTLCache, Generic[T]):
 
     def __init__(self, maxsize: int, ttl: float, on_drop: Callable[[T, str], None]) -> None:
         super().__init__(maxsize=maxsize, ttl=ttl)
-        self._on_drop = on_drop
+        self.on_drop = on_drop
 
     def expire(self, time: float | None = None) -> list[tuple[str, T]]:
         expired = super().expire(time)
         for _, item in expired:
-            self._on_drop(item, "expired")
+            self.on_drop(item, "expired")
         return expired
 
     def popitem(self) -> tuple[str, T]:
         key, item = super().popitem()
-        self._on_drop(item, "evicted")
+        self.on_drop(item, "evicted")
         return key, item
 
 
@@ -69,7 +73,8 @@ class ParkedCalls(Generic[T]):
     def park(self, item: T, binding: str) -> str:
         """Hold `item`; the returned token gives it back once, to a claim with the same binding."""
         if self._sweeper is None or self._sweeper.done():
-            self._sweeper = asyncio.ensure_future(self._sweep())
+            # Its own context: the lines it logs belong to no request (not the one that parked first).
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep(), context=contextvars.Context())
         handle = secrets.token_urlsafe(16)
         if self._owner is not None:
             handle = f"{_encoded(self._owner())}~{handle}"
@@ -85,6 +90,15 @@ class ParkedCalls(Generic[T]):
         if not same_mac(mac, self._mac(handle, binding)):
             return None
         return self._table.pop(handle, None)
+
+    def drop_oldest(self, which: Callable[[T], bool]) -> bool:
+        """Drop the item parked longest of those `which` accepts (told to on_drop as "needed"); False if none."""
+        for handle, item in list(self._table.items()):
+            if which(item):
+                del self._table[handle]
+                self._table.on_drop(item, "needed")
+                return True
+        return False
 
     def __len__(self) -> int:
         return len(self._table)
@@ -107,6 +121,49 @@ class ParkedCalls(Generic[T]):
         while True:
             await asyncio.sleep(interval)
             self._table.expire()
+
+
+class ChildStates:
+    """A stdio 2026 child's own requestState, wrapped in a handle of the proxy's: the replica and the copy of the
+    server that can read it (its SDK seals it with a key of its process), MAC-bound to the caller and the request,
+    so that a retry on any replica reaches that copy, and no other caller can use it. Nothing is kept: the handle
+    carries the state."""
+
+    PREFIX = "mtp1c"
+
+    def __init__(self) -> None:
+        self._secret = secrets.token_bytes(32)
+        self.owner: Callable[[], str] | None = None
+        """This replica's id (the task runner's), when there is one to name."""
+
+    def owns(self, token: object) -> bool:
+        return isinstance(token, str) and token.startswith(self.PREFIX + ".")
+
+    def seal(self, state: str, child: int, binding: str) -> str:
+        owner = _encoded(self.owner()) if self.owner is not None else ""
+        handle = f"{owner}~{child}-{base64.urlsafe_b64encode(state.encode()).decode().rstrip('=')}"
+        return f"{self.PREFIX}.{handle}.{self._mac(handle, binding)}"
+
+    def open(self, token: str, binding: str) -> tuple[int, str] | None:
+        """The copy and the child's own state a handle names; None for a forged one, or one made for another caller
+        or request."""
+        parts = token.split(".")
+        if len(parts) != 3 or not same_mac(parts[2], self._mac(parts[1], binding)):
+            return None
+        child, _, state = parts[1].partition("~")[2].partition("-")
+        try:
+            return int(child), base64.urlsafe_b64decode(state + "=" * (-len(state) % 4)).decode()
+        except ValueError:  # (a handle this replica made always decodes)
+            return None
+
+    def _mac(self, handle: str, binding: str) -> str:
+        digest = hmac.new(self._secret, f"{handle}|{binding}".encode(), hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(digest).decode().rstrip("=")
+
+
+def invalid_state() -> JsonRpcError:
+    """A requestState the proxy cannot take: forged, used, expired, or another caller's (-32602)."""
+    return JsonRpcError(INVALID_PARAMS, "Invalid or expired requestState", {"reason": "invalid_request_state"})
 
 
 def _encoded(replica_id: str) -> str:

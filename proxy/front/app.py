@@ -105,11 +105,12 @@ def create_app(
             app[bridge_key] = SyncBridge(
                 legacy,
                 identity,
-                input_wait_s=config.upstream.input_wait_s,
+                round_wait_s=config.upstream.round_wait_s,
                 max_bytes=lambda: policy.config.limits.max_result_bytes,
                 max_questions=lambda: policy.config.tasks.max_input_rounds,
                 owner=lambda: app[runner_key].replica_id,  # (the runner exists by the time a call is parked)
             )
+            gateway.ends_rounds(app[bridge_key].end_round)
             probe = asyncio.ensure_future(_probe_era(app[gateway_key]))
             yield
             probe.cancel()
@@ -148,6 +149,7 @@ def create_app(
             reap_interval_s=config.store.reap_interval_s,
             reconcile_interval_s=config.store.reconcile_interval_s,
             lease_s=config.store.lease_s,
+            round_wait_s=config.upstream.round_wait_s,
             input_wait_s=config.upstream.input_wait_s,
             metrics=app[metrics_key],
             rule_for=lambda tool: policy.config.rule_for(tool),
@@ -156,6 +158,8 @@ def create_app(
             slots_for=app[concurrency_key].claim_for_call,
         )
         app[runner_key] = runner
+        app[gateway_key].ends_rounds(runner.end_round)
+        app[gateway_key].serves_as(lambda: runner.replica_id)
         app[durable_key] = DurableCalls(runner, app[store_key], app[identity_key])
         app[kept_alive_key] = KeptAliveCalls(runner, app[store_key], app[identity_key])
         app[tasks2025_key] = Tasks2025(runner, app[store_key], app[identity_key], app[poll_guard_key])

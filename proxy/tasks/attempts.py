@@ -208,6 +208,7 @@ class Attempts:
             session=job.call.client_session,
             follow=job.follow,  # kept for every attempt: a retry follows again, it never sends the call
             detached=job.is_detached,
+            caller=job.call.caller,
         )
         started_s = self._state.timer()
         outcome = "cancelled"

@@ -25,11 +25,21 @@ log = structlog.get_logger(__name__)
 class InputRounds:
     """Asks the client what the upstream asks, through the task, and brings the answers back to the call."""
 
-    def __init__(self, state: RunnerState, settlement: Settlement, recovery: Recovery, rounds: SyncRounds) -> None:
+    def __init__(
+        self,
+        state: RunnerState,
+        settlement: Settlement,
+        recovery: Recovery,
+        rounds: SyncRounds,
+        *,
+        input_wait_s: float = 300.0,
+    ) -> None:
         self._state = state
         self._settlement = settlement
         self._recovery = recovery
         self._rounds = rounds
+        self._input_wait_s = input_wait_s
+        self._unanswered: set[asyncio.Task[None]] = set()
 
     async def ask_client(self, job: Job, requests: dict[str, Any]) -> dict[str, Any] | None:
         """Put the upstream's input requests in the task and wait for tasks/update to answer them all.
@@ -116,6 +126,11 @@ class InputRounds:
         if not job.waiting_input:
             job.waiting_input = True
             self._state.metrics.input_rounds.labels(job.call.tool).inc()
+            # The call stays open upstream, holding its session or child, only as long as input_wait_s says.
+            job.input_waits += 1
+            # (By task id: a call that ends sooner is not kept for the timer.)
+            loop = asyncio.get_running_loop()
+            loop.call_later(self._input_wait_s, self._check_answered, job.task_id, job.input_waits)
         added: dict[str, Any] = {}
         for upstream_key, input_request in needed.input_requests.items():
             task_key = job.unique_key(upstream_key)
@@ -145,6 +160,28 @@ class InputRounds:
             )
         if record is not None:
             await self._settlement.announce(job.task_id)
+
+    def _check_answered(self, task_id: str, wait: int) -> None:
+        job = self._state.jobs.get(task_id)
+        if job is not None and self._still_waiting(job, wait):
+            task = asyncio.ensure_future(self._unanswered_input(job, wait))
+            self._unanswered.add(task)
+            task.add_done_callback(self._unanswered.discard)
+
+    @staticmethod
+    def _still_waiting(job: Job, wait: int) -> bool:
+        return job.waiting_input and job.input_waits == wait and not job.settled and job.runner is not None
+
+    async def _unanswered_input(self, job: Job, wait: int) -> None:
+        """A legacy call's questions left unanswered past input_wait_s: the task fails and the call is cancelled
+        upstream, so that it no longer holds its session or child."""
+        if not self._still_waiting(job, wait):  # answered since the timer fired
+            return
+        reason = f"the client did not answer the input requests within {self._input_wait_s:g} s (upstream.input_wait_s)"
+        error = error_object(INTERNAL_ERROR, f"Input not given: {reason}", {"reason": "input_not_given"})
+        log.info("task_input_not_given", task_id=job.task_id, tool=job.call.tool, wait_s=self._input_wait_s)
+        await self._settlement.settle(job, TaskStatus.FAILED, error=error, status_message=reason)
+        job.stop("the client did not answer the input requests")
 
     async def deliver_input(
         self, task_id: str, responses: dict[str, Any], principal: str | None = None

@@ -111,6 +111,8 @@ class Job:
     span: Any = None
     """The task's OpenTelemetry span (proxy/tracing.py) while it is open on this replica; None without tracing."""
     waiting_input: bool = False
+    input_waits: int = 0
+    """How many times a legacy call began to wait for answers: tells a wait's timer whether it is still that wait."""
     answered: asyncio.Event | None = None
     """Made for each modern input round; set when tasks/update has answered every outstanding input request."""
     issued_keys: set[str] | None = None

@@ -61,6 +61,7 @@ class TaskRunner:
         reap_interval_s: float = 5.0,
         reconcile_interval_s: float = 5.0,
         lease_s: float = 0.0,
+        round_wait_s: float = 20.0,
         input_wait_s: float = 300.0,
         metrics: Metrics | None = None,
         rule_for: Callable[[str], ToolRule | None] = lambda tool: None,
@@ -81,7 +82,7 @@ class TaskRunner:
         if slots_for is not None:
             self._state.slots_for = slots_for
         self._defaults = defaults
-        self._rounds = SyncRounds(input_wait_s=input_wait_s, upstream_url=upstream.url, owner=self._state.replica_id)
+        self._rounds = SyncRounds(round_wait_s=round_wait_s, upstream_url=upstream.url, owner=self._state.replica_id)
         self._settlement = Settlement(self._state)
         self._recovery = Recovery(
             self._state,
@@ -89,7 +90,9 @@ class TaskRunner:
             reap_interval_s=reap_interval_s,
             reconcile_interval_s=reconcile_interval_s,
         )
-        self._input_rounds = InputRounds(self._state, self._settlement, self._recovery, self._rounds)
+        self._input_rounds = InputRounds(
+            self._state, self._settlement, self._recovery, self._rounds, input_wait_s=input_wait_s
+        )
         hints = RepeatHints(upstream, lambda: limits().max_result_bytes)
         self.credentials = Credentials(self._state, follow=credentials_follow)
         attempts = Attempts(self._state, self._settlement, self._input_rounds, hints, self.credentials)
@@ -209,6 +212,10 @@ class TaskRunner:
         """Take over the running tasks whose replica's lease lapsed (killed, partitioned) or that it handed over:
         run again those that may be, fail the others; returns how many."""
         return await self._takeover.sweep()
+
+    def end_round(self, caller: str | None) -> bool:
+        """End a sync window's parked MRTR round (SyncRounds.end_round)."""
+        return self._rounds.end_round(caller)
 
     async def aclose(self, grace_s: float = 0.0) -> None:
         """Hand the calls that may run again to the other replicas, let the rest finish for up to grace_s, then

@@ -14,8 +14,8 @@ from typing import Any
 import structlog
 
 from ..clients.envelope import params_of
-from ..clients.parking import ParkedCalls
-from ..jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, JsonRpcError, error_object
+from ..clients.parking import ParkedCalls, invalid_state
+from ..jsonrpc import INTERNAL_ERROR, error_object
 from ..upstream.events import InputNeeded
 from .job import DirectOutcome, Job, RoundLimit, ToolCall
 
@@ -32,9 +32,9 @@ def _binding(call: ToolCall) -> str:
 
 
 class SyncRounds:
-    def __init__(self, *, input_wait_s: float, upstream_url: str, owner: str = "") -> None:
+    def __init__(self, *, round_wait_s: float, upstream_url: str, owner: str = "") -> None:
         self._parked: ParkedCalls[Job] = ParkedCalls(
-            prefix=_STATE_PREFIX, ttl_s=input_wait_s, on_drop=_drop, owner=(lambda: owner) if owner else None
+            prefix=_STATE_PREFIX, ttl_s=round_wait_s, on_drop=_drop, owner=(lambda: owner) if owner else None
         )
         self._upstream_url = upstream_url
 
@@ -47,7 +47,7 @@ class SyncRounds:
             return None
         job = self._parked.claim(state, _binding(call))
         if job is None:
-            raise JsonRpcError(INVALID_PARAMS, "Invalid or expired requestState", {"reason": "invalid_request_state"})
+            raise invalid_state()
         return job
 
     async def answer(self, job: Job, call: ToolCall) -> None:
@@ -109,6 +109,11 @@ class SyncRounds:
             return None
         reason = f"the upstream asked for input more than {job.max_input_rounds} times (max_input_rounds)"
         return error_object(INTERNAL_ERROR, f"Upstream failure: {reason}", {"upstream": self._upstream_url})
+
+    def end_round(self, caller: str | None) -> bool:
+        """End the round parked longest of `caller`'s (None: anyone's), for a call that needs the stdio child it
+        holds; False when there is none."""
+        return self._parked.drop_oldest(lambda job: caller is None or job.call.caller == caller)
 
     def drain(self) -> None:
         self._parked.drain()

@@ -86,6 +86,8 @@ async def _stdio_gateway(config: ProxyConfig, identity: Identity, limit: Callabl
         max_children=stdio.max_children or max(stdio.children, 4),
         exclusive=stdio.dispatch == "exclusive",
         max_in_flight=stdio.max_in_flight,
+        shared=stdio.share_children,
+        wait_s=stdio.start_timeout_s,
     )
     sessions = FrontSessions(stdio.max_sessions, per_caller=stdio.max_sessions_per_principal)
     link = StdioLegacyLink(pool, sessions, start_timeout_s=stdio.start_timeout_s)
@@ -101,8 +103,9 @@ async def _stdio_gateway(config: ProxyConfig, identity: Identity, limit: Callabl
         pool, link, modern, sessions, identity, era, lambda: gateway.known_era if gateway else None, max_bytes=limit
     )
     gateway = Gateway(
-        modern, legacy, relay, upstream.protocol, clients=sessions, unreadable=lambda: unreadable_counts(pool.channels)
-    )
+        modern, legacy, relay, upstream.protocol, clients=sessions, unreadable=lambda: unreadable_counts(pool.channels),
+        round_enders=pool.round_enders, child_states=pool.states,
+    )  # fmt: skip
     if upstream.cwd is not None and not os.path.isdir(upstream.cwd):
         raise UpstreamStartError(f"cannot start {spec.name}: upstream.cwd {upstream.cwd} is not a directory")
     try:

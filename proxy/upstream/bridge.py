@@ -23,18 +23,16 @@ from aiohttp import web
 from multidict import MultiMapping
 
 from ..clients.envelope import META_CLIENT_CAPABILITIES, meta_of, params_of
-from ..clients.parking import ParkedCalls
+from ..clients.parking import ParkedCalls, invalid_state
 from ..jsonrpc import (
     ERROR_HTTP_STATUS,
     INTERNAL_ERROR,
-    INVALID_PARAMS,
-    JsonRpcError,
     dumps,
     error_object,
     error_response,
     result_response,
 )
-from ..security import Identity
+from ..security import Identity, caller_of
 from .era2025 import LegacyUpstream
 from .events import Event, Failed, Finished, InputNeeded, Progress
 from .http.sse import message_event
@@ -118,6 +116,8 @@ class _Call:
     replies: dict[str, Callable[[dict[str, Any]], Awaitable[None]]] = dataclasses.field(default_factory=dict)
     requests: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Outstanding input requests by key, as the client was shown them."""
+    caller: str = ""
+    """Whose call it is (security.caller_of): the upstream session or stdio child it holds is theirs."""
 
 
 def _abandon(call: _Call, why: str) -> None:
@@ -131,7 +131,7 @@ class SyncBridge:
         legacy: LegacyUpstream,
         identity: Identity,
         *,
-        input_wait_s: float,
+        round_wait_s: float,
         max_bytes: Callable[[], int],
         max_questions: Callable[[], int],
         max_parked: int = 10_000,
@@ -144,8 +144,13 @@ class SyncBridge:
         """tasks.max_input_rounds as the policy says now: a legacy server's questions one call may ask."""
         self._identity = identity
         self._parked: ParkedCalls[_Call] = ParkedCalls(
-            prefix=_TOKEN_PREFIX, ttl_s=input_wait_s, on_drop=_abandon, max_parked=max_parked, owner=owner
+            prefix=_TOKEN_PREFIX, ttl_s=round_wait_s, on_drop=_abandon, max_parked=max_parked, owner=owner
         )
+
+    def end_round(self, caller: str | None) -> bool:
+        """End the round parked longest of `caller`'s (None: anyone's), cancelling its call upstream, for a call
+        that needs the stdio child it holds; False when there is none."""
+        return self._parked.drop_oldest(lambda call: caller is None or call.caller == caller)
 
     async def aclose(self) -> None:
         calls = self._parked.drain()
@@ -186,21 +191,24 @@ class SyncBridge:
                 "params": params,
             }
             feed = _Feed(self._max_questions(), self._legacy.url)
+            principal = self._identity.principal(headers)
+            caller = principal or caller_of(principal, reply.remote())  # (the address only when anonymous)
             events = self._legacy.call(
                 upstream_message,
                 headers,
                 capabilities if isinstance(capabilities, dict) else {},
                 max_bytes=self._max_bytes(),
                 on_request=feed.put,  # a request for this call on the standalone stream joins its round
+                caller=caller,
             )
             # The request as parsed, about ten times its body's size, goes with the POST (era2025.py): the call may
             # run for hours, and answering it needs only the envelope.
             message = _slim(message)
             del params, upstream_message, capabilities
             if reply.separable:
-                call = _Call(feed=feed, pump=asyncio.current_task())  # type: ignore[arg-type]
+                call = _Call(feed=feed, pump=asyncio.current_task(), caller=caller)  # type: ignore[arg-type]
                 return await self._drive(headers, message, call, events, reply)
-            call = _Call(feed=feed, pump=asyncio.get_running_loop().create_task(_pump(events, feed)))
+            call = _Call(feed=feed, pump=asyncio.get_running_loop().create_task(_pump(events, feed)), caller=caller)
         return await self._follow(headers, message, call, reply)
 
     async def _drive(
@@ -345,7 +353,7 @@ class SyncBridge:
         """The parked call a requestState names; single use, and only for the caller and request it was made for."""
         call = self._parked.claim(token, self._binding(headers, message))
         if call is None:
-            raise JsonRpcError(INVALID_PARAMS, "Invalid or expired requestState", {"reason": "invalid_request_state"})
+            raise invalid_state()
         return call
 
     def _binding(self, headers: MultiMapping[str], message: dict[str, Any]) -> str:
@@ -402,6 +410,9 @@ class Reply(Protocol[_R_co]):
     def closing(self) -> None:
         """The connection ends after this answer: its head, when not yet written, says so."""
 
+    def remote(self) -> str | None:
+        """The client's address: who an anonymous caller is."""
+
 
 class StreamReply:
     """A bridged call's answer on an aiohttp request: written by the handler's task only, which answers by
@@ -418,6 +429,9 @@ class StreamReply:
 
     def closing(self) -> None:
         raise NotImplementedError("aiohttp's boundary decides how its connections end")
+
+    def remote(self) -> str | None:
+        return self._request.remote
 
     async def event(self, message: dict[str, Any]) -> None:
         if self._stream is None:

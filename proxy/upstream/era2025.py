@@ -9,6 +9,7 @@ same events the runner reads from a modern upstream.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
@@ -37,7 +38,7 @@ from .events import (
     too_large,
 )
 from .legacy_tasks import TASKED, TaskSupport, run_as_upstream_task, without_task_support
-from .routing import CallRoute, LegacySession
+from .routing import CallRoute, LegacySession, asks_client
 from .session_table import SessionsFull, SessionTable
 
 log = structlog.get_logger(__name__)
@@ -191,6 +192,11 @@ class LegacyLink(Protocol):
     def tasks_reach_replicas(self) -> bool:
         """Whether other proxy replicas reach the same server, so that one can follow a task another made."""
 
+    @property
+    def sessions_per_call(self) -> bool:
+        """Whether a call whose client may be asked something gets a session to itself (HTTP, where a session is
+        cheap and its standalone stream names no call); else the link keeps calls apart itself (stdio's children)."""
+
     async def send(
         self,
         session: LegacySession,
@@ -225,11 +231,15 @@ class LegacyUpstream:
         self._identity = identity
         self._background: set[asyncio.Task[None]] = set()
         self.link = link(self.spawn)
-        # One per caller's credential: one caller opening many (made-up credentials cost nothing) ends only idle
-        # ones, never a session with a call in flight.
-        self._sessions: SessionTable[str, LegacySession] = SessionTable(
-            max_sessions, is_busy=lambda session: bool(session.calls), on_end=lambda _, session: self.link.end(session)
+        # Each session is one caller's, and a call whose client may be asked something has one to itself: a server
+        # request on the standalone stream then names its call, and what a server keeps of one caller (the roots it
+        # was given) never reaches another. Bounded: one caller opening many (made-up credentials cost nothing)
+        # ends only idle ones, never a session with a call in flight.
+        self._sessions: SessionTable[int, LegacySession] = SessionTable(
+            max_sessions, is_busy=lambda session: bool(session.calls), on_end=self._ended
         )
+        self._by_caller: dict[str, list[LegacySession]] = {}
+        self._numbers = itertools.count(1)
         self._opening: dict[str, asyncio.Task[LegacySession]] = {}
         self.initialize_result: dict[str, Any] | None = None
         self.task_support = TaskSupport()
@@ -240,30 +250,43 @@ class LegacyUpstream:
 
     # --- sessions ---------------------------------------------------------------------------------------------
 
-    def _principal_key(self, client_headers: MultiMapping[str]) -> str:
-        return f"{self._identity.credential(client_headers)}|{self._identity.principal(client_headers)}"
+    async def session_for(self, client_headers: MultiMapping[str], route: CallRoute | None = None) -> LegacySession:
+        """A session of the caller's for a request (of the call `route`, when given): one with no call that may be
+        asked something, or, for such a call, one with nothing in flight; a new one when there is none.
 
-    async def session_for(self, client_headers: MultiMapping[str]) -> LegacySession:
-        # One session per credential and principal: a server request the proxy routes by "the one call in flight
-        # on this session" must never reach another caller's call.
-        principal = self._principal_key(client_headers)
-        session = self._sessions.get(principal)
-        if session is not None:
-            return session
-        opening = self._opening.get(principal)
-        if opening is None:  # one initialize per principal, however many requests wait for it
-            opening = asyncio.ensure_future(self._initialize(principal, client_headers))
-            self._opening[principal] = opening
-            opening.add_done_callback(lambda _: self._opening.pop(principal, None))
-        return await asyncio.shield(opening)
+        Whose: the request's credential (a server may bind its session to the token that opened it) and its caller
+        (the call's, security.caller_of: its principal, or an anonymous client's address), else its principal."""
+        who = route.caller if route is not None and route.caller else self._identity.principal(client_headers)
+        caller = f"{self._identity.credential(client_headers)}|{who}"
+        alone = route is not None and route.asks and self.link.sessions_per_call
+        while True:
+            sessions = self._by_caller.get(caller, ())
+            if route is not None:  # the call's own requests (its POST after call() chose the session, follow-ups)
+                for session in sessions:
+                    if session.calls.carries(route):
+                        return session
+            for session in sessions:
+                if not session.calls if alone else not session.calls.asking:
+                    self._sessions.get(session.number)  # the most recently used now
+                    return session
+            if alone:  # its own, made for it: no other call finds it free before it is in flight there
+                return await self._initialize(caller, client_headers)
+            opening = self._opening.get(caller)
+            if opening is None:  # one initialize per caller, however many requests wait for it
+                opening = asyncio.ensure_future(self._initialize(caller, client_headers))
+                self._opening[caller] = opening
+                opening.add_done_callback(lambda _: self._opening.pop(caller, None))
+            session = await asyncio.shield(opening)
+            if not session.calls.asking:  # (else a call that may be asked took it meanwhile: look again)
+                return session
 
-    async def _initialize(self, principal: str, client_headers: MultiMapping[str]) -> LegacySession:
+    async def _initialize(self, caller: str, client_headers: MultiMapping[str]) -> LegacySession:
         try:
             self._sessions.make_room(what="upstream.max_sessions")  # before the upstream makes one for nothing
         except SessionsFull as exc:
             raise _no_room(exc) from exc
-        bare = LegacySession(session_id=None, protocol_version=LEGACY_VERSION, principal=principal)
-        answer, session_id, status = await self.link.initialize(principal, client_headers, proxy_initialize(), bare)
+        bare = LegacySession(session_id=None, protocol_version=LEGACY_VERSION, principal=caller)
+        answer, session_id, status = await self.link.initialize(caller, client_headers, proxy_initialize(), bare)
         if answer is None or not isinstance(answer.get("result"), dict):
             raise UpstreamUnavailable(f"the upstream refused initialize (HTTP {status})")
         result = answer["result"]
@@ -271,22 +294,36 @@ class LegacyUpstream:
         session = LegacySession(
             session_id=session_id,
             protocol_version=str(result.get("protocolVersion") or LEGACY_VERSION),
-            principal=principal,
+            principal=caller,
+            number=next(self._numbers),
         )
         await self.link.opened(self, session, client_headers)
         try:
-            self._sessions.add(principal, session, what="upstream.max_sessions")
+            self._sessions.add(session.number, session, what="upstream.max_sessions")
         except SessionsFull as exc:  # filled up while this one opened
             self.link.end(session)
             raise _no_room(exc) from exc
+        self._by_caller.setdefault(caller, []).append(session)
         log.info("legacy_session_opened", protocol_version=session.protocol_version, has_session_id=bool(session_id))
         return session
+
+    def _ended(self, number: int, session: LegacySession) -> None:
+        self._unlist(session)
+        self.link.end(session)
+
+    def _unlist(self, session: LegacySession) -> None:
+        sessions = self._by_caller.get(session.principal)
+        if sessions is not None and session in sessions:
+            sessions.remove(session)
+            if not sessions:
+                del self._by_caller[session.principal]
 
     def forget(self, session: LegacySession) -> None:
         """The upstream ended this session (404): the next request opens a new one."""
         self.link.stop_reading(session)
-        if self._sessions.get(session.principal) is session:
-            self._sessions.pop(session.principal)
+        if self._sessions.get(session.number) is session:
+            self._sessions.pop(session.number)
+            self._unlist(session)
 
     def spawn(self, coro: Awaitable[None]) -> None:
         """Run `coro` beside the calls; it is cancelled when the proxy stops."""
@@ -315,7 +352,7 @@ class LegacyUpstream:
         (404); or over `session` (a client's own), as it is."""
         given = session
         for attempt in range(2):
-            session = await self.session_for(client_headers) if given is None else given
+            session = await self.session_for(client_headers, route) if given is None else given
             reply = await self.link.send(session, client_headers, message, route)
             if reply.status == 404 and session.session_id is not None and attempt == 0 and given is None:
                 reply.close()
@@ -367,6 +404,7 @@ class LegacyUpstream:
         on_request: Callable[[InputNeeded], Awaitable[None]] | None = None,
         follow: UpstreamTask | None = None,
         detached: Callable[[], bool] | None = None,
+        caller: str = "",
     ) -> AsyncIterator[Event]:
         """POST one request and yield its events; the last is Finished or Failed. With `follow`, the id of the
         server's own task for this call (made through another replica), nothing is posted: that task is followed;
@@ -378,15 +416,20 @@ class LegacyUpstream:
         legacy = to_legacy(message)
         del message  # the caller's: this generator holds only what it sends, and that only until it is sent
         request_id = legacy["id"]
+        route = CallRoute(
+            capabilities,
+            on_request,
+            caller=caller or self._identity.principal(client_headers),
+            asks=asks_client(legacy["method"], capabilities),
+        )
         try:
             if follow is not None:  # the session the server made its task in, opened through another replica
-                session = LegacySession(follow.session_id, follow.protocol_version, self._principal_key(client_headers))
+                session = LegacySession(follow.session_id, follow.protocol_version, route.caller)
             else:
-                session = await self.session_for(client_headers)
+                session = await self.session_for(client_headers, route)
         except (ConnectionError, OSError, UpstreamUnavailable) as exc:
             yield proxy_failure(_unreachable(exc), self.url, transient="unsent")  # the call itself never left
             return
-        route = CallRoute(capabilities, on_request)
         session.calls[request_id] = route  # for the whole call: an upstream task's follow-up requests included
         try:
             # (A call to follow made its task already: it is followed, never sent, whatever the link.)

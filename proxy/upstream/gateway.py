@@ -11,6 +11,7 @@ import structlog
 from aiohttp import web
 from multidict import CIMultiDict, MultiMapping
 
+from ..clients.parking import ChildStates
 from ..jsonrpc import RequestId
 from .era2025 import LegacySession, LegacyUpstream
 from .events import Event, InputNeeded, UpstreamTask, UpstreamUnavailable, proxy_failure
@@ -35,6 +36,7 @@ class ModernUpstream(Protocol):
         capabilities: dict[str, Any],
         *,
         max_bytes: int,
+        caller: str = "",
     ) -> AsyncIterator[Event]: ...
 
     async def notify_cancelled(self, request_id: str, client_headers: MultiMapping[str], reason: str) -> None: ...
@@ -83,11 +85,15 @@ class Gateway:
         *,
         clients: Sized = (),
         unreadable: Callable[[], dict[str, int]] | None = None,
+        round_enders: list[Callable[[str | None], bool]] | None = None,
+        child_states: ChildStates | None = None,
     ) -> None:
         self.modern = modern
         self.legacy = legacy
         self.relay = relay
         self._clients = clients
+        self._round_enders = round_enders
+        self._child_states = child_states
         self.unreadable_counts = unreadable
         """A stdio server's lines that could not be read, by reason (None over HTTP, where an answer that cannot be
         read fails its request as an upstream error)."""
@@ -97,6 +103,19 @@ class Gateway:
     @property
     def url(self) -> str:
         return self.modern.url
+
+    def ends_rounds(self, end_round: Callable[[str | None], bool]) -> None:
+        """Where parked MRTR rounds can be ended early (`end_round(caller)`: the caller's oldest, None: anyone's),
+        for a call that needs the stdio child one holds: a round a client walked away from then holds no caller's
+        call back. Over HTTP a round holds only a session of its own (they are cheap), and nothing is ended early."""
+        if self._round_enders is not None:
+            self._round_enders.append(end_round)
+
+    def serves_as(self, replica_id: Callable[[], str]) -> None:
+        """This replica's id, for what only it can continue: a stdio child's MRTR state names it (ChildStates), so
+        that a retry landing on another replica is forwarded here."""
+        if self._child_states is not None:
+            self._child_states.owner = replica_id
 
     def session_counts(self) -> dict[str, int]:
         """Open 2025-era sessions: the proxy's with a 2025 upstream, and 2025 clients' with the proxy (stdio)."""
@@ -137,8 +156,10 @@ class Gateway:
         session: LegacySession | None = None,
         follow: UpstreamTask | None = None,
         detached: Callable[[], bool] | None = None,
+        caller: str = "",
     ) -> AsyncIterator[Event]:
-        """The call's events; a legacy server's request for it outside its stream goes to `on_request`. With
+        """The call's events; a legacy server's request for it outside its stream goes to `on_request`. `caller`
+        (security.caller_of) says whose upstream sessions and stdio children it may use. With
         `follow`, the id of a 2025 server's own task made for this call, that task is followed instead. A call
         stopped while `detached()` is true leaves a 2025 server's own task for it running (another replica follows
         it), where it would cancel it.
@@ -151,8 +172,10 @@ class Gateway:
         if self._era == "modern":
             if follow is not None:
                 return _unfollowable(self.url)
-            return self.modern.call_tool(message, client_headers, capabilities, max_bytes=max_bytes)
-        options = {"max_bytes": max_bytes, "on_request": on_request, "follow": follow, "detached": detached}
+            return self.modern.call_tool(message, client_headers, capabilities, max_bytes=max_bytes, caller=caller)
+        options = {
+            "max_bytes": max_bytes, "on_request": on_request, "follow": follow, "detached": detached, "caller": caller
+        }  # fmt: skip
         if self._era == "legacy":
             return self.legacy.call(message, client_headers, capabilities, **options)  # type: ignore[arg-type]
         return self._call_once_known(

@@ -16,6 +16,40 @@ from .events import InputNeeded
 
 RELATED_TASK = "io.modelcontextprotocol/related-task"
 
+_QUIET_METHODS = frozenset(
+    {
+        "initialize",
+        "ping",
+        "tools/list",
+        "prompts/list",
+        "resources/list",
+        "resources/templates/list",
+        "logging/setLevel",
+        "resources/subscribe",
+        "resources/unsubscribe",
+        "tasks/get",
+        "tasks/list",
+        "tasks/cancel",
+        "server/discover",
+        "subscriptions/listen",
+    }
+)
+"""Requests during which a server does not ask its client anything: never the call an untied request is for."""
+
+
+def may_ask(method: Any) -> bool:
+    """Whether a server may ask its client something while it answers this request."""
+    return method not in _QUIET_METHODS
+
+
+_ASKED_KINDS = ("elicitation", "sampling", "roots")
+
+
+def asks_client(method: Any, capabilities: dict[str, Any]) -> bool:
+    """Whether a server may put a question to this request's client: a request during which servers ask, from a
+    client that declared a kind of question the proxy relays (any other is declined without the client)."""
+    return may_ask(method) and any(kind in capabilities for kind in _ASKED_KINDS)
+
 
 @dataclasses.dataclass(eq=False, slots=True)
 class CallRoute:
@@ -32,6 +66,10 @@ class CallRoute:
     """stdio: the child (of a pool) that took the call's first request, where the rest of it goes too."""
     watchers: list[Callable[[CallRoute], None]] = dataclasses.field(default_factory=list)
     """The indexes the call is in (CallsInFlight, stdio's InFlight), told when its upstream task is named."""
+    caller: str = ""
+    """Who the call is for (security.caller_of): the upstream sessions and stdio children it may use are theirs."""
+    asks: bool = False
+    """Its client may be asked something (asks_client): it never shares a session with another call."""
 
     def name_task(self, task_id: str) -> None:
         """The upstream made its task for this call: from now the task id finds it."""
@@ -87,6 +125,8 @@ class CallsInFlight:
         self._routes: dict[int, list[Any]] = {}
         """The distinct calls, oldest first: id(route) -> [route, how many request ids name it]."""
         self._by_task = Followers()
+        self.asking = 0
+        """Distinct calls whose client may be asked something (CallRoute.asks)."""
 
     def __bool__(self) -> bool:
         return bool(self._by_request)
@@ -106,6 +146,7 @@ class CallsInFlight:
             entry[1] += 1
             return
         self._routes[id(route)] = [route, 1]
+        self.asking += route.asks
         self._by_task.watch(route)
 
     def pop(self, request_id: Any, default: CallRoute | None = None) -> CallRoute | None:
@@ -117,12 +158,17 @@ class CallsInFlight:
         if entry[1]:
             return route
         del self._routes[id(route)]
+        self.asking -= route.asks
         self._by_task.unwatch(route)
         return route
 
     def following(self, task_id: str) -> CallRoute | None:
         """The call in flight that follows upstream task `task_id` (the first named, if several do)."""
         return self._by_task.first(task_id)
+
+    def carries(self, route: CallRoute) -> bool:
+        """Whether `route`'s call is in flight here."""
+        return id(route) in self._routes
 
     @property
     def distinct(self) -> int:
@@ -135,7 +181,8 @@ class CallsInFlight:
 
 @dataclasses.dataclass(slots=True)
 class LegacySession:
-    """A 2025-era session as the proxy holds it: with a 2025 server (its own, one per caller), or a 2025 client's."""
+    """A 2025-era session as the proxy holds it: with a 2025 server (its own, each for one caller: `principal` says
+    whose), or a 2025 client's."""
 
     session_id: str | None
     protocol_version: str
@@ -148,6 +195,8 @@ class LegacySession:
     """Requests on the standalone stream the proxy could not relay (their log lines are thinned past a few)."""
     on_status: Callable[[int], None] | None = None
     """A client's own session (a durable call's): told the HTTP status the server answers each POST with."""
+    number: int = 0
+    """The proxy's own sessions with a 2025 server: its key in LegacyUpstream's table."""
 
 
 def related_task_id(message: dict[str, Any]) -> str | None:

@@ -63,8 +63,7 @@ async def answer(
     reply = None
     try:
         if boundary.limited(lane.rates, lane.concurrency):
-            peer = out.transport.get_extra_info("peername") if out.transport is not None else None
-            remote = peer[0] if isinstance(peer, tuple) else None
+            remote = out.remote()
             await boundary.apply_limits(lane.rates, lane.concurrency, lane.identity, headers, request.message, remote,
                                         info, lane.policy.config.rule_for)  # fmt: skip
         if request.kind == "owned":
@@ -150,10 +149,7 @@ async def _owned(lane: Lane, out: LaneWriter, request: LaneRequest, info: Reques
         out.json(result_response(message["id"], result), 200, keep_alive=keep_alive)
         return 200
     info.tool = message["params"]["name"]
-    # The peer's address (a syscall on uvloop): asked only here, where an anonymous caller's limits need it.
-    peer = out.transport.get_extra_info("peername") if out.transport is not None else None
-    remote = peer[0] if isinstance(peer, tuple) else None
-    reply, status = await create(lane.runner, lane.identity, message, request.headers, request.body, remote,
+    reply, status = await create(lane.runner, lane.identity, message, request.headers, request.body, out.remote(),
                                  request.rule, info)  # fmt: skip
     out.json(reply, status, keep_alive=keep_alive)
     return status

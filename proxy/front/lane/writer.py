@@ -37,6 +37,11 @@ class LaneWriter:
         self._date = date
         self._paused: asyncio.Future[None] | None = None
 
+    def remote(self) -> str | None:
+        """The client's address (a syscall on uvloop: asked only where an anonymous caller needs it)."""
+        peer = self.transport.get_extra_info("peername") if self.transport is not None else None
+        return peer[0] if isinstance(peer, tuple) else None
+
     def write(self, data: bytes) -> None:
         transport = self.transport
         if transport is None:
@@ -174,6 +179,9 @@ class LaneReply:
     def closing(self) -> None:
         """The connection ends after this answer: its head, when not yet written, says `Connection: close`."""
         self._writer.closing = True
+
+    def remote(self) -> str | None:
+        return self._writer.remote()
 
     async def event(self, message: dict[str, Any]) -> None:
         writer = self._writer

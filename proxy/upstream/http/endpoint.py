@@ -202,8 +202,10 @@ class Upstream:
         capabilities: dict[str, Any],
         *,
         max_bytes: int,
+        caller: str = "",
     ) -> AsyncIterator[Event]:
-        """POST one tools/call and yield what happens to it; the last event is Finished or Failed.
+        """POST one tools/call and yield what happens to it; the last event is Finished or Failed. (`caller`: a
+        2026 server over HTTP keeps no session, so every caller's calls go the same way.)
 
         Closing the generator early closes the upstream response, which is how 2026-07-28 HTTP cancels. A body or
         event longer than `max_bytes` is not read on: the call fails (limits.max_result_bytes).

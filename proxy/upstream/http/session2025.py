@@ -189,6 +189,7 @@ class HttpLegacyLink:
 
     follows_tasks = True
     tasks_reach_replicas = True  # the server at upstream.url; in per-pod sidecars the task is gone with the pod
+    sessions_per_call = True
 
     def client_capabilities(self, session: LegacySession) -> dict[str, Any] | None:
         return None  # the client initialized the server itself: the server knows, and asks only what it may

@@ -55,6 +55,11 @@ class StdioChannel:
         """Requests past the in-flight check and not yet in _pending (waiting for the child, or for its handshake)."""
         self.reserved = 0
         """Calls the pool has sent this child's way and not yet written (exclusive dispatch)."""
+        self.owner: str | None = None
+        """The caller this child serves (stdio/pool.py), until it is restarted for another; None: nobody yet."""
+        self.last_used = 0.0
+        """When its last exchange ended (the event loop's clock): the idle child used least recently is restarted
+        first for another caller."""
         self.on_forget: list[Callable[[Exchange], None]] = []
         """Told each exchange that ends (its answer read, or given up)."""
         self._refused = 0
@@ -87,6 +92,11 @@ class StdioChannel:
     @property
     def in_flight(self) -> int:
         return len(self._pending)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight, on its way, or asked and unanswered: restarting it loses no call."""
+        return not self._pending and not self._starting and not self.reserved and not self.open_questions
 
     async def start(self) -> None:
         await self.supervisor.start()
@@ -128,7 +138,13 @@ class StdioChannel:
         return await asyncio.shield(task)
 
     async def request(
-        self, message: dict[str, Any], *, route: CallRoute | None = None, wait_s: float = 30.0, prepared: bool = True
+        self,
+        message: dict[str, Any],
+        *,
+        route: CallRoute | None = None,
+        wait_s: float = 30.0,
+        prepared: bool = True,
+        seal_state: Callable[[str], str] | None = None,
     ) -> Exchange:
         """Send one request under an id of the proxy's; read the answer from the Exchange, then close it. Unless
         `prepared` is False (the prepare hook's own requests), the child is prepared first."""
@@ -143,6 +159,7 @@ class StdioChannel:
             self._starting -= 1
         child_id = f"m{child.generation}.{next(self._numbers)}"
         exchange = Exchange(self, child_id, message, route)
+        exchange.seal_state = seal_state
         sent = {**message, "id": child_id}
         params = message.get("params")
         meta = params.get("_meta") if isinstance(params, dict) else None
@@ -180,6 +197,7 @@ class StdioChannel:
         return await self._initiated.respond(shown_id, answer)
 
     def forget(self, exchange: Exchange, *, cancel_reason: str | None) -> None:
+        self.last_used = asyncio.get_running_loop().time()
         for callback in self.on_forget:
             callback(exchange)
         for answer in self._initiated.abandon(exchange):

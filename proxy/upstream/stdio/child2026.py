@@ -10,10 +10,12 @@ from typing import Any, Literal
 import structlog
 from multidict import MultiMapping
 
+from ...jsonrpc import JsonRpcError
 from ..era2026 import discover_probe, interpret, is_discover_result
 from ..events import (
     AnswerTooLarge,
     Event,
+    Failed,
     Progress,
     RequestUnsent,
     UpstreamUnavailable,
@@ -22,6 +24,7 @@ from ..events import (
     proxy_failure,
     too_large,
 )
+from ..routing import CallRoute
 from .exchange import ChildGone, carries_exit_status, child_exited, own_answer
 from .pool import StdioPool
 
@@ -70,13 +73,19 @@ class StdioModern:
         capabilities: dict[str, Any],
         *,
         max_bytes: int,
+        caller: str = "",
     ) -> AsyncIterator[Event]:
-        """One request and what the child writes for it, as events; closing early cancels it in the child."""
+        """One request and what the child writes for it, as events, on a child of `caller`'s; closing early cancels
+        it in the child."""
         try:
-            exchange = await self.pool.request(message, wait_s=self._start_timeout_s)
+            route = CallRoute(capabilities, None, caller=caller) if caller else None
+            exchange = await self.pool.request(message, route=route, wait_s=self._start_timeout_s)
         except ChildGone as exc:  # ChildUnavailable: nothing written; else written, then the pipe broke
             unsent = isinstance(exc, RequestUnsent)
             yield proxy_failure(str(exc), self.url, transient="unsent" if unsent else "unanswered")
+            return
+        except JsonRpcError as exc:  # a requestState of the proxy's that is not this caller's, or not valid
+            yield Failed(exc.to_error(), exc.message)
             return
         try:
             async for answer in exchange.messages(max_bytes):

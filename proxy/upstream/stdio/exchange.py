@@ -13,36 +13,12 @@ from typing import Any, Protocol
 
 from ...jsonrpc import INTERNAL_ERROR, error_object
 from ..events import AnswerTooLarge, RequestUnsent
-from ..routing import CallRoute
+from ..routing import CallRoute, may_ask
 
 _MAX_QUEUED_NOTIFICATIONS = 64
 """Notifications (progress, logs) of one call not yet read; past it the oldest is dropped."""
 MAX_QUEUED_REQUESTS = 16
 """Server requests tied to one call and not yet taken; past it the child is refused at once."""
-_QUIET_METHODS = frozenset(
-    {
-        "initialize",
-        "ping",
-        "tools/list",
-        "prompts/list",
-        "resources/list",
-        "resources/templates/list",
-        "logging/setLevel",
-        "resources/subscribe",
-        "resources/unsubscribe",
-        "tasks/get",
-        "tasks/list",
-        "tasks/cancel",
-        "server/discover",
-        "subscriptions/listen",
-    }
-)
-"""Requests during which a server does not ask its client anything: never the call an untied request is for."""
-
-
-def may_ask(method: Any) -> bool:
-    """Whether a server may ask its client something while it answers this request."""
-    return method not in _QUIET_METHODS
 
 
 class ChildGone(ConnectionError):
@@ -98,6 +74,8 @@ class Exchange:
         self.on_close: Callable[[], Any] | None = None
         self.asked: list[str] = []
         """The child's requests delivered to this call (by shown id): refused at its end if still unanswered."""
+        self.seal_state: Callable[[str], str] | None = None
+        """Wraps the requestState of an input_required answer (a 2026 child's own, which only it can read)."""
 
     def deliver(self, message: dict[str, Any], size: int) -> bool:
         """Queue what the child wrote for this call; False when the bound refuses a request of the child's."""
@@ -105,6 +83,9 @@ class Exchange:
         if method is None:
             message = {**message, "id": self.caller_id}
             self.answered = True
+            result = message.get("result")
+            if self.seal_state is not None and isinstance(result, dict) and isinstance(result.get("requestState"), str):
+                message["result"] = {**result, "requestState": self.seal_state(result["requestState"])}
         elif "id" in message:
             if self._requests >= MAX_QUEUED_REQUESTS:
                 return False

@@ -418,6 +418,7 @@ class Supervisor:
         self._generation = 0
         self._loop_task: asyncio.Task[None] | None = None
         self._stopping = False
+        self._recycled: ChildProcess | None = None
 
     async def start(self) -> None:
         """Start the first child (OSError when it cannot be spawned at all), then keep it running."""
@@ -445,6 +446,17 @@ class Supervisor:
             self.state = "killed (it stopped reading its stdin), restarting"
             self._on_kill(child)
 
+    async def recycle(self) -> None:
+        """Stop the running child as at shutdown and start a fresh one at once: nothing it kept of its callers
+        survives. (None running: it is being restarted anyway.)"""
+        child = self.child
+        if child is None or self._stopping:
+            return
+        self._recycled = child
+        self._killed(child)  # no request goes to it while it stops (and the channel's requests wait for the next)
+        self.state = "restarting for another caller"
+        await child.stop()  # the watch loop starts the next one as soon as this one is gone
+
     async def _watch(self, child: ChildProcess) -> None:
         delay = self.spec.restart_min_s
         while True:
@@ -455,6 +467,12 @@ class Supervisor:
             self.child = None
             if self._stopping:
                 return
+            if self._recycled is child:  # stopped on purpose: started again at once, with no backoff
+                self._recycled = None
+                self._on_exit(child, status)
+                log.info("upstream_recycled", upstream=self.spec.name, pid=child.pid, ran_s=round(ran_s, 3))
+                child = await self._respawn(self.spec.restart_min_s)
+                continue
             self._on_exit(child, status)
             if ran_s >= _HEALTHY_S:
                 delay = self.spec.restart_min_s
@@ -470,15 +488,18 @@ class Supervisor:
             )
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.spec.restart_max_s)
-            while True:
-                try:
-                    child = await self._spawn()
-                    break
-                except OSError as exc:
-                    self.state = f"cannot start ({exc}), retrying in {delay:g} s"
-                    log.warning("upstream_start_failed", upstream=self.spec.name, reason=str(exc))
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, self.spec.restart_max_s)
+            child = await self._respawn(delay)
+
+    async def _respawn(self, delay: float) -> ChildProcess:
+        """A new child, trying again while it cannot start, the delay doubling from `delay`."""
+        while True:
+            try:
+                return await self._spawn()
+            except OSError as exc:
+                self.state = f"cannot start ({exc}), retrying in {delay:g} s"
+                log.warning("upstream_start_failed", upstream=self.spec.name, reason=str(exc))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.spec.restart_max_s)
 
     async def stop(self) -> None:
         self._stopping = True

@@ -139,11 +139,11 @@ class StdioRelay:
         if kind == "request":
             # The headers stop here (stdio has none): what a 2026-07-28 server checks of them, the proxy checks.
             check_modern_request(message, request.headers)
-            exchange = await self._send(message, None)
+            exchange = await self._send(message, CallRoute({}, None, caller=self._caller(request)))
             return await self._responses.response(request, exchange, None, {}, rewrite=rewrite, modern=True)
         if kind == "notification":
             if message["method"] != "notifications/cancelled":  # a 2026 client cancels by closing its stream
-                await self.pool.notify(message)
+                await self.pool.notify(message, self._caller(request))
             return web.Response(status=202)
         raise JsonRpcError(INVALID_REQUEST, "Invalid request: a 2026-07-28 client sends no responses")
 
@@ -168,7 +168,7 @@ class StdioRelay:
                     exchange.close(str(params.get("reason") or "cancelled by the client"))
             elif method not in ("notifications/initialized", "notifications/roots/list_changed"):
                 # initialized was the proxy's to send; the child's roots are asked per call, never listed ahead.
-                await self.pool.notify(message)
+                await self.pool.notify(message, front.caller)
             return web.Response(status=202)
         if kind == "response":
             child_id = front.asked.pop(message["id"], None) if isinstance(message["id"], str) else None
@@ -193,7 +193,7 @@ class StdioRelay:
             await self._link.ready()
         except UpstreamUnavailable as exc:
             return json_response(error_response(message["id"], upstream_failure(str(exc), self.pool.name)))
-        route = CallRoute(front.capabilities, None)
+        route = CallRoute(front.capabilities, None, caller=front.caller)
         observe: Rewrite | None = None
         if method in _SERVER_TASK_METHODS:
             # The child's own SEP-1686 tasks: one child serves every session, so each session sees and touches only
@@ -262,6 +262,10 @@ class StdioRelay:
             on_headers(headers)
         log.info("stdio_session_opened", protocol_version=version, sessions=len(self.sessions))
         return json_response(result_response(message["id"], result), headers=headers)
+
+    def _caller(self, request: web.Request) -> str:
+        """Whose children a 2026 client's request goes to (security.caller_of)."""
+        return caller_of(self._identity.principal(request.headers), request.remote)
 
     def _front(self, request: web.Request) -> FrontSession:
         session_id = request.headers.get("Mcp-Session-Id")

@@ -129,6 +129,10 @@ class StdioLegacyLink:
     def tasks_reach_replicas(self) -> bool:
         return False  # each replica's children are its own
 
+    @property
+    def sessions_per_call(self) -> bool:
+        return False  # the sessions all name the child's one; the pool keeps callers' calls apart
+
     def client_capabilities(self, session: LegacySession) -> dict[str, Any] | None:
         front = self._front(session) if session.session_id is not None else None
         return front.capabilities if front is not None else None
@@ -149,6 +153,8 @@ class StdioLegacyLink:
         if session.session_id is not None and front is None:
             return StdioReply(None, 404)  # a client's session the proxy has ended (or never made, or not this caller's)
         await self.ready()
+        if route is None and front is not None:  # a 2025 client's own call: on that client's children
+            route = CallRoute(front.capabilities, None, caller=front.caller)
         exchange = await self.pool.request(message, route=route, wait_s=self._start_timeout_s)
         if front is not None and self._front(session) is not front:  # ended meanwhile
             exchange.close("the session ended")
