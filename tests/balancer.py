@@ -31,12 +31,22 @@ class RoundRobin:
 
     async def _relay(self, request: web.Request) -> web.StreamResponse:
         assert self._client is not None
-        index = next(self._next)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _SKIP}
         body = await request.read() if request.can_read_body else None
-        async with self._client.request(
-            request.method, self.backends[index] + request.path_qs, headers=headers, data=body
-        ) as answer:
+        # A backend that refuses the connection got nothing: the next one takes the request, as nginx's default
+        # proxy_next_upstream (error) does, and as health checks soon would.
+        for _ in self.backends:
+            index = next(self._next)
+            try:
+                answer = await self._client.request(
+                    request.method, self.backends[index] + request.path_qs, headers=headers, data=body
+                )
+                break
+            except aiohttp.ClientConnectorError:
+                continue
+        else:
+            return web.Response(status=502)
+        async with answer:
             self.hits.append((index, request.method, answer.status))
             response = web.StreamResponse(
                 status=answer.status, headers={k: v for k, v in answer.headers.items() if k.lower() not in _SKIP}

@@ -4,8 +4,10 @@ with no affinity. Real processes throughout."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import secrets
 import signal
 import sys
 
@@ -13,10 +15,10 @@ import aiohttp
 import pytest
 
 from tests.balancer import RoundRobin
-from tests.conftest import ROOT, free_port, legacy_python, serve_script
+from tests.conftest import ROOT, LegacyClient, eventually, free_port, legacy_python, serve_script
 from tests.factories import McpClient, meta
 from tests.test_durable import Client2025
-from tests.test_real_clients import run_client
+from tests.test_real_clients import run_client, sdk1_call, ts_call
 from tests.test_stdio import legacy_command
 
 SESSION_CLIENT = ROOT / "tests" / "clients" / "sdk1_session.py"
@@ -185,3 +187,39 @@ async def test_a_2026_stdio_childs_mrtr_retry_reaches_the_child_that_sealed_its_
         # Bound to the caller: another one's retry is refused, wherever it lands.
         stolen = await McpClient(http, asked_on.url).call("tools/call", retry, headers={"Authorization": "Bearer x"})
         assert stolen.error["data"] == {"reason": "invalid_request_state"}, stolen.message
+
+
+@pytest.mark.parametrize(
+    "client",
+    ["python-sdk-1", "python-sdk-1-sep-1686", "typescript-sdk-1"],
+)
+async def test_a_2025_client_gets_its_calls_outcome_after_its_sessions_replica_is_killed(
+    replicas, plain_legacy_upstream, balanced, client
+):
+    """Real 2025 clients, three replicas behind round-robin with sessions routed (advertise_url): the replica
+    holding the client's session is killed mid-call. The client resumes its stream (or polls its task) through the
+    others, which answered 404 (the session's replica is gone); now they answer from the call's record, and the
+    client gets the answer of the call run again by the replica that took it over."""
+    rules = [{"match": "gated", "idempotent": True, "keepalive_s": 0.5, "max_stream_s": 1.5}]
+    proxies = [replicas(plain_legacy_upstream, advertise=True, tools=rules) for _ in range(3)]
+    url, balancer = await balanced(proxies)
+    tag = secrets.token_hex(6)
+    if client == "typescript-sdk-1":
+        call = asyncio.ensure_future(ts_call(url, "gated", {"tag": tag}, timeout_s=60))
+    else:
+        flags = ["--as-task", "--connection-per-request"] if client.endswith("sep-1686") else []
+        call = asyncio.ensure_future(sdk1_call(url, "gated", {"tag": tag}, *flags, timeout_s=60))
+    async with aiohttp.ClientSession() as http:
+        server = LegacyClient(http, plain_legacy_upstream)
+
+        async def runs(count: int) -> bool:
+            return await server.call_tool("gate_arrivals", {"tag": tag}) == str(count)
+
+        await eventually(lambda: runs(1), what="the call running upstream")
+        owner = proxies[balancer.hits[0][0]]  # the replica that answered initialize holds the session
+        owner.process.send_signal(signal.SIGKILL)
+        owner.process.wait()
+        await eventually(lambda: runs(2), what="the call run again by another replica")
+        await server.call_tool("release", {"tag": tag})
+    outcome = await call
+    assert outcome["text"] == f"gate {tag} opened" and outcome["isError"] is False, outcome

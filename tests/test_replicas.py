@@ -6,6 +6,7 @@ import os
 import secrets
 import signal
 
+import pytest
 import redis.asyncio as redis
 
 from tests.conftest import Replica, eventually, start_redis, stop, task_reaches
@@ -207,6 +208,45 @@ async def test_sep_1686_tasks_are_listed_and_finished_through_another_replica(re
     assert final["id"] == 10 and final["result"]["content"][0]["text"] == "hello via B"
 
 
+async def test_a_lost_replicas_sep_1686_task_is_polled_and_finished_through_another_with_sessions_routed(
+    replicas, session, legacy_upstream, legacy_client
+):
+    """The session is A's (listen.advertise_url routes it there); A dies mid-call. B answered the client's tasks/get
+    with 404 (the session's replica is gone), and the client never saw the outcome B's run wrote. Now B answers
+    from the task's record: working while A's lease decides, then the result of the call run again."""
+    tools = [{"match": "gated", "idempotent": True}]
+    doomed = replicas(legacy_upstream, tools=tools, advertise=True)
+    on_a = Client2025(session, doomed.url)
+    await on_a.initialize()
+    on_b = Client2025(session, replicas(legacy_upstream, tools=tools, advertise=True).url)
+    on_b.headers = dict(on_a.headers)
+    tag = gate_tag()
+    message = {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+               "params": {"name": "gated", "arguments": {"tag": tag}, "task": {}}}  # fmt: skip
+    async with session.post(on_a.url, json=message, headers=on_a.headers) as response:
+        task_id = (await response.json())["result"]["task"]["taskId"]
+
+    async def arrived(count: int) -> bool:
+        return await legacy_client.call_tool("gate_arrivals", {"tag": tag}) == str(count)
+
+    await eventually(lambda: arrived(1), what="the first run")
+    killed(doomed)
+    poll = {"jsonrpc": "2.0", "id": 2, "method": "tasks/get", "params": {"taskId": task_id}}
+    async with session.post(on_b.url, json=poll, headers=on_b.headers) as response:
+        assert response.status == 200, await response.text()
+        assert (await response.json())["result"]["status"] == "working"
+    await eventually(lambda: arrived(2), what="the call running again on B")
+    await legacy_client.call_tool("release", {"tag": tag})
+    result = {"jsonrpc": "2.0", "id": 3, "method": "tasks/result", "params": {"taskId": task_id}}
+    async with session.post(on_b.url, json=result, headers=on_b.headers) as response:
+        final = await response.json()
+    assert final["result"]["content"][0]["text"] == f"gate {tag} opened", final
+    # The session itself is gone with A: its other requests are 404, and the client starts a new one.
+    listing = {"jsonrpc": "2.0", "id": 4, "method": "tools/list", "params": {}}
+    async with session.post(on_b.url, json=listing, headers=on_b.headers) as response:
+        assert response.status == 404
+
+
 # --- takeover: a lost or stopping replica's calls run again elsewhere, where that is safe --------------------------
 
 
@@ -336,16 +376,19 @@ async def _says(client: McpClient, task_id: str, words: str) -> bool:
     return words in ((await client.get_task(task_id)).result.get("statusMessage") or "")
 
 
+@pytest.mark.parametrize("advertise", [False, True], ids=["sessions-unrouted", "sessions-routed"])
 async def test_a_durable_calls_stream_resumed_on_another_replica_follows_the_run_after_a_lost_one(
-    replicas, session, mcp_upstream, upstream_client
+    replicas, session, mcp_upstream, upstream_client, advertise
 ):
     """A 2025-era client's durable call (no tasks) on A, an idempotent tool: A dies, B runs the call again, and the
-    client's stream, resumed on B with its Last-Event-ID, ends with the answer of B's run."""
+    client's stream, resumed on B with its Last-Event-ID, ends with the answer of B's run. With sessions routed to
+    their replica (listen.advertise_url), B answered 404 for the lost replica's session, and the client lost the
+    call: a request about a recorded call is answered from its record by any replica."""
     tools = [{"match": "gated", "idempotent": True}]
-    doomed = replicas(mcp_upstream, tools=tools)
+    doomed = replicas(mcp_upstream, tools=tools, advertise=advertise)
     on_a = Client2025(session, doomed.url)
     await on_a.initialize()
-    on_b = Client2025(session, replicas(mcp_upstream, tools=tools).url)
+    on_b = Client2025(session, replicas(mcp_upstream, tools=tools, advertise=advertise).url)
     on_b.headers = dict(on_a.headers)  # the same client, its connection now landing on B
     tag = gate_tag()
     async with on_a.call("gated", {"tag": tag}) as response:

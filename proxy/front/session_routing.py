@@ -26,6 +26,7 @@ import structlog
 from aiohttp import web
 from cachetools import TTLCache
 
+from ..clients.durable_stream import parse_answer_id, parse_event_id
 from ..clients.envelope import params_of
 from ..clients.parking import parked_owner
 from ..jsonrpc import dumps, error_object, loads
@@ -147,11 +148,22 @@ class SessionRouting:
         if owner is None or owner == self._replica_id():
             return None
         if url is not None:
-            forwarded = await self._forward(request, url, session_id)
+            try:
+                forwarded = await self._forward(request, url, session_id)
+            except _Unreachable as exc:
+                # Slow, restarting, or gone without a word: a call of the session is answered here, from its record;
+                # anything else tries again.
+                return None if await _about_recorded_calls(request) else _unavailable(str(exc))
             if forwarded is not None:
                 return forwarded
         # Its lease lapsed, or its address refuses connections (the process is gone, its lease not yet lapsed).
         log.info("session_replica_gone", replica=owner)
+        if await _about_recorded_calls(request):
+            # A durable call's stream resumed, a SEP-1686 task of the proxy's polled: everything about them is in the
+            # store, so this replica answers, following the record while the lost replica's lease decides (the call
+            # run again, or its outcome written as unknown). The session itself stays with its replica.
+            log.info("session_call_answered_here", replica=owner)
+            return None
         with contextlib.suppress(StoreUnavailable):
             await self._store.forget_session(tag)
         return _session_gone()
@@ -185,7 +197,7 @@ class SessionRouting:
 
     async def _forward(self, request: web.Request, base_url: str, session_id: str) -> web.StreamResponse | None:
         """The answer of the replica at `base_url`; None when it refuses connections (nothing was sent: its process
-        is gone, whatever its lease says)."""
+        is gone, whatever its lease says); _Unreachable when it cannot be reached otherwise."""
         request[forwarded_key] = True
         # Bounded in size and time as any request's (listen.body_timeout_s); read already when the route needed it.
         body = await read_body(request) if request.body_exists else None
@@ -200,7 +212,7 @@ class SessionRouting:
                 return None
             # A timeout or a reset may be a replica that is slow or restarting: the client tries again.
             log.warning("session_replica_unreachable", reason=str(exc) or type(exc).__name__)
-            return _unavailable("the replica holding this session cannot be reached")
+            raise _Unreachable("the replica holding this session cannot be reached") from None
         try:
             headers = end_to_end_headers(upstream.headers, RESPONSE_SKIP)
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
@@ -254,6 +266,34 @@ class SessionRouting:
             return False
         replica, stamp, mac = parts
         return same_mac(mac, self._identity.mac("hop", replica, stamp, method, path, session_id))
+
+
+class _Unreachable(Exception):
+    """A replica's address did not answer in time, or the connection broke before its answer began."""
+
+
+_RECORDED_METHODS = frozenset({"tasks/get", "tasks/result", "tasks/cancel", "tasks/list", "notifications/cancelled"})
+"""A 2025 session's requests about its calls that the store answers: the proxy's SEP-1686 tasks, a durable call's
+cancellation."""
+
+
+async def _about_recorded_calls(request: web.Request) -> bool:
+    """Whether a request of a 2025 session is about calls the proxy records (a durable call's stream resumed with
+    the proxy's Last-Event-ID, an answer to a question it relayed, a SEP-1686 task's poll or cancel), which any
+    replica answers from the store."""
+    if request.method == "GET":
+        return parse_event_id(request.headers.get("Last-Event-ID")) is not None
+    if request.method != "POST" or request.path != MCP_PATH:
+        return False
+    try:
+        message = loads(await read_body(request))
+    except ValueError:
+        return False
+    if not isinstance(message, dict):
+        return False
+    if "method" in message:
+        return message["method"] in _RECORDED_METHODS
+    return parse_answer_id(message.get("id")) is not None
 
 
 def may_name_a_parked_call(body: bytes) -> bool:
