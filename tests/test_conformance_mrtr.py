@@ -71,7 +71,7 @@ def test_the_suite_has_no_input_required_result_scenario_we_do_not_run(suite):
     assert sorted(names) == sorted(SCENARIOS)
 
 
-def _failures(suite: list[str], url: str, scenario: str, out: Path, *, legacy: bool) -> str | None:
+def scenario_failures(suite: list[str], url: str, scenario: str, out: Path, *, legacy: bool) -> str | None:
     """What went wrong with one scenario through the proxy at `url`; None when nothing did."""
     # Each request of the suite gives up after 10 s, so a scenario ends well within the subprocess's bound.
     done = subprocess.run(
@@ -100,7 +100,7 @@ def test_every_scenario_of_the_column_passes_in_turn(suite, column, tmp_path: Pa
     name, url = column
     failed = {}
     for number, scenario in enumerate(SCENARIOS):
-        failure = _failures(suite, url, scenario, tmp_path / str(number), legacy=name.startswith("legacy"))
+        failure = scenario_failures(suite, url, scenario, tmp_path / str(number), legacy=name.startswith("legacy"))
         if failure is not None:
             failed[scenario] = failure
     assert not failed, "\n".join(f"{scenario}: {failure}" for scenario, failure in failed.items())
