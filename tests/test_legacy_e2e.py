@@ -8,6 +8,7 @@ import secrets
 import aiohttp
 import pytest
 
+from mcp_tasks_proxy.front.context import gateway_key
 from tests.conftest import LegacyClient, eventually, task_reaches
 from tests.factories import TASKS, headers_for, meta, request
 from tests.schemas import validate, validate_response
@@ -406,3 +407,18 @@ async def test_made_up_credentials_never_end_a_session_with_a_call_in_flight(mak
 
 async def _gate_is(server: LegacyClient, gate: str, state: str) -> bool:
     return await server.call_tool("gate_state", {"tag": gate}) == state
+
+
+async def test_past_max_sessions_a_call_that_may_be_asked_shares_its_callers_session(make_proxy, legacy_upstream):
+    """A call whose client may be asked something has a session to itself, while one can be opened: at
+    upstream.max_sessions it shares the caller's session (its question on its own stream still reaches it)."""
+    proxy = await make_proxy(
+        legacy_upstream, tools=[{"match": "ask_name", "task": "optional"}], upstream={"max_sessions": 1}
+    )
+    params = {"name": "ask_name", "arguments": {}, "_meta": meta(**ELICIT)}
+    held = await proxy.client.call("tools/call", params)
+    await task_reaches(proxy.client, held.result["taskId"], "input_required")
+    second = await proxy.client.call("tools/call", params)
+    waiting = await task_reaches(proxy.client, second.result["taskId"], "input_required", "failed")
+    assert waiting.result["status"] == "input_required", waiting.message
+    assert proxy.app[gateway_key].legacy.session_count() == 1

@@ -270,7 +270,16 @@ class LegacyUpstream:
                     self._sessions.get(session.number)  # the most recently used now
                     return session
             if alone:  # its own, made for it: no other call finds it free before it is in flight there
-                return await self._initialize(caller, client_headers)
+                try:
+                    return await self._initialize(caller, client_headers)
+                except NoSessionRoom:
+                    if not sessions:
+                        raise
+                    # Every session is busy (upstream.max_sessions): rather than fail, the call shares the caller's
+                    # session with the fewest such calls, as before sessions were one a call; a question on its
+                    # standalone stream may then be refused as ambiguous, never sent to another caller.
+                    log.info("legacy_session_shared", reason="upstream.max_sessions")
+                    return min(sessions, key=lambda session: session.calls.asking)
             opening = self._opening.get(caller)
             if opening is None:  # one initialize per caller, however many requests wait for it
                 opening = asyncio.ensure_future(self._initialize(caller, client_headers))
