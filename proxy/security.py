@@ -165,10 +165,14 @@ def same_mac(given: str, expected: str) -> bool:
     return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), expected.encode())
 
 
+ANONYMOUS = "address:"
+"""How caller_of names an anonymous caller: by its network address, after this."""
+
+
 def caller_of(principal: str, remote: str | None) -> str:
     """Who a request counts against for per-caller limits: its principal; for an anonymous request (no credential
     tells one such client from another), its network address, which a client cannot share or forge."""
-    return principal or f"address:{remote or 'unknown'}"
+    return principal or f"{ANONYMOUS}{remote or 'unknown'}"
 
 
 class HostGuard:

@@ -33,8 +33,8 @@ class RoundRobin:
         assert self._client is not None
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _SKIP}
         body = await request.read() if request.can_read_body else None
-        # A backend that refuses the connection got nothing: the next one takes the request, as nginx's default
-        # proxy_next_upstream (error) does, and as health checks soon would.
+        # A backend that refuses the connection, or does not accept it in time, got nothing: the next one takes the
+        # request, as nginx's default proxy_next_upstream (error timeout) does, and as health checks soon would.
         for _ in self.backends:
             index = next(self._next)
             try:
@@ -42,7 +42,7 @@ class RoundRobin:
                     request.method, self.backends[index] + request.path_qs, headers=headers, data=body
                 )
                 break
-            except aiohttp.ClientConnectorError:
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
                 continue
         else:
             return web.Response(status=502)

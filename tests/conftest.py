@@ -122,6 +122,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.fast)
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Under CI, on the controller before any test runs: the npm packages and the legacy environment the tests use,
+    installed (or linked from the test cache) once, outside every test's time limit. Elsewhere the first test that
+    needs one installs it, so that running one module needs nothing it does not use."""
+    if not in_ci() or hasattr(session.config, "workerinput"):
+        return
+    if shutil.which("npm"):
+        for prefix, what in ((EVERYTHING, "server-everything and the TypeScript SDK"),
+                             (ROOT / "tests" / "conformance", "the conformance suite")):  # fmt: skip
+            if not npm_installed(prefix):
+                npm_install(prefix, what)
+    legacy_python()
+
+
 def pytest_report_header(config: pytest.Config) -> list[str]:
     missing = _missing_prerequisites()
     if not missing:
@@ -330,12 +344,16 @@ def npm_install(prefix: Path, what: str) -> None:
         if npm_installed(prefix):
             return  # another test worker installed it while this one waited
         home.mkdir(parents=True, exist_ok=True)
-        shutil.copy(prefix / "package.json", home / "package.json")
-        subprocess.run(
-            [npm, "install", "--no-audit", "--no-fund", "--no-package-lock", "--prefix", str(home)],
-            check=True,
-            timeout=600,
-        )
+        cached = (home / "package.json").exists() and (home / "package.json").read_bytes() == (
+            prefix / "package.json"
+        ).read_bytes()
+        if not (cached and npm_installed(home)):  # (a new checkout finds what an earlier one installed)
+            shutil.copy(prefix / "package.json", home / "package.json")
+            subprocess.run(
+                [npm, "install", "--no-audit", "--no-fund", "--no-package-lock", "--prefix", str(home)],
+                check=True,
+                timeout=600,
+            )
         link = prefix / "node_modules"
         if link.is_symlink():
             link.unlink()

@@ -108,6 +108,7 @@ def proxied_fixture(request: pytest.FixtureRequest, tmp_path_factory: pytest.Tem
         yield url
 
 
+@pytest.mark.timeout(900)  # the first test of a worker may wait for another one's npm install of the suite
 def test_the_suite_has_no_tasks_scenario_we_do_not_run(suite):
     listed = subprocess.run([*suite, "list", "--server"], capture_output=True, text=True, timeout=120, check=True)
     names = [line.split()[1] for line in listed.stdout.splitlines() if line.strip().startswith("- tasks-")]

@@ -337,3 +337,15 @@ async def test_kept_credential_hashes_follow_the_key_the_replicas_agree_on():
             assert identity.credential(ALICE) == expected(key, "authorization:" + ALICE["Authorization"])
             assert identity.credential({"Authorization": long_token}) == expected(key, "authorization:" + long_token)
             assert identity.principal(BOB) == expected(key, "authorization:" + BOB["Authorization"])
+
+
+def test_a_stdio_childs_wrapped_request_state_is_bound_and_survives_any_string():
+    from mcp_tasks_proxy.clients.parking import ChildStates, parked_owner
+
+    states = ChildStates()
+    states.owner = lambda: "replica-1"
+    sealed = states.seal("v1.\ud800 ünïcode", 2, "alice|tools/call|t")  # a child's state may hold anything
+    assert states.owns(sealed) and parked_owner(sealed) == "replica-1"
+    assert states.open(sealed, "alice|tools/call|t") == (2, "v1.\ud800 ünïcode")
+    assert states.open(sealed, "bob|tools/call|t") is None  # another caller's
+    assert states.open("mtp1c.\ud800~0-eA.x", "alice|tools/call|t") is None  # forged: invalid, no traceback

@@ -255,13 +255,23 @@ async def test_shared_copies_serve_one_callers_roots_to_the_next(make_proxy):
 async def test_an_idle_copy_of_another_caller_is_restarted_for_a_caller_with_none(make_proxy):
     proxy = await stdio_proxy(make_proxy, legacy_command(), tools=[], upstream={"stdio": {"max_children": 1}})
     pool = proxy.app[gateway_key].relay.pool
-    assert await tool_text(proxy, "add", {"a": 1, "b": 2}, headers=ALICE) == "3"
-    alices = pool.channels[0].pid
+    alices = await tool_text(proxy, "pid", headers=ALICE)
     with structlog.testing.capture_logs() as logs:
-        assert await tool_text(proxy, "add", {"a": 2, "b": 2}, headers=BOB) == "4"
+        bobs = await tool_text(proxy, "pid", headers=BOB)  # answered by the new run, never the old one
     assert [line["event"] for line in logs if line["event"] == "stdio_child_reassigned"] == ["stdio_child_reassigned"]
-    assert pool.channels[0].pid != alices
+    assert bobs != alices and str(pool.channels[0].pid) == bobs
     assert len(pool.channels) == 1
+
+
+async def test_concurrent_calls_that_may_be_asked_share_one_session_with_a_stdio_child(make_proxy):
+    """Over stdio the proxy's sessions all name the child's one: a caller's calls, however many may be asked
+    something at once, use one (they were a session each, and failed past upstream.max_sessions)."""
+    proxy = await stdio_proxy(make_proxy, legacy_command(), tools=[], upstream={"max_sessions": 1})
+    ask = {"name": "ask_name", "arguments": {}, "_meta": meta(tasks=False, **ELICIT)}
+    for _ in range(3):  # each round left open: the next call goes to another copy, and to the same session
+        reply = await proxy.client.call("tools/call", ask)
+        assert reply.result.get("resultType") == "input_required", reply.message
+    assert proxy.app[gateway_key].legacy.session_count() == 1
 
 
 async def test_a_caller_waits_for_a_copy_while_every_one_is_busy_then_is_refused_saying_why(make_proxy):

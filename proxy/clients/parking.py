@@ -112,8 +112,7 @@ class ParkedCalls(Generic[T]):
         return items
 
     def _mac(self, handle: str, binding: str) -> str:
-        digest = hmac.new(self._secret, f"{handle}|{binding}".encode(), hashlib.sha256).digest()
-        return base64.urlsafe_b64encode(digest).decode().rstrip("=")
+        return _mac(self._secret, handle, binding)
 
     async def _sweep(self) -> None:
         # Expired calls are otherwise only noticed on the next access; an idle proxy must still cancel them.
@@ -141,7 +140,8 @@ class ChildStates:
 
     def seal(self, state: str, child: int, binding: str) -> str:
         owner = _encoded(self.owner()) if self.owner is not None else ""
-        handle = f"{owner}~{child}-{base64.urlsafe_b64encode(state.encode()).decode().rstrip('=')}"
+        encoded = base64.urlsafe_b64encode(state.encode("utf-8", "surrogatepass")).decode().rstrip("=")
+        handle = f"{owner}~{child}-{encoded}"
         return f"{self.PREFIX}.{handle}.{self._mac(handle, binding)}"
 
     def open(self, token: str, binding: str) -> tuple[int, str] | None:
@@ -152,13 +152,19 @@ class ChildStates:
             return None
         child, _, state = parts[1].partition("~")[2].partition("-")
         try:
-            return int(child), base64.urlsafe_b64decode(state + "=" * (-len(state) % 4)).decode()
+            state = base64.urlsafe_b64decode(state + "=" * (-len(state) % 4)).decode("utf-8", "surrogatepass")
+            return int(child), state
         except ValueError:  # (a handle this replica made always decodes)
             return None
 
     def _mac(self, handle: str, binding: str) -> str:
-        digest = hmac.new(self._secret, f"{handle}|{binding}".encode(), hashlib.sha256).digest()
-        return base64.urlsafe_b64encode(digest).decode().rstrip("=")
+        return _mac(self._secret, handle, binding)
+
+
+def _mac(secret: bytes, handle: str, binding: str) -> str:
+    # surrogatepass: a client's string may hold lone surrogates, and must get "invalid", not a traceback.
+    digest = hmac.new(secret, f"{handle}|{binding}".encode("utf-8", "surrogatepass"), hashlib.sha256)
+    return base64.urlsafe_b64encode(digest.digest()).decode().rstrip("=")
 
 
 def invalid_state() -> JsonRpcError:

@@ -193,7 +193,10 @@ class SessionRouting:
         except StoreUnavailable:
             return None
         # A replica that refuses connections took the call with it: refused here as any expired state.
-        return await self._forward(request, url, state) if url is not None else None
+        try:
+            return await self._forward(request, url, state) if url is not None else None
+        except _Unreachable as exc:
+            return _unavailable(str(exc))  # slow or restarting: the client tries again
 
     async def _forward(self, request: web.Request, base_url: str, session_id: str) -> web.StreamResponse | None:
         """The answer of the replica at `base_url`; None when it refuses connections (nothing was sent: its process

@@ -258,7 +258,8 @@ class LegacyUpstream:
         (the call's, security.caller_of: its principal, or an anonymous client's address), else its principal."""
         who = route.caller if route is not None and route.caller else self._identity.principal(client_headers)
         caller = f"{self._identity.credential(client_headers)}|{who}"
-        alone = route is not None and route.asks and self.link.sessions_per_call
+        per_call = self.link.sessions_per_call  # (over stdio the sessions all name the child's one: one a caller)
+        alone = route is not None and route.asks and per_call
         while True:
             sessions = self._by_caller.get(caller, ())
             if route is not None:  # the call's own requests (its POST after call() chose the session, follow-ups)
@@ -266,27 +267,28 @@ class LegacyUpstream:
                     if session.calls.carries(route):
                         return session
             for session in sessions:
-                if not session.calls if alone else not session.calls.asking:
+                if (not session.calls) if alone else (not per_call or not session.calls.asking):
                     self._sessions.get(session.number)  # the most recently used now
                     return session
-            if alone:  # its own, made for it: no other call finds it free before it is in flight there
-                try:
+            try:
+                if alone:  # its own, made for it: no other call finds it free before it is in flight there
                     return await self._initialize(caller, client_headers)
-                except NoSessionRoom:
-                    if not sessions:
-                        raise
-                    # Every session is busy (upstream.max_sessions): rather than fail, the call shares the caller's
-                    # session with the fewest such calls, as before sessions were one a call; a question on its
-                    # standalone stream may then be refused as ambiguous, never sent to another caller.
-                    log.info("legacy_session_shared", reason="upstream.max_sessions")
-                    return min(sessions, key=lambda session: session.calls.asking)
-            opening = self._opening.get(caller)
-            if opening is None:  # one initialize per caller, however many requests wait for it
-                opening = asyncio.ensure_future(self._initialize(caller, client_headers))
-                self._opening[caller] = opening
-                opening.add_done_callback(lambda _: self._opening.pop(caller, None))
-            session = await asyncio.shield(opening)
-            if not session.calls.asking:  # (else a call that may be asked took it meanwhile: look again)
+                opening = self._opening.get(caller)
+                if opening is None:  # one initialize per caller, however many requests wait for it
+                    opening = asyncio.ensure_future(self._initialize(caller, client_headers))
+                    self._opening[caller] = opening
+                    opening.add_done_callback(lambda _: self._opening.pop(caller, None))
+                session = await asyncio.shield(opening)
+            except NoSessionRoom:
+                sessions = self._by_caller.get(caller, ())
+                if not sessions:
+                    raise
+                # Every session is busy (upstream.max_sessions): rather than fail, the call shares the caller's
+                # session with the fewest calls that may be asked something; a question on its standalone stream
+                # may then be refused as ambiguous, never sent to another caller.
+                log.info("legacy_session_shared", reason="upstream.max_sessions")
+                return min(sessions, key=lambda session: session.calls.asking)
+            if alone or not session.calls.asking:  # (else a call that may be asked took it meanwhile: look again)
                 return session
 
     async def _initialize(self, caller: str, client_headers: MultiMapping[str]) -> LegacySession:

@@ -95,8 +95,15 @@ class StdioChannel:
 
     @property
     def idle(self) -> bool:
-        """Nothing in flight, on its way, or asked and unanswered: restarting it loses no call."""
-        return not self._pending and not self._starting and not self.reserved and not self.open_questions
+        """Running, with nothing in flight, on its way, or asked and unanswered: restarting it loses no call in
+        flight (a 2025 server's own task between two polls is lost with it; docs/how-it-works.md)."""
+        return (
+            self.supervisor.child is not None
+            and not self._pending
+            and not self._starting
+            and not self.reserved
+            and not self.open_questions
+        )
 
     async def start(self) -> None:
         await self.supervisor.start()

@@ -33,6 +33,7 @@ import structlog
 
 from ...clients.envelope import params_of
 from ...clients.parking import ChildStates, invalid_state
+from ...security import ANONYMOUS
 from ..routing import CallRoute
 from .channel import StdioChannel
 from .exchange import ChildUnavailable, Exchange, may_ask
@@ -67,8 +68,8 @@ class StdioPool:
         self._max_waiting = max_in_flight
         self._waiting = 0
         self._freed = asyncio.Condition()
-        self._changed = asyncio.Event()
-        """Set when a call ends or a child is added: what callers waiting for a child of their own look again on."""
+        self._changes = 0
+        """Counts calls ended and children added: a caller waiting for a child looks again when it moved."""
         self._growing = asyncio.Lock()
         self._stopping = False
         self._restarts: set[asyncio.Task[None]] = set()
@@ -112,7 +113,7 @@ class StdioPool:
     def state(self) -> str:
         """ "running", or what the first child that does not run says."""
         for channel in self.channels:
-            if channel.supervisor.child is None:
+            if channel.supervisor.child is None and not channel.supervisor.recycling:
                 return channel.supervisor.state
         return "running"
 
@@ -192,7 +193,7 @@ class StdioPool:
     async def _pick_for(self, caller: str, message: dict[str, Any]) -> tuple[StdioChannel, bool]:
         """A child of the caller's own, taken for it when it has none that fits, else waited for."""
         while True:
-            self._changed.clear()  # before looking: whatever frees from here on wakes the wait below
+            seen = self._changes  # before looking: whatever changes from here on ends the wait below
             mine = self._of(caller)
             if mine:
                 found = self._fitting(message, mine)
@@ -201,12 +202,12 @@ class StdioPool:
             taken = await self._take_for(caller)
             if taken is not None:
                 continue  # it is the caller's now: chosen by the same rules as its others
-            if self._end_a_round(caller):  # its call ends upstream, and the child it held is free
-                await self._changed.wait()
-                continue
-            if mine and not self.exclusive:
+            # Its own round nobody retried first; another caller's only when this one has no child at all (shared,
+            # it can share one of its own instead).
+            if not self._end_a_round(caller, anyone=not mine or self.exclusive) and mine and not self.exclusive:
                 return self._least_busy(mine), False  # shared, and nothing to take: as before
-            await self._changed.wait()  # a child of its own frees, or another caller's goes idle
+            async with self._freed:  # a call ends (a round ended here, too), a child is added or goes idle
+                await self._freed.wait_for(lambda seen=seen: self._changes != seen)  # type: ignore[misc]
 
     async def _pick_among(self, message: dict[str, Any]) -> tuple[StdioChannel, bool]:
         """Children shared by every caller (or the proxy's own requests): the dispatch rules over all of them."""
@@ -261,17 +262,23 @@ class StdioPool:
         channel = min(idle, key=lambda channel: channel.last_used)
         channel.owner = caller
         log.info("stdio_child_reassigned", upstream=self.name, child=channel.index)
-        # In the background, whatever becomes of this request: the caller's requests wait for the new run of the
-        # child as for any restart (start_timeout_s).
-        restart = asyncio.ensure_future(channel.supervisor.recycle())
-        self._restarts.add(restart)
-        restart.add_done_callback(self._restarts.discard)
+        # Taken out of service now, before any request of the new caller's can reach the old run (or another caller
+        # take it: a child not running is not idle); stopped in the background, whatever becomes of this request.
+        # The caller's requests wait for the new run as for any restart (start_timeout_s).
+        stopping = channel.supervisor.recycle()
+        if stopping is not None:
+            restart = asyncio.ensure_future(stopping)
+            self._restarts.add(restart)
+            restart.add_done_callback(self._restarts.discard)
         return channel
 
-    def _end_a_round(self, caller: str) -> bool:
+    def _end_a_round(self, caller: str, *, anyone: bool) -> bool:
         """Every child is held: end the oldest MRTR round still waiting for its client's retry, the caller's own
-        first, then anyone's (MRTR lets a client read a round and never retry; such a round holds no call back)."""
-        return any(end(caller) for end in self.round_enders) or any(end(None) for end in self.round_enders)
+        first, then (`anyone`) another caller's: MRTR lets a client read a round and never retry, and such a round
+        must not hold every copy of the server."""
+        if any(end(caller) for end in self.round_enders):
+            return True
+        return anyone and any(end(None) for end in self.round_enders)
 
     def _unowned(self, caller: str) -> list[StdioChannel]:
         """A child nobody has had yet, now the caller's (as a list of its children); [] when there is none."""
@@ -329,7 +336,7 @@ class StdioPool:
             self._wake()
 
     def _wake(self) -> None:
-        self._changed.set()
+        self._changes += 1
 
         async def wake() -> None:
             async with self._freed:
@@ -339,8 +346,8 @@ class StdioPool:
 
 
 def _binding(route: CallRoute | None, message: dict[str, Any]) -> str:
-    """What a wrapped requestState is bound to: the caller, the method, and the tool, prompt or resource."""
+    """What a wrapped requestState is bound to: the caller, the method, and the tool, prompt or resource. Not an
+    anonymous caller's address: a retry forwarded from another replica arrives from that replica's."""
     params = params_of(message)
-    return (
-        f"{route.caller if route is not None else ''}|{message.get('method')}|{params.get('name', params.get('uri'))}"
-    )
+    caller = route.caller if route is not None and not route.caller.startswith(ANONYMOUS) else ""
+    return f"{caller}|{message.get('method')}|{params.get('name', params.get('uri'))}"

@@ -21,7 +21,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -446,16 +446,22 @@ class Supervisor:
             self.state = "killed (it stopped reading its stdin), restarting"
             self._on_kill(child)
 
-    async def recycle(self) -> None:
+    def recycle(self) -> Awaitable[None] | None:
         """Stop the running child as at shutdown and start a fresh one at once: nothing it kept of its callers
-        survives. (None running: it is being restarted anyway.)"""
+        survives. From this call on no request goes to it (the channel's wait for the next run); what is returned
+        stops it, for the caller to run in the background. None when none runs (it is being restarted anyway)."""
         child = self.child
         if child is None or self._stopping:
-            return
+            return None
         self._recycled = child
-        self._killed(child)  # no request goes to it while it stops (and the channel's requests wait for the next)
+        self._killed(child)
         self.state = "restarting for another caller"
-        await child.stop()  # the watch loop starts the next one as soon as this one is gone
+        return child.stop()  # the watch loop starts the next one as soon as this one is gone
+
+    @property
+    def recycling(self) -> bool:
+        """Stopped on purpose, to start again at once: not a failure for /readyz."""
+        return self._recycled is not None
 
     async def _watch(self, child: ChildProcess) -> None:
         delay = self.spec.restart_min_s
