@@ -192,6 +192,10 @@ class UpstreamConfig(_Strict):
     """Legacy upstreams: sessions the proxy keeps open (one per credential). Past it the least recently used idle
     one is ended; one with a call in flight never is, and when all have one, a call that needs a new session fails
     saying so."""
+    max_sessions_per_caller: PositiveInt = 16
+    """Legacy upstreams over HTTP: of max_sessions, one caller's at most. A call that may be asked something has a
+    session to itself while there is room; past this its caller's calls share its sessions, so that one caller's
+    many calls never leave others without one."""
     round_wait_s: Annotated[float, Field(gt=0)] = 20.0
     """Legacy upstreams: how long a synchronous call that asked for input (an MRTR round: its answer is
     input_required) stays open upstream for the client's retry. MRTR lets a client read a round and never come back;

@@ -422,3 +422,20 @@ async def test_past_max_sessions_a_call_that_may_be_asked_shares_its_callers_ses
     waiting = await task_reaches(proxy.client, second.result["taskId"], "input_required", "failed")
     assert waiting.result["status"] == "input_required", waiting.message
     assert proxy.app[gateway_key].legacy.session_count() == 1
+
+
+async def test_one_callers_many_calls_leave_other_callers_a_session(make_proxy, legacy_upstream):
+    """upstream.max_sessions_per_caller: past it a caller's asking calls share its sessions, and another caller
+    still gets one of its own (one caller's calls held every session, and the others got none)."""
+    proxy = await make_proxy(
+        legacy_upstream,
+        tools=[{"match": "ask_name", "task": "optional"}],
+        upstream={"max_sessions": 2, "max_sessions_per_caller": 1},
+    )
+    params = {"name": "ask_name", "arguments": {}, "_meta": meta(**ELICIT)}
+    alice, bob = {"Authorization": "Bearer alice"}, {"Authorization": "Bearer bob"}
+    for headers in (alice, alice, bob):
+        task_id = (await proxy.client.call("tools/call", params, headers=headers)).result["taskId"]
+        waiting = await task_reaches(proxy.client, task_id, "input_required", "failed", headers=headers)
+        assert waiting.result["status"] == "input_required", waiting.message
+    assert proxy.app[gateway_key].legacy.session_count() == 2  # Alice's one, shared by her calls, and Bob's

@@ -49,6 +49,7 @@ async def build_gateway(
         legacy = LegacyUpstream(
             lambda spawn: HttpLegacyLink(upstream, spawn),
             max_sessions=config.upstream.max_sessions,
+            max_sessions_per_caller=config.upstream.max_sessions_per_caller,
             identity=identity,
         )
         gateway: Gateway | None = None

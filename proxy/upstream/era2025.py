@@ -227,8 +227,10 @@ class LegacyUpstream:
         *,
         max_sessions: int,
         identity: Identity,
+        max_sessions_per_caller: int | None = None,
     ) -> None:
         self._identity = identity
+        self._per_caller = max_sessions_per_caller or max_sessions
         self._background: set[asyncio.Task[None]] = set()
         self.link = link(self.spawn)
         # Each session is one caller's, and a call whose client may be asked something has one to itself: a server
@@ -271,6 +273,8 @@ class LegacyUpstream:
                     self._sessions.get(session.number)  # the most recently used now
                     return session
             try:
+                if alone and len(sessions) >= self._per_caller:
+                    raise NoSessionRoom("upstream.max_sessions_per_caller")  # shared below, as when all are busy
                 if alone:  # its own, made for it: no other call finds it free before it is in flight there
                     return await self._initialize(caller, client_headers)
                 opening = self._opening.get(caller)
@@ -283,10 +287,11 @@ class LegacyUpstream:
                 sessions = self._by_caller.get(caller, ())
                 if not sessions:
                     raise
-                # Every session is busy (upstream.max_sessions): rather than fail, the call shares the caller's
+                # Every session is busy, or the caller has its share: rather than fail, the call shares the caller's
                 # session with the fewest calls that may be asked something; a question on its standalone stream
                 # may then be refused as ambiguous, never sent to another caller.
-                log.info("legacy_session_shared", reason="upstream.max_sessions")
+                bound = "max_sessions_per_caller" if len(sessions) >= self._per_caller else "max_sessions"
+                log.info("legacy_session_shared", reason=f"upstream.{bound}")
                 return min(sessions, key=lambda session: session.calls.asking)
             if alone or not session.calls.asking:  # (else a call that may be asked took it meanwhile: look again)
                 return session
