@@ -245,6 +245,8 @@ async def test_a_lost_replicas_sep_1686_task_is_polled_and_finished_through_anot
     listing = {"jsonrpc": "2.0", "id": 4, "method": "tools/list", "params": {}}
     async with session.post(on_b.url, json=listing, headers=on_b.headers) as response:
         assert response.status == 404
+    # A notification of the lost session waits on nothing: accepted, where a 404 would only unsettle a client.
+    assert await on_b.notify("notifications/roots/list_changed") == 202
 
 
 # --- takeover: a lost or stopping replica's calls run again elsewhere, where that is safe --------------------------

@@ -161,11 +161,16 @@ class SessionRouting:
         if await _about_recorded_calls(request):
             # A durable call's stream resumed, a SEP-1686 task of the proxy's polled: everything about them is in the
             # store, so this replica answers, following the record while the lost replica's lease decides (the call
-            # run again, or its outcome written as unknown). The session itself stays with its replica.
+            # run again, or its outcome written as unknown). The session's other requests get 404.
             log.info("session_call_answered_here", replica=owner)
             return None
         with contextlib.suppress(StoreUnavailable):
             await self._store.forget_session(tag)
+        if await _expects_no_answer(request):
+            # A notification or a response for the lost session: nothing waits on it, and a 404 to one makes the
+            # Python SDK 1.x end the client's session at once, its call's outcome still on the way. Its next request
+            # learns that the session is gone.
+            return web.Response(status=202)
         return _session_gone()
 
     async def _parked_elsewhere(self, request: web.Request) -> web.StreamResponse | None:
@@ -297,6 +302,18 @@ async def _about_recorded_calls(request: web.Request) -> bool:
     if "method" in message:
         return message["method"] in _RECORDED_METHODS
     return parse_answer_id(message.get("id")) is not None
+
+
+async def _expects_no_answer(request: web.Request) -> bool:
+    """Whether a request of a 2025 session carries only JSON-RPC notifications or responses."""
+    if request.method != "POST" or request.path != MCP_PATH:
+        return False
+    try:
+        message = loads(await read_body(request))
+    except ValueError:
+        return False
+    messages = message if isinstance(message, list) else [message]
+    return bool(messages) and all(isinstance(one, dict) and not ("method" in one and "id" in one) for one in messages)
 
 
 def may_name_a_parked_call(body: bytes) -> bool:

@@ -68,5 +68,7 @@ if __name__ == "__main__":
         call = main(url, tool, arguments, timeout_s, sys.argv[5:])
         outcome = asyncio.run(asyncio.wait_for(call, timeout_s + 5))
     except BaseException as exc:  # the point of some tests: the call dies, and how
+        while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:  # the SDK's task group: what broke
+            exc = exc.exceptions[0]
         outcome = {"failed": f"{type(exc).__name__}: {exc}"[:500]}
     print(json.dumps(outcome), flush=True)
