@@ -153,12 +153,13 @@ class SessionRouting:
             except _Unreachable as exc:
                 # Slow, restarting, or gone without a word: a call of the session is answered here, from its record;
                 # anything else tries again.
-                return None if await _about_recorded_calls(request) else _unavailable(str(exc))
+                return None if _about_recorded_calls(request, await _posted(request)) else _unavailable(str(exc))
             if forwarded is not None:
                 return forwarded
         # Its lease lapsed, or its address refuses connections (the process is gone, its lease not yet lapsed).
         log.info("session_replica_gone", replica=owner)
-        if await _about_recorded_calls(request):
+        message = await _posted(request)
+        if _about_recorded_calls(request, message):
             # A durable call's stream resumed, a SEP-1686 task of the proxy's polled: everything about them is in the
             # store, so this replica answers, following the record while the lost replica's lease decides (the call
             # run again, or its outcome written as unknown). The session's other requests get 404.
@@ -166,7 +167,7 @@ class SessionRouting:
             return None
         with contextlib.suppress(StoreUnavailable):
             await self._store.forget_session(tag)
-        if await _expects_no_answer(request):
+        if _expects_no_answer(message):
             # A notification or a response for the lost session: nothing waits on it, and a 404 to one makes the
             # Python SDK 1.x end the client's session at once, its call's outcome still on the way. Its next request
             # learns that the session is gone.
@@ -285,18 +286,23 @@ _RECORDED_METHODS = frozenset({"tasks/get", "tasks/result", "tasks/cancel", "tas
 cancellation."""
 
 
-async def _about_recorded_calls(request: web.Request) -> bool:
-    """Whether a request of a 2025 session is about calls the proxy records (a durable call's stream resumed with
-    the proxy's Last-Event-ID, an answer to a question it relayed, a SEP-1686 task's poll or cancel), which any
-    replica answers from the store."""
+async def _posted(request: web.Request) -> Any:
+    """The JSON a POST to the MCP endpoint carries (read once: aiohttp keeps the body); None for any other request,
+    or a body that is not JSON."""
+    if request.method != "POST" or request.path != MCP_PATH:
+        return None
+    try:
+        return loads(await read_body(request))
+    except ValueError:
+        return None
+
+
+def _about_recorded_calls(request: web.Request, message: Any) -> bool:
+    """Whether a request of a 2025 session (`message`, what it POSTs) is about calls the proxy records (a durable
+    call's stream resumed with the proxy's Last-Event-ID, an answer to a question it relayed, a SEP-1686 task's poll
+    or cancel), which any replica answers from the store."""
     if request.method == "GET":
         return parse_event_id(request.headers.get("Last-Event-ID")) is not None
-    if request.method != "POST" or request.path != MCP_PATH:
-        return False
-    try:
-        message = loads(await read_body(request))
-    except ValueError:
-        return False
     if not isinstance(message, dict):
         return False
     if "method" in message:
@@ -304,14 +310,8 @@ async def _about_recorded_calls(request: web.Request) -> bool:
     return parse_answer_id(message.get("id")) is not None
 
 
-async def _expects_no_answer(request: web.Request) -> bool:
-    """Whether a request of a 2025 session carries only JSON-RPC notifications or responses."""
-    if request.method != "POST" or request.path != MCP_PATH:
-        return False
-    try:
-        message = loads(await read_body(request))
-    except ValueError:
-        return False
+def _expects_no_answer(message: Any) -> bool:
+    """Whether what a request of a 2025 session POSTs is only JSON-RPC notifications or responses."""
     messages = message if isinstance(message, list) else [message]
     return bool(messages) and all(isinstance(one, dict) and not ("method" in one and "id" in one) for one in messages)
 
