@@ -119,9 +119,10 @@ class StdioConfig(_Strict):
     max_in_flight: PositiveInt = 10_000
     """Requests the child may have in flight at once; past it a call fails at once instead of queueing."""
     max_sessions: PositiveInt = 10_000
-    """2025-era client sessions the proxy keeps for the child (it answers their initialize itself). Past it the
-    least recently used idle one (no call in flight, no GET stream open) is ended: its client gets 404 and
-    initializes again. A busy session is never ended to make room; when all are busy, a new one is refused (503)."""
+    """2025-era client sessions the proxy keeps for the child, or for a server that speaks 2026-07-28 only (over
+    HTTP too, then): it answers their initialize itself. Past it the least recently used idle one (no call in
+    flight, no GET stream open) is ended: its client gets 404 and initializes again. A busy session is never ended
+    to make room; when all are busy, a new one is refused (503)."""
     max_sessions_per_principal: PositiveInt = 64
     """Of those, one caller's: a principal's, or an anonymous caller's network address (anonymous clients are not
     one caller). Past it that caller's own least recently used idle session is ended, never another caller's; when

@@ -1075,7 +1075,10 @@ async def test_a_2025_client_s_requests_the_proxy_does_not_own_are_relayed_on_th
         listed = request("tools/list", {})
         on_lane = await proxy.client.post_raw(json.dumps(listed), session)
         assert on_lane.status == 200 and on_lane.message["result"]["tools"], on_lane.message
-        assert lane_counts(proxy) == {"relayed": 2, "served": 0, "handled": 0, "handed_over": 0}
+        # In front of a 2026 server the first 2025 request is aiohttp's: the proxy learns whether the server takes
+        # 2025 clients as they are (else they are translated, clients/translated2025.py), and then the lane relays.
+        learnt = 1 if protocol == "modern" else 0
+        assert lane_counts(proxy) == {"relayed": 2 - learnt, "served": 0, "handled": learnt, "handed_over": 0}
         # aiohttp's path (a request that expects 100-continue is handed to it) answers the same.
         async with proxy.client.session.post(proxy.url, **aiohttp_path(json.dumps(listed).encode()),
                                              headers={**session, "Connection": "close"}) as response:  # fmt: skip
@@ -1098,8 +1101,9 @@ async def test_a_chunked_request_left_to_aiohttp_keeps_its_method_with_a_request
     seen: list[str] = []
 
     async def answer(http: web.Request) -> web.Response:
-        seen.append(http.method)
         message = json.loads(await http.read()) if http.body_exists else {"id": None}
+        if message.get("id") != "mtp-initialize":  # (the proxy's own: does the server take 2025 clients?)
+            seen.append(http.method)
         return web.json_response({"jsonrpc": "2.0", "id": message.get("id"), "result": {"tools": []}})
 
     fake = await fake_upstream(answer)

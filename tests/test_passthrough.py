@@ -350,9 +350,11 @@ async def test_a_post_answer_is_relayed_as_sent_compressed_chunked_and_with_repe
         async with session.post(proxy.url + "?shape=chunked", data=call) as response:
             assert response.status == 200
             assert await response.read() == document
-    assert fake.received[0]["path"] == "/mcp?shape=gzip&x=%20y"
-    assert fake.received[0]["headers"]["Accept-Encoding"] == "gzip"
-    assert fake.received[0]["body"] == call
+    # (Before the first 2025 request, the proxy asked the 2026 server whether it takes 2025 clients: its own.)
+    relayed = [each for each in fake.received if b"mtp-initialize" not in each["body"]]
+    assert relayed[0]["path"] == "/mcp?shape=gzip&x=%20y"
+    assert relayed[0]["headers"]["Accept-Encoding"] == "gzip"
+    assert relayed[0]["body"] == call
 
 
 def test_relayed_request_headers_are_the_bytes_received_without_hop_by_hop_ones_and_never_carry_cr_or_lf():

@@ -589,8 +589,8 @@ async def test_requests_past_max_in_flight_fail_at_once_even_in_a_burst(make_pro
 
 
 def test_a_caller_at_its_bound_ends_only_its_own_idle_sessions_and_is_refused_when_all_are_busy():
+    from mcp_tasks_proxy.clients.sessions2025 import FrontSessions
     from mcp_tasks_proxy.upstream.session_table import SessionsFull
-    from mcp_tasks_proxy.upstream.stdio.sessions import FrontSessions
 
     sessions = FrontSessions(max_sessions=100, per_caller=2)
     alice = sessions.create("alice", "alice", "2025-11-25", {})
@@ -612,8 +612,8 @@ def test_a_caller_at_its_bound_ends_only_its_own_idle_sessions_and_is_refused_wh
 
 
 def test_at_the_global_bound_an_idle_session_goes_and_a_busy_one_never():
+    from mcp_tasks_proxy.clients.sessions2025 import FrontSessions
     from mcp_tasks_proxy.upstream.session_table import SessionsFull
-    from mcp_tasks_proxy.upstream.stdio.sessions import FrontSessions
 
     sessions = FrontSessions(max_sessions=3, per_caller=64)
     busy = [sessions.create(name, name, "2025-11-25", {}) for name in ("a", "b")]
@@ -694,7 +694,7 @@ async def test_shutdown_stops_a_child_that_ignores_eof_and_sigterm(tmp_path: Pat
 
 
 async def test_a_childs_notifications_reach_2025_sessions_as_they_subscribed():
-    from mcp_tasks_proxy.upstream.stdio.sessions import FrontSessions
+    from mcp_tasks_proxy.clients.sessions2025 import FrontSessions
 
     sessions = FrontSessions(max_sessions=2)
     first, second = sessions.create("a", "a", "2025-11-25", {}), sessions.create("b", "b", "2025-11-25", {})
@@ -723,7 +723,7 @@ async def test_a_response_whose_id_is_no_string_is_dropped_and_reading_goes_on()
 
 
 def test_a_fifth_get_stream_ends_the_oldest_of_its_session():
-    from mcp_tasks_proxy.upstream.stdio.sessions import FrontSessions
+    from mcp_tasks_proxy.clients.sessions2025 import FrontSessions
 
     session = FrontSessions(max_sessions=2).create("a", "a", "2025-11-25", {})
     queues = [session.open_stream() for _ in range(5)]

@@ -5,6 +5,8 @@ Built with the official SDK (`mcp` 2.x, 2026-07-28); it implements no tasks. Run
 With --stdio (no PORT) it serves the same tools over the stdio transport: newline-delimited JSON-RPC on stdin/stdout,
 logs on stderr (the SDK points fd 1 at stderr while it serves, so a stray print cannot corrupt the wire).
 `echo_authorization` has no headers to read there and answers "<none>". Run: python tests/upstream_server.py --stdio
+
+With --2026-only (either transport) it refuses 2025-era clients' initialize: a server that speaks 2026-07-28 only.
 """
 
 from __future__ import annotations
@@ -268,7 +270,20 @@ def serve_tls(port: int, cert: str, key: str, client_ca: str | None) -> None:
     )  # fmt: skip
 
 
+def speak_2026_only() -> None:
+    """A server of the 2026 SDKs with the 2025 handshake turned off, as a server that dropped 2025 answers it: an
+    initialize is refused with -32022 naming the one version it speaks."""
+    from mcp.server.runner import ServerRunner
+
+    def refuse(self, params):
+        raise MCPError(code=-32022, message="Unsupported protocol version", data={"supported": ["2026-07-28"]})
+
+    ServerRunner._handle_initialize = refuse
+
+
 if __name__ == "__main__":
+    if "--2026-only" in sys.argv:
+        speak_2026_only()
     if "--stdio" in sys.argv:
         server.run(transport="stdio")
     elif "--tls" in sys.argv:  # PORT --tls CERT KEY [CLIENT_CA]

@@ -43,6 +43,7 @@ from .durable_stream import (
     parse_event_id,
 )
 from .envelope import params_of, progress_token
+from .translated2025 import Translated2025
 
 log = structlog.get_logger(__name__)
 
@@ -81,6 +82,25 @@ def _first(future: asyncio.Future[int]) -> Callable[[int], None]:
     return settle
 
 
+def upstream_parts(
+    translated: Translated2025 | None,
+    identity: Identity,
+    message: dict[str, Any],
+    headers: Any,
+    *,
+    on_status: Callable[[int], None] | None = None,
+) -> tuple[dict[str, Any], Any, dict[str, Any], LegacySession | None]:
+    """What a 2025-era client's call (durable, or a SEP-1686 task) sends upstream: the request, the headers it
+    keeps, the capabilities that bound what may be asked, and the client's own upstream session. In front of a
+    2026-07-28-only server the request goes in the 2026 envelope of the proxy's session, on no upstream session."""
+    if translated is not None and translated.applies:
+        call, call_headers_2026, capabilities = translated.call_parts(message, headers)
+        return call, call_headers(call_headers_2026, identity.principal_header), capabilities, None
+    principal = identity.principal(headers)
+    session = client_session(headers, principal, on_status=on_status)
+    return message, call_headers(headers, identity.principal_header), ALL_INPUT_KINDS, session
+
+
 def stream_of(message: dict[str, Any], headers: Any, session_tag: str) -> dict[str, Any]:
     """What a durable call's record keeps of its client (TaskRecord.stream)."""
     version = headers.get("MCP-Protocol-Version", "")
@@ -108,10 +128,13 @@ def _refusal(error: Any) -> dict[str, Any]:
 class DurableCalls:
     """The requests of durable calls: the call itself, its resumption, the client's answers and cancellation."""
 
-    def __init__(self, runner: TaskRunner, store: TaskStore, identity: Identity) -> None:
+    def __init__(
+        self, runner: TaskRunner, store: TaskStore, identity: Identity, translated: Translated2025 | None = None
+    ) -> None:
         self._runner = runner
         self._store = store
         self._identity = identity
+        self._translated = translated
 
     async def start(
         self, request: web.Request, message: dict[str, Any], rule: ToolRule, slots: Slots | None = None
@@ -183,17 +206,20 @@ class DurableCalls:
         principal = self._identity.principal(headers)
         session_tag = self._identity.session_tag(headers)
         accepted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        sent, kept, capabilities, session = upstream_parts(
+            self._translated, self._identity, message, headers, on_status=_first(accepted)
+        )
         call = ToolCall(
             tool=params_of(message)["name"],
-            message=message,
-            headers=call_headers(headers, self._identity.principal_header),
-            capabilities=ALL_INPUT_KINDS,
+            message=sent,
+            headers=kept,
+            capabilities=capabilities,
             principal=principal,
             credential=self._identity.credential(headers),
             caller=caller_of(principal, request.remote),
             task_id=task_id,
             stream=stream_of(message, headers, session_tag),
-            client_session=client_session(headers, principal, on_status=_first(accepted)),
+            client_session=session,
             fingerprint=fingerprint,
             slots=slots,
         )
@@ -210,7 +236,8 @@ class DurableCalls:
         log.info("durable_call_started", task_id=outcome.task_id, tool=call.tool, resumable=call.stream["resumable"])
         # A session the server has ended (404) must reach the client as the server said it, or it would never
         # initialize again: the stream starts once the server took the request, or after a short wait.
-        await asyncio.wait([accepted], timeout=min(rule.keepalive_s, _ACCEPT_WAIT_S))
+        if session is not None:
+            await asyncio.wait([accepted], timeout=min(rule.keepalive_s, _ACCEPT_WAIT_S))
         if accepted.done() and accepted.result() == 404:
             error = error_object(INVALID_REQUEST, "Session not found: the server ended this session")
             return web.Response(

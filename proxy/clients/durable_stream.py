@@ -23,6 +23,7 @@ from ..tasks.model import TaskRecord, TaskStatus
 from ..tasks.runner import TaskRunner
 from ..upstream.http.sse import KEEP_ALIVE, event_bytes, message_event
 from ..upstream.routing import RELATED_TASK
+from .translated2025 import result_2025
 
 RESUMABLE_VERSIONS = frozenset({"2025-11-25"})
 """Client protocol versions whose streams may be closed and resumed (priming events came with 2025-11-25)."""
@@ -225,11 +226,14 @@ def _question(question: Any) -> dict[str, Any]:
 
 
 def _final(record: TaskRecord, stream: dict[str, Any]) -> dict[str, Any]:
-    if record.status is TaskStatus.COMPLETED and stream.get("related") and isinstance(record.result, dict):
-        meta = {**(record.result.get("_meta") or {}), **related_task_meta(record.task_id)}
-        return {"jsonrpc": "2.0", "id": stream.get("id"), "result": {**record.result, "_meta": meta}}
+    result = record.result
+    if isinstance(result, dict) and "mrtr" not in stream:
+        result = result_2025(result)  # a 2025 client's: a 2026-07-28 server's result without what 2025 lacks
+    if record.status is TaskStatus.COMPLETED and stream.get("related") and isinstance(result, dict):
+        meta = {**(result.get("_meta") or {}), **related_task_meta(record.task_id)}
+        return {"jsonrpc": "2.0", "id": stream.get("id"), "result": {**result, "_meta": meta}}
     if record.status is TaskStatus.COMPLETED:
-        return {"jsonrpc": "2.0", "id": stream.get("id"), "result": record.result}
+        return {"jsonrpc": "2.0", "id": stream.get("id"), "result": result}
     if record.status is TaskStatus.FAILED and isinstance(record.error, dict):
         return {"jsonrpc": "2.0", "id": stream.get("id"), "error": record.error}
     reason = record.status_message or "the call was cancelled"

@@ -146,6 +146,14 @@ def decode_header_value(value: str) -> str | None:
     return value
 
 
+def encode_header_value(value: str) -> str:
+    """A value for Mcp-Name / Mcp-Param-*: as it is when it is visible ASCII without surrounding spaces, else
+    `=?base64?...?=` (SEP-2243), which decode_header_value undoes."""
+    if value and value.isascii() and value.isprintable() and value.strip() == value:
+        return value
+    return "=?base64?" + base64.b64encode(value.encode("utf-8", "surrogatepass")).decode() + "?="
+
+
 def check_batch_routing_headers(messages: list[Any], headers: MultiMapping[str]) -> None:
     """A batch (2025-03-26) under one set of headers: routing headers that are present must hold for every request
     and notification in it, as they would for each alone. Copies that all say the same are compared once per item,

@@ -38,11 +38,11 @@ from ..store.base import TaskStore
 from ..tasks.job import Slots, ToolCall
 from ..tasks.model import TaskRecord, TaskStatus, format_time, is_task_id
 from ..tasks.runner import TaskRunner
-from ..upstream.http.headers import call_headers
 from . import idempotency
-from .durable import ALL_INPUT_KINDS, SEP1686_KIND, client_session
+from .durable import SEP1686_KIND, upstream_parts
 from .durable_stream import DurableStream, related_task_meta
 from .envelope import params_of, progress_token
+from .translated2025 import Translated2025, result_2025
 
 log = structlog.get_logger(__name__)
 
@@ -168,7 +168,15 @@ class _FinishedView:
 
 
 class Tasks2025:
-    def __init__(self, runner: TaskRunner, store: TaskStore, identity: Identity, poll_guard: PollGuard) -> None:
+    def __init__(
+        self,
+        runner: TaskRunner,
+        store: TaskStore,
+        identity: Identity,
+        poll_guard: PollGuard,
+        translated: Translated2025 | None = None,
+    ) -> None:
+        self._translated = translated
         self._runner = runner
         self._store = store
         self._identity = identity
@@ -192,16 +200,20 @@ class Tasks2025:
         headers = request.headers
         principal = self._identity.principal(headers)
         session_tag = self._identity.session_tag(headers)
+        # The server never sees params.task: the task is the proxy's.
+        sent, kept, capabilities, session = upstream_parts(
+            self._translated, self._identity, {**message, "params": params}, headers
+        )
         call = ToolCall(
             tool=params["name"],
-            message={**message, "params": params},  # the server never sees params.task: the task is the proxy's
-            headers=call_headers(headers, self._identity.principal_header),
-            capabilities=ALL_INPUT_KINDS,
+            message=sent,
+            headers=kept,
+            capabilities=capabilities,
             principal=principal,
             credential=self._identity.credential(headers),
             caller=caller_of(principal, request.remote),
             stream=_stream_of(message, session_tag),
-            client_session=client_session(headers, principal),
+            client_session=session,
             slots=slots,
         )
         key = idempotency.key_of(message, headers)
@@ -347,8 +359,9 @@ class Tasks2025:
 def final_answer(request_id: Any, record: TaskRecord) -> dict[str, Any]:
     """tasks/result of a terminal task: the call's own result or error, with related-task metadata on a result."""
     if record.status is TaskStatus.COMPLETED and isinstance(record.result, dict):
-        meta = {**(record.result.get("_meta") or {}), **related_task_meta(record.task_id)}
-        return result_response(request_id, {**record.result, "_meta": meta})
+        result = result_2025(record.result)  # a 2026-07-28 server's, without what 2025 lacks
+        meta = {**(result.get("_meta") or {}), **related_task_meta(record.task_id)}
+        return result_response(request_id, {**result, "_meta": meta})
     if record.status is TaskStatus.FAILED and isinstance(record.error, dict):
         return error_response(request_id, record.error)
     reason = record.status_message or "the task was cancelled"

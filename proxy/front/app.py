@@ -19,6 +19,7 @@ from ..clients.durable import DurableCalls
 from ..clients.kept_alive import KeptAliveCalls
 from ..clients.tasks2025 import Tasks2025
 from ..clients.tasks2026 import Tasks2026
+from ..clients.translated2025 import Translated2025
 from ..config import ProxyConfig
 from ..jsonrpc import INVALID_REQUEST, error_object, error_response
 from ..metrics import Metrics
@@ -58,6 +59,7 @@ from .context import (
     store_key,
     tasks2025_key,
     tasks2026_key,
+    translated_key,
 )
 from .dispatch import handle_mcp_post, handle_other
 from .rates import Rates
@@ -97,7 +99,8 @@ def create_app(
             app[gateway_key] = gateway
             app[metrics_key].watch(
                 "mcp_tasks_proxy_legacy_sessions", "Open 2025-era sessions: upstream (the proxy's with a 2025 "
-                "server) and client (2025 clients' with the proxy, for a stdio server)", "side", gateway.session_counts,
+                "server) and client (2025 clients' held by the proxy: for a stdio server, or a 2026-only one)", "side",
+                gateway.session_counts,
             )  # fmt: skip
             if gateway.unreadable_counts is not None:
                 app[metrics_key].watch_unreadable(gateway.unreadable_counts)
@@ -111,6 +114,9 @@ def create_app(
                 owner=lambda: app[runner_key].replica_id,  # (the runner exists by the time a call is parked)
             )
             gateway.ends_rounds(app[bridge_key].end_round)
+            app[translated_key] = Translated2025(
+                gateway, gateway.front_sessions, identity, max_bytes=lambda: policy.config.limits.max_result_bytes
+            )
             probe = asyncio.ensure_future(_probe_era(app[gateway_key]))
             yield
             probe.cancel()
@@ -160,9 +166,11 @@ def create_app(
         app[runner_key] = runner
         app[gateway_key].ends_rounds(runner.end_round)
         app[gateway_key].serves_as(lambda: runner.replica_id)
-        app[durable_key] = DurableCalls(runner, app[store_key], app[identity_key])
+        app[durable_key] = DurableCalls(runner, app[store_key], app[identity_key], app[translated_key])
         app[kept_alive_key] = KeptAliveCalls(runner, app[store_key], app[identity_key])
-        app[tasks2025_key] = Tasks2025(runner, app[store_key], app[identity_key], app[poll_guard_key])
+        app[tasks2025_key] = Tasks2025(
+            runner, app[store_key], app[identity_key], app[poll_guard_key], app[translated_key]
+        )
         app[tasks2026_key] = Tasks2026(runner, app[store_key], app[identity_key], app[poll_guard_key])
         try:
             await runner.start()

@@ -13,6 +13,7 @@ from ..clients.durable import DurableCalls
 from ..clients.kept_alive import KeptAliveCalls
 from ..clients.tasks2025 import Tasks2025
 from ..clients.tasks2026 import Tasks2026
+from ..clients.translated2025 import Translated2025
 from ..jsonrpc import INTERNAL_ERROR, JsonRpcError, UpstreamError, dumps, error_object
 from ..metrics import Metrics
 from ..policy import LivePolicy
@@ -42,6 +43,7 @@ durable_key = web.AppKey("durable_key", DurableCalls)
 kept_alive_key = web.AppKey("kept_alive_key", KeptAliveCalls)
 tasks2025_key = web.AppKey("tasks2025_key", Tasks2025)
 tasks2026_key = web.AppKey("tasks2026_key", Tasks2026)
+translated_key = web.AppKey("translated_key", Translated2025)
 read_headers_key = web.AppKey("read_headers_key", frozenset)
 """The headers this app reads itself, lowercase: the fixed ones, and the principal header when it has one."""
 

@@ -30,6 +30,7 @@ from ..clients.envelope import (
 from ..clients.tasks2026 import missing_tasks_capability
 from ..config import ProxyConfig, TaskMode, ToolRule
 from ..jsonrpc import (
+    INVALID_PARAMS,
     INVALID_REQUEST,
     METHOD_NOT_FOUND,
     PARSE_ERROR,
@@ -62,6 +63,7 @@ from .context import (
     store_key,
     tasks2025_key,
     tasks2026_key,
+    translated_key,
 )
 from .creation import create, refusals, tool_call
 
@@ -82,6 +84,9 @@ async def handle_other(request: web.Request) -> web.StreamResponse:
         if resumed is not None:
             request[info_key].mode = "durable"
             return resumed
+    if request.app[gateway_key].translates_2025 and request.path == MCP_PATH and request.method in ("GET", "DELETE"):
+        request[info_key].mode = "translated"
+        return request.app[translated_key].other(request)
     body = await read_body(request) if request.can_read_body else None
     return await request.app[gateway_key].relay.relay_other(request, body)
 
@@ -143,6 +148,8 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
     boundary.trace(info, request.headers, message)
     config = app[policy_key].config
     way = route(message, request.headers, config, config.rule_for)
+    if (way == "as_is" or way is None) and not is_modern(message, request.headers) and await _translating(request):
+        return await _translated(request, message, body)
     if way == "tasks":
         info.mode = "local"
         answer = await app[tasks2026_key].handle(request.headers, message, info)
@@ -249,6 +256,14 @@ async def _not_a_request(request: web.Request, kind: str, message: Any, body: by
     elif _is_legacy_cancel(kind, message, request) and await app[durable_key].cancelled(request, message):
         request[info_key].mode = "durable"
         return web.Response(status=202)
+    if app[gateway_key].translates_2025 and not (kind != "batch" and is_modern(message, request.headers)):
+        # A 2025 session of the proxy's: the server, 2026-07-28 only, has nothing to hear of it.
+        if kind == "batch":
+            raise JsonRpcError(INVALID_REQUEST, "Invalid request: this server speaks 2026-07-28 only, and the proxy "
+                               "takes no JSON-RPC batches for it")  # fmt: skip
+        app[translated_key].front(request)
+        request[info_key].mode = "translated"
+        return web.Response(status=202)
     # Notifications, responses to a legacy server's requests, and legacy batches are not the proxy's.
     return await app[gateway_key].relay.relay(request, body, message)
 
@@ -345,6 +360,68 @@ async def _serves_2025_tasks(request: web.Request, method: str) -> bool:
                 raise UpstreamError(f"cannot open a session upstream ({exc})", upstream=legacy.url) from exc
         return not tasks2025.has_tool_tasks(legacy.initialize_result or {})
     return True  # a 2026-07-28 server has no SEP-1686 tasks of its own
+
+
+async def _translating(request: web.Request) -> bool:
+    """Whether a 2025-era client's request is translated for a server that speaks 2026-07-28 only (learnt once)."""
+    gateway = request.app[gateway_key]
+    if gateway.passes_2025_as_is:
+        return False
+    if gateway.translates_2025:
+        return True
+    try:
+        return await gateway.translating(request.headers)
+    except UpstreamUnavailable as exc:
+        raise UpstreamError(exc.args[0], upstream=gateway.url) from exc
+
+
+UNRULED = ToolRule(match="*", task=TaskMode.NEVER)
+"""The rule of a tool the policy does not name, called by a 2025-era client of a 2026-07-28-only server: a durable
+call with the defaults, the one way the proxy can carry the server's questions to that client."""
+
+
+async def _translated(request: web.Request, message: dict[str, Any], body: bytes) -> web.StreamResponse:
+    """A 2025-era client's request in front of a server that speaks 2026-07-28 only (clients/translated2025.py):
+    its session is the proxy's, its calls run as durable calls (or SEP-1686 tasks), the rest is translated."""
+    app = request.app
+    config = app[policy_key].config
+    translated = app[translated_key]
+    info = request[info_key]
+    info.mode = "translated"
+    method = message["method"]
+    tasks = any(rule.task is not TaskMode.NEVER for rule in config.tools)
+    if method == "initialize":
+        if not tasks:
+            return await translated.initialize(request, message)
+        # Its own session tells an anonymous caller's tasks from others': tasks/list is offered.
+        return await translated.initialize(request, message, lambda r: tasks2025.advertise(r, anonymous=False))
+    front = translated.front(request)
+    sep1686 = tasks and front.protocol_version == tasks2025.VERSION
+    if method == "tools/call":
+        params = params_of(message)
+        name = params.get("name")
+        if not isinstance(name, str):
+            raise JsonRpcError(INVALID_PARAMS, "Invalid params: tools/call needs a string name", http_status=200)
+        rule = config.rule_for(name)
+        check_routing_headers(message, request.headers, required=False)
+        check_reencodable(message, body)  # its call goes upstream encoded again
+        info.answers_2025 = True
+        if "task" in params and sep1686 and rule is not None and rule.task is not TaskMode.NEVER:
+            info.mode = "sep1686"
+            with refusals():
+                return await app[tasks2025_key].create(request, message, rule, info.claim)
+        if "task" in params:  # a task the proxy did not offer for this tool: the call, as a durable one
+            message = {**message, "params": {key: value for key, value in params.items() if key != "task"}}
+        info.mode = "durable"
+        with refusals():
+            return await app[durable_key].start(request, message, rule or UNRULED, info.claim)
+    if method in tasks2025.METHODS and sep1686:
+        info.mode = "sep1686"
+        info.answers_2025 = True
+        return await app[tasks2025_key].handle(request, message, config.rule_for)
+    if method == "tools/list" and sep1686:
+        return await translated.request(request, message, front, lambda r: tasks2025.mark_tools(r, config.rule_for))
+    return await translated.request(request, message, front)
 
 
 async def _era(request: web.Request) -> str:

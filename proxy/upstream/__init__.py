@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from ..clients.sessions2025 import FrontSessions
 from .era2025 import LegacyUpstream
 from .events import UpstreamStartError, UpstreamUnavailable
 from .gateway import Gateway
@@ -23,7 +24,6 @@ from .stdio.pool import StdioPool
 from .stdio.process import ChildSpec, child_env
 from .stdio.relay import StdioRelay
 from .stdio.session2025 import StdioLegacyLink
-from .stdio.sessions import FrontSessions
 
 if TYPE_CHECKING:
     from ..config import ProxyConfig
@@ -59,7 +59,11 @@ async def build_gateway(
             return await gateway.era()
 
         relay = HttpRelay(upstream, era)
-        gateway = Gateway(upstream, legacy, relay, config.upstream.protocol)
+        # For 2025-era clients of a server that speaks 2026-07-28 only (clients/translated2025.py).
+        sessions = FrontSessions(
+            config.upstream.stdio.max_sessions, per_caller=config.upstream.stdio.max_sessions_per_principal
+        )
+        gateway = Gateway(upstream, legacy, relay, config.upstream.protocol, clients=sessions)
         try:
             yield gateway
         finally:

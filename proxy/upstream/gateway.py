@@ -4,7 +4,7 @@ and the relay of what the proxy does not own."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sized
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, Literal, Protocol
 
 import structlog
@@ -12,6 +12,7 @@ from aiohttp import web
 from multidict import CIMultiDict, MultiMapping
 
 from ..clients.parking import ChildStates
+from ..clients.sessions2025 import FrontSessions
 from ..jsonrpc import RequestId
 from .era2025 import LegacySession, LegacyUpstream
 from .events import Event, InputNeeded, UpstreamTask, UpstreamUnavailable, proxy_failure
@@ -40,6 +41,8 @@ class ModernUpstream(Protocol):
     ) -> AsyncIterator[Event]: ...
 
     async def notify_cancelled(self, request_id: str, client_headers: MultiMapping[str], reason: str) -> None: ...
+
+    async def takes_2025_sessions(self, client_headers: MultiMapping[str]) -> bool: ...
 
 
 Rewrite = Callable[[dict[str, Any]], None]
@@ -83,7 +86,7 @@ class Gateway:
         relay: Relay,
         protocol: str,
         *,
-        clients: Sized = (),
+        clients: FrontSessions | None = None,
         unreadable: Callable[[], dict[str, int]] | None = None,
         round_enders: list[Callable[[str | None], bool]] | None = None,
         child_states: ChildStates | None = None,
@@ -91,13 +94,15 @@ class Gateway:
         self.modern = modern
         self.legacy = legacy
         self.relay = relay
-        self._clients = clients
+        self.front_sessions = clients if clients is not None else FrontSessions(1)
+        """2025-era clients' sessions the proxy holds itself: in front of a stdio server, or a 2026-07-28-only one."""
         self._round_enders = round_enders
         self._child_states = child_states
         self.unreadable_counts = unreadable
         """A stdio server's lines that could not be read, by reason (None over HTTP, where an answer that cannot be
         read fails its request as an upstream error)."""
         self._era: Era | None = protocol if protocol in ("modern", "legacy") else None  # type: ignore[assignment]
+        self._translates: bool | None = None
         self._lock = asyncio.Lock()
 
     @property
@@ -118,8 +123,9 @@ class Gateway:
             self._child_states.owner = replica_id
 
     def session_counts(self) -> dict[str, int]:
-        """Open 2025-era sessions: the proxy's with a 2025 upstream, and 2025 clients' with the proxy (stdio)."""
-        return {"upstream": self.legacy.session_count(), "client": len(self._clients)}
+        """Open 2025-era sessions: the proxy's with a 2025 upstream, and 2025 clients' with the proxy (those it holds
+        itself: in front of a stdio server, or of a 2026-07-28-only one)."""
+        return {"upstream": self.legacy.session_count(), "client": len(self.front_sessions)}
 
     @property
     def known_era(self) -> Era | None:
@@ -144,6 +150,31 @@ class Gateway:
                 self._era = await self.modern.probe(client_headers or CIMultiDict())
                 log.info("upstream_era", era=self._era, upstream=self.url)
         return self._era
+
+    @property
+    def translates_2025(self) -> bool:
+        """Known to speak 2026-07-28 only to this proxy: 2025-era clients get sessions of the proxy's, their requests
+        translated (clients/translated2025.py)."""
+        return self._translates is True
+
+    @property
+    def passes_2025_as_is(self) -> bool:
+        """Known to take a 2025-era client's requests as they are (a 2025 server, or one of both eras over HTTP)."""
+        return self._translates is False or self._era == "legacy"
+
+    async def translating(self, client_headers: MultiMapping[str] | None = None) -> bool:
+        """Whether 2025-era clients' requests are translated, learning it once: a 2025 server takes them as they
+        are; a 2026-07-28 stdio child never does (its one process serves every client); a 2026-07-28 server over
+        HTTP does when it answers an initialize of the proxy's. Raises what `era` raises."""
+        if self._translates is not None:
+            return self._translates
+        era = await self.era(client_headers)
+        async with self._lock:
+            if self._translates is None:
+                headers = client_headers or CIMultiDict()
+                self._translates = era == "modern" and not await self.modern.takes_2025_sessions(headers)
+                log.info("upstream_2025_clients", translated=self._translates, upstream=self.url)
+        return self._translates
 
     def call_tool(
         self,

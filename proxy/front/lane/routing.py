@@ -187,7 +187,9 @@ def lane_request(
     if head.kind == "as_is":
         # An HTTP upstream of either era takes a 2025 client's requests as they are (over stdio the proxy holds
         # their sessions itself). A replica routing sessions records the ones it makes from the application's answers.
-        kind = "as_is" if isinstance(lane.gateway.relay, HttpRelay) and not lane.routes_sessions else None
+        # Not before the proxy knows the server takes them so (one that speaks 2026-07-28 only has them translated).
+        relayed = isinstance(lane.gateway.relay, HttpRelay) and lane.gateway.passes_2025_as_is
+        kind = "as_is" if relayed and not lane.routes_sessions else None
     else:
         kind = head.kind if head.kind == "owned" else lane.route()
     if kind is None:

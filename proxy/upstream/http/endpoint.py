@@ -19,7 +19,7 @@ import structlog
 from multidict import MultiMapping
 
 from ... import PROTOCOL_VERSION
-from ...jsonrpc import dumps, loads
+from ...jsonrpc import METHOD_NOT_FOUND, UNSUPPORTED_PROTOCOL_VERSION, dumps, loads
 from ..era2025 import LEGACY_VERSION, proxy_initialize
 from ..era2026 import discover_probe, interpret, is_discover_result
 from ..events import (
@@ -148,6 +148,18 @@ class Upstream:
             f"the upstream answered neither MCP era: server/discover got {discover.describe()}, initialize got "
             f"{initialize.describe()} (is upstream.url's path right?)"
         )
+
+    async def takes_2025_sessions(self, client_headers: MultiMapping[str]) -> bool:
+        """Whether a 2026-07-28 server also speaks 2025: false only when it refuses an initialize of the proxy's as
+        one that does not do the 2025 handshake (-32022 unsupported version, -32601 no such method); any other
+        answer is the server's to give 2025 clients itself. A session the probe opened is ended. Raises
+        CredentialsNeeded, UpstreamUnavailable as `probe` does."""
+        initialize = await self._era_answer(proxy_initialize(), client_headers)
+        initialize.raise_for_credentials()
+        if initialize.session_id is not None:
+            await self._end_probe_session(initialize, client_headers)
+        error = (initialize.answer or {}).get("error")
+        return not (isinstance(error, dict) and error.get("code") in _NO_HANDSHAKE)
 
     async def _era_answer(self, message: dict[str, Any], client_headers: MultiMapping[str]) -> EraAnswer:
         method = message["method"]
@@ -306,6 +318,8 @@ def _loads(data: str | bytes) -> Any:
         return None
 
 
+_NO_HANDSHAKE = (UNSUPPORTED_PROTOCOL_VERSION, METHOD_NOT_FOUND)
+"""The errors to initialize of a server that does not do the 2025 handshake."""
 HANDSHAKE_MAX_BYTES = 4 * 1024 * 1024
 """The largest answer to a request of the proxy's own (initialize, discover, tools/list, tasks/get) it reads."""
 PROBE_TIMEOUT_S = 10.0

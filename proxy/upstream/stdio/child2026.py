@@ -104,3 +104,7 @@ class StdioModern:
 
     async def notify_cancelled(self, request_id: str, client_headers: MultiMapping[str], reason: str) -> None:
         """Closing the call's exchange told the child already."""
+
+    async def takes_2025_sessions(self, client_headers: MultiMapping[str]) -> bool:
+        """Never: a 2025 client's initialize would fix the one child's era, and its capabilities, for every client."""
+        return False

@@ -2,7 +2,7 @@
 answer written back as JSON (or as an event stream when progress, a log line or a request of the child's comes
 first), the way a Streamable HTTP server would answer it.
 
-2025-era clients of a 2025-era child get sessions of the proxy's (stdio/sessions.py): the proxy answers their
+2025-era clients of a 2025-era child get sessions of the proxy's (clients/sessions2025.py): the proxy answers their
 `initialize` from the child's, `ping` itself, and their GET streams and DELETE; a request of the child's for one of
 their calls is shown to them under an id of the proxy's, and their answer goes back under the child's.
 """
@@ -18,6 +18,8 @@ import structlog
 from aiohttp import web
 
 from ...clients.envelope import check_modern_request, is_modern, params_of
+from ...clients.sessions2025 import _MAX_SUBSCRIBED, FrontSession, FrontSessions
+from ...clients.translated2025 import VERSIONS_2025
 from ...jsonrpc import (
     INTERNAL_ERROR,
     INVALID_PARAMS,
@@ -49,11 +51,9 @@ from .responses import (
     write_event,
 )
 from .session2025 import StdioLegacyLink
-from .sessions import _MAX_SUBSCRIBED, FrontSession, FrontSessions
 
 log = structlog.get_logger(__name__)
 
-VERSIONS_2025 = ("2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25")
 _KEEPALIVE_S = 15.0
 
 
@@ -130,11 +130,9 @@ class StdioRelay:
             raise _unavailable(exc) from exc
         if era == "legacy" and not modern:
             return await self._legacy_client(request, message, kind, rewrite, on_headers)
-        if not modern:
+        if not modern:  # the front translates a 2025 client's requests for a 2026 child: none reaches here
             raise JsonRpcError(
-                INVALID_REQUEST,
-                "This stdio server speaks 2026-07-28 only (it answered server/discover), and the proxy does not "
-                "translate 2025-era requests for it: use a 2026-07-28 client",
+                INVALID_REQUEST, "This stdio server speaks 2026-07-28 only (it answered server/discover)"
             )
         if kind == "request":
             # The headers stop here (stdio has none): what a 2026-07-28 server checks of them, the proxy checks.

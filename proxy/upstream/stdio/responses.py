@@ -15,6 +15,7 @@ import structlog
 from aiohttp import web
 
 from ...clients.envelope import params_of
+from ...clients.sessions2025 import FrontSession
 from ...jsonrpc import ERROR_HTTP_STATUS, INTERNAL_ERROR, dumps, error_object, error_response
 from ..era2025 import declined_answer
 from ..events import AnswerTooLarge
@@ -22,7 +23,6 @@ from ..http.answer import client_gone_key
 from ..http.sse import message_event
 from .exchange import Exchange
 from .pool import StdioPool
-from .sessions import FrontSession
 
 log = structlog.get_logger(__name__)
 

@@ -3,7 +3,7 @@ initialize would replace the capabilities the child holds for everyone), then re
 
 Every principal shares the child's one session, so the LegacyUpstream sessions all name it; what keeps callers apart
 is the channel (ids the proxy owns, server requests tied to their call). A 2025-era client's own session (a durable
-call's) is one the proxy made for it (stdio/sessions.py): 404 once ended, as an HTTP server says.
+call's) is one the proxy made for it (clients/sessions2025.py): 404 once ended, as an HTTP server says.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from .exchange import OWN_ANSWER_MAX_BYTES, ChildGone, Exchange, child_exited, o
 from .pool import StdioPool
 
 if TYPE_CHECKING:
+    from ...clients.sessions2025 import FrontSession, FrontSessions
     from ..era2025 import LegacyUpstream
-    from .sessions import FrontSession, FrontSessions
 
 log = structlog.get_logger(__name__)
 

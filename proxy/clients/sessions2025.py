@@ -1,9 +1,11 @@
-"""2025-era client sessions in front of a stdio child, which the proxy ends itself.
+"""2025-era client sessions the proxy holds itself, and ends itself: in front of a stdio child, and in front of a
+server that speaks 2026-07-28 only (clients/translated2025.py).
 
 A stdio server has one session (its process), initialized once by the proxy; a client's own `initialize` must
-never reach it, or the capabilities it declared would replace every other client's. So each 2025-era client gets a
-session of the proxy's: its id (`Mcp-Session-Id`), its principal, version and capabilities (what the child's
-requests for its calls are checked against), its GET streams, the resources it subscribed to.
+never reach it, or the capabilities it declared would replace every other client's. A 2026-07-28 server has no
+sessions at all. So each 2025-era client gets a session of the proxy's: its id (`Mcp-Session-Id`), its principal,
+version and capabilities (what the server's requests for its calls are checked against), its GET streams, the
+resources it subscribed to.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 import structlog
 
-from ..session_table import SessionsFull, SessionTable
+from ..upstream.session_table import SessionsFull, SessionTable
 
 log = structlog.get_logger(__name__)
 
@@ -40,6 +42,10 @@ class FrontSession:
     capabilities: dict[str, Any]
     caller: str = ""
     """Who the session counts against for limits: its principal, or an anonymous caller's network address."""
+    client_info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """What its initialize said the client is (a 2026-07-28 server is told it on every request)."""
+    log_level: str | None = None
+    """Its logging/setLevel, where the proxy answers it (a 2026-07-28 server is told it on every request)."""
     calls: dict[Any, Any] = dataclasses.field(default_factory=dict)
     """The client's requests in flight (its id → their Exchange), for its notifications/cancelled."""
     asked: dict[str, Any] = dataclasses.field(default_factory=dict)

@@ -1,0 +1,277 @@
+"""2025-era clients in front of a server that speaks 2026-07-28 only: the proxy speaks 2025 to the client and
+2026-07-28 to the server, as proxy/upstream/bridge.py does the other way round.
+
+The proxy holds the client's session (clients/sessions2025.py), as it does in front of a stdio child: it answers
+`initialize` from the server's `server/discover`, `ping`, and `logging/setLevel` (the level then goes with each of
+the session's requests, as `_meta` logLevel); every other request goes to the server with the 2026-07-28 envelope
+built from what the session declared, and its result comes back without the 2026 fields. A `tools/call` is the
+front's to run (proxy/front/dispatch.py): a durable call or a SEP-1686 task, whatever the policy says of the tool,
+so that the server's MRTR questions reach the client as the requests a 2025 client expects (elicitation, sampling,
+roots) on the call's stream, and its answers go back in the retry.
+
+What 2026-07-28 has no way to say is refused plainly: the GET stream (405: there are no server-initiated requests
+or session notifications to carry), `resources/subscribe` (-32601).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from aiohttp import web
+from multidict import CIMultiDict, MultiMapping
+
+from .. import PROTOCOL_VERSION
+from ..jsonrpc import (
+    INTERNAL_ERROR,
+    INVALID_PARAMS,
+    INVALID_REQUEST,
+    METHOD_NOT_FOUND,
+    JsonRpcError,
+    dumps,
+    error_object,
+    error_response,
+    result_response,
+)
+from ..security import Identity, caller_of
+from ..upstream.era2026 import discover_probe
+from ..upstream.events import Failed, Finished, InputNeeded
+from ..upstream.session_table import SessionsFull
+from .envelope import (
+    META_CLIENT_CAPABILITIES,
+    META_PROTOCOL_VERSION,
+    NAME_PARAMS,
+    encode_header_value,
+    params_of,
+)
+from .sessions2025 import FrontSession, FrontSessions
+
+if TYPE_CHECKING:
+    from ..upstream.gateway import Gateway
+
+log = structlog.get_logger(__name__)
+
+VERSIONS_2025 = ("2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25")
+META_CLIENT_INFO = "io.modelcontextprotocol/clientInfo"
+META_LOG_LEVEL = "io.modelcontextprotocol/logLevel"
+META_SERVER_INFO = "io.modelcontextprotocol/serverInfo"
+LOG_LEVELS = frozenset({"debug", "info", "notice", "warning", "error", "critical", "alert", "emergency"})
+_CLIENT_CAPABILITIES = ("experimental", "roots", "sampling", "elicitation")
+"""What a 2025 client declares that 2026-07-28 still has (not `tasks`: a task is the proxy's, SEP-2663)."""
+_SERVER_CAPABILITIES = ("experimental", "logging", "completions", "prompts", "resources", "tools")
+_2026_ONLY_FIELDS = ("resultType", "ttlMs", "cacheScope")
+
+Rewrite = Callable[[dict[str, Any]], None]
+
+
+def capabilities_2026(declared: dict[str, Any]) -> dict[str, Any]:
+    return {key: declared[key] for key in _CLIENT_CAPABILITIES if isinstance(declared.get(key), dict)}
+
+
+def as_2026(message: dict[str, Any], front: FrontSession) -> dict[str, Any]:
+    """The 2025 request with the 2026-07-28 envelope in its `_meta`, from what the session declared; its own `_meta`
+    (a progressToken, trace context) kept."""
+    params = dict(params_of(message))
+    meta = dict(params["_meta"]) if isinstance(params.get("_meta"), dict) else {}
+    meta[META_PROTOCOL_VERSION] = PROTOCOL_VERSION
+    meta[META_CLIENT_CAPABILITIES] = capabilities_2026(front.capabilities)
+    if front.client_info:
+        meta[META_CLIENT_INFO] = front.client_info
+    if front.log_level is not None:
+        meta[META_LOG_LEVEL] = front.log_level
+    params["_meta"] = meta
+    return {"jsonrpc": "2.0", "id": message["id"], "method": message["method"], "params": params}
+
+
+def headers_2026(message: dict[str, Any], client_headers: MultiMapping[str]) -> CIMultiDict[str]:
+    """The client's headers for the server, the 2025 ones (session id, version) replaced by SEP-2243's."""
+    headers = CIMultiDict(
+        (name, value)
+        for name, value in client_headers.items()
+        if not (lower := name.lower()).startswith("mcp-") and lower != "last-event-id"
+    )
+    method = message["method"]
+    headers["MCP-Protocol-Version"] = PROTOCOL_VERSION
+    headers["Mcp-Method"] = method
+    field = NAME_PARAMS.get(method)
+    value = params_of(message).get(field) if field else None
+    if isinstance(value, str):
+        headers["Mcp-Name"] = encode_header_value(value)
+    return headers
+
+
+def result_2025(result: dict[str, Any]) -> dict[str, Any]:
+    """A 2026-07-28 result as a 2025 client reads it: no resultType, ttlMs, cacheScope or serverInfo `_meta`."""
+    out = {key: value for key, value in result.items() if key not in _2026_ONLY_FIELDS}
+    meta = out.get("_meta")
+    if isinstance(meta, dict) and META_SERVER_INFO in meta:
+        meta = {key: value for key, value in meta.items() if key != META_SERVER_INFO}
+        if meta:
+            out["_meta"] = meta
+        else:
+            del out["_meta"]
+    return out
+
+
+def initialize_result(discover: dict[str, Any], version: str) -> dict[str, Any]:
+    """An InitializeResult from a DiscoverResult: its capabilities (2025 has no extensions, and no subscriptions a
+    2025 client could use here), instructions and serverInfo."""
+    capabilities = discover.get("capabilities")
+    capabilities = capabilities if isinstance(capabilities, dict) else {}
+    server: dict[str, Any] = {key: copy.deepcopy(capabilities[key]) for key in _SERVER_CAPABILITIES
+                              if isinstance(capabilities.get(key), dict)}  # fmt: skip
+    if "resources" in server:
+        server["resources"].pop("subscribe", None)
+    meta = discover.get("_meta")
+    info = meta.get(META_SERVER_INFO) if isinstance(meta, dict) else None
+    if not (isinstance(info, dict) and isinstance(info.get("name"), str) and isinstance(info.get("version"), str)):
+        info = {"name": "unknown", "version": "0"}
+    result: dict[str, Any] = {"protocolVersion": version, "capabilities": server, "serverInfo": info}
+    if isinstance(discover.get("instructions"), str):
+        result["instructions"] = discover["instructions"]
+    return result
+
+
+class Translated2025:
+    """2025-era clients' sessions with a 2026-07-28-only server, and the requests of theirs the front does not run
+    as calls (see the module docstring)."""
+
+    def __init__(
+        self, gateway: Gateway, sessions: FrontSessions, identity: Identity, *, max_bytes: Callable[[], int]
+    ) -> None:
+        self._gateway = gateway
+        self.sessions = sessions
+        self._identity = identity
+        self._max_bytes = max_bytes
+
+    @property
+    def applies(self) -> bool:
+        """The server is known to speak 2026-07-28 only: every 2025-era client's request is translated."""
+        return self._gateway.translates_2025
+
+    async def initialize(
+        self, request: web.Request, message: dict[str, Any], rewrite: Rewrite | None = None
+    ) -> web.Response:
+        """A new session of the proxy's, answered from the server's server/discover."""
+        probe = discover_probe()
+        discover = await self._result(probe, headers_2026(probe, request.headers), {})
+        if "error" in discover:
+            return _json(error_response(message["id"], discover["error"]))
+        params = params_of(message)
+        asked = params.get("protocolVersion")
+        version = asked if asked in VERSIONS_2025 else VERSIONS_2025[-1]
+        capabilities = params.get("capabilities")
+        info = params.get("clientInfo")
+        principal = self._identity.principal(request.headers)
+        try:
+            front = self.sessions.create(
+                principal,
+                caller_of(principal, request.remote),
+                version,
+                capabilities if isinstance(capabilities, dict) else {},
+            )
+        except SessionsFull as exc:
+            log.warning("translated_session_refused", reason=str(exc))
+            raise JsonRpcError(
+                INTERNAL_ERROR, f"Cannot open a session: {exc}; end one (HTTP DELETE) or try again later",
+                http_status=503,
+            ) from exc  # fmt: skip
+        if isinstance(info, dict) and isinstance(info.get("name"), str) and isinstance(info.get("version"), str):
+            front.client_info = info
+        result = initialize_result(discover["result"], version)
+        if rewrite is not None:
+            rewrite(result)
+        log.info("translated_session_opened", protocol_version=version, sessions=len(self.sessions))
+        return _json(result_response(message["id"], result), headers={"Mcp-Session-Id": front.id})
+
+    def front(self, request: web.Request) -> FrontSession:
+        """The session the request names (400 without one, 404 for one the proxy does not hold: initialize again)."""
+        session_id = request.headers.get("Mcp-Session-Id")
+        if session_id is None:
+            raise JsonRpcError(INVALID_REQUEST, "Bad Request: no Mcp-Session-Id header (initialize first)")
+        front = self.sessions.get(session_id)
+        if front is None or front.principal != self._identity.principal(request.headers):
+            raise JsonRpcError(INVALID_REQUEST, "Session not found: initialize again", http_status=404)
+        return front
+
+    def call_parts(
+        self, message: dict[str, Any], client_headers: MultiMapping[str]
+    ) -> tuple[dict[str, Any], CIMultiDict[str], dict[str, Any]]:
+        """What a durable call or a SEP-1686 task of a session sends the server: the request in the 2026 envelope,
+        the headers for it, and the capabilities the session declared (what the server may ask its client)."""
+        front = self.front_of(client_headers)
+        return as_2026(message, front), headers_2026(message, client_headers), front.capabilities
+
+    def front_of(self, client_headers: MultiMapping[str]) -> FrontSession:
+        front = self.sessions.get(client_headers.get("Mcp-Session-Id", ""))
+        if front is None:
+            raise JsonRpcError(INVALID_REQUEST, "Session not found: initialize again", http_status=404)
+        return front
+
+    async def request(
+        self, request: web.Request, message: dict[str, Any], front: FrontSession, rewrite: Rewrite | None = None
+    ) -> web.Response:
+        """A request of the session's that is no call: answered here (ping, logging/setLevel), refused (what 2026
+        cannot say), or sent to the server in the 2026 envelope and its result returned as 2025 has it."""
+        method = message["method"]
+        if method == "ping":
+            return _json(result_response(message["id"], {}))
+        if method == "logging/setLevel":
+            level = params_of(message).get("level")
+            if level not in LOG_LEVELS:
+                error = error_object(INVALID_PARAMS, f"Invalid params: level must be one of {sorted(LOG_LEVELS)}")
+                return _json(error_response(message["id"], error))
+            front.log_level = level
+            return _json(result_response(message["id"], {}))
+        if method in ("resources/subscribe", "resources/unsubscribe"):
+            error = error_object(METHOD_NOT_FOUND, f"Method not found: {method} (this server speaks 2026-07-28 "
+                                 "only, which has no resource subscriptions for a 2025 session)")  # fmt: skip
+            return _json(error_response(message["id"], error))
+        answer = await self._result(as_2026(message, front), headers_2026(message, request.headers), front)
+        if "result" in answer:
+            answer["result"] = result_2025(answer["result"])
+            if rewrite is not None:
+                rewrite(answer["result"])
+        return _json({"jsonrpc": "2.0", "id": message["id"], **answer})
+
+    async def _result(
+        self, message: dict[str, Any], headers: MultiMapping[str], front: FrontSession | dict[str, Any]
+    ) -> dict[str, Any]:
+        """{"result": ...} or {"error": ...}: the server's answer to one request."""
+        capabilities = front.capabilities if isinstance(front, FrontSession) else {}
+        caller = front.caller if isinstance(front, FrontSession) else ""
+        events = self._gateway.modern.call_tool(
+            message, headers, capabilities, max_bytes=self._max_bytes(), caller=caller
+        )
+        try:
+            async for event in events:
+                if isinstance(event, Finished):
+                    return {"result": event.result}
+                if isinstance(event, Failed):
+                    return {"error": event.error}
+                if isinstance(event, InputNeeded):
+                    return {
+                        "error": error_object(
+                            INTERNAL_ERROR,
+                            f"The server asked for input to answer "
+                            f"{message['method']}, which the proxy relays to a 2025 client only in a tools/call",
+                        )
+                    }
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+        return {"error": error_object(INTERNAL_ERROR, "Upstream failure: no answer")}
+
+    def other(self, request: web.Request) -> web.Response:
+        """GET and DELETE of a session: DELETE ends it; 2026-07-28 has nothing a GET stream would carry."""
+        front = self.front(request)
+        if request.method == "DELETE":
+            self.sessions.end(front.id)
+            log.info("translated_session_ended", sessions=len(self.sessions))
+            return web.Response(status=200)
+        return web.Response(status=405, headers={"Allow": "POST, DELETE"})
+
+
+def _json(message: dict[str, Any], *, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=dumps(message), content_type="application/json", headers=headers)

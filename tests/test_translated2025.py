@@ -1,0 +1,145 @@
+"""2025-era clients in front of a server that speaks 2026-07-28 only (clients/translated2025.py): the official SDK
+1.x and TypeScript SDK 1.x clients, over HTTP and stdio, against the official 2.x SDK's server with its 2025
+handshake turned off (tests/upstream_server.py --2026-only). Straight to that server a 2025 client gets nowhere;
+through the proxy its whole session works: lists, calls, the server's MRTR questions as the elicitation and sampling
+requests a 2025 client answers, progress, SEP-1686 tasks."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import aiohttp
+import pytest
+
+from mcp_tasks_proxy.front.context import gateway_key
+from tests.balancer import RoundRobin
+from tests.conftest import ROOT, free_port, legacy_python, serve_script
+from tests.test_durable import Client2025
+from tests.test_real_clients import run_client, sdk1_call, ts_call
+
+SESSION_CLIENT = ROOT / "tests" / "clients" / "sdk1_session.py"
+MODERN_ONLY_STDIO = [sys.executable, str(ROOT / "tests" / "upstream_server.py"), "--stdio", "--2026-only"]
+
+
+@pytest.fixture(scope="module")
+def modern_only_upstream():
+    with contextlib.contextmanager(serve_script)(sys.executable, "upstream_server.py", "--2026-only") as url:
+        yield url
+
+
+@pytest.fixture(params=["http", "stdio"])
+def modern_only(request, modern_only_upstream):
+    """The 2026-only server as the proxy's upstream: its URL, or the command of a stdio child."""
+    return modern_only_upstream if request.param == "http" else MODERN_ONLY_STDIO
+
+
+async def sdk1_session(url: str, *args: str) -> dict:
+    return await run_client(str(legacy_python()), str(SESSION_CLIENT), url, *args, timeout_s=60)
+
+
+async def test_straight_to_the_server_a_2025_client_gets_nowhere(modern_only_upstream):
+    outcome = await sdk1_session(modern_only_upstream, "one_question")
+    assert "failed" in outcome and "Unsupported protocol version" in outcome["failed"], outcome
+
+
+async def test_a_whole_sdk_1x_session_through_the_proxy(make_proxy, modern_only):
+    proxy = await make_proxy(modern_only)
+    outcome = await sdk1_session(proxy.url, "one_question", "--mrtr")
+    assert "failed" not in outcome, outcome
+    assert outcome["session"] and outcome["version"] == "2025-11-25"
+    assert outcome["tools"] > 20 and outcome["added"] == "5" and len(set(outcome["pids"])) == 1
+    # The server's questions, asked in MRTR rounds, reached the client as elicitation and sampling requests; its
+    # answers went back in the retries, one round and two, one question and two at once.
+    assert outcome["asked"] == "you said Ada"
+    assert outcome["two_at_once"] == "Ada+Ada" and outcome["same_key_twice"] == "Ada then Ada"
+    assert outcome["sampled"] == "sampled"
+    assert outcome["report"].startswith("Report on t") and outcome["progress"] >= 2
+    assert outcome["unknown"] is True  # the server's "unknown tool" is the client's error result
+    # The 2026 envelope the server got was built from what the session declared, and the state came back unchanged.
+    received = outcome["received"]
+    assert received["requestState"] == '{"round": 1, "note": "ünïcode and  spaces"}'
+    assert "elicitation" in received["capabilities"] and "tasks" not in received["capabilities"]
+    assert received["inputResponses"]["q"]["content"] == {"answer": "Ada"}
+    gateway = proxy.app[gateway_key]
+    assert gateway.translates_2025 and gateway.session_counts()["client"] == 0  # the client's DELETE ended it
+
+
+async def test_the_typescript_sdk_1x_client(make_proxy, modern_only):
+    proxy = await make_proxy(modern_only)
+    outcome = await ts_call(proxy.url, "add", {"a": 2, "b": 3})
+    assert outcome == {"text": "5", "isError": False}
+
+
+async def test_a_sep_1686_client_gets_the_proxys_tasks(make_proxy, modern_only):
+    proxy = await make_proxy(modern_only, tools=[{"match": "slow_report"}])
+    outcome = await sdk1_call(proxy.url, "slow_report", {"topic": "t", "seconds": 1}, "--as-task")
+    assert outcome.get("statuses") == ["completed"], outcome
+    assert outcome["text"].startswith("Report on t") and outcome["isError"] is False
+
+
+async def test_the_session_is_the_proxys(make_proxy, modern_only_upstream):
+    proxy = await make_proxy(modern_only_upstream)
+    async with aiohttp.ClientSession() as http:
+        client = Client2025(http, proxy.url)
+
+        async def post(message: dict, **headers: str) -> tuple[int, dict]:
+            async with http.post(proxy.url, json=message, headers={**client.headers, **headers}) as response:
+                return response.status, await response.json()
+
+        init = {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}
+        status, answer = await post({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": init})
+        result = answer["result"]
+        assert status == 200 and result["protocolVersion"] == "2025-06-18"  # the version the client asked for
+        assert result["serverInfo"]["name"] == "slow-example" and "instructions" in result
+        assert "extensions" not in result["capabilities"] and "resultType" not in result
+        await client.initialize()
+        request = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
+        status, answer = await post(request)
+        assert status == 200 and answer["result"]["tools"]
+        assert not {"resultType", "ttlMs", "cacheScope"} & set(answer["result"])
+        assert (await post({**request, "method": "ping"}))[1] == {"jsonrpc": "2.0", "id": 1, "result": {}}
+        level = {**request, "method": "logging/setLevel", "params": {"level": "loud"}}
+        assert (await post(level))[1]["error"]["code"] == -32602
+        assert (await post({**level, "params": {"level": "info"}}))[1]["result"] == {}
+        subscribe = {**request, "method": "resources/subscribe", "params": {"uri": "file:///x"}}
+        assert (await post(subscribe))[1]["error"]["code"] == -32601
+        status, answer = await post([request, {**request, "id": 2}])
+        assert status == 400 and answer["error"]["code"] == -32600  # a batch: nothing 2026 could carry
+        async with http.get(proxy.url, headers=client.headers) as response:
+            assert response.status == 405  # no GET stream: 2026-07-28 has nothing a session stream would carry
+        status, answer = await post(request, **{"Mcp-Session-Id": "not-a-session"})
+        assert status == 404
+        async with http.delete(proxy.url, headers=client.headers) as response:
+            assert response.status == 200
+        assert (await post(request))[0] == 404  # ended: the client initializes again
+
+
+async def test_a_server_of_both_eras_takes_2025_clients_as_they_are(make_proxy, mcp_upstream):
+    """The SDK 2.x server speaks 2025 as well: the session is the server's own, untouched."""
+    proxy = await make_proxy(mcp_upstream)
+    async with aiohttp.ClientSession() as http:
+        client = Client2025(http, proxy.url)
+        await client.initialize()
+        gateway = proxy.app[gateway_key]
+        assert gateway.passes_2025_as_is and not gateway.translates_2025
+        assert gateway.session_counts()["client"] == 0  # the session is the server's, not the proxy's
+
+
+@pytest.mark.parametrize("transport", ["http", "stdio"])
+async def test_a_whole_session_through_round_robin_replicas(replicas, modern_only_upstream, transport):
+    """Three replicas sharing Redis behind a balancer with no affinity: each request of the session, and each answer
+    to the server's questions, lands on any of them (listen.advertise_url routes the proxy's session)."""
+    upstream = modern_only_upstream if transport == "http" else MODERN_ONLY_STDIO
+    proxies = [replicas(upstream, advertise=True) for _ in range(3)]
+    balancer = RoundRobin([proxy.url.removesuffix("/mcp") for proxy in proxies])
+    url = await balancer.start(free_port())
+    try:
+        outcome = await sdk1_session(url, "one_question", "--mrtr")
+    finally:
+        await balancer.close()
+    assert "failed" not in outcome, outcome
+    assert outcome["asked"] == "you said Ada" and outcome["two_at_once"] == "Ada+Ada"
+    assert outcome["sampled"] == "sampled" and len(set(outcome["pids"])) == 1
+    assert {index for index, _, _ in balancer.hits} == {0, 1, 2}
+    assert not [hit for hit in balancer.hits if hit[2] >= 400 and hit[1] != "GET"]  # (no GET stream: 405)
