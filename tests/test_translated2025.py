@@ -6,7 +6,9 @@ requests a 2025 client answers, progress, SEP-1686 tasks."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import sys
 
 import aiohttp
@@ -103,11 +105,11 @@ async def test_the_session_is_the_proxys(make_proxy, modern_only_upstream):
         assert (await post(level))[1]["error"]["code"] == -32602
         assert (await post({**level, "params": {"level": "info"}}))[1]["result"] == {}
         subscribe = {**request, "method": "resources/subscribe", "params": {"uri": "file:///x"}}
-        assert (await post(subscribe))[1]["error"]["code"] == -32601
+        assert (await post(subscribe))[1]["result"] == {}
+        assert (await post({**subscribe, "params": {"uri": 7}}))[1]["error"]["code"] == -32602
+        assert (await post({**subscribe, "method": "resources/unsubscribe"}))[1]["result"] == {}
         status, answer = await post([request, {**request, "id": 2}])
         assert status == 400 and answer["error"]["code"] == -32600  # a batch: nothing 2026 could carry
-        async with http.get(proxy.url, headers=client.headers) as response:
-            assert response.status == 405  # no GET stream: 2026-07-28 has nothing a session stream would carry
         status, answer = await post(request, **{"Mcp-Session-Id": "not-a-session"})
         assert status == 404
         async with http.delete(proxy.url, headers=client.headers) as response:
@@ -142,4 +144,33 @@ async def test_a_whole_session_through_round_robin_replicas(replicas, modern_onl
     assert outcome["asked"] == "you said Ada" and outcome["two_at_once"] == "Ada+Ada"
     assert outcome["sampled"] == "sampled" and len(set(outcome["pids"])) == 1
     assert {index for index, _, _ in balancer.hits} == {0, 1, 2}
-    assert not [hit for hit in balancer.hits if hit[2] >= 400 and hit[1] != "GET"]  # (no GET stream: 405)
+    assert not [hit for hit in balancer.hits if hit[2] >= 400]
+
+
+async def test_the_sessions_get_stream_carries_the_servers_list_changes(make_proxy, modern_only):
+    """A subscriptions/listen of the proxy's behind the session's GET stream: the server's notification reaches the
+    2025 client as that era has it (no subscription id)."""
+    proxy = await make_proxy(modern_only)
+    async with aiohttp.ClientSession() as http:
+        client = Client2025(http, proxy.url)
+        await client.initialize()
+        async with http.get(proxy.url, headers=client.headers) as stream:
+            assert stream.status == 200 and stream.content_type == "text/event-stream"
+            seen: list[dict] = []
+
+            async def read() -> None:
+                async for line in stream.content:
+                    if line.startswith(b"data:") and line[5:].strip():
+                        seen.append(json.loads(line[5:]))
+
+            reading = asyncio.ensure_future(read())
+            try:
+                for _ in range(20):  # (the proxy's listen may not be open yet when the first is announced)
+                    async with client.call("announce_tools_changed", {}) as response:
+                        assert "announced" in await response.text()
+                    await asyncio.sleep(0.5)
+                    if seen:
+                        break
+            finally:
+                reading.cancel()
+    assert seen and seen[0] == {"jsonrpc": "2.0", "method": "notifications/tools/list_changed"}, seen

@@ -18,15 +18,17 @@ from typing import Any
 
 import structlog
 
+from ..jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, JsonRpcError
 from ..upstream.session_table import SessionsFull, SessionTable
 
 log = structlog.get_logger(__name__)
 
+VERSIONS_2025 = ("2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25")
 _STREAM_QUEUE = 256
 """Notifications a GET stream may fall behind by; past it the oldest are dropped (they say "something changed")."""
 _MAX_STREAMS = 4
 """GET streams one session may hold open."""
-_MAX_SUBSCRIBED = 1024
+MAX_SUBSCRIBED = 1024
 """Resources one session may subscribe to."""
 _MAX_TASKS = 10_000
 """The child's own tasks remembered per session."""
@@ -53,6 +55,8 @@ class FrontSession:
     streams: dict[asyncio.Queue[dict[str, Any] | None], None] = dataclasses.field(default_factory=dict)
     """Its GET streams' queues, oldest first."""
     subscribed: set[str] = dataclasses.field(default_factory=set)
+    resubscribed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    """Set (and replaced) when `subscribed` changes: a subscription the proxy holds for the session is renewed."""
     tasks: dict[str, int] = dataclasses.field(default_factory=dict)
     """The child's own SEP-1686 tasks this session made → the child (of the pool) that made each."""
 
@@ -83,6 +87,10 @@ class FrontSession:
             if queue.full():
                 queue.get_nowait()
             queue.put_nowait(message)
+
+    def subscriptions_changed(self) -> None:
+        changed, self.resubscribed = self.resubscribed, asyncio.Event()
+        changed.set()
 
     def remember_asked(self, shown_id: str, child_id: Any) -> bool:
         if len(self.asked) >= _MAX_ASKED:
@@ -118,6 +126,39 @@ class FrontSessions:
         session = FrontSession(secrets.token_urlsafe(24), principal, protocol_version, capabilities, caller)
         self._sessions.add(session.id, session, what="upstream.stdio.max_sessions")
         self._of.setdefault(caller, collections.OrderedDict())[session.id] = None
+        return session
+
+    def open(self, principal: str, caller: str, params: dict[str, Any], default_version: str) -> FrontSession:
+        """A session for a client's `initialize` (its params): the version it asked for when it is a 2025 one,
+        else `default_version`; what it declared. JsonRpcError 503 at the bounds, when no idle session can go."""
+        asked = params.get("protocolVersion")
+        capabilities = params.get("capabilities")
+        try:
+            session = self.create(
+                principal,
+                caller,
+                asked if asked in VERSIONS_2025 else default_version,
+                capabilities if isinstance(capabilities, dict) else {},
+            )
+        except SessionsFull as exc:
+            log.warning("client_session_refused", reason=str(exc))
+            raise JsonRpcError(
+                INTERNAL_ERROR, f"Cannot open a session: {exc}; end one (HTTP DELETE) or try again later",
+                http_status=503,
+            ) from exc  # fmt: skip
+        info = params.get("clientInfo")
+        if isinstance(info, dict) and isinstance(info.get("name"), str) and isinstance(info.get("version"), str):
+            session.client_info = info
+        return session
+
+    def named(self, session_id: str | None, principal: str) -> FrontSession:
+        """The session a request names, of its principal: JsonRpcError 400 without one, 404 for one the proxy does
+        not hold (its client initializes again)."""
+        if session_id is None:
+            raise JsonRpcError(INVALID_REQUEST, "Bad Request: no Mcp-Session-Id header (initialize first)")
+        session = self.get(session_id)
+        if session is None or session.principal != principal:
+            raise JsonRpcError(INVALID_REQUEST, "Session not found: initialize again", http_status=404)
         return session
 
     def get(self, session_id: str) -> FrontSession | None:

@@ -9,14 +9,17 @@ front's to run (proxy/front/dispatch.py): a durable call or a SEP-1686 task, wha
 so that the server's MRTR questions reach the client as the requests a 2025 client expects (elicitation, sampling,
 roots) on the call's stream, and its answers go back in the retry.
 
-What 2026-07-28 has no way to say is refused plainly: the GET stream (405: there are no server-initiated requests
-or session notifications to carry), `resources/subscribe` (-32601).
+The session's GET stream carries what a `subscriptions/listen` of the proxy's brings: the server's list changes, and
+updates of the resources the session subscribed to (`resources/subscribe`, answered here), the listen renewed when
+they change.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -28,8 +31,8 @@ from ..jsonrpc import (
     INTERNAL_ERROR,
     INVALID_PARAMS,
     INVALID_REQUEST,
-    METHOD_NOT_FOUND,
     JsonRpcError,
+    UpstreamError,
     dumps,
     error_object,
     error_response,
@@ -38,7 +41,7 @@ from ..jsonrpc import (
 from ..security import Identity, caller_of
 from ..upstream.era2026 import discover_probe
 from ..upstream.events import Failed, Finished, InputNeeded
-from ..upstream.session_table import SessionsFull
+from ..upstream.stdio.responses import serve_stream
 from .envelope import (
     META_CLIENT_CAPABILITIES,
     META_PROTOCOL_VERSION,
@@ -46,17 +49,17 @@ from .envelope import (
     encode_header_value,
     params_of,
 )
-from .sessions2025 import FrontSession, FrontSessions
+from .sessions2025 import MAX_SUBSCRIBED, VERSIONS_2025, FrontSession, FrontSessions
 
 if TYPE_CHECKING:
     from ..upstream.gateway import Gateway
 
 log = structlog.get_logger(__name__)
 
-VERSIONS_2025 = ("2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25")
 META_CLIENT_INFO = "io.modelcontextprotocol/clientInfo"
 META_LOG_LEVEL = "io.modelcontextprotocol/logLevel"
 META_SERVER_INFO = "io.modelcontextprotocol/serverInfo"
+META_SUBSCRIPTION_ID = "io.modelcontextprotocol/subscriptionId"
 LOG_LEVELS = frozenset({"debug", "info", "notice", "warning", "error", "critical", "alert", "emergency"})
 _CLIENT_CAPABILITIES = ("experimental", "roots", "sampling", "elicitation")
 """What a 2025 client declares that 2026-07-28 still has (not `tasks`: a task is the proxy's, SEP-2663)."""
@@ -116,14 +119,12 @@ def result_2025(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def initialize_result(discover: dict[str, Any], version: str) -> dict[str, Any]:
-    """An InitializeResult from a DiscoverResult: its capabilities (2025 has no extensions, and no subscriptions a
-    2025 client could use here), instructions and serverInfo."""
+    """An InitializeResult from a DiscoverResult: its capabilities (2025 has no extensions), instructions and
+    serverInfo."""
     capabilities = discover.get("capabilities")
     capabilities = capabilities if isinstance(capabilities, dict) else {}
     server: dict[str, Any] = {key: copy.deepcopy(capabilities[key]) for key in _SERVER_CAPABILITIES
                               if isinstance(capabilities.get(key), dict)}  # fmt: skip
-    if "resources" in server:
-        server["resources"].pop("subscribe", None)
     meta = discover.get("_meta")
     info = meta.get(META_SERVER_INFO) if isinstance(meta, dict) else None
     if not (isinstance(info, dict) and isinstance(info.get("name"), str) and isinstance(info.get("version"), str)):
@@ -159,62 +160,33 @@ class Translated2025:
         discover = await self._result(probe, headers_2026(probe, request.headers), {})
         if "error" in discover:
             return _json(error_response(message["id"], discover["error"]))
-        params = params_of(message)
-        asked = params.get("protocolVersion")
-        version = asked if asked in VERSIONS_2025 else VERSIONS_2025[-1]
-        capabilities = params.get("capabilities")
-        info = params.get("clientInfo")
         principal = self._identity.principal(request.headers)
-        try:
-            front = self.sessions.create(
-                principal,
-                caller_of(principal, request.remote),
-                version,
-                capabilities if isinstance(capabilities, dict) else {},
-            )
-        except SessionsFull as exc:
-            log.warning("translated_session_refused", reason=str(exc))
-            raise JsonRpcError(
-                INTERNAL_ERROR, f"Cannot open a session: {exc}; end one (HTTP DELETE) or try again later",
-                http_status=503,
-            ) from exc  # fmt: skip
-        if isinstance(info, dict) and isinstance(info.get("name"), str) and isinstance(info.get("version"), str):
-            front.client_info = info
-        result = initialize_result(discover["result"], version)
+        front = self.sessions.open(
+            principal, caller_of(principal, request.remote), params_of(message), VERSIONS_2025[-1]
+        )
+        result = initialize_result(discover["result"], front.protocol_version)
         if rewrite is not None:
             rewrite(result)
-        log.info("translated_session_opened", protocol_version=version, sessions=len(self.sessions))
+        log.info("translated_session_opened", protocol_version=front.protocol_version, sessions=len(self.sessions))
         return _json(result_response(message["id"], result), headers={"Mcp-Session-Id": front.id})
 
     def front(self, request: web.Request) -> FrontSession:
         """The session the request names (400 without one, 404 for one the proxy does not hold: initialize again)."""
-        session_id = request.headers.get("Mcp-Session-Id")
-        if session_id is None:
-            raise JsonRpcError(INVALID_REQUEST, "Bad Request: no Mcp-Session-Id header (initialize first)")
-        front = self.sessions.get(session_id)
-        if front is None or front.principal != self._identity.principal(request.headers):
-            raise JsonRpcError(INVALID_REQUEST, "Session not found: initialize again", http_status=404)
-        return front
+        return self.sessions.named(request.headers.get("Mcp-Session-Id"), self._identity.principal(request.headers))
 
     def call_parts(
         self, message: dict[str, Any], client_headers: MultiMapping[str]
     ) -> tuple[dict[str, Any], CIMultiDict[str], dict[str, Any]]:
         """What a durable call or a SEP-1686 task of a session sends the server: the request in the 2026 envelope,
         the headers for it, and the capabilities the session declared (what the server may ask its client)."""
-        front = self.front_of(client_headers)
+        front = self.sessions.named(client_headers.get("Mcp-Session-Id"), self._identity.principal(client_headers))
         return as_2026(message, front), headers_2026(message, client_headers), front.capabilities
-
-    def front_of(self, client_headers: MultiMapping[str]) -> FrontSession:
-        front = self.sessions.get(client_headers.get("Mcp-Session-Id", ""))
-        if front is None:
-            raise JsonRpcError(INVALID_REQUEST, "Session not found: initialize again", http_status=404)
-        return front
 
     async def request(
         self, request: web.Request, message: dict[str, Any], front: FrontSession, rewrite: Rewrite | None = None
     ) -> web.Response:
-        """A request of the session's that is no call: answered here (ping, logging/setLevel), refused (what 2026
-        cannot say), or sent to the server in the 2026 envelope and its result returned as 2025 has it."""
+        """A request of the session's that is no call: answered here (ping, logging/setLevel, resources/subscribe and
+        unsubscribe), or sent to the server in the 2026 envelope and its result returned as 2025 has it."""
         method = message["method"]
         if method == "ping":
             return _json(result_response(message["id"], {}))
@@ -226,9 +198,7 @@ class Translated2025:
             front.log_level = level
             return _json(result_response(message["id"], {}))
         if method in ("resources/subscribe", "resources/unsubscribe"):
-            error = error_object(METHOD_NOT_FOUND, f"Method not found: {method} (this server speaks 2026-07-28 "
-                                 "only, which has no resource subscriptions for a 2025 session)")  # fmt: skip
-            return _json(error_response(message["id"], error))
+            return self._subscription(message, front)
         answer = await self._result(as_2026(message, front), headers_2026(message, request.headers), front)
         if "result" in answer:
             answer["result"] = result_2025(answer["result"])
@@ -263,14 +233,95 @@ class Translated2025:
             await events.aclose()  # type: ignore[attr-defined]
         return {"error": error_object(INTERNAL_ERROR, "Upstream failure: no answer")}
 
-    def other(self, request: web.Request) -> web.Response:
-        """GET and DELETE of a session: DELETE ends it; 2026-07-28 has nothing a GET stream would carry."""
+    def _subscription(self, message: dict[str, Any], front: FrontSession) -> web.Response:
+        uri = params_of(message).get("uri")
+        if not isinstance(uri, str):
+            error = error_object(INVALID_PARAMS, "Invalid params: uri must be a string")
+            return _json(error_response(message["id"], error))
+        if message["method"] == "resources/unsubscribe":
+            if uri in front.subscribed:
+                front.subscribed.discard(uri)
+                front.subscriptions_changed()
+            return _json(result_response(message["id"], {}))
+        if uri not in front.subscribed:
+            if len(front.subscribed) >= MAX_SUBSCRIBED:
+                error = error_object(INVALID_REQUEST, f"At most {MAX_SUBSCRIBED} subscriptions per session")
+                return _json(error_response(message["id"], error))
+            front.subscribed.add(uri)
+            front.subscriptions_changed()
+        return _json(result_response(message["id"], {}))
+
+    async def other(self, request: web.Request) -> web.StreamResponse:
+        """GET and DELETE of a session: DELETE ends it, GET is its stream."""
         front = self.front(request)
         if request.method == "DELETE":
             self.sessions.end(front.id)
             log.info("translated_session_ended", sessions=len(self.sessions))
             return web.Response(status=200)
-        return web.Response(status=405, headers={"Allow": "POST, DELETE"})
+        queue = front.open_stream()
+        listening = asyncio.ensure_future(self._listen(request, front, queue))
+        try:
+            return await serve_stream(request, front, queue)
+        finally:
+            listening.cancel()
+
+    async def _listen(self, request: web.Request, front: FrontSession, queue: asyncio.Queue[Any]) -> None:
+        """What the session's GET stream carries, from a subscriptions/listen of the proxy's, opened again when the
+        session's subscriptions change, and after _RELISTEN_S when the server ends it."""
+        while True:
+            changed = front.resubscribed
+            message = self._listen_request(front)
+            try:
+                messages = await self._gateway.relay.open_listen(
+                    request, dumps(message), limit=self._max_bytes(), headers=headers_2026(message, request.headers)
+                )
+            except (JsonRpcError, UpstreamError) as exc:
+                log.info("translated_listen_refused", reason=str(exc))
+                messages = None
+            if messages is not None:
+                following = asyncio.ensure_future(_follow(messages, queue))
+                await asyncio.wait([following, asyncio.ensure_future(changed.wait())],
+                                   return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+                following.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await following
+            if not changed.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), _RELISTEN_S)
+
+    def _listen_request(self, front: FrontSession) -> dict[str, Any]:
+        notifications: dict[str, Any] = dict.fromkeys(_LIST_CHANGES, True)
+        if front.subscribed:
+            notifications["resourceSubscriptions"] = sorted(front.subscribed)
+        listen = {"jsonrpc": "2.0", "id": f"mtp-listen-{front.id[:8]}", "method": "subscriptions/listen",
+                  "params": {"notifications": notifications}}  # fmt: skip
+        return as_2026(listen, front)
+
+
+_LIST_CHANGES = ("toolsListChanged", "promptsListChanged", "resourcesListChanged")
+_RELAYED = frozenset({"notifications/tools/list_changed", "notifications/prompts/list_changed",
+                      "notifications/resources/list_changed", "notifications/resources/updated"})  # fmt: skip
+_RELISTEN_S = 5.0
+"""How long after the server ends a session's subscription the proxy asks for it again."""
+
+
+async def _follow(messages: AsyncGenerator[dict[str, Any], None], queue: asyncio.Queue[Any]) -> None:
+    """The subscription's notifications a 2025 client knows, without the 2026 subscription id, into the stream's
+    queue (its oldest dropped when it is full: they say "something changed")."""
+    try:
+        async for message in messages:
+            if message.get("method") not in _RELAYED:
+                continue  # the acknowledgement, the listen's end
+            params = message.get("params")
+            params = dict(params) if isinstance(params, dict) else {}
+            meta = params.pop("_meta", None)
+            if isinstance(meta, dict) and (rest := {k: v for k, v in meta.items() if k != META_SUBSCRIPTION_ID}):
+                params["_meta"] = rest
+            if queue.full():
+                queue.get_nowait()
+            queue.put_nowait({"jsonrpc": "2.0", "method": message["method"], **({"params": params} if params else {})})
+    finally:
+        await messages.aclose()
 
 
 def _json(message: dict[str, Any], *, headers: dict[str, str] | None = None) -> web.Response:

@@ -86,7 +86,7 @@ async def handle_other(request: web.Request) -> web.StreamResponse:
             return resumed
     if request.app[gateway_key].translates_2025 and request.path == MCP_PATH and request.method in ("GET", "DELETE"):
         request[info_key].mode = "translated"
-        return request.app[translated_key].other(request)
+        return await request.app[translated_key].other(request)
     body = await read_body(request) if request.can_read_body else None
     return await request.app[gateway_key].relay.relay_other(request, body)
 

@@ -71,7 +71,7 @@ class Relay(Protocol):
     async def relay_other(self, request: web.Request, body: bytes | None) -> web.StreamResponse: ...
 
     async def open_listen(
-        self, request: web.Request, body: bytes, *, limit: int
+        self, request: web.Request, body: bytes, *, limit: int, headers: MultiMapping[str] | None = None
     ) -> AsyncGenerator[dict[str, Any], None] | None: ...
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import aiohttp
 import structlog
 from aiohttp import web
+from multidict import MultiMapping
 
 from ...jsonrpc import RequestId, UpstreamError, dumps, loads
 from ..events import CredentialsNeeded, NotMcp, UpstreamUnavailable
@@ -31,10 +32,13 @@ _ENDPOINT_METHODS = frozenset({"POST", "GET", "DELETE"})
 """What the lean client sends the MCP endpoint; any other method there (OPTIONS, HEAD...) goes as to another path."""
 
 
-async def open_read(upstream: Upstream, request: web.Request, body: bytes) -> CallResponse:
+async def open_read(
+    upstream: Upstream, request: web.Request, body: bytes, own_headers: MultiMapping[str] | None = None
+) -> CallResponse:
     """A client's POST to the MCP endpoint whose answer the proxy reads itself (rewrites, or merges into a
-    subscription): asked for uncompressed, and kept as sent."""
-    headers = request_headers(request.headers)
+    subscription): asked for uncompressed, and kept as sent; with `own_headers`, those (the proxy's request for the
+    client) in place of the client's."""
+    headers = request_headers(own_headers if own_headers is not None else request.headers)
     headers.popall("Accept-Encoding", None)
     headers["Accept-Encoding"] = "identity"  # without the field, any coding would do (RFC 9110 12.5.3)
     try:
@@ -232,10 +236,11 @@ class HttpRelay:
         return await forward(self.upstream, request, body, is_mcp=request.path == "/mcp")
 
     async def open_listen(
-        self, request: web.Request, body: bytes, *, limit: int
+        self, request: web.Request, body: bytes, *, limit: int, headers: MultiMapping[str] | None = None
     ) -> AsyncGenerator[dict[str, Any], None] | None:
-        """The server's part of a subscriptions/listen, when it grants one: its messages, closed with the stream."""
-        response = await open_read(self.upstream, request, body)
+        """The server's part of a subscriptions/listen, when it grants one: its messages, closed with the stream.
+        `headers`: the proxy's own for the request, in place of the client's."""
+        response = await open_read(self.upstream, request, body, headers)
         if response.status != 200 or response.content_type != "text/event-stream":
             response.close()  # the upstream offers no subscription: only the task part is granted
             return None

@@ -16,10 +16,10 @@ from typing import Any
 
 import structlog
 from aiohttp import web
+from multidict import MultiMapping
 
 from ...clients.envelope import check_modern_request, is_modern, params_of
-from ...clients.sessions2025 import _MAX_SUBSCRIBED, FrontSession, FrontSessions
-from ...clients.translated2025 import VERSIONS_2025
+from ...clients.sessions2025 import MAX_SUBSCRIBED, VERSIONS_2025, FrontSession, FrontSessions
 from ...jsonrpc import (
     INTERNAL_ERROR,
     INVALID_PARAMS,
@@ -34,27 +34,21 @@ from ...jsonrpc import (
 )
 from ...security import Identity, caller_of
 from ..events import UpstreamUnavailable
-from ..http.answer import client_gone_key
-from ..http.sse import KEEP_ALIVE
 from ..routing import CallRoute
-from ..session_table import SessionsFull
 from .child2026 import StdioModern
 from .exchange import ChildGone, Exchange
 from .pool import StdioPool
 from .responses import (
-    SSE_HEADERS,
     ResponseWriter,
     Rewrite,
     json_response,
     listen_messages,
+    serve_stream,
     upstream_failure,
-    write_event,
 )
 from .session2025 import StdioLegacyLink
 
 log = structlog.get_logger(__name__)
-
-_KEEPALIVE_S = 15.0
 
 
 class StdioRelay:
@@ -181,8 +175,8 @@ class StdioRelay:
             return json_response(result_response(message["id"], {}))
         params = params_of(message)
         if method == "resources/subscribe" and isinstance(params.get("uri"), str):
-            if len(front.subscribed) >= _MAX_SUBSCRIBED and params["uri"] not in front.subscribed:
-                error = error_object(INVALID_REQUEST, f"At most {_MAX_SUBSCRIBED} subscriptions per session")
+            if len(front.subscribed) >= MAX_SUBSCRIBED and params["uri"] not in front.subscribed:
+                error = error_object(INVALID_REQUEST, f"At most {MAX_SUBSCRIBED} subscriptions per session")
                 return json_response(error_response(message["id"], error))
             front.subscribed.add(params["uri"])
         elif method == "resources/unsubscribe" and isinstance(params.get("uri"), str):
@@ -232,33 +226,17 @@ class StdioRelay:
             child = await self._link.ready()
         except UpstreamUnavailable as exc:
             raise _unavailable(exc) from exc
-        params = params_of(message)
-        asked = params.get("protocolVersion")
-        version = asked if asked in VERSIONS_2025 else str(child.get("protocolVersion") or VERSIONS_2025[-1])
-        capabilities = params.get("capabilities")
         principal = self._identity.principal(request.headers)
-        try:
-            front = self.sessions.create(
-                principal,
-                caller_of(principal, request.remote),
-                version,
-                capabilities if isinstance(capabilities, dict) else {},
-            )
-        except SessionsFull as exc:
-            log.warning("stdio_session_refused", reason=str(exc))
-            raise JsonRpcError(
-                INTERNAL_ERROR,
-                f"Cannot open a session: {exc}; end one (HTTP DELETE) or try again later",
-                http_status=503,
-            ) from exc
+        version = str(child.get("protocolVersion") or VERSIONS_2025[-1])
+        front = self.sessions.open(principal, caller_of(principal, request.remote), params_of(message), version)
         result = copy.deepcopy(child)
-        result["protocolVersion"] = version
+        result["protocolVersion"] = front.protocol_version
         if rewrite is not None:
             rewrite(result)
         headers = {"Mcp-Session-Id": front.id}
         if on_headers is not None:
             on_headers(headers)
-        log.info("stdio_session_opened", protocol_version=version, sessions=len(self.sessions))
+        log.info("stdio_session_opened", protocol_version=front.protocol_version, sessions=len(self.sessions))
         return json_response(result_response(message["id"], result), headers=headers)
 
     def _caller(self, request: web.Request) -> str:
@@ -266,13 +244,7 @@ class StdioRelay:
         return caller_of(self._identity.principal(request.headers), request.remote)
 
     def _front(self, request: web.Request) -> FrontSession:
-        session_id = request.headers.get("Mcp-Session-Id")
-        if session_id is None:
-            raise JsonRpcError(INVALID_REQUEST, "Bad Request: no Mcp-Session-Id header (initialize first)")
-        front = self.sessions.get(session_id)
-        if front is None or front.principal != self._identity.principal(request.headers):
-            raise JsonRpcError(INVALID_REQUEST, "Session not found: initialize again", http_status=404)
-        return front
+        return self.sessions.named(request.headers.get("Mcp-Session-Id"), self._identity.principal(request.headers))
 
     async def _send(self, message: dict[str, Any], route: CallRoute | None) -> Exchange:
         try:
@@ -295,31 +267,13 @@ class StdioRelay:
 
     async def _standalone(self, request: web.Request, front: FrontSession) -> web.StreamResponse:
         """The session's GET stream: list changes, and updates of the resources it subscribed to."""
-        queue = front.open_stream()
-        stream = web.StreamResponse(headers=SSE_HEADERS)
-        try:
-            await stream.prepare(request)
-            while True:
-                try:
-                    message = await asyncio.wait_for(queue.get(), _KEEPALIVE_S)
-                except TimeoutError:
-                    await stream.write(KEEP_ALIVE)
-                    continue
-                if message is None:
-                    break
-                if not await write_event(request, stream, message):
-                    return stream
-            await stream.write_eof()
-        except ConnectionResetError:
-            request[client_gone_key] = True
-        finally:
-            front.streams.pop(queue, None)
-        return stream
+        return await serve_stream(request, front, front.open_stream())
 
     async def open_listen(
-        self, request: web.Request, body: bytes, *, limit: int
+        self, request: web.Request, body: bytes, *, limit: int, headers: MultiMapping[str] | None = None
     ) -> AsyncGenerator[dict[str, Any], None] | None:
-        """The child's part of a subscriptions/listen (a 2026-07-28 child): its notifications, until it ends."""
+        """The child's part of a subscriptions/listen (a 2026-07-28 child): its notifications, until it ends.
+        (`headers`: what an HTTP server would be sent instead of the client's; stdio has none.)"""
         exchange = await self._send(loads(body), None)
         return listen_messages(exchange, limit)
 

@@ -7,6 +7,7 @@ when that client cannot take it; a 2026-07-28 child asks with input_required, ne
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
@@ -20,7 +21,7 @@ from ...jsonrpc import ERROR_HTTP_STATUS, INTERNAL_ERROR, dumps, error_object, e
 from ..era2025 import declined_answer
 from ..events import AnswerTooLarge
 from ..http.answer import client_gone_key
-from ..http.sse import message_event
+from ..http.sse import KEEP_ALIVE, message_event
 from .exchange import Exchange
 from .pool import StdioPool
 
@@ -139,6 +140,35 @@ async def write_event(request: web.Request, stream: web.StreamResponse, message:
         request[client_gone_key] = True
         return False
     return True
+
+
+_KEEPALIVE_S = 15.0
+
+
+async def serve_stream(
+    request: web.Request, front: FrontSession, queue: asyncio.Queue[dict[str, Any] | None]
+) -> web.StreamResponse:
+    """A 2025 session's GET stream of the proxy's (front.open_stream()): what is pushed to `queue`, a keep-alive
+    comment when nothing is, until None ends it or the client goes."""
+    stream = web.StreamResponse(headers=SSE_HEADERS)
+    try:
+        await stream.prepare(request)
+        while True:
+            try:
+                message = await asyncio.wait_for(queue.get(), _KEEPALIVE_S)
+            except TimeoutError:
+                await stream.write(KEEP_ALIVE)
+                continue
+            if message is None:
+                break
+            if not await write_event(request, stream, message):
+                return stream
+        await stream.write_eof()
+    except ConnectionResetError:
+        request[client_gone_key] = True
+    finally:
+        front.streams.pop(queue, None)
+    return stream
 
 
 def json_response(message: dict[str, Any], *, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
