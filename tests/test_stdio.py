@@ -590,7 +590,7 @@ async def test_requests_past_max_in_flight_fail_at_once_even_in_a_burst(make_pro
 
 def test_a_caller_at_its_bound_ends_only_its_own_idle_sessions_and_is_refused_when_all_are_busy():
     from mcp_tasks_proxy.clients.sessions2025 import FrontSessions
-    from mcp_tasks_proxy.upstream.session_table import SessionsFull
+    from mcp_tasks_proxy.session_table import SessionsFull
 
     sessions = FrontSessions(max_sessions=100, per_caller=2)
     alice = sessions.create("alice", "alice", "2025-11-25", {})
@@ -613,7 +613,7 @@ def test_a_caller_at_its_bound_ends_only_its_own_idle_sessions_and_is_refused_wh
 
 def test_at_the_global_bound_an_idle_session_goes_and_a_busy_one_never():
     from mcp_tasks_proxy.clients.sessions2025 import FrontSessions
-    from mcp_tasks_proxy.upstream.session_table import SessionsFull
+    from mcp_tasks_proxy.session_table import SessionsFull
 
     sessions = FrontSessions(max_sessions=3, per_caller=64)
     busy = [sessions.create(name, name, "2025-11-25", {}) for name in ("a", "b")]

@@ -13,11 +13,12 @@ import sys
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from mcp_tasks_proxy.front.context import gateway_key
 from tests.balancer import RoundRobin
 from tests.conftest import ROOT, free_port, legacy_python, serve_script
-from tests.test_durable import Client2025
+from tests.test_durable import Client2025, events_of
 from tests.test_real_clients import run_client, sdk1_call, ts_call
 
 SESSION_CLIENT = ROOT / "tests" / "clients" / "sdk1_session.py"
@@ -95,6 +96,10 @@ async def test_the_session_is_the_proxys(make_proxy, modern_only_upstream):
         assert status == 200 and result["protocolVersion"] == "2025-06-18"  # the version the client asked for
         assert result["serverInfo"]["name"] == "slow-example" and "instructions" in result
         assert "extensions" not in result["capabilities"] and "resultType" not in result
+        assert "logging" not in result["capabilities"]  # no log line of the server's would reach the session
+        huge = {**init, "capabilities": {"experimental": {"x": "y" * 20_000}}}
+        status, answer = await post({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": huge})
+        assert answer["error"]["code"] == -32602  # carried by every request of the session: bounded
         await client.initialize()
         request = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
         status, answer = await post(request)
@@ -103,13 +108,23 @@ async def test_the_session_is_the_proxys(make_proxy, modern_only_upstream):
         assert (await post({**request, "method": "ping"}))[1] == {"jsonrpc": "2.0", "id": 1, "result": {}}
         level = {**request, "method": "logging/setLevel", "params": {"level": "loud"}}
         assert (await post(level))[1]["error"]["code"] == -32602
+        assert (await post({**level, "params": {"level": []}}))[1]["error"]["code"] == -32602
+        for method in ("subscriptions/listen", "tasks/get", "server/discover"):  # not 2025 methods of this session
+            assert (await post({**request, "method": method, "params": {}}))[1]["error"]["code"] == -32601
+        deep = {
+            **request,
+            "method": "prompts/get",
+            "params": {"name": "p", "arguments": json.loads("[" * 600 + "]" * 600)},
+        }
+        status, answer = await post(deep)
+        assert answer["error"]["code"] == -32600 and status < 500  # encoded again for the server: refused first
         assert (await post({**level, "params": {"level": "info"}}))[1]["result"] == {}
         subscribe = {**request, "method": "resources/subscribe", "params": {"uri": "file:///x"}}
         assert (await post(subscribe))[1]["result"] == {}
         assert (await post({**subscribe, "params": {"uri": 7}}))[1]["error"]["code"] == -32602
         assert (await post({**subscribe, "method": "resources/unsubscribe"}))[1]["result"] == {}
         status, answer = await post([request, {**request, "id": 2}])
-        assert status == 400 and answer["error"]["code"] == -32600  # a batch: nothing 2026 could carry
+        assert status == 200 and answer["error"]["code"] == -32600  # a batch: nothing 2026 could carry
         status, answer = await post(request, **{"Mcp-Session-Id": "not-a-session"})
         assert status == 404
         async with http.delete(proxy.url, headers=client.headers) as response:
@@ -174,3 +189,129 @@ async def test_the_sessions_get_stream_carries_the_servers_list_changes(make_pro
             finally:
                 reading.cancel()
     assert seen and seen[0] == {"jsonrpc": "2.0", "method": "notifications/tools/list_changed"}, seen
+
+
+async def test_refused_questions_become_what_a_2026_server_takes(make_proxy, modern_only_upstream):
+    """A 2025 client answers a question it will not take with a JSON-RPC error, which 2026-07-28 has no form for: a
+    refused form is declined (the server asks again), any other refusal ends the call."""
+    proxy = await make_proxy(modern_only_upstream)
+    async with aiohttp.ClientSession() as http:
+        client = Client2025(http, proxy.url)
+        await client.initialize({"elicitation": {}, "sampling": {}})
+        refusal = {"code": -1, "message": "no"}
+        async with client.call("asks_sampling", {}) as response:
+            async for _, message in events_of(response):
+                if isinstance(message, dict) and message.get("method") == "sampling/createMessage":
+                    assert await client.answer(message["id"], error=refusal) == 202
+                final = message
+        assert "cancelled" in final["error"]["message"], final
+        asked = []
+        async with client.call("one_question", {}) as response:
+            async for _, message in events_of(response):
+                if isinstance(message, dict) and message.get("method") == "elicitation/create":
+                    asked.append(message)
+                    if len(asked) == 1:
+                        assert await client.answer(message["id"], error=refusal) == 202
+                    else:
+                        await client.answer(message["id"], {"action": "accept", "content": {"answer": "yes"}})
+        assert len(asked) == 2  # declined, the server asked again
+        assert message["result"]["content"][0]["text"] == "you said yes"
+
+
+async def test_a_server_that_wants_credentials_gets_its_challenge_to_the_client(make_proxy, fake_upstream):
+    """A 2026-only server behind OAuth (a fake, to inject the 401s): a 2025 client without a token gets the server's
+    401 and challenge, as without the proxy, so its authorization flow starts; with one, a session of the proxy's,
+    and a token that stops being good mid-session brings the challenge again."""
+    challenge = 'Bearer resource_metadata="https://example.test/.well-known/oauth-protected-resource"'
+
+    async def server(http: web.Request) -> web.StreamResponse:
+        if http.headers.get("Authorization") != "Bearer good":
+            return web.json_response({"error": "unauthorized"}, status=401, headers={"WWW-Authenticate": challenge})
+        message = json.loads(await http.read())
+        if message["method"] == "initialize":
+            error = {"code": -32022, "message": "Unsupported protocol version", "data": {"supported": ["2026-07-28"]}}
+            return web.json_response({"jsonrpc": "2.0", "id": message["id"], "error": error})
+        assert http.headers["MCP-Protocol-Version"] == "2026-07-28" and http.headers["Mcp-Method"] == message["method"]
+        if message["method"] == "server/discover":
+            result = {"resultType": "complete", "supportedVersions": ["2026-07-28"], "capabilities": {"tools": {}}}
+        else:
+            result = {"resultType": "complete", "tools": [], "ttlMs": 0, "cacheScope": "public"}
+        return web.json_response({"jsonrpc": "2.0", "id": message["id"], "result": result})
+
+    fake = await fake_upstream(server)
+    proxy = await make_proxy(fake.url, security={"principal": "none"})  # (a new token is the same caller)
+    async with aiohttp.ClientSession() as http:
+        init = {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}
+        message = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": init}
+        plain = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+        async with http.post(proxy.url, json=message, headers=plain) as response:
+            assert response.status == 401 and response.headers["WWW-Authenticate"] == challenge
+        client = Client2025(http, proxy.url, token="good")
+        await client.initialize()
+        assert proxy.app[gateway_key].translates_2025
+        listed = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
+        async with http.post(proxy.url, json=listed, headers=client.headers) as response:
+            assert response.status == 200 and await response.json() == {
+                "jsonrpc": "2.0",
+                "id": 1,
+                "result": {"tools": []},
+            }
+        client.headers["Authorization"] = "Bearer expired"
+        async with http.post(proxy.url, json=listed, headers=client.headers) as response:
+            assert response.status == 401 and response.headers["WWW-Authenticate"] == challenge
+
+
+async def test_a_cancelled_request_and_an_ended_session_stop_what_they_wait_for(make_proxy, fake_upstream):
+    """A 2025 client's notifications/cancelled for a request in flight, or its session's DELETE, ends the request:
+    the proxy closes its upstream request, which is how a 2026-07-28 server hears of it (a fake, to hold a read),
+    and the client's, which waits for no answer."""
+    reads: dict[str, str] = {}
+
+    async def server(http: web.Request) -> web.StreamResponse:
+        message = json.loads(await http.read())
+        if message["method"] == "initialize":
+            error = {"code": -32022, "message": "Unsupported protocol version"}
+            return web.json_response({"jsonrpc": "2.0", "id": message["id"], "error": error})
+        if message["method"] == "server/discover":
+            result = {"resultType": "complete", "supportedVersions": ["2026-07-28"], "capabilities": {}}
+            return web.json_response({"jsonrpc": "2.0", "id": message["id"], "result": result})
+        uri = message["params"]["uri"]
+        reads[uri] = "waiting"
+        try:
+            await asyncio.sleep(15)
+        except asyncio.CancelledError:  # the test server cancels a handler whose client closed the request
+            reads[uri] = "closed"
+            raise
+        return web.json_response({"jsonrpc": "2.0", "id": message["id"], "result": {"contents": []}})
+
+    fake = await fake_upstream(server)
+    proxy = await make_proxy(fake.url)
+    async with aiohttp.ClientSession() as http:
+        client = Client2025(http, proxy.url)
+        await client.initialize()
+
+        async def read(uri: str, request_id: int) -> int:
+            message = {"jsonrpc": "2.0", "id": request_id, "method": "resources/read", "params": {"uri": uri}}
+            with contextlib.suppress(aiohttp.ClientError):
+                async with http.post(proxy.url, json=message, headers=client.headers) as response:
+                    await response.read()
+                    return response.status
+            return 0
+
+        reading = asyncio.ensure_future(read("file:///a", 5))
+        await _until(lambda: reads.get("file:///a") == "waiting")
+        assert await client.notify("notifications/cancelled", {"requestId": 5, "reason": "enough"}) == 202
+        await _until(lambda: reads["file:///a"] == "closed")
+        assert await asyncio.wait_for(reading, 5) == 0  # the client's request ended too: it waits for nothing
+        reading = asyncio.ensure_future(read("file:///b", 6))
+        await _until(lambda: reads.get("file:///b") == "waiting")
+        async with http.delete(proxy.url, headers=client.headers) as response:
+            assert response.status == 200
+        await _until(lambda: reads["file:///b"] == "closed")
+        assert await asyncio.wait_for(reading, 5) == 0
+
+
+async def _until(condition, timeout_s: float = 10.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(0.02)

@@ -275,9 +275,18 @@ class DurableCalls:
         if record is None or not self._is_callers(request, record):
             return web.Response(status=202)  # nothing of this caller's; nothing to tell the client either
         result = message.get("result")
-        # A refusal (a JSON-RPC error) goes back to the server as such: the tool decides what it means.
-        answer = result if isinstance(result, dict) else {ERROR_ANSWER: _refusal(message.get("error"))}
         await self._runner.credentials.shown(record, request.headers)
+        if not isinstance(result, dict) and self._translated is not None and self._translated.applies:
+            # A 2026-07-28 server takes only results for answers: a refused form is declined, any other refusal
+            # ends the call (the client's stream says it was cancelled).
+            question = (record.input_requests or {}).get(key)
+            if not (isinstance(question, dict) and question.get("method") == "elicitation/create"):
+                cancelled = await self._runner.cancel(task_id, record.principal)
+                log.info("durable_call_refused_question", task_id=task_id, cancelled=cancelled is not None)
+                return web.Response(status=202)
+            result = {"action": "decline"}
+        # A refusal (a JSON-RPC error) goes back to a 2025 server as such: the tool decides what it means.
+        answer = result if isinstance(result, dict) else {ERROR_ANSWER: _refusal(message.get("error"))}
         delivered = await self._runner.deliver_input(task_id, {key: answer}, record.principal)
         log.info("durable_call_answered", task_id=task_id, accepted=delivered is not None, refused=result is None)
         return web.Response(status=202)

@@ -180,7 +180,8 @@ class DurableStream:
                 if n <= skip or key in position.asked:
                     continue
                 position.asked.add(key)
-                message = {"jsonrpc": "2.0", "id": f"{ANSWER_PREFIX}{record.task_id}.{key}", **_question(question)}
+                asked = f"{record.task_id}.{key}"
+                message = {"jsonrpc": "2.0", "id": f"{ANSWER_PREFIX}{asked}", **_question(question, asked)}
                 if stream.get("related"):  # SEP-1686: a task's requests say which task they are for
                     params = message.setdefault("params", {})
                     params["_meta"] = {**(params.get("_meta") or {}), **related_task_meta(record.task_id)}
@@ -216,12 +217,16 @@ class DurableStream:
         await response.write(message_event({"jsonrpc": "2.0", "method": "notifications/progress", "params": params}))
 
 
-def _question(question: Any) -> dict[str, Any]:
+def _question(question: Any, asked: str) -> dict[str, Any]:
     if not isinstance(question, dict):
         return {"method": "ping"}
     out: dict[str, Any] = {"method": question.get("method")}
+    params = question.get("params")
+    if isinstance(params, dict) and params.get("mode") == "url" and "elicitationId" not in params:
+        # A 2026-07-28 server's URL elicitation names none; a 2025-11-25 client needs one.
+        params = {**params, "elicitationId": asked}
     if "params" in question:
-        out["params"] = question["params"]
+        out["params"] = params
     return out
 
 

@@ -18,12 +18,15 @@ from typing import Any
 
 import structlog
 
-from ..jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, JsonRpcError
-from ..upstream.session_table import SessionsFull, SessionTable
+from ..jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, JsonRpcError, dumps
+from ..session_table import SessionsFull, SessionTable
 
 log = structlog.get_logger(__name__)
 
 VERSIONS_2025 = ("2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25")
+MAX_DECLARED_BYTES = 16 * 1024
+"""What a client's initialize may declare (capabilities and clientInfo, encoded): each of the session's requests
+carries it to a 2026-07-28 server, and each of its calls keeps it."""
 _STREAM_QUEUE = 256
 """Notifications a GET stream may fall behind by; past it the oldest are dropped (they say "something changed")."""
 _MAX_STREAMS = 4
@@ -46,8 +49,6 @@ class FrontSession:
     """Who the session counts against for limits: its principal, or an anonymous caller's network address."""
     client_info: dict[str, Any] = dataclasses.field(default_factory=dict)
     """What its initialize said the client is (a 2026-07-28 server is told it on every request)."""
-    log_level: str | None = None
-    """Its logging/setLevel, where the proxy answers it (a 2026-07-28 server is told it on every request)."""
     calls: dict[Any, Any] = dataclasses.field(default_factory=dict)
     """The client's requests in flight (its id → their Exchange), for its notifications/cancelled."""
     asked: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -99,6 +100,11 @@ class FrontSession:
         return True
 
 
+def call_key(request_id: Any) -> Any:
+    """A client's request id as a key of FrontSession.calls: 1 and "1" are different ids, and True is not 1."""
+    return (type(request_id).__name__, request_id) if not isinstance(request_id, str) else request_id
+
+
 class FrontSessions:
     """The sessions, within two bounds: `max_sessions` in all, and `per_caller` for one caller (a principal, or an
     anonymous caller's network address, so that anonymous clients are not one caller). At a bound, the least
@@ -133,6 +139,15 @@ class FrontSessions:
         else `default_version`; what it declared. JsonRpcError 503 at the bounds, when no idle session can go."""
         asked = params.get("protocolVersion")
         capabilities = params.get("capabilities")
+        info = params.get("clientInfo")
+        try:
+            declared = len(dumps({"capabilities": capabilities, "clientInfo": info}))
+        except ValueError:  # nested deeper than the encoder goes
+            declared = MAX_DECLARED_BYTES + 1
+        if declared > MAX_DECLARED_BYTES:
+            raise JsonRpcError(
+                INVALID_PARAMS, f"Invalid params: capabilities and clientInfo take at most {MAX_DECLARED_BYTES} bytes"
+            )
         try:
             session = self.create(
                 principal,
@@ -146,7 +161,6 @@ class FrontSessions:
                 INTERNAL_ERROR, f"Cannot open a session: {exc}; end one (HTTP DELETE) or try again later",
                 http_status=503,
             ) from exc  # fmt: skip
-        info = params.get("clientInfo")
         if isinstance(info, dict) and isinstance(info.get("name"), str) and isinstance(info.get("version"), str):
             session.client_info = info
         return session

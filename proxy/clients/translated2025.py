@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -31,6 +31,7 @@ from ..jsonrpc import (
     INTERNAL_ERROR,
     INVALID_PARAMS,
     INVALID_REQUEST,
+    METHOD_NOT_FOUND,
     JsonRpcError,
     UpstreamError,
     dumps,
@@ -49,7 +50,7 @@ from .envelope import (
     encode_header_value,
     params_of,
 )
-from .sessions2025 import MAX_SUBSCRIBED, VERSIONS_2025, FrontSession, FrontSessions
+from .sessions2025 import MAX_SUBSCRIBED, VERSIONS_2025, FrontSession, FrontSessions, call_key
 
 if TYPE_CHECKING:
     from ..upstream.gateway import Gateway
@@ -57,13 +58,17 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 META_CLIENT_INFO = "io.modelcontextprotocol/clientInfo"
-META_LOG_LEVEL = "io.modelcontextprotocol/logLevel"
 META_SERVER_INFO = "io.modelcontextprotocol/serverInfo"
 META_SUBSCRIPTION_ID = "io.modelcontextprotocol/subscriptionId"
 LOG_LEVELS = frozenset({"debug", "info", "notice", "warning", "error", "critical", "alert", "emergency"})
 _CLIENT_CAPABILITIES = ("experimental", "roots", "sampling", "elicitation")
 """What a 2025 client declares that 2026-07-28 still has (not `tasks`: a task is the proxy's, SEP-2663)."""
-_SERVER_CAPABILITIES = ("experimental", "logging", "completions", "prompts", "resources", "tools")
+_SERVER_CAPABILITIES = ("experimental", "completions", "prompts", "resources", "tools")
+"""What the session is offered of what the server declares: not `logging` (the proxy relays no log lines of a
+call's), not `extensions` (2025 has none)."""
+_FORWARDED = frozenset({"tools/list", "resources/list", "resources/templates/list", "resources/read", "prompts/list",
+                        "prompts/get", "completion/complete"})  # fmt: skip
+"""The requests of a 2025 session that go to the server (tools/call is the front's; the rest are answered here)."""
 _2026_ONLY_FIELDS = ("resultType", "ttlMs", "cacheScope")
 
 Rewrite = Callable[[dict[str, Any]], None]
@@ -82,8 +87,6 @@ def as_2026(message: dict[str, Any], front: FrontSession) -> dict[str, Any]:
     meta[META_CLIENT_CAPABILITIES] = capabilities_2026(front.capabilities)
     if front.client_info:
         meta[META_CLIENT_INFO] = front.client_info
-    if front.log_level is not None:
-        meta[META_LOG_LEVEL] = front.log_level
     params["_meta"] = meta
     return {"jsonrpc": "2.0", "id": message["id"], "method": message["method"], "params": params}
 
@@ -119,7 +122,7 @@ def result_2025(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def initialize_result(discover: dict[str, Any], version: str) -> dict[str, Any]:
-    """An InitializeResult from a DiscoverResult: its capabilities (2025 has no extensions), instructions and
+    """An InitializeResult from a DiscoverResult: its capabilities (_SERVER_CAPABILITIES), instructions and
     serverInfo."""
     capabilities = discover.get("capabilities")
     capabilities = capabilities if isinstance(capabilities, dict) else {}
@@ -157,13 +160,12 @@ class Translated2025:
     ) -> web.Response:
         """A new session of the proxy's, answered from the server's server/discover."""
         probe = discover_probe()
-        discover = await self._result(probe, headers_2026(probe, request.headers), {})
-        if "error" in discover:
-            return _json(error_response(message["id"], discover["error"]))
         principal = self._identity.principal(request.headers)
-        front = self.sessions.open(
-            principal, caller_of(principal, request.remote), params_of(message), VERSIONS_2025[-1]
-        )
+        caller = caller_of(principal, request.remote)
+        discover = await self._result(probe, headers_2026(probe, request.headers), {}, caller)
+        if "error" in discover:
+            return _answer_error(message["id"], discover)
+        front = self.sessions.open(principal, caller, params_of(message), VERSIONS_2025[-1])
         result = initialize_result(discover["result"], front.protocol_version)
         if rewrite is not None:
             rewrite(result)
@@ -191,27 +193,31 @@ class Translated2025:
         if method == "ping":
             return _json(result_response(message["id"], {}))
         if method == "logging/setLevel":
+            # Not offered (no log line of the server's reaches the session), and harmless: accepted.
             level = params_of(message).get("level")
-            if level not in LOG_LEVELS:
+            if not (isinstance(level, str) and level in LOG_LEVELS):
                 error = error_object(INVALID_PARAMS, f"Invalid params: level must be one of {sorted(LOG_LEVELS)}")
                 return _json(error_response(message["id"], error))
-            front.log_level = level
             return _json(result_response(message["id"], {}))
         if method in ("resources/subscribe", "resources/unsubscribe"):
             return self._subscription(message, front)
-        answer = await self._result(as_2026(message, front), headers_2026(message, request.headers), front)
-        if "result" in answer:
-            answer["result"] = result_2025(answer["result"])
-            if rewrite is not None:
-                rewrite(answer["result"])
-        return _json({"jsonrpc": "2.0", "id": message["id"], **answer})
+        if method not in _FORWARDED:
+            error = error_object(METHOD_NOT_FOUND, f"Method not found: {method}")
+            return _json(error_response(message["id"], error))
+        headers = headers_2026(message, request.headers)
+        answer = await self._result(as_2026(message, front), headers, front.capabilities, front.caller)
+        if "error" in answer:
+            return _answer_error(message["id"], answer)
+        result = result_2025(answer["result"])
+        if rewrite is not None:
+            rewrite(result)
+        return _json(result_response(message["id"], result))
 
     async def _result(
-        self, message: dict[str, Any], headers: MultiMapping[str], front: FrontSession | dict[str, Any]
+        self, message: dict[str, Any], headers: MultiMapping[str], capabilities: dict[str, Any], caller: str
     ) -> dict[str, Any]:
-        """{"result": ...} or {"error": ...}: the server's answer to one request."""
-        capabilities = front.capabilities if isinstance(front, FrontSession) else {}
-        caller = front.caller if isinstance(front, FrontSession) else ""
+        """{"result": ...} or {"error": ..., "challenge": ...}: the server's answer to one request (a challenge
+        when it refused the request's credentials)."""
         events = self._gateway.modern.call_tool(
             message, headers, capabilities, max_bytes=self._max_bytes(), caller=caller
         )
@@ -219,6 +225,8 @@ class Translated2025:
             async for event in events:
                 if isinstance(event, Finished):
                     return {"result": event.result}
+                if isinstance(event, Failed) and event.refused_credentials:
+                    return {"error": event.error, "challenge": event.challenge or ""}
                 if isinstance(event, Failed):
                     return {"error": event.error}
                 if isinstance(event, InputNeeded):
@@ -232,6 +240,28 @@ class Translated2025:
         finally:
             await events.aclose()  # type: ignore[attr-defined]
         return {"error": error_object(INTERNAL_ERROR, "Upstream failure: no answer")}
+
+    @contextlib.contextmanager
+    def in_flight(self, front: FrontSession, request: web.Request, request_id: Any) -> Iterator[None]:
+        """The request being served, in the session's calls: the session is busy (never ended to make room), and
+        its DELETE or a notifications/cancelled naming the id ends the request (and so what it waits for)."""
+        key, handling = call_key(request_id), _Handling(request)
+        front.calls[key] = handling
+        try:
+            yield
+        finally:
+            if front.calls.get(key) is handling:
+                del front.calls[key]
+
+    def notified(self, request: web.Request, message: Any) -> None:
+        """A notification or response of the session's: a notifications/cancelled ends the request it names."""
+        front = self.front(request)
+        if isinstance(message, dict) and message.get("method") == "notifications/cancelled":
+            request_id = params_of(message).get("requestId")
+            if isinstance(request_id, str | int) and not isinstance(request_id, bool):
+                handling = front.calls.get(call_key(request_id))
+                if handling is not None:
+                    handling.close("cancelled by the client")
 
     def _subscription(self, message: dict[str, Any], front: FrontSession) -> web.Response:
         uri = params_of(message).get("uri")
@@ -298,6 +328,23 @@ class Translated2025:
         return as_2026(listen, front)
 
 
+class _Handling:
+    """A request of the session's being served, as FrontSession.calls holds it: closing it closes the client's
+    connection, as if the client had left (the handler is cancelled, its upstream request closed, and the client,
+    which sent no more than a notification, waits for no answer)."""
+
+    __slots__ = ("_request",)
+
+    def __init__(self, request: web.Request) -> None:
+        self._request = request
+
+    def close(self, reason: str) -> None:
+        transport = self._request.transport
+        if transport is not None and not transport.is_closing():
+            log.info("translated_request_ended", reason=reason)
+            transport.close()
+
+
 _LIST_CHANGES = ("toolsListChanged", "promptsListChanged", "resourcesListChanged")
 _RELAYED = frozenset({"notifications/tools/list_changed", "notifications/prompts/list_changed",
                       "notifications/resources/list_changed", "notifications/resources/updated"})  # fmt: skip
@@ -322,6 +369,16 @@ async def _follow(messages: AsyncGenerator[dict[str, Any], None], queue: asyncio
             queue.put_nowait({"jsonrpc": "2.0", "method": message["method"], **({"params": params} if params else {})})
     finally:
         await messages.aclose()
+
+
+def _answer_error(request_id: Any, answer: dict[str, Any]) -> web.Response:
+    """The server's error as the client's answer; a refused credential as HTTP 401 with the server's challenge, so
+    that the client's authorization flow starts (a JSON-RPC error on 200 would end there)."""
+    if "challenge" in answer:
+        headers = {"WWW-Authenticate": answer["challenge"]} if answer["challenge"] else None
+        body = dumps(error_response(request_id, answer["error"]))
+        return web.Response(status=401, body=body, content_type="application/json", headers=headers)
+    return _json(error_response(request_id, answer["error"]))
 
 
 def _json(message: dict[str, Any], *, headers: dict[str, str] | None = None) -> web.Response:

@@ -27,6 +27,7 @@ from ..clients.envelope import (
     upstream_body,
     without_tasks_declaration,
 )
+from ..clients.sessions2025 import FrontSession
 from ..clients.tasks2026 import missing_tasks_capability
 from ..config import ProxyConfig, TaskMode, ToolRule
 from ..jsonrpc import (
@@ -44,7 +45,7 @@ from ..jsonrpc import (
 )
 from ..upstream.bridge import StreamReply
 from ..upstream.era2025 import discover_result
-from ..upstream.events import UpstreamUnavailable
+from ..upstream.events import CredentialsNeeded, UpstreamUnavailable
 from . import boundary
 from .concurrency import Concurrency
 from .context import (
@@ -84,7 +85,12 @@ async def handle_other(request: web.Request) -> web.StreamResponse:
         if resumed is not None:
             request[info_key].mode = "durable"
             return resumed
-    if request.app[gateway_key].translates_2025 and request.path == MCP_PATH and request.method in ("GET", "DELETE"):
+    if (
+        request.app[gateway_key].translates_2025
+        and request.path == MCP_PATH
+        and request.method in ("GET", "DELETE")
+        and "Mcp-Session-Id" in request.headers  # (a 2026 client's GET is the server's to answer)
+    ):
         request[info_key].mode = "translated"
         return await request.app[translated_key].other(request)
     body = await read_body(request) if request.can_read_body else None
@@ -260,9 +266,9 @@ async def _not_a_request(request: web.Request, kind: str, message: Any, body: by
         # A 2025 session of the proxy's: the server, 2026-07-28 only, has nothing to hear of it.
         if kind == "batch":
             raise JsonRpcError(INVALID_REQUEST, "Invalid request: this server speaks 2026-07-28 only, and the proxy "
-                               "takes no JSON-RPC batches for it")  # fmt: skip
-        app[translated_key].front(request)
+                               "takes no JSON-RPC batches for it", http_status=200)  # fmt: skip
         request[info_key].mode = "translated"
+        app[translated_key].notified(request, message)
         return web.Response(status=202)
     # Notifications, responses to a legacy server's requests, and legacy batches are not the proxy's.
     return await app[gateway_key].relay.relay(request, body, message)
@@ -371,6 +377,8 @@ async def _translating(request: web.Request) -> bool:
         return True
     try:
         return await gateway.translating(request.headers)
+    except CredentialsNeeded:
+        return False  # nothing learnt: the request goes as it came, and the server's challenge reaches the client
     except UpstreamUnavailable as exc:
         raise UpstreamError(exc.args[0], upstream=gateway.url) from exc
 
@@ -389,6 +397,7 @@ async def _translated(request: web.Request, message: dict[str, Any], body: bytes
     info = request[info_key]
     info.mode = "translated"
     method = message["method"]
+    check_reencodable(message, body)  # what goes upstream is encoded again, in the 2026 envelope
     tasks = any(rule.task is not TaskMode.NEVER for rule in config.tools)
     if method == "initialize":
         if not tasks:
@@ -396,6 +405,18 @@ async def _translated(request: web.Request, message: dict[str, Any], body: bytes
         # Its own session tells an anonymous caller's tasks from others': tasks/list is offered.
         return await translated.initialize(request, message, lambda r: tasks2025.advertise(r, anonymous=False))
     front = translated.front(request)
+    with translated.in_flight(front, request, message["id"]):  # DELETE and notifications/cancelled end it
+        return await _translated_request(request, message, front, tasks)
+
+
+async def _translated_request(
+    request: web.Request, message: dict[str, Any], front: FrontSession, tasks: bool
+) -> web.StreamResponse:
+    app = request.app
+    config = app[policy_key].config
+    translated = app[translated_key]
+    info = request[info_key]
+    method = message["method"]
     sep1686 = tasks and front.protocol_version == tasks2025.VERSION
     if method == "tools/call":
         params = params_of(message)
@@ -404,7 +425,6 @@ async def _translated(request: web.Request, message: dict[str, Any], body: bytes
             raise JsonRpcError(INVALID_PARAMS, "Invalid params: tools/call needs a string name", http_status=200)
         rule = config.rule_for(name)
         check_routing_headers(message, request.headers, required=False)
-        check_reencodable(message, body)  # its call goes upstream encoded again
         info.answers_2025 = True
         if "task" in params and sep1686 and rule is not None and rule.task is not TaskMode.NEVER:
             info.mode = "sep1686"

@@ -21,6 +21,7 @@ from .. import PROTOCOL_VERSION, TASKS_EXTENSION, __version__
 from ..clients.envelope import params_of
 from ..jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, error_object
 from ..security import Identity
+from ..session_table import SessionsFull, SessionTable
 from .events import (
     RETRIED_STATUSES,
     AnswerTooLarge,
@@ -39,7 +40,6 @@ from .events import (
 )
 from .legacy_tasks import TASKED, TaskSupport, run_as_upstream_task, without_task_support
 from .routing import CallRoute, LegacySession, asks_client
-from .session_table import SessionsFull, SessionTable
 
 log = structlog.get_logger(__name__)
 

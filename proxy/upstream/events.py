@@ -100,6 +100,8 @@ class Failed:
     """The server's Retry-After, when it gave one."""
     refused_credentials: bool = False
     """The upstream answered HTTP 401: the call's credential, not its work, failed (the call did not run)."""
+    challenge: str | None = None
+    """With refused_credentials, the upstream's WWW-Authenticate, for a client that can answer it."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -159,7 +159,12 @@ class Upstream:
         if initialize.session_id is not None:
             await self._end_probe_session(initialize, client_headers)
         error = (initialize.answer or {}).get("error")
-        return not (isinstance(error, dict) and error.get("code") in _NO_HANDSHAKE)
+        if isinstance(error, dict) and error.get("code") in _NO_HANDSHAKE:
+            return False
+        if initialize.answer is None and (initialize.status >= 500 or initialize.status == 429):
+            # Down for a moment (a restart): nothing learnt, the next 2025 request asks again.
+            raise UpstreamUnavailable(f"the upstream answered initialize with {initialize.describe()}")
+        return True
 
     async def _era_answer(self, message: dict[str, Any], client_headers: MultiMapping[str]) -> EraAnswer:
         method = message["method"]
@@ -290,7 +295,8 @@ class Upstream:
                 event = proxy_failure(reason, self.url)
         if response.status == 401 and isinstance(event, Failed):  # the call's credential, refused: not its work
             event = proxy_failure("the upstream refused the call's credential (HTTP 401)", self.url)
-            event = dataclasses.replace(event, refused_credentials=True)
+            challenge = response.headers.get("www-authenticate")
+            event = dataclasses.replace(event, refused_credentials=True, challenge=challenge)
         yield event
 
 

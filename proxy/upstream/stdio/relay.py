@@ -19,7 +19,7 @@ from aiohttp import web
 from multidict import MultiMapping
 
 from ...clients.envelope import check_modern_request, is_modern, params_of
-from ...clients.sessions2025 import MAX_SUBSCRIBED, VERSIONS_2025, FrontSession, FrontSessions
+from ...clients.sessions2025 import MAX_SUBSCRIBED, VERSIONS_2025, FrontSession, FrontSessions, call_key
 from ...jsonrpc import (
     INTERNAL_ERROR,
     INVALID_PARAMS,
@@ -155,7 +155,7 @@ class StdioRelay:
             if method == "notifications/cancelled":
                 request_id = params.get("requestId")
                 valid = isinstance(request_id, str | int) and not isinstance(request_id, bool)
-                exchange = front.calls.get(_key(request_id)) if valid else None
+                exchange = front.calls.get(call_key(request_id)) if valid else None
                 if exchange is not None:
                     exchange.close(str(params.get("reason") or "cancelled by the client"))
             elif method not in ("notifications/initialized", "notifications/roots/list_changed"):
@@ -206,14 +206,14 @@ class StdioRelay:
         if self.sessions.get(front.id) is not front:  # ended while the request waited for the child
             exchange.close("the session ended")
             raise JsonRpcError(INVALID_REQUEST, "Session not found: initialize again", http_status=404)
-        front.calls[_key(message["id"])] = exchange
+        front.calls[call_key(message["id"])] = exchange
         try:
             return await self._responses.response(
                 request, exchange, front, front.capabilities, rewrite=rewrite, modern=False, observe=observe
             )
         finally:
-            if front.calls.get(_key(message["id"])) is exchange:
-                del front.calls[_key(message["id"])]
+            if front.calls.get(call_key(message["id"])) is exchange:
+                del front.calls[call_key(message["id"])]
 
     async def _initialize(
         self,
@@ -304,8 +304,3 @@ def _only_tasks_of(front: FrontSession, then: Rewrite | None) -> Rewrite:
 
 def _unavailable(exc: Exception) -> JsonRpcError:
     return JsonRpcError(INTERNAL_ERROR, f"Upstream failure: {exc}", http_status=503)
-
-
-def _key(request_id: Any) -> Any:
-    """A client's request id as a dict key: 1 and "1" are different ids, and True is not 1."""
-    return (type(request_id).__name__, request_id) if not isinstance(request_id, str) else request_id
