@@ -315,3 +315,23 @@ async def _until(condition, timeout_s: float = 10.0) -> None:
     async with asyncio.timeout(timeout_s):
         while not condition():
             await asyncio.sleep(0.02)
+
+
+async def test_a_tools_header_parameters_go_as_mcp_param_headers(make_proxy, modern_only_upstream):
+    """SEP-2243: a tool whose schema names header parameters is called with them mirrored into Mcp-Param-* headers
+    (the server refuses the call without them: -32020), the proxy being the 2026 client here."""
+    arguments = {"region": "eu-west ü", "shards": 3}
+    call = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "in_region", "arguments": arguments,
+            "_meta": {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+                      "io.modelcontextprotocol/clientCapabilities": {}}}}  # fmt: skip
+    headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream",
+               "MCP-Protocol-Version": "2026-07-28", "Mcp-Method": "tools/call", "Mcp-Name": "in_region"}  # fmt: skip
+    async with aiohttp.ClientSession() as http:
+        async with http.post(modern_only_upstream, json=call, headers=headers) as response:
+            assert response.status == 400 and "-32020" in await response.text()  # straight, without the headers
+        proxy = await make_proxy(modern_only_upstream)
+        client = Client2025(http, proxy.url)
+        await client.initialize()
+        async with client.call("in_region", arguments) as response:
+            final = [message async for _, message in events_of(response)][-1]
+    assert final["result"]["content"][0]["text"] == "3 in eu-west ü", final

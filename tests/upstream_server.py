@@ -15,6 +15,9 @@ import asyncio
 import os
 import sys
 from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -255,6 +258,16 @@ async def ask_then_gated(tag: str, ctx: Context) -> CallToolResult | InputRequir
         return InputRequiredResult(input_requests={"name": _ask("Name?")}, request_state="ask")
     await gates.wait_at(tag)
     return _done(ctx, f"hello {name}")
+
+
+@server.tool()
+async def in_region(
+    region: Annotated[str, Field(json_schema_extra={"x-mcp-header": "Region"})],
+    shards: Annotated[int, Field(json_schema_extra={"x-mcp-header": "Shards"})] = 1,
+) -> str:
+    """Parameters a 2026 client mirrors into Mcp-Param-Region / Mcp-Param-Shards headers (SEP-2243), which the SDK
+    checks against the body over HTTP."""
+    return f"{shards} in {region}"
 
 
 def serve_tls(port: int, cert: str, key: str, client_ca: str | None) -> None:

@@ -82,7 +82,7 @@ def _first(future: asyncio.Future[int]) -> Callable[[int], None]:
     return settle
 
 
-def upstream_parts(
+async def upstream_parts(
     translated: Translated2025 | None,
     identity: Identity,
     message: dict[str, Any],
@@ -94,7 +94,7 @@ def upstream_parts(
     keeps, the capabilities that bound what may be asked, and the client's own upstream session. In front of a
     2026-07-28-only server the request goes in the 2026 envelope of the proxy's session, on no upstream session."""
     if translated is not None and translated.applies:
-        call, call_headers_2026, capabilities = translated.call_parts(message, headers)
+        call, call_headers_2026, capabilities = await translated.call_parts(message, headers)
         return call, call_headers(call_headers_2026, identity.principal_header), capabilities, None
     principal = identity.principal(headers)
     session = client_session(headers, principal, on_status=on_status)
@@ -206,7 +206,7 @@ class DurableCalls:
         principal = self._identity.principal(headers)
         session_tag = self._identity.session_tag(headers)
         accepted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        sent, kept, capabilities, session = upstream_parts(
+        sent, kept, capabilities, session = await upstream_parts(
             self._translated, self._identity, message, headers, on_status=_first(accepted)
         )
         call = ToolCall(

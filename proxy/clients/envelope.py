@@ -154,6 +154,50 @@ def encode_header_value(value: str) -> str:
     return "=?base64?" + base64.b64encode(value.encode("utf-8", "surrogatepass")).decode() + "?="
 
 
+HEADER_PARAM = "x-mcp-header"
+_HEADER_PARAM_TYPES = frozenset({"string", "integer", "boolean"})
+
+
+def header_params(input_schema: Any) -> dict[tuple[str, ...], str]:
+    """A tool's `Mcp-Param-*` parameters (SEP-2243): each property path, reached through `properties` alone, whose
+    string, integer or boolean property carries an `x-mcp-header` token, to that token."""
+    found: dict[tuple[str, ...], str] = {}
+    stack: list[tuple[tuple[str, ...], Any]] = [((), input_schema)]
+    while stack:  # (no recursion: a schema may nest deep)
+        path, schema = stack.pop()
+        properties = schema.get("properties") if isinstance(schema, dict) else None
+        if not isinstance(properties, dict):
+            continue
+        for name, sub in properties.items():
+            if not isinstance(sub, dict):
+                continue
+            token = sub.get(HEADER_PARAM)
+            if isinstance(token, str) and token and sub.get("type") in _HEADER_PARAM_TYPES:
+                found[(*path, name)] = token
+            stack.append(((*path, name), sub))
+    return found
+
+
+def param_headers(params: dict[tuple[str, ...], str], arguments: Any) -> dict[str, str]:
+    """The `Mcp-Param-*` headers a tools/call's arguments give (`params`: header_params of its tool): a value that
+    is present and not null, a boolean as true/false, a number in decimal, each encoded as encode_header_value."""
+    headers: dict[str, str] = {}
+    for path, token in params.items():
+        value: Any = arguments
+        for key in path:
+            value = value.get(key) if isinstance(value, dict) else None
+        if isinstance(value, bool):
+            rendered = "true" if value else "false"
+        elif isinstance(value, float) and value.is_integer():
+            rendered = str(int(value))  # an integer sent as 42.0 compares equal to 42
+        elif isinstance(value, int | float | str):
+            rendered = str(value)
+        else:
+            continue
+        headers[f"Mcp-Param-{token}"] = encode_header_value(rendered)
+    return headers
+
+
 def check_batch_routing_headers(messages: list[Any], headers: MultiMapping[str]) -> None:
     """A batch (2025-03-26) under one set of headers: routing headers that are present must hold for every request
     and notification in it, as they would for each alone. Copies that all say the same are compared once per item,

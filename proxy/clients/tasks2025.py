@@ -201,7 +201,7 @@ class Tasks2025:
         principal = self._identity.principal(headers)
         session_tag = self._identity.session_tag(headers)
         # The server never sees params.task: the task is the proxy's.
-        sent, kept, capabilities, session = upstream_parts(
+        sent, kept, capabilities, session = await upstream_parts(
             self._translated, self._identity, {**message, "params": params}, headers
         )
         call = ToolCall(

@@ -19,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-from collections.abc import AsyncGenerator, Callable, Iterator
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -41,13 +42,16 @@ from ..jsonrpc import (
 )
 from ..security import Identity, caller_of
 from ..upstream.era2026 import discover_probe
-from ..upstream.events import Failed, Finished, InputNeeded
+from ..upstream.events import Failed, Finished, InputNeeded, UpstreamUnavailable
 from ..upstream.stdio.responses import serve_stream
+from ..upstream.tools import list_tools
 from .envelope import (
     META_CLIENT_CAPABILITIES,
     META_PROTOCOL_VERSION,
     NAME_PARAMS,
     encode_header_value,
+    header_params,
+    param_headers,
     params_of,
 )
 from .sessions2025 import MAX_SUBSCRIBED, VERSIONS_2025, FrontSession, FrontSessions, call_key
@@ -149,6 +153,7 @@ class Translated2025:
         self.sessions = sessions
         self._identity = identity
         self._max_bytes = max_bytes
+        self._header_params = HeaderParams()
 
     @property
     def applies(self) -> bool:
@@ -176,13 +181,26 @@ class Translated2025:
         """The session the request names (400 without one, 404 for one the proxy does not hold: initialize again)."""
         return self.sessions.named(request.headers.get("Mcp-Session-Id"), self._identity.principal(request.headers))
 
-    def call_parts(
+    async def call_parts(
         self, message: dict[str, Any], client_headers: MultiMapping[str]
     ) -> tuple[dict[str, Any], CIMultiDict[str], dict[str, Any]]:
         """What a durable call or a SEP-1686 task of a session sends the server: the request in the 2026 envelope,
-        the headers for it, and the capabilities the session declared (what the server may ask its client)."""
+        the headers for it (with the tool's Mcp-Param-* ones), and the capabilities the session declared (what the
+        server may ask its client)."""
         front = self.sessions.named(client_headers.get("Mcp-Session-Id"), self._identity.principal(client_headers))
-        return as_2026(message, front), headers_2026(message, client_headers), front.capabilities
+        headers = headers_2026(message, client_headers)
+        params = params_of(message)
+        if isinstance(params.get("name"), str):
+            header_params = await self._header_params.of(params["name"], lambda: self._list_tools(client_headers))
+            headers.update(param_headers(header_params, params.get("arguments")))
+        return as_2026(message, front), headers, front.capabilities
+
+    async def _list_tools(self, client_headers: MultiMapping[str]) -> list[dict[str, Any]]:
+        try:
+            return await list_tools(self._gateway, max_bytes=self._max_bytes(), credentials=client_headers)
+        except UpstreamUnavailable as exc:
+            log.info("translated_tools_unlisted", reason=str(exc))  # the call goes without: the server says
+            return []
 
     async def request(
         self, request: web.Request, message: dict[str, Any], front: FrontSession, rewrite: Rewrite | None = None
@@ -208,6 +226,8 @@ class Translated2025:
         answer = await self._result(as_2026(message, front), headers, front.capabilities, front.caller)
         if "error" in answer:
             return _answer_error(message["id"], answer)
+        if method == "tools/list" and isinstance(answer["result"].get("tools"), list):
+            self._header_params.learn(answer["result"]["tools"])
         result = result_2025(answer["result"])
         if rewrite is not None:
             rewrite(result)
@@ -326,6 +346,32 @@ class Translated2025:
         listen = {"jsonrpc": "2.0", "id": f"mtp-listen-{front.id[:8]}", "method": "subscriptions/listen",
                   "params": {"notifications": notifications}}  # fmt: skip
         return as_2026(listen, front)
+
+
+class HeaderParams:
+    """Each tool's Mcp-Param-* parameters (envelope.header_params), as the server's tools/list says: learnt from the
+    sessions' own listings, and listed on a call of a tool not seen (at most every _RELIST_S)."""
+
+    def __init__(self) -> None:
+        self._of: dict[str, dict[tuple[str, ...], str]] = {}
+        self._listed_at = -_RELIST_S
+
+    def learn(self, tools: list[Any]) -> None:
+        if len(self._of) > _MAX_TOOLS:
+            self._of.clear()  # a server whose tools keep changing names: learnt again as they are called
+        for tool in tools:
+            if isinstance(tool, dict) and isinstance(tool.get("name"), str):
+                self._of[tool["name"]] = header_params(tool.get("inputSchema"))
+
+    async def of(self, tool: str, listed: Callable[[], Awaitable[list[dict[str, Any]]]]) -> dict[tuple[str, ...], str]:
+        if tool not in self._of and time.monotonic() - self._listed_at >= _RELIST_S:
+            self._listed_at = time.monotonic()
+            self.learn(await listed())
+        return self._of.get(tool, {})
+
+
+_RELIST_S = 30.0
+_MAX_TOOLS = 10_000
 
 
 class _Handling:
