@@ -23,7 +23,7 @@ from ..tasks.model import TaskRecord, TaskStatus
 from ..tasks.runner import TaskRunner
 from ..upstream.http.sse import KEEP_ALIVE, event_bytes, message_event
 from ..upstream.routing import RELATED_TASK
-from .translated2025 import result_2025
+from .translation2025 import result_2025
 
 RESUMABLE_VERSIONS = frozenset({"2025-11-25"})
 """Client protocol versions whose streams may be closed and resumed (priming events came with 2025-11-25)."""

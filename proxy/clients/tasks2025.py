@@ -42,7 +42,8 @@ from . import idempotency
 from .durable import SEP1686_KIND, upstream_parts
 from .durable_stream import DurableStream, related_task_meta
 from .envelope import params_of, progress_token
-from .translated2025 import Translated2025, result_2025
+from .translated2025 import Translated2025
+from .translation2025 import result_2025
 
 log = structlog.get_logger(__name__)
 

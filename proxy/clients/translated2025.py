@@ -2,39 +2,31 @@
 2026-07-28 to the server, as proxy/upstream/bridge.py does the other way round.
 
 The proxy holds the client's session (clients/sessions2025.py), as it does in front of a stdio child: it answers
-`initialize` from the server's `server/discover`, `ping`, and `logging/setLevel` (the level then goes with each of
-the session's requests, as `_meta` logLevel); every other request goes to the server with the 2026-07-28 envelope
-built from what the session declared, and its result comes back without the 2026 fields. A `tools/call` is the
-front's to run (proxy/front/dispatch.py): a durable call or a SEP-1686 task, whatever the policy says of the tool,
-so that the server's MRTR questions reach the client as the requests a 2025 client expects (elicitation, sampling,
-roots) on the call's stream, and its answers go back in the retry.
-
-The session's GET stream carries what a `subscriptions/listen` of the proxy's brings: the server's list changes, and
-updates of the resources the session subscribed to (`resources/subscribe`, answered here), the listen renewed when
-they change.
+`initialize` from the server's `server/discover`, `ping`, `logging/setLevel` (accepted, not offered: no log line of
+a call's is relayed), `resources/subscribe` and `unsubscribe`; the 2025 requests 2026-07-28 still has go to the
+server in the envelope built from what the session declared (clients/translation2025.py), their results back
+without the 2026 fields. A `tools/call` is the front's to run (proxy/front/dispatch.py): a durable call or a
+SEP-1686 task, whatever the policy says of the tool, so that the server's MRTR questions reach the client as the
+requests a 2025 client expects (elicitation, sampling, roots) on the call's stream, and its answers go back in the
+retry. The session's GET stream is clients/translated_stream.py's.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import copy
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import structlog
 from aiohttp import web
 from multidict import CIMultiDict, MultiMapping
 
-from .. import PROTOCOL_VERSION
 from ..jsonrpc import (
     INTERNAL_ERROR,
     INVALID_PARAMS,
     INVALID_REQUEST,
     METHOD_NOT_FOUND,
-    JsonRpcError,
-    UpstreamError,
     dumps,
     error_object,
     error_response,
@@ -43,103 +35,28 @@ from ..jsonrpc import (
 from ..security import Identity, caller_of
 from ..upstream.era2026 import discover_probe
 from ..upstream.events import Failed, Finished, InputNeeded, UpstreamUnavailable
-from ..upstream.stdio.responses import serve_stream
 from ..upstream.tools import list_tools
 from .envelope import (
-    META_CLIENT_CAPABILITIES,
-    META_PROTOCOL_VERSION,
-    NAME_PARAMS,
-    encode_header_value,
     header_params,
     param_headers,
     params_of,
 )
 from .sessions2025 import MAX_SUBSCRIBED, VERSIONS_2025, FrontSession, FrontSessions, call_key
+from .translated_stream import session_stream
+from .translation2025 import as_2026, headers_2026, initialize_result, result_2025
 
 if TYPE_CHECKING:
     from ..upstream.gateway import Gateway
 
 log = structlog.get_logger(__name__)
 
-META_CLIENT_INFO = "io.modelcontextprotocol/clientInfo"
-META_SERVER_INFO = "io.modelcontextprotocol/serverInfo"
-META_SUBSCRIPTION_ID = "io.modelcontextprotocol/subscriptionId"
 LOG_LEVELS = frozenset({"debug", "info", "notice", "warning", "error", "critical", "alert", "emergency"})
-_CLIENT_CAPABILITIES = ("experimental", "roots", "sampling", "elicitation")
-"""What a 2025 client declares that 2026-07-28 still has (not `tasks`: a task is the proxy's, SEP-2663)."""
-_SERVER_CAPABILITIES = ("experimental", "completions", "prompts", "resources", "tools")
-"""What the session is offered of what the server declares: not `logging` (the proxy relays no log lines of a
-call's), not `extensions` (2025 has none)."""
 _FORWARDED = frozenset({"tools/list", "resources/list", "resources/templates/list", "resources/read", "prompts/list",
                         "prompts/get", "completion/complete"})  # fmt: skip
 """The requests of a 2025 session that go to the server (tools/call is the front's; the rest are answered here)."""
-_2026_ONLY_FIELDS = ("resultType", "ttlMs", "cacheScope")
+
 
 Rewrite = Callable[[dict[str, Any]], None]
-
-
-def capabilities_2026(declared: dict[str, Any]) -> dict[str, Any]:
-    return {key: declared[key] for key in _CLIENT_CAPABILITIES if isinstance(declared.get(key), dict)}
-
-
-def as_2026(message: dict[str, Any], front: FrontSession) -> dict[str, Any]:
-    """The 2025 request with the 2026-07-28 envelope in its `_meta`, from what the session declared; its own `_meta`
-    (a progressToken, trace context) kept."""
-    params = dict(params_of(message))
-    meta = dict(params["_meta"]) if isinstance(params.get("_meta"), dict) else {}
-    meta[META_PROTOCOL_VERSION] = PROTOCOL_VERSION
-    meta[META_CLIENT_CAPABILITIES] = capabilities_2026(front.capabilities)
-    if front.client_info:
-        meta[META_CLIENT_INFO] = front.client_info
-    params["_meta"] = meta
-    return {"jsonrpc": "2.0", "id": message["id"], "method": message["method"], "params": params}
-
-
-def headers_2026(message: dict[str, Any], client_headers: MultiMapping[str]) -> CIMultiDict[str]:
-    """The client's headers for the server, the 2025 ones (session id, version) replaced by SEP-2243's."""
-    headers = CIMultiDict(
-        (name, value)
-        for name, value in client_headers.items()
-        if not (lower := name.lower()).startswith("mcp-") and lower != "last-event-id"
-    )
-    method = message["method"]
-    headers["MCP-Protocol-Version"] = PROTOCOL_VERSION
-    headers["Mcp-Method"] = method
-    field = NAME_PARAMS.get(method)
-    value = params_of(message).get(field) if field else None
-    if isinstance(value, str):
-        headers["Mcp-Name"] = encode_header_value(value)
-    return headers
-
-
-def result_2025(result: dict[str, Any]) -> dict[str, Any]:
-    """A 2026-07-28 result as a 2025 client reads it: no resultType, ttlMs, cacheScope or serverInfo `_meta`."""
-    out = {key: value for key, value in result.items() if key not in _2026_ONLY_FIELDS}
-    meta = out.get("_meta")
-    if isinstance(meta, dict) and META_SERVER_INFO in meta:
-        meta = {key: value for key, value in meta.items() if key != META_SERVER_INFO}
-        if meta:
-            out["_meta"] = meta
-        else:
-            del out["_meta"]
-    return out
-
-
-def initialize_result(discover: dict[str, Any], version: str) -> dict[str, Any]:
-    """An InitializeResult from a DiscoverResult: its capabilities (_SERVER_CAPABILITIES), instructions and
-    serverInfo."""
-    capabilities = discover.get("capabilities")
-    capabilities = capabilities if isinstance(capabilities, dict) else {}
-    server: dict[str, Any] = {key: copy.deepcopy(capabilities[key]) for key in _SERVER_CAPABILITIES
-                              if isinstance(capabilities.get(key), dict)}  # fmt: skip
-    meta = discover.get("_meta")
-    info = meta.get(META_SERVER_INFO) if isinstance(meta, dict) else None
-    if not (isinstance(info, dict) and isinstance(info.get("name"), str) and isinstance(info.get("version"), str)):
-        info = {"name": "unknown", "version": "0"}
-    result: dict[str, Any] = {"protocolVersion": version, "capabilities": server, "serverInfo": info}
-    if isinstance(discover.get("instructions"), str):
-        result["instructions"] = discover["instructions"]
-    return result
 
 
 class Translated2025:
@@ -308,44 +225,7 @@ class Translated2025:
             self.sessions.end(front.id)
             log.info("translated_session_ended", sessions=len(self.sessions))
             return web.Response(status=200)
-        queue = front.open_stream()
-        listening = asyncio.ensure_future(self._listen(request, front, queue))
-        try:
-            return await serve_stream(request, front, queue)
-        finally:
-            listening.cancel()
-
-    async def _listen(self, request: web.Request, front: FrontSession, queue: asyncio.Queue[Any]) -> None:
-        """What the session's GET stream carries, from a subscriptions/listen of the proxy's, opened again when the
-        session's subscriptions change, and after _RELISTEN_S when the server ends it."""
-        while True:
-            changed = front.resubscribed
-            message = self._listen_request(front)
-            try:
-                messages = await self._gateway.relay.open_listen(
-                    request, dumps(message), limit=self._max_bytes(), headers=headers_2026(message, request.headers)
-                )
-            except (JsonRpcError, UpstreamError) as exc:
-                log.info("translated_listen_refused", reason=str(exc))
-                messages = None
-            if messages is not None:
-                following = asyncio.ensure_future(_follow(messages, queue))
-                await asyncio.wait([following, asyncio.ensure_future(changed.wait())],
-                                   return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
-                following.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await following
-            if not changed.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(changed.wait(), _RELISTEN_S)
-
-    def _listen_request(self, front: FrontSession) -> dict[str, Any]:
-        notifications: dict[str, Any] = dict.fromkeys(_LIST_CHANGES, True)
-        if front.subscribed:
-            notifications["resourceSubscriptions"] = sorted(front.subscribed)
-        listen = {"jsonrpc": "2.0", "id": f"mtp-listen-{front.id[:8]}", "method": "subscriptions/listen",
-                  "params": {"notifications": notifications}}  # fmt: skip
-        return as_2026(listen, front)
+        return await session_stream(request, front, self._gateway.relay, self._max_bytes)
 
 
 class HeaderParams:
@@ -389,32 +269,6 @@ class _Handling:
         if transport is not None and not transport.is_closing():
             log.info("translated_request_ended", reason=reason)
             transport.close()
-
-
-_LIST_CHANGES = ("toolsListChanged", "promptsListChanged", "resourcesListChanged")
-_RELAYED = frozenset({"notifications/tools/list_changed", "notifications/prompts/list_changed",
-                      "notifications/resources/list_changed", "notifications/resources/updated"})  # fmt: skip
-_RELISTEN_S = 5.0
-"""How long after the server ends a session's subscription the proxy asks for it again."""
-
-
-async def _follow(messages: AsyncGenerator[dict[str, Any], None], queue: asyncio.Queue[Any]) -> None:
-    """The subscription's notifications a 2025 client knows, without the 2026 subscription id, into the stream's
-    queue (its oldest dropped when it is full: they say "something changed")."""
-    try:
-        async for message in messages:
-            if message.get("method") not in _RELAYED:
-                continue  # the acknowledgement, the listen's end
-            params = message.get("params")
-            params = dict(params) if isinstance(params, dict) else {}
-            meta = params.pop("_meta", None)
-            if isinstance(meta, dict) and (rest := {k: v for k, v in meta.items() if k != META_SUBSCRIPTION_ID}):
-                params["_meta"] = rest
-            if queue.full():
-                queue.get_nowait()
-            queue.put_nowait({"jsonrpc": "2.0", "method": message["method"], **({"params": params} if params else {})})
-    finally:
-        await messages.aclose()
 
 
 def _answer_error(request_id: Any, answer: dict[str, Any]) -> web.Response:
