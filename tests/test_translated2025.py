@@ -335,3 +335,35 @@ async def test_a_tools_header_parameters_go_as_mcp_param_headers(make_proxy, mod
         async with client.call("in_region", arguments) as response:
             final = [message async for _, message in events_of(response)][-1]
     assert final["result"]["content"][0]["text"] == "3 in eu-west ü", final
+
+
+async def test_a_server_down_for_a_moment_is_asked_again(make_proxy, fake_upstream):
+    """The proxy's question (does the server take 2025 clients?) answered by a restart's 503 teaches nothing: the
+    2025 client is told the upstream failed, and the next one's initialize asks again (a fake, to inject the 503)."""
+    asked: list[int] = []
+
+    async def server(http: web.Request) -> web.StreamResponse:
+        message = json.loads(await http.read())
+        if message["method"] == "server/discover":
+            result = {"resultType": "complete", "supportedVersions": ["2026-07-28"], "capabilities": {}}
+            return web.json_response({"jsonrpc": "2.0", "id": message["id"], "result": result})
+        if message["method"] == "initialize":
+            asked.append(1)
+            if len(asked) == 1:
+                return web.Response(status=503, text="restarting")
+            error = {"code": -32022, "message": "Unsupported protocol version"}
+            return web.json_response({"jsonrpc": "2.0", "id": message["id"], "error": error})
+        return web.json_response({"jsonrpc": "2.0", "id": message["id"], "result": {"tools": []}})
+
+    fake = await fake_upstream(server)
+    proxy = await make_proxy(fake.url)
+    init = {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}
+    message = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": init}
+    headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(proxy.url, json=message, headers=headers) as response:
+            assert response.status == 502 and "503" in await response.text()
+        assert not proxy.app[gateway_key].translates_2025 and not proxy.app[gateway_key].passes_2025_as_is
+        async with http.post(proxy.url, json=message, headers=headers) as response:
+            assert response.status == 200 and "Mcp-Session-Id" in response.headers
+    assert proxy.app[gateway_key].translates_2025 and len(asked) == 2
