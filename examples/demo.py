@@ -9,6 +9,7 @@ Run from the repository root after `pip install '.[examples]'`:
 from __future__ import annotations
 
 import argparse
+import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +26,8 @@ import task_client  # noqa: E402  (a sibling script, not a package)
 def require_free(port: int, option: str) -> None:
     """Refuse to start on a port another program holds: the walk-through would talk to that program instead."""
     with socket.socket() as probe:
+        # As the servers bind (SO_REUSEADDR): a port left in TIME-WAIT by the last run is free, a listening one not.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("127.0.0.1", port))
         except OSError:
@@ -63,6 +66,8 @@ def main() -> int:
     parser.add_argument("--exit", action="store_true", help="stop both processes after the walk-through")
     parser.add_argument("--stdio", action="store_true", help="let the proxy start the server as its stdio child")
     args = parser.parse_args()
+    # Stopped as a service manager or `kill` stops it: the server and the proxy go with it (see `finally`).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
     if not args.stdio:
         require_free(args.server_port, "--server-port")

@@ -60,6 +60,36 @@ def test_demo_refuses_a_port_another_program_holds(option):
     assert done.stderr.strip() == f"demo: port {taken} is taken by another program: pass {option} with a free port"
 
 
+def test_the_demo_runs_again_at_once_on_the_same_ports():
+    """Its ports are in TIME-WAIT right after a run; the port probe said "taken by another program"."""
+    ports = ["--server-port", str(free_port()), "--proxy-port", str(free_port())]
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "examples/demo.py", "--exit", *ports], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_demo_stopped_with_sigterm_stops_its_server_and_proxy():
+    server_port, proxy_port = free_port(), free_port()
+    demo = subprocess.Popen([sys.executable, "examples/demo.py", "--server-port", str(server_port), "--proxy-port",
+                             str(proxy_port)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True)  # fmt: skip
+    try:
+        assert demo.stdout is not None
+        for line in demo.stdout:  # the walk-through, then it keeps both running
+            if "Ctrl-C stops both" in line:
+                break
+        demo.terminate()
+        assert demo.wait(timeout=30) == 128 + 15
+        for port in (server_port, proxy_port):
+            with socket.socket() as probe:
+                assert probe.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still served"
+    finally:
+        stop(demo)
+        if demo.stdout is not None:
+            demo.stdout.close()
+
+
 def client(*args: str, timeout: float = 50) -> subprocess.CompletedProcess[str]:
     """The example client as a user runs it, without a terminal on stdin (so it never prompts)."""
     return subprocess.run(
