@@ -52,6 +52,15 @@ def meta_of(message: dict[str, Any]) -> dict[str, Any]:
     return meta if isinstance(meta, dict) else {}
 
 
+def without_meta_key(result: dict[str, Any], key: str) -> dict[str, Any]:
+    """`result` without `key` in its `_meta` (and without `_meta` once empty); `result` itself when it has none."""
+    meta = result.get("_meta")
+    if not (isinstance(meta, dict) and key in meta):
+        return result
+    meta = {name: value for name, value in meta.items() if name != key}
+    return {**result, "_meta": meta} if meta else {name: value for name, value in result.items() if name != "_meta"}
+
+
 def progress_token(message: dict[str, Any]) -> str | int | None:
     """The request's `_meta.progressToken`, when it is one (a string or an integer)."""
     token = meta_of(message).get("progressToken")

@@ -15,6 +15,7 @@ from .envelope import (
     NAME_PARAMS,
     encode_header_value,
     params_of,
+    without_meta_key,
 )
 from .sessions2025 import FrontSession
 
@@ -66,14 +67,7 @@ def headers_2026(message: dict[str, Any], client_headers: MultiMapping[str]) -> 
 def result_2025(result: dict[str, Any]) -> dict[str, Any]:
     """A 2026-07-28 result as a 2025 client reads it: no resultType, ttlMs, cacheScope or serverInfo `_meta`."""
     out = {key: value for key, value in result.items() if key not in _2026_ONLY_FIELDS}
-    meta = out.get("_meta")
-    if isinstance(meta, dict) and META_SERVER_INFO in meta:
-        meta = {key: value for key, value in meta.items() if key != META_SERVER_INFO}
-        if meta:
-            out["_meta"] = meta
-        else:
-            del out["_meta"]
-    return out
+    return without_meta_key(out, META_SERVER_INFO)
 
 
 def initialize_result(discover: dict[str, Any], version: str) -> dict[str, Any]:

@@ -154,7 +154,9 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
     boundary.trace(info, request.headers, message)
     config = app[policy_key].config
     way = route(message, request.headers, config, config.rule_for)
-    if (way == "as_is" or way is None) and not is_modern(message, request.headers) and await _translating(request):
+    # Every way but None says the era: "as_is" is a 2025-era client's request, the others a 2026 client's.
+    modern = is_modern(message, request.headers) if way is None else way != "as_is"
+    if not modern and await _translating(request):
         return await _translated(request, message, body)
     if way == "tasks":
         info.mode = "local"
@@ -176,7 +178,6 @@ async def handle_mcp_post(request: web.Request) -> web.StreamResponse:
         return json_reply(answer, status=status)
     if way is not None:
         return await _relay(request, message, body, modern=way == "relay")
-    modern = is_modern(message, request.headers)
     if method == "tools/call":
         # The era is not needed up front: a task learns it in the background, a pass-through call in _relay.
         return await _tools_call(request, message, body, modern=modern)

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import structlog
 from multidict import MultiMapping
 
+from ..clients.envelope import without_meta_key
 from ..jsonrpc import INTERNAL_ERROR, error_object
 from .events import (
     Event,
@@ -164,14 +165,6 @@ def _poll_s(task: dict[str, Any]) -> float:
     return _DEFAULT_POLL_S
 
 
-def _without_related_task(result: dict[str, Any]) -> dict[str, Any]:
-    meta = result.get("_meta")
-    if isinstance(meta, dict) and RELATED_TASK in meta:
-        meta = {key: value for key, value in meta.items() if key != RELATED_TASK}
-        result = {**result, "_meta": meta} if meta else {k: v for k, v in result.items() if k != "_meta"}
-    return result
-
-
 def _request(method: str, params: dict[str, Any]) -> dict[str, Any]:
     return {"jsonrpc": "2.0", "id": f"mtp-task-{next(_ids)}", "method": method, "params": params}
 
@@ -264,7 +257,7 @@ async def run_as_upstream_task(
                         yield event
                 if isinstance(outcome, Finished):
                     ended = True
-                    yield Finished(_without_related_task(outcome.result), outcome.size)
+                    yield Finished(without_meta_key(outcome.result, RELATED_TASK), outcome.size)
                     return
                 if isinstance(outcome, Failed) and not outcome.unread:
                     ended = True  # exactly what the underlying call would have answered
