@@ -115,18 +115,26 @@ def test_the_suite_has_no_tasks_scenario_we_do_not_run(suite):
     assert sorted(names) == sorted(SCENARIOS)
 
 
+def run_scenario(
+    suite: list[str], url: str, scenario: str, out: Path, *, timeout_s: float
+) -> tuple[subprocess.CompletedProcess[str], list[dict] | None]:
+    """One scenario of the suite against the server at `url`: how it ran, and its checks (None when it wrote no one
+    report, its output says why)."""
+    done = subprocess.run(
+        [*suite, "server", "--url", url, "--scenario", scenario, "-o", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    reports = list(out.glob("*/checks.json"))
+    return done, json.loads(reports[0].read_text()) if len(reports) == 1 else None
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_scenario_passes_through_the_proxy(suite, proxied_fixture, scenario, tmp_path: Path):
-    done = subprocess.run(
-        [*suite, "server", "--url", proxied_fixture, "--scenario", scenario, "-o", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=170,
-    )
-    reports = list(tmp_path.glob("*/checks.json"))
-    assert len(reports) == 1, done.stdout[-3000:] + done.stderr[-3000:]
-    checks = json.loads(reports[0].read_text())
+    done, checks = run_scenario(suite, proxied_fixture, scenario, tmp_path, timeout_s=170)
+    assert checks is not None, done.stdout[-3000:] + done.stderr[-3000:]
     if scenario in SKIPPED_BY_THE_SUITE:
         # The suite itself skips it for every server, whatever it does; a change there must be noticed here.
         assert [check["status"] for check in checks] == ["SKIPPED"], checks

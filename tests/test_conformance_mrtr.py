@@ -75,16 +75,9 @@ def test_the_suite_has_no_input_required_result_scenario_we_do_not_run(suite):
 def scenario_failures(suite: list[str], url: str, scenario: str, out: Path, *, legacy: bool) -> str | None:
     """What went wrong with one scenario through the proxy at `url`; None when nothing did."""
     # Each request of the suite gives up after 10 s, so a scenario ends well within the subprocess's bound.
-    done = subprocess.run(
-        [*suite, "server", "--url", url, "--scenario", scenario, "-o", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    reports = list(out.glob("*/checks.json"))
-    if len(reports) != 1:
+    done, checks = tasks_conformance.run_scenario(suite, url, scenario, out, timeout_s=120)
+    if checks is None:
         return done.stdout[-2000:] + done.stderr[-2000:]
-    checks = json.loads(reports[0].read_text())
     failures = [check for check in checks if check["status"] not in ("SUCCESS", "INFO")]
     seen = {check["id"]: check.get("errorMessage") or "" for check in failures}
     expected = LEGACY_CANNOT.get(scenario, {}) if legacy else {}
