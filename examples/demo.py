@@ -4,6 +4,9 @@ Run from the repository root after `pip install '.[examples]'`:
     python examples/demo.py            # keeps both running afterwards; Ctrl-C stops them
     python examples/demo.py --exit     # stops both once the walk-through is done
     python examples/demo.py --stdio    # the proxy starts the server itself and speaks to it over stdio
+    python examples/demo.py --verbose  # the server's and the proxy's logs on the terminal, not in a file
+
+Then open http://127.0.0.1:8080/console to call the tools and watch their tasks in a browser.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -65,6 +69,7 @@ def main() -> int:
     parser.add_argument("--proxy-port", type=int, default=8080, help="port of mcp-tasks-proxy")
     parser.add_argument("--exit", action="store_true", help="stop both processes after the walk-through")
     parser.add_argument("--stdio", action="store_true", help="let the proxy start the server as its stdio child")
+    parser.add_argument("--verbose", action="store_true", help="the logs on the terminal instead of in a file")
     args = parser.parse_args()
     # Stopped as a service manager or `kill` stops it: the server and the proxy go with it (see `finally`).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
@@ -72,6 +77,12 @@ def main() -> int:
     if not args.stdio:
         require_free(args.server_port, "--server-port")
     require_free(args.proxy_port, "--proxy-port")
+    # The walk-through alone on the terminal; the server's and the proxy's log lines in a file it names.
+    # (Named by port: two demos on one machine keep their own.)
+    log_path = Path(tempfile.gettempdir()) / f"mcp-tasks-proxy-demo-{args.proxy_port}.log"
+    log = None if args.verbose else open(log_path, "wb")  # noqa: SIM115
+    if log is not None:
+        print(f"(The server's and the proxy's logs: {log.name}; --verbose shows them here.)\n", flush=True)
     server = None
     if args.stdio:
         upstream = "its stdio child, examples/slow_server.py --stdio"
@@ -79,14 +90,18 @@ def main() -> int:
     else:
         upstream = f"http://127.0.0.1:{args.server_port}/mcp"
         where = ["--upstream", upstream]
-        server = subprocess.Popen([sys.executable, str(HERE / "slow_server.py"), str(args.server_port)])
+        server = subprocess.Popen(
+            [sys.executable, str(HERE / "slow_server.py"), str(args.server_port)], stdout=log, stderr=log
+        )
     proxy = None
     try:
         if server is not None:
             wait_for_port(args.server_port, server, "the example server")
         config = str(HERE.parent / "config" / "example.yaml")
         proxy = subprocess.Popen(
-            [sys.executable, "-m", "mcp_tasks_proxy", "--config", config, "--port", str(args.proxy_port), *where]
+            [sys.executable, "-m", "mcp_tasks_proxy", "--config", config, "--port", str(args.proxy_port), *where],
+            stdout=log,
+            stderr=log,
         )
         wait_for_port(args.proxy_port, proxy, "mcp-tasks-proxy")
         wait_ready(args.proxy_port, proxy)
@@ -94,13 +109,17 @@ def main() -> int:
         status = task_client.main(url)
         if args.exit:
             return status
-        print(f"\nmcp-tasks-proxy serves {url} in front of {upstream}. Ctrl-C stops both.")
+        print(f"\nmcp-tasks-proxy serves {url} in front of {upstream}.")
+        print(f"Open http://127.0.0.1:{args.proxy_port}/console to call the tools and watch their tasks in a browser.")
+        print("Ctrl-C stops both.", flush=True)
         proxy.wait()
         return proxy.returncode or 0
     except KeyboardInterrupt:
         return 0
     finally:
         stop(proxy, server)
+        if log is not None:
+            log.close()
 
 
 def stop(*processes: subprocess.Popen[bytes] | None) -> None:

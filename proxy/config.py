@@ -66,6 +66,14 @@ class ListenConfig(_Strict):
     """Where the other replicas reach this one (http://10.0.0.5:8080; in Kubernetes from the pod IP). With the Redis
     store, a request for a 2025 session another replica holds is forwarded to it (session_routing.py); unset, sessions
     need affinity as before."""
+    console: bool | None = None
+    """The task console at /console: a page to call tools and watch, answer and cancel their tasks in a browser. It
+    is a client of /mcp like any other (the same Host/Origin checks, the same principal). Unset: on when listening on
+    loopback, off otherwise. While on, /console and /console/* are the proxy's, not forwarded upstream."""
+
+    @property
+    def console_on(self) -> bool:
+        return self.is_loopback if self.console is None else self.console
 
     @property
     def is_loopback(self) -> bool:

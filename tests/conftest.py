@@ -51,6 +51,11 @@ PREREQUISITES = {
         "npm not found: install Node.js 20+ with npm to install the conformance suite and server-everything "
         "(tests/conformance, tests/everything)",
     ),
+    "chromium": (
+        ("chromium",),
+        "chromium not found: install Debian's (apt-get install chromium) to run the task console's browser tests "
+        "(Playwright drives it; its own browser download is not used)",
+    ),
     "legacy-venv": (
         (),
         "tests/.legacy-venv could not be built (python -m venv, pip install 'mcp>=1.26,<2'): it needs access to PyPI "
@@ -101,7 +106,9 @@ def pytest_runtest_makereport(
 
 
 def _missing_prerequisites() -> list[str]:
-    missing = [name for name in ("redis-server", "npm") if not all(map(shutil.which, PREREQUISITES[name][0]))]
+    missing = [
+        name for name in ("redis-server", "npm", "chromium") if not all(map(shutil.which, PREREQUISITES[name][0]))
+    ]
     if "npm" in missing and all(npm_installed(prefix) for prefix in (EVERYTHING, ROOT / "tests" / "conformance")):
         missing.remove("npm")  # both installs done already: npm is not needed
     return missing

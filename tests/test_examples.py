@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -44,6 +45,11 @@ def test_demo_walks_the_task_flow_and_exits_cleanly(transport):
     assert "Dear Ada, here is your report on tides." in out
     assert "<-- notifications/tasks: status='completed'" in out
     assert "Done: three tasks completed" in out
+    # The walk-through alone: the log lines went to the file it names, not between its lines.
+    named = re.search(r"The server's and the proxy's logs: (\S+);", out)
+    assert named, out[:500]
+    assert '"event"' not in out and '"event"' not in done.stderr, done.stderr[-2000:]
+    assert '"event":"task_transition"' in Path(named.group(1)).read_text()
 
 
 @pytest.mark.parametrize("option", ["--server-port", "--proxy-port"])

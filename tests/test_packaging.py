@@ -71,6 +71,8 @@ def test_the_wheel_holds_mcp_tasks_proxy_only(tmp_path):
     assert {top for top in tops if not top.endswith(".dist-info")} == {"mcp_tasks_proxy"}
     names = zipfile.ZipFile(wheel).namelist()
     assert "mcp_tasks_proxy/front/lane/connection.py" in names and "mcp_tasks_proxy/upstream/stdio/__init__.py" in names
+    # The task console's page and files, which are not Python: package data.
+    assert {f"mcp_tasks_proxy/console/{name}" for name in ("console.html", "console.js", "console.css")} <= set(names)
 
 
 def test_the_docker_build_context_is_what_the_dockerfiles_copy():

@@ -15,6 +15,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from .. import console
 from ..clients.durable import DurableCalls
 from ..clients.kept_alive import KeptAliveCalls
 from ..clients.tasks2025 import Tasks2025
@@ -50,6 +51,7 @@ from .context import (
     info_key,
     json_reply,
     kept_alive_key,
+    local_paths_key,
     metrics_key,
     policy_key,
     poll_guard_key,
@@ -68,6 +70,8 @@ from .session_routing import SessionRouting
 log = structlog.get_logger(__name__)
 
 LOCAL_PATHS = frozenset({"/healthz", "/readyz", "/metrics", WELL_KNOWN, WELL_KNOWN + MCP_PATH})
+"""The proxy's own pages: never forwarded, asked for no token, logged by no request line; and the console's when it
+is on (its page loads without a token; what it asks of /mcp carries one)."""
 
 
 def create_app(
@@ -207,6 +211,10 @@ def create_app(
             post, other = routing.routed(post), routing.routed(other)
         else:
             log.warning("advertise_url_unused", reason="replicas share sessions only through the Redis store")
+    app[local_paths_key] = LOCAL_PATHS
+    if config.listen.console_on:
+        console.add_routes(app, policy, served)
+        app[local_paths_key] = LOCAL_PATHS | console.PATHS
     app.router.add_post(MCP_PATH, served(post))
     other = served(other)
     app.router.add_route("*", MCP_PATH, other)
@@ -246,7 +254,7 @@ async def _in_context(handler: Handler, request: web.Request) -> web.StreamRespo
         else:
             verifier = app[identity_key].verifier
             try:
-                if verifier is not None and request.path not in LOCAL_PATHS:  # whatever reaches the upstream
+                if verifier is not None and request.path not in app[local_paths_key]:  # what reaches the upstream
                     await verifier.verify(request.headers)
                 response = await handler(request)
             except web.HTTPException:
@@ -275,7 +283,7 @@ async def _in_context(handler: Handler, request: web.Request) -> web.StreamRespo
         request[client_gone_key] = True
         raise
     finally:
-        if request.path not in LOCAL_PATHS:
+        if request.path not in app[local_paths_key]:
             boundary.done(
                 info,
                 policy=app[policy_key],

@@ -1,0 +1,841 @@
+// The task console: an MCP 2026-07-28 client of this proxy's /mcp, with the tasks extension declared. It lists the
+// tools, calls one, follows its task through subscriptions/listen (tasks/get when listening fails), answers the
+// task's input requests with tasks/update and cancels it with tasks/cancel. Everything a server or a policy says is
+// shown as text (textContent), never as markup.
+"use strict";
+
+const MCP = "/mcp";
+const PROTOCOL = "2026-07-28";
+const TASKS = "io.modelcontextprotocol/tasks";
+const CAPABILITIES = { extensions: { [TASKS]: {} }, elicitation: { form: {}, url: {} }, sampling: {} };
+const CLIENT = { name: "mcp-tasks-proxy-console", version: "1" };
+const TERMINAL = new Set(["completed", "failed", "cancelled"]);
+const MAX_EVENT_CHARS = 32 * 1024 * 1024; // one SSE event larger than this ends the stream (a hostile server)
+const MAX_TOOL_PAGES = 50;
+const KEPT_TASKS = 50; // the tasks this tab remembers across a reload
+const MAX_ROUNDS = 10; // MRTR rounds of one call, as the official SDKs cap them
+
+const RULES = JSON.parse(document.getElementById("rules").textContent);
+const state = {
+  token: sessionStorage.getItem("console-token") || "",
+  tools: new Map(),
+  entries: new Map(), // task id (or a local id for a call answered directly) -> entry
+  nextId: 1,
+  nextCall: 1,
+  nextEntry: 1,
+  follow: { controller: null, ids: "", polling: false, timer: null },
+};
+
+// --- the wire --------------------------------------------------------------------------------------------------
+
+class RpcError extends Error {
+  constructor(message, code, status) {
+    super(message);
+    this.code = code;
+    this.status = status;
+  }
+}
+
+function meta() {
+  return {
+    "io.modelcontextprotocol/protocolVersion": PROTOCOL,
+    "io.modelcontextprotocol/clientCapabilities": CAPABILITIES,
+    "io.modelcontextprotocol/clientInfo": CLIENT,
+  };
+}
+
+// A header value as SEP-2243 sends it: as is when it is plain visible ASCII, else base64 of its UTF-8 in a sentinel.
+function headerValue(text) {
+  if (/^[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?$/.test(text) && !text.startsWith("=?base64?")) return text;
+  let binary = "";
+  for (const byte of new TextEncoder().encode(text)) binary += String.fromCharCode(byte);
+  return `=?base64?${btoa(binary)}?=`;
+}
+
+// Mcp-Param-* headers for the arguments at a tool's x-mcp-header properties (SEP-2243).
+function paramHeaders(schema, value, headers = {}) {
+  const properties = schema && typeof schema === "object" ? schema.properties : null;
+  if (!properties || typeof properties !== "object" || !value || typeof value !== "object") return headers;
+  for (const [key, sub] of Object.entries(properties)) {
+    if (!sub || typeof sub !== "object") continue;
+    const argument = value[key];
+    if (typeof sub["x-mcp-header"] === "string" && argument !== undefined && argument !== null
+        && typeof argument !== "object") {
+      headers[`Mcp-Param-${sub["x-mcp-header"]}`] = headerValue(String(argument));
+    }
+    paramHeaders(sub, argument, headers);
+  }
+  return headers;
+}
+
+async function post(method, params, { name, headers = {}, signal } = {}) {
+  const id = state.nextId++;
+  const message = { jsonrpc: "2.0", id, method, params: { ...params, _meta: meta() } };
+  const sent = {
+    "Content-Type": "application/json",
+    Accept: "application/json, text/event-stream",
+    "MCP-Protocol-Version": PROTOCOL,
+    "Mcp-Method": method,
+    ...headers,
+  };
+  if (name !== undefined) sent["Mcp-Name"] = headerValue(name);
+  if (state.token) sent.Authorization = `Bearer ${state.token}`;
+  const response = await fetch(MCP, { method: "POST", headers: sent, body: JSON.stringify(message), signal });
+  if (response.status === 401 || response.status === 403) askForCredentials(response.status);
+  return { id, response };
+}
+
+// The data of each server-sent event (the WHATWG event-stream format: lines, `data:` fields, a blank line ends one).
+async function* sseEvents(response) {
+  const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buffer = "";
+  let data = [];
+  let size = 0;
+  try {
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) return;
+      buffer += value;
+      for (;;) {
+        const end = buffer.search(/[\r\n]/);
+        if (end < 0 || (buffer[end] === "\r" && end === buffer.length - 1)) break; // a \r\n may be split
+        const line = buffer.slice(0, end);
+        buffer = buffer.slice(end + (buffer.startsWith("\r\n", end) ? 2 : 1));
+        if (line === "") {
+          if (data.length) yield data.join("\n");
+          data = [];
+          size = 0;
+        } else if (line.startsWith("data")) {
+          const colon = line.indexOf(":");
+          if (colon < 0 && line !== "data") continue;
+          const field = colon < 0 ? "" : line.slice(colon + 1).replace(/^ /, "");
+          if (line.slice(0, colon < 0 ? line.length : colon) !== "data") continue;
+          size += field.length;
+          if (size > MAX_EVENT_CHARS) throw new RpcError("an event of the server's stream is too large");
+          data.push(field);
+        }
+      }
+      if (buffer.length > MAX_EVENT_CHARS) throw new RpcError("a line of the server's stream is too long");
+    }
+  } finally {
+    reader.cancel().catch(() => {});
+  }
+}
+
+// One request and its answer, JSON or the response event of an SSE stream; progress goes to onProgress.
+async function rpc(method, params, options = {}) {
+  const { id, response } = await post(method, params, options);
+  const type = (response.headers.get("Content-Type") || "").toLowerCase();
+  let answer = null;
+  if (type.startsWith("text/event-stream")) {
+    for await (const data of sseEvents(response)) {
+      const message = JSON.parse(data);
+      if (message.id === id && ("result" in message || "error" in message)) {
+        answer = message;
+        break;
+      }
+      if (message.method === "notifications/progress" && options.onProgress) options.onProgress(message.params);
+    }
+  } else if (type.startsWith("application/json")) {
+    answer = await response.json();
+  } else {
+    const text = (await response.text()).slice(0, 300);
+    throw new RpcError(`HTTP ${response.status}${text ? `: ${text}` : ""}`, null, response.status);
+  }
+  if (!answer || typeof answer !== "object") throw new RpcError(`no answer (HTTP ${response.status})`);
+  if (answer.error) {
+    throw new RpcError(String(answer.error.message ?? "error"), answer.error.code, response.status);
+  }
+  return answer.result ?? {};
+}
+
+function describeError(error) {
+  if (error instanceof RpcError) return error.code != null ? `${error.message} (${error.code})` : error.message;
+  return String(error && error.message ? error.message : error);
+}
+
+function askForCredentials(status) {
+  const auth = document.getElementById("auth");
+  auth.open = true;
+  auth.classList.add("asked");
+  auth.querySelector("summary").textContent =
+    status === 401 ? "Credentials: the proxy asks for a token" : "Credentials: this token may not do that";
+}
+
+// --- small DOM helpers -------------------------------------------------------------------------------------------
+
+function el(tag, attributes = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(attributes)) {
+    if (key === "class") node.className = value;
+    else if (key.startsWith("on")) node.addEventListener(key.slice(2), value);
+    else if (value === true) node.setAttribute(key, "");
+    else if (value !== false && value !== undefined && value !== null) node.setAttribute(key, value);
+  }
+  for (const child of children) if (child !== null && child !== undefined && child !== false) node.append(child);
+  return node;
+}
+
+function json(value) {
+  return JSON.stringify(value, null, 2);
+}
+
+function clock(iso) {
+  const date = new Date(iso);
+  return Number.isNaN(date.getTime()) ? String(iso) : date.toLocaleTimeString();
+}
+
+function seconds(ms) {
+  return ms < 10_000 ? `${(ms / 1000).toFixed(1)} s` : `${Math.round(ms / 1000)} s`;
+}
+
+// --- the policy's rules (proxy/config.py ToolRule.matches: a name, or a shell-style glob as Python's fnmatch) ----
+
+function globRegExp(pattern) {
+  let source = "";
+  for (let at = 0; at < pattern.length; at++) {
+    const char = pattern[at];
+    if (char === "*") source += "[\\s\\S]*";
+    else if (char === "?") source += "[\\s\\S]";
+    else if (char === "[") {
+      let end = at + 1;
+      if (pattern[end] === "!") end++;
+      if (pattern[end] === "]") end++;
+      while (end < pattern.length && pattern[end] !== "]") end++;
+      if (end >= pattern.length) {
+        source += "\\[";
+        continue;
+      }
+      let set = pattern.slice(at + 1, end).replace(/\\/g, "\\\\");
+      at = end;
+      if (set.startsWith("!")) set = `^${set.slice(1)}`;
+      else if (set.startsWith("^")) set = `\\${set}`;
+      source += set === "" ? "(?!)" : set === "^" ? "[\\s\\S]" : `[${set.replace(/[[\]]/g, "\\$&")}]`;
+    } else source += char.replace(/[.*+?^${}()|[\]\\/-]/g, "\\$&");
+  }
+  return new RegExp(`^(?:${source})$`);
+}
+
+function globMatches(pattern, name) {
+  if (!/[*?[]/.test(pattern)) return pattern === name;
+  try {
+    return globRegExp(pattern).test(name);
+  } catch {
+    return false; // a set JavaScript cannot read (a reversed range): said as "no rule", never a wrong rule
+  }
+}
+
+function ruleFor(name) {
+  return RULES.find((rule) => globMatches(rule.match, name)) ?? null;
+}
+
+function describeRule(rule) {
+  if (!rule) return ["passes through", "No rule names it: the call goes to the server and answers when the tool is done."];
+  if (rule.task === "never") return ["passes through", `Rule "${rule.match}" (task: never): the call passes through.`];
+  const when = rule.syncWindowMs > 0 ? `when it takes longer than ${rule.syncWindowMs} ms` : "at once";
+  const kind = rule.task === "required" ? "always a task" : "a task";
+  return [kind, `Rule "${rule.match}": ${kind}, created ${when}; each round may take ${rule.timeoutS} s.`];
+}
+
+// --- forms from JSON Schema (a tool's input schema, an elicitation's requested schema) -----------------------------
+
+function choices(schema) {
+  if (Array.isArray(schema.enum)) {
+    const names = Array.isArray(schema.enumNames) ? schema.enumNames : [];
+    return schema.enum.map((value, at) => [value, String(names[at] ?? value)]);
+  }
+  const options = schema.oneOf ?? schema.anyOf;
+  if (Array.isArray(options) && options.every((option) => option && "const" in option)) {
+    return options.map((option) => [option.const, String(option.title ?? option.const)]);
+  }
+  return null;
+}
+
+function isSimple(schema) {
+  if (!schema || typeof schema !== "object") return false;
+  if (choices(schema)) return true;
+  if (["string", "number", "integer", "boolean"].includes(schema.type)) return true;
+  return schema.type === "array" && schema.items && choices(schema.items) !== null;
+}
+
+// One labelled input for `schema`; read() gives its value, or undefined when left empty.
+function fieldFor(key, schema, required, onChange) {
+  const title = String(schema.title ?? key);
+  const id = `field-${Math.random().toString(36).slice(2)}`;
+  const options = choices(schema);
+  const items = schema.type === "array" && schema.items ? choices(schema.items) : null;
+  let input;
+  let read;
+  let write;
+  if (items) {
+    const boxes = items.map(([value, label]) => {
+      const box = el("input", { type: "checkbox" });
+      box.checked = Array.isArray(schema.default) && schema.default.includes(value);
+      return [box, value, el("label", { class: "choice" }, box, ` ${label}`)];
+    });
+    input = el("span", { id, class: "choices" }, ...boxes.map(([, , label]) => label));
+    read = () => boxes.filter(([box]) => box.checked).map(([, value]) => value);
+    write = (value) => boxes.forEach(([box, choice]) => (box.checked = Array.isArray(value) && value.includes(choice)));
+  } else if (options) {
+    input = el("select", { id });
+    if (!required) input.append(el("option", { value: "" }, "—"));
+    options.forEach(([, label], at) => input.append(el("option", { value: String(at) }, label)));
+    if (schema.default !== undefined) {
+      const at = options.findIndex(([value]) => value === schema.default);
+      if (at >= 0) input.value = String(at);
+    }
+    read = () => (input.value === "" ? undefined : options[Number(input.value)][0]);
+    write = (value) => {
+      const at = options.findIndex(([choice]) => choice === value);
+      input.value = at >= 0 ? String(at) : "";
+    };
+  } else if (schema.type === "boolean") {
+    input = el("input", { id, type: "checkbox" });
+    input.checked = schema.default === true;
+    read = () => input.checked;
+    write = (value) => (input.checked = value === true);
+  } else if (schema.type === "number" || schema.type === "integer") {
+    input = el("input", { id, type: "number", step: schema.type === "integer" ? "1" : "any" });
+    if (typeof schema.default === "number") input.value = String(schema.default);
+    read = () => (input.value === "" ? undefined : Number(input.value));
+    write = (value) => (input.value = typeof value === "number" ? String(value) : "");
+  } else {
+    const type = { email: "email", uri: "url", date: "date", "date-time": "datetime-local" }[schema.format] ?? "text";
+    input = el("input", { id, type });
+    if (typeof schema.default === "string") input.value = schema.default;
+    read = () => (input.value === "" ? undefined : input.value);
+    write = (value) => (input.value = typeof value === "string" ? value : "");
+  }
+  if (onChange) input.addEventListener("input", onChange);
+  input.dataset.key = key;
+  const description = schema.description ? el("span", { class: "quiet" }, ` ${schema.description}`) : null;
+  const row = el("div", { class: "field" }, el("label", { for: id }, title, required ? " *" : ""), input, description);
+  return { row, read, write, key, required };
+}
+
+function skeleton(schema) {
+  const value = {};
+  const required = new Set(Array.isArray(schema?.required) ? schema.required : []);
+  for (const [key, sub] of Object.entries(schema?.properties ?? {})) {
+    if (sub && "default" in sub) value[key] = sub.default;
+    else if (required.has(key)) {
+      value[key] = { number: 0, integer: 0, boolean: false, array: [], object: {} }[sub?.type] ?? "";
+    }
+  }
+  return value;
+}
+
+// --- the tools ----------------------------------------------------------------------------------------------------
+
+async function loadTools() {
+  const list = document.getElementById("tools");
+  const tools = [];
+  let cursor;
+  try {
+    for (let page = 0; page < MAX_TOOL_PAGES; page++) {
+      const result = await rpc("tools/list", cursor ? { cursor } : {});
+      if (Array.isArray(result.tools)) tools.push(...result.tools.filter((tool) => tool && typeof tool.name === "string"));
+      cursor = result.nextCursor;
+      if (!cursor) break;
+    }
+  } catch (error) {
+    list.replaceChildren(el("li", { class: "error" }, `tools/list failed: ${describeError(error)}`));
+    return;
+  }
+  list.replaceChildren();
+  state.tools.clear();
+  for (const tool of tools) {
+    state.tools.set(tool.name, tool);
+    const [badge, explanation] = describeRule(ruleFor(tool.name));
+    const button = el("button", { type: "button", class: "tool", title: explanation, onclick: () => chooseTool(tool) },
+      el("span", { class: "name" }, tool.name),
+      el("span", { class: `badge ${badge === "passes through" ? "plain" : "task"}` }, badge));
+    list.append(el("li", { "data-tool": tool.name }, button));
+  }
+  if (!tools.length) list.append(el("li", { class: "quiet" }, "The server lists no tools."));
+}
+
+function chooseTool(tool) {
+  const form = document.getElementById("call");
+  form.hidden = false;
+  form.dataset.tool = tool.name;
+  document.getElementById("call-title").textContent = tool.title || tool.name;
+  document.getElementById("call-rule").textContent = describeRule(ruleFor(tool.name))[1];
+  document.getElementById("call-description").textContent = tool.description ?? "";
+  document.getElementById("call-error").textContent = "";
+  const schema = tool.inputSchema ?? {};
+  const area = document.getElementById("call-arguments");
+  area.value = json(skeleton(schema));
+  const fields = document.getElementById("call-fields");
+  fields.replaceChildren();
+  area.oninput = null;
+  const properties = Object.entries(schema.properties ?? {});
+  if (properties.length && properties.every(([, sub]) => isSimple(sub))) {
+    const required = new Set(Array.isArray(schema.required) ? schema.required : []);
+    const built = [];
+    const sync = () => {
+      let value = {};
+      try {
+        value = JSON.parse(area.value);
+      } catch {}
+      for (const field of built) {
+        const read = field.read();
+        if (read === undefined) delete value[field.key];
+        else value[field.key] = read;
+      }
+      area.value = json(value);
+    };
+    for (const [key, sub] of properties) built.push(fieldFor(key, sub, required.has(key), sync));
+    fields.append(...built.map((field) => field.row));
+    // And the other way: JSON typed in the box shows in the fields.
+    const show = () => {
+      let value;
+      try {
+        value = JSON.parse(area.value);
+      } catch {
+        return;
+      }
+      if (value && typeof value === "object") for (const field of built) field.write(value[field.key]);
+    };
+    area.oninput = show;
+    show();
+  }
+  document.querySelectorAll("#tools li").forEach((item) => item.classList.toggle("chosen", item.dataset.tool === tool.name));
+}
+
+async function submitCall(event) {
+  event.preventDefault();
+  const form = event.currentTarget;
+  const tool = state.tools.get(form.dataset.tool);
+  const error = document.getElementById("call-error");
+  error.textContent = "";
+  let args;
+  try {
+    args = JSON.parse(document.getElementById("call-arguments").value || "{}");
+    if (!args || typeof args !== "object" || Array.isArray(args)) throw new Error("the arguments are a JSON object");
+  } catch (problem) {
+    error.textContent = `Arguments: ${problem.message}`;
+    return;
+  }
+  const button = document.getElementById("call-button");
+  button.disabled = true;
+  try {
+    await call(tool, args, {});
+  } catch (problem) {
+    error.textContent = `${tool.name}: ${describeError(problem)}`;
+  } finally {
+    button.disabled = false;
+  }
+}
+
+// tools/call, and what its answer is: a task to follow, a result, or questions first (MRTR) then the call again.
+async function call(tool, args, retry, entry = null) {
+  const params = { name: tool.name, arguments: args, ...retry };
+  const headers = paramHeaders(tool.inputSchema, args);
+  const progress = (update) => {
+    if (entry && typeof update?.message === "string") setEntry(entry, { statusMessage: update.message });
+  };
+  if (!entry) {
+    entry = addEntry({ kind: "call", id: `call-${state.nextCall++}`, tool: tool.name, status: "working",
+      createdAt: new Date().toISOString() });
+  }
+  entry.call = { tool, args };
+  entry.rounds = Object.keys(retry).length ? (entry.rounds ?? 0) + 1 : 0;
+  if (entry.rounds > MAX_ROUNDS) {
+    setEntry(entry, { status: "failed", error: { message: `still asking after ${MAX_ROUNDS} rounds` } });
+    return;
+  }
+  let result;
+  try {
+    result = await rpc("tools/call", params, { name: tool.name, headers, onProgress: progress });
+  } catch (problem) {
+    setEntry(entry, { status: "failed", error: { message: describeError(problem) }, lastUpdatedAt: new Date().toISOString() });
+    return;
+  }
+  if (result.resultType === "task" && typeof result.taskId === "string") {
+    promote(entry, result);
+  } else if (result.resultType === "input_required") {
+    entry.requestState = result.requestState;
+    entry.collected = {};
+    setEntry(entry, { status: "input_required", inputRequests: result.inputRequests ?? {},
+      statusMessage: "The server asks before it answers" });
+    // Only state to echo (a server shedding load): again at once.
+    if (!Object.keys(result.inputRequests ?? {}).length) await call(tool, args, stateOnly(entry), entry);
+  } else {
+    setEntry(entry, { status: "completed", result, statusMessage: undefined, inputRequests: undefined,
+      lastUpdatedAt: new Date().toISOString() });
+  }
+}
+
+function stateOnly(entry) {
+  return entry.requestState !== undefined ? { requestState: entry.requestState } : {};
+}
+
+// --- calls and tasks ----------------------------------------------------------------------------------------------
+
+function addEntry(fields) {
+  const entry = { answered: new Set(), ...fields };
+  entry.node = el("li", { class: "entry", "data-entry": String(state.nextEntry++) });
+  state.entries.set(entry.id, entry);
+  document.getElementById("tasks").prepend(entry.node);
+  render(entry);
+  return entry;
+}
+
+// A call whose answer was a task becomes that task's entry.
+function promote(entry, task) {
+  state.entries.delete(entry.id);
+  entry.kind = "task";
+  entry.id = task.taskId;
+  state.entries.set(entry.id, entry);
+  applyTask(entry, task);
+  remember();
+  refollow();
+}
+
+// A task's state as the proxy sends it (a DetailedTask): what it leaves out is no longer so.
+function applyTask(entry, task) {
+  for (const key of ["statusMessage", "inputRequests", "result", "error"]) if (!(key in task)) entry[key] = undefined;
+  setEntry(entry, task);
+}
+
+function setEntry(entry, task) {
+  for (const key of ["status", "statusMessage", "createdAt", "lastUpdatedAt", "inputRequests", "result", "error",
+    "pollIntervalMs"]) {
+    if (key in task) entry[key] = task[key];
+  }
+  if (entry.status !== "input_required") entry.inputRequests = undefined;
+  render(entry);
+}
+
+function render(entry) {
+  const node = entry.node;
+  node.dataset.taskId = entry.kind === "task" ? entry.id : "";
+  node.dataset.status = entry.status;
+  node.dataset.tool = entry.tool;
+  const live = !TERMINAL.has(entry.status);
+  const head = el("div", { class: "head" },
+    el("span", { class: "name" }, entry.tool),
+    el("span", { class: `status ${entry.status}` }, entry.status.replace("_", " ")),
+    el("span", { class: "quiet timing" }, timing(entry)));
+  const id = entry.kind === "task"
+    ? el("div", { class: "quiet id" }, "task ", el("code", {}, entry.id))
+    : el("div", { class: "quiet id" }, "answered directly (no task)");
+  const message = entry.statusMessage ? el("p", { class: "message" }, entry.statusMessage) : null;
+  const parts = [head, id, message];
+  if (entry.status === "input_required" && entry.inputRequests) parts.push(inputForms(entry));
+  if (entry.status === "completed" && entry.result) parts.push(resultView(entry.result));
+  if (entry.status === "failed" && entry.error) {
+    parts.push(el("p", { class: "error" }, `${entry.error.message ?? "failed"}${entry.error.code != null ? ` (${entry.error.code})` : ""}`));
+  }
+  if (entry.kind === "task" && live) {
+    const cancel = el("button", { type: "button", class: "cancel", onclick: () => cancelTask(entry, cancel) },
+      "Cancel task");
+    if (entry.cancelling) {
+      cancel.disabled = true;
+      cancel.textContent = "Cancelling…";
+    }
+    parts.push(el("div", { class: "actions" }, cancel));
+  }
+  // Input forms keep what was typed: kept when the same questions come again.
+  const kept = node.querySelector(".inputs");
+  node.replaceChildren(...parts.filter(Boolean));
+  const fresh = node.querySelector(".inputs");
+  if (kept && fresh && kept.dataset.keys === fresh.dataset.keys) fresh.replaceWith(kept);
+}
+
+function timing(entry) {
+  if (!entry.createdAt) return "";
+  const start = Date.parse(entry.createdAt);
+  const end = TERMINAL.has(entry.status) ? Date.parse(entry.lastUpdatedAt ?? entry.createdAt) : Date.now();
+  const took = Number.isNaN(start) || Number.isNaN(end) ? "" : ` · ${seconds(Math.max(0, end - start))}`;
+  return `${TERMINAL.has(entry.status) ? "ran from" : "since"} ${clock(entry.createdAt)}${took}`;
+}
+
+function resultView(result) {
+  const view = el("div", { class: `result${result.isError ? " is-error" : ""}` });
+  if (result.isError) view.append(el("p", { class: "error" }, "The tool reports an error:"));
+  for (const item of Array.isArray(result.content) ? result.content : []) {
+    if (item && item.type === "text" && typeof item.text === "string") view.append(el("pre", { class: "text" }, item.text));
+    else view.append(el("pre", { class: "json" }, json(item)));
+  }
+  if (result.structuredContent !== undefined) {
+    view.append(el("details", {}, el("summary", {}, "structured content"), el("pre", { class: "json" }, json(result.structuredContent))));
+  }
+  return view;
+}
+
+function inputForms(entry) {
+  const keys = Object.keys(entry.inputRequests).filter((key) => !entry.answered.has(key));
+  const box = el("div", { class: "inputs" });
+  box.dataset.keys = keys.join("\n");
+  for (const key of keys) box.append(inputForm(entry, key, entry.inputRequests[key]));
+  if (!keys.length) box.append(el("p", { class: "quiet" }, "Answered; waiting for the server."));
+  return box;
+}
+
+function inputForm(entry, key, request) {
+  const params = request && typeof request.params === "object" && request.params ? request.params : {};
+  const form = el("form", { class: "input", "data-key": key });
+  const problem = el("p", { class: "error", role: "alert" });
+  const send = async (answer) => {
+    problem.textContent = "";
+    form.querySelectorAll("button").forEach((button) => (button.disabled = true));
+    try {
+      await answerInput(entry, key, answer);
+    } catch (error) {
+      problem.textContent = describeError(error);
+      form.querySelectorAll("button").forEach((button) => (button.disabled = false));
+    }
+  };
+  if (request?.method === "elicitation/create" && params.mode === "url") {
+    form.append(el("p", { class: "question" }, String(params.message ?? "The server asks you to visit a page.")));
+    const url = String(params.url ?? "");
+    if (/^https?:\/\//i.test(url)) form.append(el("p", {}, el("a", { href: url, target: "_blank", rel: "noopener noreferrer" }, url)));
+    else form.append(el("p", { class: "quiet" }, url));
+    form.append(buttons(send, () => ({ action: "accept" }), "Done"));
+  } else if (request?.method === "elicitation/create") {
+    form.append(el("p", { class: "question" }, String(params.message ?? "The server asks:")));
+    const schema = params.requestedSchema && typeof params.requestedSchema === "object" ? params.requestedSchema : {};
+    const required = new Set(Array.isArray(schema.required) ? schema.required : []);
+    const fields = Object.entries(schema.properties ?? {}).filter(([, sub]) => sub && typeof sub === "object")
+      .map(([name, sub]) => fieldFor(name, sub, required.has(name)));
+    form.append(...fields.map((field) => field.row));
+    form.append(buttons(send, () => {
+      const content = {};
+      for (const field of fields) {
+        const value = field.read();
+        if (value === undefined && field.required) throw new Error(`${field.key} is required`);
+        if (value !== undefined) content[field.key] = value;
+      }
+      return { action: "accept", content };
+    }, "Send"));
+  } else if (request?.method === "sampling/createMessage") {
+    form.append(el("p", { class: "question" }, "The server asks the client's model; answer as the model:"));
+    for (const message of Array.isArray(params.messages) ? params.messages : []) {
+      const content = message?.content;
+      const text = content && content.type === "text" ? content.text : json(content);
+      form.append(el("blockquote", {}, el("span", { class: "quiet" }, `${message?.role ?? "?"}: `), String(text)));
+    }
+    const reply = el("textarea", { rows: "3", "aria-label": "the model's answer" });
+    form.append(reply);
+    form.append(buttons(send, () => ({ role: "assistant", content: { type: "text", text: reply.value },
+      model: CLIENT.name, stopReason: "endTurn" }), "Send", false));
+  } else {
+    form.append(el("p", { class: "question" }, `The server asks ${String(request?.method ?? "something")}:`),
+      el("pre", { class: "json" }, json(params)));
+    const reply = el("textarea", { rows: "3", "aria-label": "the answer, as JSON" }, "{}");
+    form.append(buttons(send, () => JSON.parse(reply.value), "Send", false));
+  }
+  form.append(problem);
+  form.addEventListener("submit", (event) => event.preventDefault());
+  return form;
+}
+
+// Send, and for an elicitation also Decline and Cancel (the user's other two answers).
+function buttons(send, accept, label, refusable = true) {
+  const row = el("div", { class: "actions" });
+  const problem = (error) => row.parentElement.querySelector(".error").textContent = error.message;
+  row.append(el("button", { type: "submit", onclick: () => {
+    try {
+      send(accept());
+    } catch (error) {
+      problem(error);
+    }
+  } }, label));
+  if (refusable) {
+    row.append(el("button", { type: "button", onclick: () => send({ action: "decline" }) }, "Decline"));
+    row.append(el("button", { type: "button", title: "Answer nothing (the action \"cancel\")",
+      onclick: () => send({ action: "cancel" }) }, "Dismiss"));
+  }
+  return row;
+}
+
+async function answerInput(entry, key, answer) {
+  if (entry.kind === "task") {
+    await rpc("tasks/update", { taskId: entry.id, inputResponses: { [key]: answer } }, { name: entry.id });
+    entry.answered.add(key);
+    render(entry);
+    if (state.follow.polling) pollSoon(0);
+    return;
+  }
+  // A question before the call was answered (MRTR): the call again, with every answer and the server's state.
+  entry.collected[key] = answer;
+  entry.answered.add(key);
+  const outstanding = Object.keys(entry.inputRequests).filter((name) => !(name in entry.collected));
+  render(entry);
+  if (outstanding.length) return;
+  const { tool, args } = entry.call;
+  const retry = { inputResponses: entry.collected, ...stateOnly(entry) };
+  entry.answered = new Set();
+  setEntry(entry, { status: "working", statusMessage: "Answered; calling again", inputRequests: undefined });
+  await call(tool, args, retry, entry);
+}
+
+async function cancelTask(entry, button) {
+  entry.cancelling = true;
+  button.disabled = true;
+  button.textContent = "Cancelling…";
+  try {
+    await rpc("tasks/cancel", { taskId: entry.id }, { name: entry.id });
+    if (state.follow.polling) pollSoon(0);
+  } catch (error) {
+    entry.cancelling = false;
+    setEntry(entry, { statusMessage: `Cancel failed: ${describeError(error)}` });
+  }
+}
+
+// --- following tasks: one subscriptions/listen stream for every live task, tasks/get if that fails ----------------
+
+function liveTasks() {
+  return [...state.entries.values()].filter((entry) => entry.kind === "task" && !TERMINAL.has(entry.status));
+}
+
+function setFollowing(text) {
+  document.getElementById("following").textContent = text;
+}
+
+function refollow() {
+  const live = liveTasks();
+  if (state.follow.polling) {
+    pollSoon(0);
+    return;
+  }
+  const ids = live.map((entry) => entry.id).sort().join(",");
+  if (ids === state.follow.ids) return;
+  state.follow.controller?.abort();
+  state.follow.controller = null;
+  state.follow.ids = ids;
+  if (!live.length) {
+    setFollowing("No task running.");
+    return;
+  }
+  listen(live.map((entry) => entry.id));
+}
+
+async function listen(ids) {
+  const controller = new AbortController();
+  state.follow.controller = controller;
+  let failure = null;
+  try {
+    const { id, response } = await post("subscriptions/listen", { notifications: { taskIds: ids } },
+      { signal: controller.signal });
+    const type = (response.headers.get("Content-Type") || "").toLowerCase();
+    if (!response.ok || !type.startsWith("text/event-stream")) throw new RpcError(`HTTP ${response.status}`);
+    setFollowing(`Following ${ids.length} task${ids.length === 1 ? "" : "s"} live (subscriptions/listen).`);
+    for await (const data of sseEvents(response)) {
+      const message = JSON.parse(data);
+      if (message.method === "notifications/tasks" && message.params) {
+        const entry = state.entries.get(message.params.taskId);
+        if (entry) applyTask(entry, message.params);
+      } else if (message.method === "notifications/subscriptions/acknowledged") {
+        const granted = new Set(message.params?.notifications?.taskIds ?? []);
+        for (const taskId of ids) if (!granted.has(taskId)) getTask(state.entries.get(taskId));
+      } else if (message.id === id) {
+        if (message.error) throw new RpcError(String(message.error.message), message.error.code);
+        break; // the server ended the subscription: every task it granted has ended
+      }
+    }
+  } catch (error) {
+    if (controller.signal.aborted) return;
+    failure = error;
+  }
+  if (state.follow.controller !== controller) return;
+  state.follow.controller = null;
+  state.follow.ids = "";
+  if (failure) {
+    state.follow.polling = true;
+    setFollowing(`Polling with tasks/get (subscriptions/listen failed: ${describeError(failure)}).`);
+    pollSoon(0);
+  } else {
+    setTimeout(refollow, 1000); // what is still live gets a new stream
+  }
+}
+
+async function getTask(entry) {
+  if (!entry) return;
+  try {
+    applyTask(entry, await rpc("tasks/get", { taskId: entry.id }, { name: entry.id }));
+  } catch (error) {
+    if (error instanceof RpcError && error.code === -32602) {
+      setEntry(entry, { status: "failed", error: { message: "the proxy no longer knows this task (expired or unknown)" } });
+      remember();
+    } else {
+      setEntry(entry, { statusMessage: `tasks/get failed: ${describeError(error)}` });
+    }
+  }
+}
+
+function pollSoon(delay) {
+  clearTimeout(state.follow.timer);
+  state.follow.timer = setTimeout(poll, delay);
+}
+
+async function poll() {
+  const live = liveTasks();
+  if (!live.length) {
+    setFollowing("No task running (polling with tasks/get).");
+    return;
+  }
+  await Promise.all(live.map(getTask));
+  const interval = Math.max(250, Math.min(...live.map((entry) => entry.pollIntervalMs ?? 1000)));
+  pollSoon(interval);
+}
+
+// --- this tab's tasks across a reload ----------------------------------------------------------------------------
+
+function remember() {
+  const tasks = [...state.entries.values()].filter((entry) => entry.kind === "task")
+    .map((entry) => ({ id: entry.id, tool: entry.tool })).slice(-KEPT_TASKS);
+  sessionStorage.setItem("console-tasks", JSON.stringify(tasks));
+}
+
+function recall() {
+  let tasks = [];
+  try {
+    tasks = JSON.parse(sessionStorage.getItem("console-tasks") || "[]");
+  } catch {}
+  for (const task of Array.isArray(tasks) ? tasks : []) {
+    if (task && typeof task.id === "string" && typeof task.tool === "string") {
+      addEntry({ kind: "task", id: task.id, tool: task.tool, status: "working" });
+    }
+  }
+}
+
+// --- start --------------------------------------------------------------------------------------------------------
+
+async function describeServer() {
+  const line = document.getElementById("server");
+  try {
+    const result = await rpc("server/discover", {});
+    const info = result._meta?.["io.modelcontextprotocol/serverInfo"] ?? result.serverInfo ?? {};
+    const tasks = result.capabilities?.extensions?.[TASKS] !== undefined;
+    const name = [info.name ?? "unnamed", info.version].filter(Boolean).join(" ");
+    line.textContent = `Server: ${name} · protocol ${PROTOCOL} · tasks ${tasks ? "offered" : "not offered"}`;
+  } catch (error) {
+    line.textContent = `server/discover failed: ${describeError(error)}`;
+  }
+}
+
+function start() {
+  document.getElementById("token").value = state.token;
+  document.getElementById("auth-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    state.token = document.getElementById("token").value.trim();
+    sessionStorage.setItem("console-token", state.token);
+    describeServer();
+    loadTools();
+  });
+  document.getElementById("call").addEventListener("submit", submitCall);
+  setInterval(() => {
+    for (const entry of state.entries.values()) {
+      if (!TERMINAL.has(entry.status)) entry.node.querySelector(".timing").textContent = timing(entry);
+    }
+  }, 1000);
+  recall();
+  describeServer();
+  loadTools();
+  refollow();
+}
+
+start();

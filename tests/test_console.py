@@ -1,0 +1,264 @@
+"""The task console (/console) in a real browser: Playwright driving Debian's Chromium, in front of the quick start's
+example server (examples/slow_server.py behind config/example.yaml), as a newcomer uses it. And where it is served:
+on loopback by default, off elsewhere unless the policy says so, behind the same checks as every other path."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from playwright import sync_api as playwright
+
+from mcp_tasks_proxy.config import ToolRule
+from tests.conftest import ROOT, free_port, quiet_proxy, require, stop, wait_for_port, wait_ready
+
+SCREENSHOT = os.environ.get("MCP_TASKS_PROXY_CONSOLE_SCREENSHOT")
+"""Where test_a_task_with_a_question_is_answered_in_the_page saves a screenshot (the docs' docs/console.png)."""
+
+
+@pytest.fixture(scope="module")
+def console_url() -> Iterator[str]:
+    server_port, proxy_port = free_port(), free_port()
+    server = subprocess.Popen([sys.executable, str(ROOT / "examples" / "slow_server.py"), str(server_port)])
+    try:
+        wait_for_port(server_port, server)
+        with quiet_proxy(ROOT / "config" / "example.yaml", f"http://127.0.0.1:{server_port}/mcp", proxy_port):
+            wait_ready(proxy_port)
+            yield f"http://127.0.0.1:{proxy_port}/console"
+    finally:
+        stop(server)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    chromium = require("chromium")
+    with playwright.sync_playwright() as driver:
+        # --no-sandbox: CI runs the tests as root, where Chromium's sandbox refuses to start.
+        launched = driver.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        yield launched
+        launched.close()
+
+
+@pytest.fixture
+def page(browser: Any, console_url: str) -> Iterator[Any]:
+    context = browser.new_context(viewport={"width": 1280, "height": 820})
+    opened = context.new_page()
+    opened.set_default_timeout(20_000)
+    problems: list[str] = []
+    opened.on("pageerror", lambda error: problems.append(str(error)))
+    opened.on("console", lambda message: problems.append(message.text) if message.type == "error" else None)
+    sent: list[str] = []
+    opened.on("request", lambda request: sent.append(request.headers.get("mcp-method", "")) if request.method == "POST"
+              else None)  # fmt: skip
+    opened.sent_methods = sent
+    opened.problems = problems
+    opened.goto(console_url)
+    opened.wait_for_selector("#tools li[data-tool='slow_report']")
+    yield opened
+    context.close()
+    assert problems == [], problems  # no script error, no refused request, no CSP violation
+
+
+def call(page: Any, tool: str, arguments: dict[str, Any]) -> Any:
+    """Choose the tool, type its arguments as JSON, press Call: the newest entry."""
+    page.click(f"#tools li[data-tool='{tool}'] button")
+    page.fill("#call-arguments", json.dumps(arguments))
+    before = page.locator("#tasks li.entry").count()
+    page.click("#call-button")
+    page.wait_for_function(f"document.querySelectorAll('#tasks li.entry').length > {before}")
+    newest = page.locator("#tasks li.entry").first.get_attribute("data-entry")
+    return page.locator(f"#tasks li[data-entry='{newest}']")
+
+
+def reaches(entry: Any, status: str) -> None:
+    entry.page.wait_for_function(
+        "([node, status]) => node.dataset.status === status", arg=[entry.element_handle(), status]
+    )
+
+
+def test_the_tools_are_listed_with_the_rule_the_policy_gives_each(page):
+    badges = {
+        item.get_attribute("data-tool"): item.locator(".badge").inner_text() for item in page.locator("#tools li").all()
+    }
+    assert badges == {
+        "slow_report": "a task",  # slow_*
+        "personal_report": "a task",
+        "failing_job": "a task",
+        "add": "passes through",  # no rule names it
+    }
+    assert re.search(r"Server: \S+ .*tasks offered", page.inner_text("#server"))
+    page.click("#tools li[data-tool='slow_report'] button")
+    assert 'Rule "slow_*": a task, created at once' in page.inner_text("#call-rule")
+    # A flat input schema gets a form, which writes the arguments' JSON.
+    page.fill("#call-fields input[data-key='topic']", "tides")
+    assert json.loads(page.input_value("#call-arguments")) == {"topic": "tides", "seconds": 6.0}
+
+
+def test_a_task_is_followed_live_to_completed_with_its_progress_and_result(page):
+    entry = call(page, "slow_report", {"topic": "tides", "seconds": 2})
+    task_id = entry.get_attribute("data-task-id")
+    assert re.fullmatch(r"[A-Za-z0-9_-]{16,}", task_id), task_id
+    page.wait_for_function(
+        "node => /researching tides: step \\d of 5/.test(node.textContent)", arg=entry.element_handle()
+    )  # the task's statusMessage, from the tool's progress
+    reaches(entry, "completed")
+    assert entry.locator(".result pre.text").inner_text() == "Report on tides: all 5 steps done in 2 s."
+    assert re.search(r"ran from .* · [\d.]+ s", entry.locator(".timing").inner_text())
+    assert entry.locator("button.cancel").count() == 0  # nothing to cancel once it ended
+    # Followed through subscriptions/listen: no tasks/get was needed.
+    assert "subscriptions/listen" in page.sent_methods and "tasks/get" not in page.sent_methods
+
+
+def test_a_task_with_a_question_is_answered_in_the_page(page):
+    done = call(page, "slow_report", {"topic": "the moon", "seconds": 1})
+    reaches(done, "completed")
+    entry = call(page, "personal_report", {"topic": "tides", "seconds": 1})
+    reaches(entry, "input_required")
+    question = entry.locator("form.input")
+    assert question.locator(".question").inner_text() == "Who is this report for?"
+    if SCREENSHOT:
+        question.locator("input[data-key='name']").fill("Ada")
+        page.screenshot(path=SCREENSHOT)
+    question.locator("input[data-key='name']").fill("Ada")
+    question.get_by_role("button", name="Send").click()
+    reaches(entry, "completed")
+    assert entry.locator(".result pre.text").inner_text() == "Dear Ada, here is your report on tides."
+    assert "tasks/update" in page.sent_methods
+
+
+def test_a_declined_question_ends_the_task_and_the_page_says_how(page):
+    entry = call(page, "personal_report", {"topic": "tides", "seconds": 1})
+    reaches(entry, "input_required")
+    entry.locator("form.input").get_by_role("button", name="Decline").click()
+    page.wait_for_function("node => ['completed', 'failed'].includes(node.dataset.status)", arg=entry.element_handle())
+    assert entry.locator("form.input").count() == 0
+    assert entry.locator(".result, p.error").count() >= 1  # what the server made of "decline", shown
+
+
+def test_a_task_is_cancelled_from_the_page(page):
+    entry = call(page, "slow_report", {"topic": "tides", "seconds": 60})
+    reaches(entry, "working")
+    entry.locator("button.cancel").click()
+    reaches(entry, "cancelled")
+    assert "tasks/cancel" in page.sent_methods
+
+
+def test_a_tool_that_passes_through_answers_directly_and_a_failing_one_shows_its_error(page):
+    entry = call(page, "add", {"a": 2, "b": 3})
+    reaches(entry, "completed")
+    assert entry.get_attribute("data-task-id") == ""
+    assert "answered directly" in entry.inner_text()
+    assert entry.locator(".result pre.text").first.inner_text() == "5"
+    failing = call(page, "failing_job", {"reason": "disk full"})
+    reaches(failing, "completed")  # a tool's own error is a completed task whose result says isError
+    assert failing.locator(".result.is-error").count() == 1
+    assert "Error executing tool failing_job" in failing.locator(".result").inner_text()
+
+
+def test_without_subscriptions_listen_the_page_polls_tasks_get(page):
+    def refuse_listen(route: Any) -> None:
+        if route.request.headers.get("mcp-method") == "subscriptions/listen":
+            route.fulfill(status=503, content_type="text/plain", body="listen is down")
+        else:
+            route.continue_()
+
+    page.route("**/mcp", refuse_listen)
+    problems_before = page.sent_methods.copy()
+    entry = call(page, "slow_report", {"topic": "tides", "seconds": 1})
+    reaches(entry, "completed")
+    assert "Polling with tasks/get" in page.inner_text("#following")
+    assert "tasks/get" in page.sent_methods[len(problems_before) :]
+    page.unroute("**/mcp")
+    refused = [problem for problem in page.problems if "503" in problem]
+    assert refused  # the browser saw the refused listen
+    for problem in refused:
+        page.problems.remove(problem)
+
+
+def test_a_reloaded_page_follows_the_tasks_it_started(page):
+    entry = call(page, "slow_report", {"topic": "tides", "seconds": 2})
+    task_id = entry.get_attribute("data-task-id")
+    page.reload()
+    again = page.locator(f"#tasks li[data-task-id='{task_id}']")
+    again.wait_for()
+    reaches(again, "completed")
+    assert again.locator(".result pre.text").inner_text() == "Report on tides: all 5 steps done in 2 s."
+
+
+def test_what_a_server_says_is_shown_as_text_never_run_as_markup(page):
+    hostile = '<img src=x onerror="window.pwned=1">'
+    tools = [{"name": hostile, "description": "<script>window.pwned=1</script>", "inputSchema": {"type": "object",
+              "properties": {"q": {"type": "string", "title": hostile}}}}]  # fmt: skip
+
+    def listed(route: Any) -> None:
+        if route.request.headers.get("mcp-method") == "tools/list":
+            result = {"resultType": "complete", "tools": tools, "ttlMs": 0, "cacheScope": "private"}
+            body = {"jsonrpc": "2.0", "id": json.loads(route.request.post_data)["id"], "result": result}
+            route.fulfill(status=200, content_type="application/json", body=json.dumps(body))
+        else:
+            route.continue_()
+
+    page.route("**/mcp", listed)
+    page.reload()
+    page.wait_for_selector("#tools li button")
+    page.click("#tools li button")
+    assert page.inner_text("#tools li .name") == hostile
+    assert page.inner_text("#call-description") == "<script>window.pwned=1</script>"
+    assert page.locator("#call-fields label").first.inner_text().startswith(hostile)
+    assert page.locator("img").count() == 0 and page.evaluate("window.pwned") is None
+    page.unroute("**/mcp")
+
+
+PATTERNS = ["slow_*", "personal_report", "a?c", "[ab]x", "[!ab]x", "x[", "*.*", "[]]x", "[!]]x", "a[b-d]e", "*"]
+NAMES = [
+    "slow_report",
+    "slow_",
+    "personal_report",
+    "abc",
+    "ac",
+    "ax",
+    "bx",
+    "cx",
+    "x[",
+    "a.b",
+    "ab",
+    "]x",
+    "ace",
+    "a\nb",
+]
+
+
+def test_the_page_matches_tool_names_to_rules_as_the_proxy_does(page):
+    """The page's glob matching (console.js) against the proxy's own (ToolRule.matches), on the same table."""
+    expected = [[ToolRule(match=pattern).matches(name) for name in NAMES] for pattern in PATTERNS]
+    seen = page.evaluate(
+        "([patterns, names]) => patterns.map(p => names.map(n => globMatches(p, n)))", [PATTERNS, NAMES]
+    )
+    wrong = [(pattern, name) for pattern, row, seen_row in zip(PATTERNS, expected, seen, strict=True)
+             for name, want, got in zip(NAMES, row, seen_row, strict=True) if want != got]  # fmt: skip
+    assert wrong == []
+
+
+def test_the_page_loads_offline_with_only_its_own_files(browser, console_url):
+    """No CDN, no font, no request to another origin: every request the page makes is to the proxy."""
+    context = browser.new_context()
+    opened = context.new_page()
+    origins: set[str] = set()
+    opened.on("request", lambda request: origins.add(re.sub(r"^(https?://[^/]+).*", r"\1", request.url)))
+    opened.goto(console_url)
+    opened.wait_for_selector("#tools li[data-tool='add']")
+    context.close()
+    assert origins == {console_url.removesuffix("/console")}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _screenshot_dir() -> None:
+    if SCREENSHOT:
+        Path(SCREENSHOT).parent.mkdir(parents=True, exist_ok=True)
