@@ -32,8 +32,8 @@ def proxy_url() -> Iterator[str]:
         stop(server)
 
 
-def run(*args: str, timeout: float = 50) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+def run(*args: str, timeout: float = 50, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, input=stdin, capture_output=True, text=True,
                           timeout=timeout)  # fmt: skip
 
 
@@ -109,12 +109,44 @@ def test_without_the_extension_the_same_call_is_answered_in_its_request_not_as_a
     assert declared["elapsed_s"] < 2  # sync_window_ms: 0, so before the tool could finish
 
 
-def test_a_task_that_fails_ends_in_one_error_line(proxy_url):
-    """personal_report asks for a form elicitation, which this client does not declare: the task fails."""
-    done = run(str(EXAMPLE), proxy_url, "personal_report", '{"topic": "tides"}')
-    assert done.returncode == 1
-    assert re.fullmatch(r"task \S+: working\ntask \S+: failed \(.*\)\n", done.stdout), done.stdout
-    assert one_line_error(done).startswith("error: task failed: ")
+def test_a_question_the_task_asks_is_answered_from_the_terminal(proxy_url):
+    """personal_report asks who the report is for (an MRTR elicitation of the 2026 server): the task turns
+    input_required, the client prompts for each field, and tasks/update sends the answer."""
+    done = run(str(EXAMPLE), proxy_url, "personal_report", '{"topic": "tides", "seconds": 1}', stdin="Ada\n")
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr
+    lines = done.stdout.splitlines()
+    asked = lines.index("? Who is this report for?")
+    assert re.fullmatch(r"task \S+: input_required \(.*\)", lines[asked - 1]), done.stdout
+    assert lines[asked + 1] == "  Name: Ada"  # the prompt, and the piped answer echoed on its line
+    assert re.fullmatch(r"task \S+: completed", lines[-2])
+    assert lines[-1] == "Dear Ada, here is your report on tides."
+
+
+def test_answer_gives_the_answer_and_decline_declines(proxy_url):
+    done = run(
+        str(EXAMPLE), "--answer", '{"name": "Ada"}', proxy_url, "personal_report", '{"topic": "tides", "seconds": 1}'
+    )
+    assert (done.returncode, done.stdout.splitlines()[-1]) == (0, "Dear Ada, here is your report on tides.")
+    declined = run(str(EXAMPLE), "--answer", "decline", proxy_url, "personal_report", '{"topic": "tides"}')
+    assert declined.returncode == 1  # the tool's own answer to a declined question: an error result
+    assert "elicitation was decline" in declined.stdout
+    assert one_line_error(declined) == "error: personal_report returned an error"
+
+
+def test_a_2025_servers_question_is_answered_the_same_way(legacy_upstream, tmp_path):
+    """In front of a 2025-11-25 server (SDK 1.x) whose tool asks on its event stream: the proxy makes the question
+    the task's inputRequests, and the client answers it as it answers a 2026 server's."""
+    policy = tmp_path / "policy.yaml"
+    policy.write_text('tools:\n  - match: "ask_*"\n')
+    port = free_port()
+    with quiet_proxy(policy, legacy_upstream, port):
+        wait_ready(port)
+        done = run(str(EXAMPLE), "--answer", '{"name": "Ada"}', f"http://127.0.0.1:{port}/mcp", "ask_name")
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr
+    lines = done.stdout.splitlines()
+    assert "? Your name?" in lines
+    assert any(re.fullmatch(r"task \S+: input_required.*", line) for line in lines)
+    assert lines[-1] == "hello Ada"
 
 
 def test_a_tool_error_prints_the_tools_text_and_exits_1(proxy_url):
@@ -134,10 +166,11 @@ def test_no_proxy_there_is_one_error_line_naming_the_url():
 @pytest.mark.parametrize(
     ("args", "line"),
     [
-        ([], "usage: sdk_tasks_client.py URL TOOL [JSON_ARGUMENTS]"),
-        (["127.0.0.1:8080/mcp", "add"], "usage: sdk_tasks_client.py URL TOOL [JSON_ARGUMENTS]"),
+        ([], "usage: sdk_tasks_client.py [--answer JSON|decline] URL TOOL [JSON_ARGUMENTS]"),
+        (["127.0.0.1:8080/mcp", "add"], "usage: sdk_tasks_client.py [--answer JSON|decline] URL TOOL [JSON_ARGUMENTS]"),
         (["http://127.0.0.1:8080/mcp", "add", '{"a": '], "error: JSON_ARGUMENTS must be a JSON object"),
         (["http://127.0.0.1:8080/mcp", "add", "[1, 2]"], "error: JSON_ARGUMENTS must be a JSON object"),
+        (["--answer", "Ada", "http://127.0.0.1:8080/mcp", "add"], "error: --answer takes a JSON object or decline"),
     ],
 )
 def test_usage_errors_exit_2_with_one_line(args, line):
@@ -150,6 +183,6 @@ def test_help_exits_0():
     done = run(str(EXAMPLE), "--help")
     assert (done.returncode, done.stdout, done.stderr) == (
         0,
-        "usage: sdk_tasks_client.py URL TOOL [JSON_ARGUMENTS]\n",
+        "usage: sdk_tasks_client.py [--answer JSON|decline] URL TOOL [JSON_ARGUMENTS]\n",
         "",
     )
