@@ -4,6 +4,7 @@ as a top-level `proxy` (a name other projects install too), and the Docker build
 from __future__ import annotations
 
 import ast
+import os
 import re
 import shutil
 import subprocess
@@ -73,6 +74,39 @@ def test_the_wheel_holds_mcp_tasks_proxy_only(tmp_path):
     assert "mcp_tasks_proxy/front/lane/connection.py" in names and "mcp_tasks_proxy/upstream/stdio/__init__.py" in names
     # The task console's page and files, which are not Python: package data.
     assert {f"mcp_tasks_proxy/console/{name}" for name in ("console.html", "console.js", "console.css")} <= set(names)
+
+
+def test_python_m_build_makes_what_a_release_publishes_and_the_wheel_runs_from_anywhere(tmp_path):
+    """The sdist and wheel `python -m build` makes, as PyPI would take them (`twine check`); the wheel installed on
+    its own (no checkout, no editable install) answers --version and serves the console's files."""
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, source / name)
+    shutil.copytree(ROOT / "proxy", source / "proxy", ignore=shutil.ignore_patterns("__pycache__"))
+    dist = tmp_path / "dist"
+    subprocess.run([sys.executable, "-m", "build", "-q", "--outdir", str(dist), str(source)], check=True,
+                   capture_output=True, timeout=240)  # fmt: skip
+    built = sorted(path.name for path in dist.iterdir())
+    assert [name.split("-")[0] for name in built] == ["mcp_tasks_proxy", "mcp_tasks_proxy"], built
+    checked = subprocess.run([sys.executable, "-m", "twine", "check", "--strict", *map(str, dist.iterdir())],
+                             capture_output=True, text=True)  # fmt: skip
+    assert checked.returncode == 0 and checked.stdout.count("PASSED") == 2, checked.stdout + checked.stderr
+    # Unpacked into a directory of its own, ahead of the checkout's editable install on the path.
+    (wheel,) = dist.glob("*.whl")
+    target = tmp_path / "installed"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+                   check=True, capture_output=True)  # fmt: skip
+    code = ("import mcp_tasks_proxy, importlib.resources as r; print(mcp_tasks_proxy.__file__); "
+            "print(len(r.files('mcp_tasks_proxy.console').joinpath('console.js').read_text()))")  # fmt: skip
+    environment = {**os.environ, "PYTHONPATH": str(target)}
+    found = subprocess.run([sys.executable, "-P", "-c", code], cwd=tmp_path, env=environment, capture_output=True,
+                           text=True, check=True)  # fmt: skip
+    where, size = found.stdout.split()
+    assert Path(where).is_relative_to(target) and int(size) > 1000
+    version = subprocess.run([sys.executable, "-P", "-m", "mcp_tasks_proxy", "--version"], cwd=tmp_path,
+                             env=environment, capture_output=True, text=True, check=True)  # fmt: skip
+    assert version.stdout.strip() == f"mcp-tasks-proxy {built[0].split('-')[1].removesuffix('.tar.gz')}"
 
 
 def test_the_docker_build_context_is_what_the_dockerfiles_copy():
