@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import gc
 import os
+import re
 import sys
 import urllib.request
 from collections.abc import AsyncIterator, Sequence
@@ -101,6 +102,17 @@ def split_command(argv: list[str]) -> tuple[list[str], list[str] | None]:
     return argv[:at], argv[at + 1 :]
 
 
+def _overridden(config: ProxyConfig, path: str, value: object, name: str) -> ProxyConfig:
+    """`config` with one operator setting applied; a value it refuses is said with the flag or variable that gave
+    it (`--store: ...`), not the config path it became."""
+    try:
+        return apply_overrides(config, {path: value})
+    except ConfigError as exc:
+        detail = re.sub(r"^overrides: (?:[\w.]+: )?", "", str(exc))
+        shown = re.sub(r"(://[^/@]*?:)[^/@]*@", r"\1***@", str(value))  # a URL's password is not repeated
+        raise ConfigError(f"{name} {shown!r}: {detail}") from None
+
+
 def resolve_config(
     args: argparse.Namespace,
     environ: os._Environ[str] | dict[str, str],
@@ -121,8 +133,10 @@ def resolve_config(
                 from_env[path] = int(raw)
             except ValueError:
                 raise ConfigError(f"{ENV_PREFIX}{suffix}: expected an integer, got {raw!r}") from None
-    config = apply_overrides(config, from_env)
-    config = apply_overrides(config, {path: getattr(args, flag) for flag, path, _, _ in OVERRIDES})
+    for _, path, suffix, _ in OVERRIDES:  # the environment's, then the flags': the later wins
+        config = _overridden(config, path, from_env[path], f"{ENV_PREFIX}{suffix}")
+    for flag, path, _, _ in OVERRIDES:
+        config = _overridden(config, path, getattr(args, flag), "--" + flag.replace("_", "-"))
     config = apply_overrides(config, {"upstream.command": command})
     if needs_upstream and config.upstream.command is None:
         _ = config.upstream_url  # fail now, with the way to fix it, if no upstream is set anywhere

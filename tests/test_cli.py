@@ -14,6 +14,7 @@ import sys
 import time
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from tests.conftest import PROXY, ROOT, eventually, free_port, stop, task_reaches, wait_for_port
@@ -236,6 +237,22 @@ def test_start_up_failures_are_one_line_and_exit_2(tmp_path, mcp_upstream):
     assert no_upstream.returncode == 2 and "no upstream: set upstream.url" in no_upstream.stderr
     missing = run_cli("--upstream", mcp_upstream, "--", str(tmp_path / "no-such-server"))
     assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1, missing.stderr
+
+
+@pytest.mark.parametrize(("flags", "env", "line"), [
+    (["--store", "redis//127.0.0.1:6379"], {},
+     "mcp-tasks-proxy: config error: --store 'redis//127.0.0.1:6379': store.url must start with redis://"),
+    ([], {"MCP_TASKS_PROXY_STORE": "redis://ops:s3cret@db:notaport/0"},
+     "mcp-tasks-proxy: config error: MCP_TASKS_PROXY_STORE 'redis://ops:***@db:notaport/0': Port could not be cast"),
+    (["--advertise-url", "nope"], {}, "mcp-tasks-proxy: config error: --advertise-url 'nope': Input should be a "),
+])  # fmt: skip
+def test_a_refused_flag_or_variable_is_named_as_given(flags, env, line):
+    """Not the config path it becomes (`overrides: store: ...`); a password in a URL is not repeated."""
+    done = run_cli("--upstream", "http://127.0.0.1:9/mcp", *flags, env=env)
+    assert done.returncode == 2
+    (said,) = done.stderr.strip().splitlines()
+    assert said.startswith(line), said
+    assert "s3cret" not in said
 
 
 async def test_start_and_stop_are_logged_and_health_finds_the_port(mcp_upstream, tmp_path):

@@ -144,7 +144,7 @@ def test_flags_override_environment_which_overrides_the_file(tmp_path):
 def test_bad_environment_values_are_config_errors():
     with pytest.raises(ConfigError, match="MCP_TASKS_PROXY_PORT: expected an integer"):
         resolve_config(_args("--upstream", "http://u/mcp"), {"MCP_TASKS_PROXY_PORT": "eighty"})
-    with pytest.raises(ConfigError, match="upstream.url"):
+    with pytest.raises(ConfigError, match="^MCP_TASKS_PROXY_UPSTREAM .not a url.: Input should be a valid URL"):
         resolve_config(_args(), {"MCP_TASKS_PROXY_UPSTREAM": "not a url"})
 
 

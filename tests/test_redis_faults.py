@@ -4,15 +4,23 @@ and restarted (with and without persistence), Redis at maxmemory, a wrong passwo
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
 import os
+import queue
 import re
 import secrets
+import subprocess
+import threading
+import time
+import urllib.request
+from datetime import datetime
 
 import pytest
 import redis.asyncio as redis
 import structlog
 
-from tests.conftest import RedisServer, eventually, task_reaches
+from tests.conftest import PROXY, RedisServer, eventually, free_port, stop, task_reaches
 from tests.factories import McpClient, meta
 from tests.test_replicas import gate_is, gate_tag
 
@@ -486,3 +494,42 @@ async def test_a_policy_that_cannot_be_read_is_said_once(make_proxy, mcp_upstrea
     unknown = [line for line in logs if line["event"] == "store_eviction_policy_unknown"]
     assert len(unknown) == 1 and "INFO memory" in unknown[0]["reason"] and "CONFIG GET" in unknown[0]["reason"]
     assert "noeviction" in unknown[0]["advice"]
+
+
+def test_redis_away_is_one_warning_then_one_per_back_off_step_and_one_line_when_it_is_back(tmp_path):
+    """The proxy started on a Redis URL with nothing behind it (as a newcomer mistypes a port): its lease, events and
+    key loops fail many times a second, but the log says so once, then once per back-off step (1 s, 2 s, 4 s...),
+    and says when Redis answers again. Every failure still counts in /metrics."""
+    server = RedisServer(tmp_path)  # its port, free: nothing listens there until start()
+    port = free_port()
+    proxy = subprocess.Popen(
+        [*PROXY, "--upstream", f"http://127.0.0.1:{free_port()}/mcp", "--port", str(port), "--store", server.url,
+         "--log-format", "json"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    lines: queue.Queue[dict] = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(json.loads(line)) for line in proxy.stdout], daemon=True)
+    reader.start()
+    try:
+        warned: list[float] = []
+        deadline = time.monotonic() + 60
+        while len(warned) < 4 and time.monotonic() < deadline:  # the first warning and three steps: about 7 s
+            line = lines.get(timeout=30)
+            if line["event"] in ("store_unavailable", "store_still_unavailable") and line["level"] == "warning":
+                warned.append(datetime.fromisoformat(line["timestamp"]).timestamp())
+        assert len(warned) == 4
+        gaps = [later - earlier for earlier, later in itertools.pairwise(warned)]
+        assert all(gap >= 0.95 * 2**step for step, gap in enumerate(gaps)), gaps  # 1 s, 2 s, 4 s at least
+        errors = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        failed = sum(float(value) for value in re.findall(r"^mcp_tasks_proxy_store_errors_total\{.*\} (\S+)$",
+                                                          errors, re.M))  # fmt: skip
+        assert failed > len(warned)  # many more failures than warnings: they are counted, not logged
+        server.start()
+        while (line := lines.get(timeout=30))["event"] != "store_available_again":
+            pass
+        assert line["level"] == "info" and line["failures"] >= failed and line["down_s"] > 0
+    finally:
+        stop(proxy)
+        reader.join(timeout=10)  # (the pipe's end, once the proxy is gone)
+        proxy.stdout.close()
+        server.stop()

@@ -11,7 +11,7 @@ import collections
 import dataclasses
 import ssl
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
@@ -38,6 +38,48 @@ class Inconsistent(Exception):
 
 class Corrupt(Exception):
     """A stored value that is not what the proxy writes there (hand-edited, or written by an incompatible version)."""
+
+
+class Outage:
+    """How Redis being away is logged: a warning when it goes, then at most one per back-off step (1 s, doubling up
+    to 5 min) however many calls fail meanwhile, and one line when it answers again. Every failure still counts in
+    the metrics (mcp_tasks_proxy_store_errors)."""
+
+    FIRST_STEP_S = 1.0
+    MAX_STEP_S = 300.0
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.down_since: float | None = None
+        self._failures = 0
+        self._step = self.FIRST_STEP_S
+        self._next_report = 0.0
+        self._back_at = -self.MAX_STEP_S
+
+    def failed(self, what: str, said: str) -> None:
+        now = self._clock()
+        if self.down_since is None:
+            if now - self._back_at > self._step:  # a new outage after a quiet step; a flapping Redis keeps its step
+                self._step = self.FIRST_STEP_S
+            self.down_since, self._failures = now, 0
+        self._failures += 1
+        if now < self._next_report:
+            log.debug("store_unavailable", operation=what, reason=said)
+            return
+        if self._failures == 1:
+            log.warning("store_unavailable", operation=what, reason=said)
+        else:
+            log.warning("store_still_unavailable", operation=what, reason=said, failures=self._failures,
+                        down_s=round(now - self.down_since, 1), next_report_s=self._step)  # fmt: skip
+        self._next_report = now + self._step
+        self._step = min(self._step * 2, self.MAX_STEP_S)
+
+    def over(self) -> None:
+        now = self._clock()
+        assert self.down_since is not None
+        log.info("store_available_again", down_s=round(now - self.down_since, 1), failures=self._failures)
+        self.down_since = None
+        self._back_at = now
 
 
 class TlsSettings(Protocol):
@@ -138,9 +180,13 @@ class RedisLink:
         self._last_failure = time.monotonic()
         """When a Redis call last failed (or the store was made): the sweep waits a lease after it."""
         self.failures: collections.Counter[str] = collections.Counter()
+        self.outage = Outage()
 
-    def failed(self) -> None:
+    def failed(self, what: str, said: str) -> None:
+        """A Redis call failed: counted, logged as the outage's back-off allows, and the sweep waits a lease."""
         self._last_failure = time.monotonic()
+        self.failures[what] += 1
+        self.outage.failed(what, said)
 
     def healthy_for(self) -> float:
         """Seconds since a Redis call last failed on this replica."""
@@ -156,15 +202,15 @@ class RedisLink:
             log.error("store_record_corrupt", operation=what, reason=str(exc))
             raise RecordCorrupt(str(exc)) from exc
         except (TimeoutError, *REDIS_ERRORS, RespError, OSError, Inconsistent) as exc:
-            self.failed()
-            self.failures[what] += 1
             if isinstance(exc, Inconsistent) or (isinstance(exc, RespError) and str(exc).startswith("READONLY")):
                 # (READONLY: the node is a replica now, an old master after a failover: the next connection asks
                 # Sentinel for the new one.)
                 self.fast.reset(str(exc))
             said = reason(exc, self.timeout_s)
-            log.warning("store_unavailable", operation=what, reason=said)
+            self.failed(what, said)
             raise StoreUnavailable(said) from exc
+        if self.outage.down_since is not None:
+            self.outage.over()
 
     async def aclose(self) -> None:
         await self.fast.aclose()

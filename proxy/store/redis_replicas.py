@@ -131,8 +131,7 @@ class RedisReplicas:
                     except Exception as exc:
                         log.warning("store_event_failed", event_type=event.get("type"), error=type(exc).__name__)
             except (TimeoutError, *REDIS_ERRORS, OSError, StoreUnavailable) as exc:
-                self._link.failed()
-                log.warning("store_events_interrupted", reason=reason(exc, self._link.timeout_s))
+                self._link.failed("events", reason(exc, self._link.timeout_s))
                 await asyncio.sleep(1)
             finally:
                 with contextlib.suppress(*REDIS_ERRORS, OSError):
