@@ -93,6 +93,7 @@ def test_the_tools_are_listed_with_the_rule_the_policy_gives_each(page):
         "failing_job": "a task",
         "add": "passes through",  # no rule names it
     }
+    page.wait_for_function("() => document.getElementById('server').textContent.startsWith('Server: ')")
     assert re.search(r"Server: \S+ .*tasks offered", page.inner_text("#server"))
     page.click("#tools li[data-tool='slow_report'] button")
     assert 'Rule "slow_*": a task, created at once' in page.inner_text("#call-rule")
@@ -137,9 +138,9 @@ def test_a_declined_question_ends_the_task_and_the_page_says_how(page):
     entry = call(page, "personal_report", {"topic": "tides", "seconds": 1})
     reaches(entry, "input_required")
     entry.locator("form.input").get_by_role("button", name="Decline").click()
-    page.wait_for_function("node => ['completed', 'failed'].includes(node.dataset.status)", arg=entry.element_handle())
+    reaches(entry, "completed")  # the tool's own answer to a declined question: an error result
     assert entry.locator("form.input").count() == 0
-    assert entry.locator(".result, p.error").count() >= 1  # what the server made of "decline", shown
+    assert "elicitation was decline" in entry.locator(".result.is-error").inner_text()
 
 
 def test_a_task_is_cancelled_from_the_page(page):
@@ -162,24 +163,90 @@ def test_a_tool_that_passes_through_answers_directly_and_a_failing_one_shows_its
     assert "Error executing tool failing_job" in failing.locator(".result").inner_text()
 
 
-def test_without_subscriptions_listen_the_page_polls_tasks_get(page):
-    def refuse_listen(route: Any) -> None:
-        if route.request.headers.get("mcp-method") == "subscriptions/listen":
-            route.fulfill(status=503, content_type="text/plain", body="listen is down")
-        else:
-            route.continue_()
+def refuse_listen(route: Any) -> None:
+    if route.request.headers.get("mcp-method") == "subscriptions/listen":
+        route.fulfill(status=503, content_type="text/plain", body="listen is down")
+    else:
+        route.continue_()
 
+
+def test_without_subscriptions_listen_the_page_polls_tasks_get(page):
     page.route("**/mcp", refuse_listen)
     problems_before = page.sent_methods.copy()
     entry = call(page, "slow_report", {"topic": "tides", "seconds": 1})
     reaches(entry, "completed")
-    assert "Polling with tasks/get" in page.inner_text("#following")
+    assert "polling with tasks/get" in page.inner_text("#following").lower()
     assert "tasks/get" in page.sent_methods[len(problems_before) :]
     page.unroute("**/mcp")
     refused = [problem for problem in page.problems if "503" in problem]
     assert refused  # the browser saw the refused listen
     for problem in refused:
         page.problems.remove(problem)
+
+
+def test_an_answer_being_typed_keeps_its_focus_while_the_task_is_polled(page):
+    """Polling re-reads the task every second: the form being typed in stays in the page, focused, with its text."""
+    page.route("**/mcp", refuse_listen)
+    entry = call(page, "personal_report", {"topic": "tides", "seconds": 1})
+    reaches(entry, "input_required")
+    field = entry.locator("input[data-key='name']")
+    field.click()
+    polls = page.sent_methods.count("tasks/get")
+    for letter in "Ada Lovelace":
+        field.press_sequentially(letter)
+        page.wait_for_timeout(150)  # 12 letters in about 2 s: a poll or two meanwhile
+    assert page.sent_methods.count("tasks/get") > polls  # it was polled while typing
+    assert field.input_value() == "Ada Lovelace"
+    assert page.evaluate("document.activeElement.dataset.key") == "name"
+    entry.locator("form.input").get_by_role("button", name="Send").click()
+    reaches(entry, "completed")
+    page.unroute("**/mcp")
+    page.problems[:] = [problem for problem in page.problems if "503" not in problem]
+
+
+def test_a_server_that_asks_without_a_question_does_not_make_the_page_loop(page):
+    """An input_required result with nothing to answer and no state: one call, one failure, no retry storm."""
+
+    def asking(route: Any) -> None:
+        if route.request.headers.get("mcp-method") == "tools/call":
+            request_id = json.loads(route.request.post_data)["id"]
+            body = {"jsonrpc": "2.0", "id": request_id, "result": {"resultType": "input_required"}}
+            route.fulfill(status=200, content_type="application/json", body=json.dumps(body))
+        else:
+            route.continue_()
+
+    page.route("**/mcp", asking)
+    entry = call(page, "add", {"a": 1, "b": 2})
+    reaches(entry, "failed")
+    assert "sent no question" in entry.inner_text()
+    assert page.sent_methods.count("tools/call") == 1
+    page.unroute("**/mcp")
+
+
+def test_the_pages_event_stream_reader_follows_the_format(page):
+    """console.js's sseEvents on streams cut and ended as servers and networks do."""
+    cases = {
+        "crlf split over chunks": (["data: 1\r", "\n\r\ndata: 2\n\n"], ["1", "2"]),
+        "multi-line data, comments, other fields": ([": hi\nid: 7\ndata: a\ndata: b\nretry: 5\n\n"], ["a\nb"]),
+        "a lone CR at the very end": (["data: a\rdata: b\r\r"], ["a\nb"]),
+        "the last event without its blank line": (["data: x\n"], ["x"]),
+        "an empty event is skipped": (["data:\n\ndata: y\n\n"], ["y"]),
+        "not a data field": (["datax: no\ndata: yes\n\n"], ["yes"]),
+    }
+    for name, (chunks, expected) in cases.items():
+        seen = page.evaluate(
+            """async (chunks) => {
+                const body = new ReadableStream({start(controller) {
+                    for (const chunk of chunks) controller.enqueue(new TextEncoder().encode(chunk));
+                    controller.close();
+                }});
+                const events = [];
+                for await (const data of sseEvents(new Response(body))) events.push(data);
+                return events;
+            }""",
+            chunks,
+        )
+        assert seen == expected, name
 
 
 def test_a_reloaded_page_follows_the_tasks_it_started(page):
@@ -197,22 +264,28 @@ def test_what_a_server_says_is_shown_as_text_never_run_as_markup(page):
     tools = [{"name": hostile, "description": "<script>window.pwned=1</script>", "inputSchema": {"type": "object",
               "properties": {"q": {"type": "string", "title": hostile}}}}]  # fmt: skip
 
-    def listed(route: Any) -> None:
-        if route.request.headers.get("mcp-method") == "tools/list":
-            result = {"resultType": "complete", "tools": tools, "ttlMs": 0, "cacheScope": "private"}
-            body = {"jsonrpc": "2.0", "id": json.loads(route.request.post_data)["id"], "result": result}
-            route.fulfill(status=200, content_type="application/json", body=json.dumps(body))
-        else:
-            route.continue_()
+    def answer(route: Any, method: str, result: dict[str, Any]) -> None:
+        if route.request.headers.get("mcp-method") != method:
+            route.fallback()
+            return
+        body = {"jsonrpc": "2.0", "id": json.loads(route.request.post_data)["id"], "result": result}
+        route.fulfill(status=200, content_type="application/json", body=json.dumps(body))
 
-    page.route("**/mcp", listed)
+    listed = {"resultType": "complete", "tools": tools, "ttlMs": 0, "cacheScope": "private"}
+    called = {"resultType": "complete", "content": [{"type": "text", "text": hostile}]}
+    page.route("**/mcp", lambda route: answer(route, "tools/list", listed))
+    page.route("**/mcp", lambda route: answer(route, "tools/call", called))
     page.reload()
     page.wait_for_selector("#tools li button")
     page.click("#tools li button")
     assert page.inner_text("#tools li .name") == hostile
     assert page.inner_text("#call-description") == "<script>window.pwned=1</script>"
     assert page.locator("#call-fields label").first.inner_text().startswith(hostile)
-    assert page.locator("img").count() == 0 and page.evaluate("window.pwned") is None
+    page.click("#call-button")
+    entry = page.locator("#tasks li.entry").first
+    reaches(entry, "completed")
+    assert entry.locator(".result pre.text").inner_text() == hostile  # a result's text, as text
+    assert page.locator("img").count() == 0
     page.unroute("**/mcp")
 
 

@@ -7,6 +7,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from tests.issuer import security
+
 
 async def get(url: str, **headers: str) -> tuple[int, str, dict[str, str]]:
     async with aiohttp.ClientSession() as session, session.get(url, headers=headers) as response:
@@ -52,3 +54,18 @@ async def test_off_the_loopback_the_console_is_off_unless_the_policy_turns_it_on
     status, body, _ = await get(proxy.url.removesuffix("/mcp") + "/console")
     assert (status == 200 and "task console" in body) is served
     assert (body == "the upstream's") is not served  # off: the path is the upstream's, as any other
+
+
+async def test_with_verified_callers_the_page_loads_without_a_token_and_nothing_else_does(
+    make_proxy, fake_upstream, issuer
+):
+    """principal: jwt. The console's three paths are static and the proxy's: no token. A path that only decodes to
+    one of them (/console%2Fconsole.js) is routed upstream, so it is checked like any other."""
+    upstream = await fake_upstream(not_found)
+    proxy = await make_proxy(upstream.url, security=security(issuer))
+    base = proxy.url.removesuffix("/mcp")
+    assert (await get(f"{base}/console"))[0] == 200
+    assert (await get(f"{base}/console/console.js"))[0] == 200
+    assert (await get(f"{base}/console%2Fconsole.js"))[0] == 401
+    assert (await get(f"{base}/elsewhere"))[0] == 401
+    assert [request for request in upstream.received if request["method"] == "GET"] == []  # (the era probe: POST)

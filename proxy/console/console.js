@@ -9,7 +9,7 @@ const PROTOCOL = "2026-07-28";
 const TASKS = "io.modelcontextprotocol/tasks";
 const CAPABILITIES = { extensions: { [TASKS]: {} }, elicitation: { form: {}, url: {} }, sampling: {} };
 const CLIENT = { name: "mcp-tasks-proxy-console", version: "1" };
-const TERMINAL = new Set(["completed", "failed", "cancelled"]);
+const TERMINAL = new Set(["completed", "failed", "cancelled", "expired"]); // expired: the page's, not the wire's
 const MAX_EVENT_CHARS = 32 * 1024 * 1024; // one SSE event larger than this ends the stream (a hostile server)
 const MAX_TOOL_PAGES = 50;
 const KEPT_TASKS = 50; // the tasks this tab remembers across a reload
@@ -23,7 +23,7 @@ const state = {
   nextId: 1,
   nextCall: 1,
   nextEntry: 1,
-  follow: { controller: null, ids: "", polling: false, timer: null },
+  follow: { controller: null, ids: "", polling: false, timer: null, retryMs: 0, retryAt: 0 },
 };
 
 // --- the wire --------------------------------------------------------------------------------------------------
@@ -81,7 +81,10 @@ async function post(method, params, { name, headers = {}, signal } = {}) {
   if (name !== undefined) sent["Mcp-Name"] = headerValue(name);
   if (state.token) sent.Authorization = `Bearer ${state.token}`;
   const response = await fetch(MCP, { method: "POST", headers: sent, body: JSON.stringify(message), signal });
-  if (response.status === 401 || response.status === 403) askForCredentials(response.status);
+  const challenge = response.headers.get("WWW-Authenticate") || "";
+  if (response.status === 401 || (response.status === 403 && challenge.includes("insufficient_scope"))) {
+    askForCredentials(response.status);
+  }
   return { id, response };
 }
 
@@ -91,18 +94,28 @@ async function* sseEvents(response) {
   let buffer = "";
   let data = [];
   let size = 0;
+  let searched = 0; // where the search for the next line's end goes on: a long line is not scanned again per chunk
   try {
     for (;;) {
       const { value, done } = await reader.read();
-      if (done) return;
-      buffer += value;
+      if (done) {
+        if (buffer !== "") buffer += "\n"; // the stream's last line, ended by its end
+        if (data.length || buffer !== "") buffer += "\n";
+      } else {
+        buffer += value;
+      }
       for (;;) {
-        const end = buffer.search(/[\r\n]/);
-        if (end < 0 || (buffer[end] === "\r" && end === buffer.length - 1)) break; // a \r\n may be split
+        const found = buffer.slice(searched).search(/[\r\n]/);
+        const end = found < 0 ? -1 : searched + found;
+        if (end < 0 || (!done && buffer[end] === "\r" && end === buffer.length - 1)) { // a \r\n may be split
+          searched = end < 0 ? buffer.length : end;
+          break;
+        }
+        searched = 0;
         const line = buffer.slice(0, end);
         buffer = buffer.slice(end + (buffer.startsWith("\r\n", end) ? 2 : 1));
         if (line === "") {
-          if (data.length) yield data.join("\n");
+          if (data.length && data.join("") !== "") yield data.join("\n");
           data = [];
           size = 0;
         } else if (line.startsWith("data")) {
@@ -116,6 +129,7 @@ async function* sseEvents(response) {
         }
       }
       if (buffer.length > MAX_EVENT_CHARS) throw new RpcError("a line of the server's stream is too long");
+      if (done) return;
     }
   } finally {
     reader.cancel().catch(() => {});
@@ -143,6 +157,10 @@ async function rpc(method, params, options = {}) {
     throw new RpcError(`HTTP ${response.status}${text ? `: ${text}` : ""}`, null, response.status);
   }
   if (!answer || typeof answer !== "object") throw new RpcError(`no answer (HTTP ${response.status})`);
+  if (typeof answer.error === "string") { // an OAuth refusal (401, 403): {error, error_description}
+    const said = answer.error_description ? `${answer.error}: ${answer.error_description}` : answer.error;
+    throw new RpcError(`HTTP ${response.status}, ${said}`, null, response.status);
+  }
   if (answer.error) {
     throw new RpcError(String(answer.error.message ?? "error"), answer.error.code, response.status);
   }
@@ -278,7 +296,7 @@ function fieldFor(key, schema, required, onChange) {
     write = (value) => boxes.forEach(([box, choice]) => (box.checked = Array.isArray(value) && value.includes(choice)));
   } else if (options) {
     input = el("select", { id });
-    if (!required) input.append(el("option", { value: "" }, "—"));
+    input.append(el("option", { value: "" }, required ? "choose…" : "—")); // never a value the user did not pick
     options.forEach(([, label], at) => input.append(el("option", { value: String(at) }, label)));
     if (schema.default !== undefined) {
       const at = options.findIndex(([value]) => value === schema.default);
@@ -300,7 +318,7 @@ function fieldFor(key, schema, required, onChange) {
     read = () => (input.value === "" ? undefined : Number(input.value));
     write = (value) => (input.value = typeof value === "number" ? String(value) : "");
   } else {
-    const type = { email: "email", uri: "url", date: "date", "date-time": "datetime-local" }[schema.format] ?? "text";
+    const type = { email: "email", uri: "url", date: "date" }[schema.format] ?? "text"; // (date-time: typed as text)
     input = el("input", { id, type });
     if (typeof schema.default === "string") input.value = schema.default;
     read = () => (input.value === "" ? undefined : input.value);
@@ -313,14 +331,13 @@ function fieldFor(key, schema, required, onChange) {
   return { row, read, write, key, required };
 }
 
+// The arguments a form starts from: each property's default. (A required one without a default is left out, so
+// that the server, not a made-up empty value, says it is missing.)
 function skeleton(schema) {
   const value = {};
-  const required = new Set(Array.isArray(schema?.required) ? schema.required : []);
-  for (const [key, sub] of Object.entries(schema?.properties ?? {})) {
-    if (sub && "default" in sub) value[key] = sub.default;
-    else if (required.has(key)) {
-      value[key] = { number: 0, integer: 0, boolean: false, array: [], object: {} }[sub?.type] ?? "";
-    }
+  const properties = schema && typeof schema === "object" ? schema.properties : null;
+  for (const [key, sub] of Object.entries(properties && typeof properties === "object" ? properties : {})) {
+    if (sub && typeof sub === "object" && "default" in sub) value[key] = sub.default;
   }
   return value;
 }
@@ -437,10 +454,10 @@ async function call(tool, args, retry, entry = null) {
   };
   if (!entry) {
     entry = addEntry({ kind: "call", id: `call-${state.nextCall++}`, tool: tool.name, status: "working",
-      createdAt: new Date().toISOString() });
+      createdAt: new Date().toISOString(), rounds: 0 });
   }
   entry.call = { tool, args };
-  entry.rounds = Object.keys(retry).length ? (entry.rounds ?? 0) + 1 : 0;
+  entry.rounds = (entry.rounds ?? 0) + 1;
   if (entry.rounds > MAX_ROUNDS) {
     setEntry(entry, { status: "failed", error: { message: `still asking after ${MAX_ROUNDS} rounds` } });
     return;
@@ -459,8 +476,15 @@ async function call(tool, args, retry, entry = null) {
     entry.collected = {};
     setEntry(entry, { status: "input_required", inputRequests: result.inputRequests ?? {},
       statusMessage: "The server asks before it answers" });
-    // Only state to echo (a server shedding load): again at once.
-    if (!Object.keys(result.inputRequests ?? {}).length) await call(tool, args, stateOnly(entry), entry);
+    if (!Object.keys(result.inputRequests ?? {}).length) {
+      if (typeof result.requestState !== "string") {
+        setEntry(entry, { status: "failed", error: { message: "the server asked for input but sent no question" } });
+        return;
+      }
+      // Only state to echo (a server shedding load): again after a short pause, as the SDKs do.
+      await new Promise((resolve) => setTimeout(resolve, 50 + Math.random() * 200));
+      await call(tool, args, stateOnly(entry), entry);
+    }
   } else {
     setEntry(entry, { status: "completed", result, statusMessage: undefined, inputRequests: undefined,
       lastUpdatedAt: new Date().toISOString() });
@@ -522,8 +546,7 @@ function render(entry) {
     ? el("div", { class: "quiet id" }, "task ", el("code", {}, entry.id))
     : el("div", { class: "quiet id" }, "answered directly (no task)");
   const message = entry.statusMessage ? el("p", { class: "message" }, entry.statusMessage) : null;
-  const parts = [head, id, message];
-  if (entry.status === "input_required" && entry.inputRequests) parts.push(inputForms(entry));
+  const parts = [];
   if (entry.status === "completed" && entry.result) parts.push(resultView(entry.result));
   if (entry.status === "failed" && entry.error) {
     parts.push(el("p", { class: "error" }, `${entry.error.message ?? "failed"}${entry.error.code != null ? ` (${entry.error.code})` : ""}`));
@@ -537,11 +560,21 @@ function render(entry) {
     }
     parts.push(el("div", { class: "actions" }, cancel));
   }
-  // Input forms keep what was typed: kept when the same questions come again.
-  const kept = node.querySelector(".inputs");
-  node.replaceChildren(...parts.filter(Boolean));
-  const fresh = node.querySelector(".inputs");
-  if (kept && fresh && kept.dataset.keys === fresh.dataset.keys) fresh.replaceWith(kept);
+  if (!entry.slots) {
+    entry.slots = { top: el("div"), inputs: el("div"), bottom: el("div") };
+    node.replaceChildren(entry.slots.top, entry.slots.inputs, entry.slots.bottom);
+  }
+  entry.slots.top.replaceChildren(...[head, id, message].filter(Boolean));
+  entry.slots.bottom.replaceChildren(...parts);
+  // The input forms are rebuilt only when the questions change: a form being typed in is never taken out of the
+  // page (which would lose its focus) by an update of the task's other fields.
+  const asking = entry.status === "input_required" && entry.inputRequests;
+  const keys = asking ? Object.keys(entry.inputRequests).filter((key) => !entry.answered.has(key)).join("\n") : null;
+  if (keys !== entry.slots.inputs.dataset.keys) {
+    entry.slots.inputs.dataset.keys = keys ?? "";
+    entry.slots.inputs.replaceChildren(...(asking ? [inputForms(entry)] : []));
+    if (keys === null) delete entry.slots.inputs.dataset.keys;
+  }
 }
 
 function timing(entry) {
@@ -593,7 +626,7 @@ function inputForm(entry, key, request) {
     const url = String(params.url ?? "");
     if (/^https?:\/\//i.test(url)) form.append(el("p", {}, el("a", { href: url, target: "_blank", rel: "noopener noreferrer" }, url)));
     else form.append(el("p", { class: "quiet" }, url));
-    form.append(buttons(send, () => ({ action: "accept" }), "Done"));
+    form.append(buttons(send, () => ({ action: "accept" }), "I have done it"));
   } else if (request?.method === "elicitation/create") {
     form.append(el("p", { class: "question" }, String(params.message ?? "The server asks:")));
     const schema = params.requestedSchema && typeof params.requestedSchema === "object" ? params.requestedSchema : {};
@@ -624,7 +657,8 @@ function inputForm(entry, key, request) {
   } else {
     form.append(el("p", { class: "question" }, `The server asks ${String(request?.method ?? "something")}:`),
       el("pre", { class: "json" }, json(params)));
-    const reply = el("textarea", { rows: "3", "aria-label": "the answer, as JSON" }, "{}");
+    const reply = el("textarea", { rows: "3", "aria-label": "the answer, as JSON" },
+      request?.method === "roots/list" ? '{"roots": []}' : "{}");
     form.append(buttons(send, () => JSON.parse(reply.value), "Send", false));
   }
   form.append(problem);
@@ -723,6 +757,7 @@ async function listen(ids) {
     const type = (response.headers.get("Content-Type") || "").toLowerCase();
     if (!response.ok || !type.startsWith("text/event-stream")) throw new RpcError(`HTTP ${response.status}`);
     setFollowing(`Following ${ids.length} task${ids.length === 1 ? "" : "s"} live (subscriptions/listen).`);
+    state.follow.retryMs = 0;
     for await (const data of sseEvents(response)) {
       const message = JSON.parse(data);
       if (message.method === "notifications/tasks" && message.params) {
@@ -744,8 +779,12 @@ async function listen(ids) {
   state.follow.controller = null;
   state.follow.ids = "";
   if (failure) {
+    // tasks/get meanwhile, and the stream tried again after a back-off (2 s, doubling to a minute).
     state.follow.polling = true;
-    setFollowing(`Polling with tasks/get (subscriptions/listen failed: ${describeError(failure)}).`);
+    state.follow.retryMs = Math.min(60_000, Math.max(2_000, state.follow.retryMs * 2));
+    state.follow.retryAt = Date.now() + state.follow.retryMs;
+    setFollowing(`Polling with tasks/get (subscriptions/listen failed: ${describeError(failure)}; `
+      + `trying it again in ${Math.round(state.follow.retryMs / 1000)} s).`);
     pollSoon(0);
   } else {
     setTimeout(refollow, 1000); // what is still live gets a new stream
@@ -758,7 +797,8 @@ async function getTask(entry) {
     applyTask(entry, await rpc("tasks/get", { taskId: entry.id }, { name: entry.id }));
   } catch (error) {
     if (error instanceof RpcError && error.code === -32602) {
-      setEntry(entry, { status: "failed", error: { message: "the proxy no longer knows this task (expired or unknown)" } });
+      setEntry(entry, { status: "expired", statusMessage: "The proxy no longer knows this task: it expired (its "
+        + "ttlMs), or it is another caller's (a different token)." });
       remember();
     } else {
       setEntry(entry, { statusMessage: `tasks/get failed: ${describeError(error)}` });
@@ -772,6 +812,12 @@ function pollSoon(delay) {
 }
 
 async function poll() {
+  if (Date.now() >= state.follow.retryAt) {
+    state.follow.polling = false;
+    clearTimeout(state.follow.timer);
+    refollow();
+    return;
+  }
   const live = liveTasks();
   if (!live.length) {
     setFollowing("No task running (polling with tasks/get).");
@@ -785,7 +831,7 @@ async function poll() {
 // --- this tab's tasks across a reload ----------------------------------------------------------------------------
 
 function remember() {
-  const tasks = [...state.entries.values()].filter((entry) => entry.kind === "task")
+  const tasks = [...state.entries.values()].filter((entry) => entry.kind === "task" && entry.status !== "expired")
     .map((entry) => ({ id: entry.id, tool: entry.tool })).slice(-KEPT_TASKS);
   sessionStorage.setItem("console-tasks", JSON.stringify(tasks));
 }

@@ -215,6 +215,10 @@ def create_app(
     if config.listen.console_on:
         console.add_routes(app, policy, served)
         app[local_paths_key] = LOCAL_PATHS | console.PATHS
+        if not config.listen.is_loopback and config.security.allowed_origins is None:
+            # Browsers send Origin with the page's requests, and off loopback no origin is allowed by default.
+            log.warning("console_origin_not_allowed", reason="the console is on but security.allowed_origins is "
+                        "unset: its requests to /mcp get 403 until the page's origin is listed there")  # fmt: skip
     app.router.add_post(MCP_PATH, served(post))
     other = served(other)
     app.router.add_route("*", MCP_PATH, other)
@@ -254,7 +258,8 @@ async def _in_context(handler: Handler, request: web.Request) -> web.StreamRespo
         else:
             verifier = app[identity_key].verifier
             try:
-                if verifier is not None and request.path not in app[local_paths_key]:  # what reaches the upstream
+                # (By the path as sent: /console%2Fx is routed upstream, so it is not the console's, and is checked.)
+                if verifier is not None and request.rel_url.raw_path not in app[local_paths_key]:
                     await verifier.verify(request.headers)
                 response = await handler(request)
             except web.HTTPException:
