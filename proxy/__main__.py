@@ -14,7 +14,7 @@ import os
 import re
 import sys
 import urllib.request
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import structlog
 from aiohttp import web
@@ -231,15 +231,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     if config.tools:
         app.cleanup_ctx.append(rules_ctx)
     refused = app[metrics_key].connections_refused
-    loop = _event_loop()
+    # asyncio.Runner, as asyncio.run: at the end, what still runs is cancelled and given the loop to finish (a
+    # stream's pending wait, an async generator), rather than destroyed with a closed loop.
     try:
-        loop.run_until_complete(serve(app, sock, config.listen, on_refused=refused.inc, announce=announce))
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runner.run(serve(app, sock, config.listen, on_refused=refused.inc, announce=announce))
     except UpstreamStartError as exc:
         print(f"mcp-tasks-proxy: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     finally:
         sock.close()
-        loop.close()
         if tracing.TRACER.enabled:
             tracing.TRACER.shutdown()  # type: ignore[union-attr]  # exports the spans still batched
 
@@ -259,16 +260,13 @@ def health_main(config: ProxyConfig) -> int:
     return 1
 
 
-def _event_loop() -> asyncio.AbstractEventLoop:
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
     """uvloop where it is installed (most of the proxy's time is spent in socket I/O), else asyncio's own loop."""
     try:
         import uvloop
     except ImportError:
-        loop = asyncio.new_event_loop()
-    else:
-        loop = uvloop.new_event_loop()
-    asyncio.set_event_loop(loop)
-    return loop
+        return asyncio.new_event_loop
+    return uvloop.new_event_loop
 
 
 async def _quieter_gc(app: web.Application) -> None:

@@ -22,6 +22,7 @@ import aiohttp
 import filelock
 import pytest
 import redis as sync_redis
+import structlog
 import trustme
 import yaml
 from aiohttp import web
@@ -33,6 +34,16 @@ from mcp_tasks_proxy.front.serve import bind, start
 from mcp_tasks_proxy.store.redis_keys import RedisKeys
 from tests.factories import McpClient, Reply
 from tests.issuer import Issuer
+
+# The in-process proxies log through structlog's default configuration, whose console renderer formats exceptions
+# with rich when rich is installed (twine brings it), locals included: seconds for a deeply nested value, and a
+# value the proxy never logs. Plain tracebacks, as the proxy's own console renderer writes (proxy/log.py).
+structlog.configure(
+    processors=[
+        *structlog.get_config()["processors"][:-1],
+        structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback),
+    ]
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 PROXY = [sys.executable, "-m", "mcp_tasks_proxy"]

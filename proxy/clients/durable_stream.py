@@ -151,11 +151,12 @@ class DurableStream:
                 if wait_s <= 0:
                     return  # closed on purpose: the client resumes with GET and Last-Event-ID
             changed = asyncio.ensure_future(queue.get())
-            done, _ = await asyncio.wait([changed], timeout=wait_s)
-            if not done:
-                changed.cancel()
-                if deadline is None or time.monotonic() < deadline:
-                    await self._keepalive(response, record, stream, position)
+            try:
+                done, _ = await asyncio.wait([changed], timeout=wait_s)
+            finally:
+                changed.cancel()  # (also when the client left mid-wait: a pending get would be destroyed later)
+            if not done and (deadline is None or time.monotonic() < deadline):
+                await self._keepalive(response, record, stream, position)
             try:
                 record = await self._store.get(task_id)
             except StoreUnavailable:

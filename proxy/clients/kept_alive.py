@@ -124,6 +124,7 @@ class KeptAliveCalls:
         outcome_of = asyncio.ensure_future(self._runner.submit(call, window))
         response: web.StreamResponse | None = None
         sent = 0.0
+        next_progress: asyncio.Future[Progress] | None = None
         try:
             while True:
                 next_progress = asyncio.ensure_future(progressed.get())
@@ -158,6 +159,9 @@ class KeptAliveCalls:
         except ConnectionResetError:
             outcome_of.cancel()
             raise
+        finally:
+            if next_progress is not None:  # (a wait left pending would be destroyed later, and said so in the log)
+                next_progress.cancel()
         if response is None:
             # Answered before the first keep-alive: a plain JSON answer (a refusal raises, as for any call).
             answer, status = _answer_of(request_id, await outcome_of)

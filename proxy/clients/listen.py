@@ -105,7 +105,7 @@ async def stream(
             await response.write(_notification("notifications/tasks", record.to_wire(), subscription_id))
             if not record.is_terminal:
                 sent[task_id] = record.last_updated_at
-        await _serve(response, queue, store, principal, sent, subscription_id, upstream_events)
+        await _serve(response, queue, store, principal, sent, subscription_id, upstream_events, runner.stopping)
         result = {"resultType": "complete", "_meta": {SUBSCRIPTION_ID: subscription_id}}
         await response.write(message_event({"jsonrpc": "2.0", "id": subscription_id, "result": result}))
         await response.write_eof()
@@ -124,8 +124,11 @@ async def _serve(
     open_tasks: dict[str, Any],
     subscription_id: Any,
     upstream_events: AsyncIterator[dict[str, Any]] | None,
+    stopping: asyncio.Event,
 ) -> None:
-    """Until every open task is terminal (and the upstream part ended): each change of an open task goes out once.
+    """Until every open task is terminal (and the upstream part ended), or the proxy stops: each change of an open
+    task goes out once. A stop ends the subscription as the spec's graceful close does (its result), so that the
+    client listens again, elsewhere, instead of holding the proxy's stop for its whole grace.
 
     `open_tasks` maps each granted, unfinished task to the lastUpdatedAt last sent. Besides change events, every
     keep-alive tick re-reads the open tasks: an event lost between replicas (a dropped subscription, a failed
@@ -149,11 +152,15 @@ async def _serve(
         if record is None or record.is_terminal:
             open_tasks.pop(task_id, None)
 
+    changed: asyncio.Future[str] | None = None
+    stopped = asyncio.ensure_future(stopping.wait())
     try:
-        while open_tasks or upstream_next is not None:
+        while (open_tasks or upstream_next is not None) and not stopping.is_set():
             changed = asyncio.ensure_future(queue.get())
-            waiting = {changed} | ({upstream_next} if upstream_next is not None else set())
+            waiting = {changed, stopped} | ({upstream_next} if upstream_next is not None else set())
             done, _ = await asyncio.wait(waiting, timeout=KEEPALIVE_S, return_when=asyncio.FIRST_COMPLETED)
+            if stopped in done:
+                break
             if not done:
                 changed.cancel()
                 await response.write(KEEP_ALIVE)
@@ -172,6 +179,11 @@ async def _serve(
                     await response.write(message_event(upstream_message))
                     upstream_next = asyncio.ensure_future(anext(upstream_events, None))  # type: ignore[arg-type]
     finally:
+        # Whatever still waits is cancelled, also when the client left mid-wait (the handler cancelled): a pending
+        # get would be destroyed with the loop at the proxy's stop.
+        stopped.cancel()
+        if changed is not None:
+            changed.cancel()
         if upstream_next is not None:
             upstream_next.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

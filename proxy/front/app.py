@@ -148,6 +148,8 @@ def create_app(
         with contextlib.suppress(asyncio.CancelledError):
             await keeper
 
+    draining: list[asyncio.Future[None]] = []
+
     async def runner_ctx(app: web.Application) -> AsyncIterator[None]:
         runner = TaskRunner(
             app[store_key],
@@ -187,9 +189,13 @@ def create_app(
 
     async def stop_taking_over(app: web.Application) -> None:
         # From the moment the proxy is told to stop (before its connections' grace): a call another replica hands
-        # over now would only be handed over again, or run twice.
+        # over now would only be handed over again, or run twice. And the tasks drain from then on, beside the
+        # connections' grace rather than after it: the streams that wait for them (kept-alive and durable calls)
+        # end with their outcome, and subscriptions/listen streams end at once (runner.stopping).
         if runner_key in app:
-            app[runner_key].stop_taking_over()
+            runner = app[runner_key]
+            runner.stop_taking_over()
+            draining.append(asyncio.ensure_future(runner.aclose(config.tasks.shutdown_grace_s)))
 
     # Unwinds in reverse: the runner stops before the store and the upstream session close.
     app.cleanup_ctx.extend([upstream_ctx, store_ctx, identity_ctx, runner_ctx])

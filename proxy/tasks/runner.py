@@ -102,6 +102,9 @@ class TaskRunner:
             self._state, self._settlement, self._admission, hints, rule_for, running_limit, lease_s=lease_s
         )
         self._recovery.sweep = self._takeover.sweep
+        self.stopping = asyncio.Event()
+        """Set when the proxy is told to stop: streams that would wait forever (subscriptions/listen) end then."""
+        self._closing: asyncio.Future[None] | None = None
         self.replica_id = self._state.replica_id
         self.watchers = self._state.watchers
         self.precedence = self._state.precedence
@@ -207,6 +210,7 @@ class TaskRunner:
     def stop_taking_over(self) -> None:
         """The proxy is stopping: no other replica's task is taken from now on (aclose hands this one's over)."""
         self._takeover.taking = False
+        self.stopping.set()
 
     async def reap_lost(self) -> int:
         """Take over the running tasks whose replica's lease lapsed (killed, partitioned) or that it handed over:
@@ -219,7 +223,14 @@ class TaskRunner:
 
     async def aclose(self, grace_s: float = 0.0) -> None:
         """Hand the calls that may run again to the other replicas, let the rest finish for up to grace_s, then
-        stop them and fail their tasks."""
+        stop them and fail their tasks. Once: a second call waits for the first (the proxy starts it when told to
+        stop, so that the streams waiting for these tasks end with them, and awaits it again at cleanup)."""
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._close(grace_s))
+        await self._closing
+
+    async def _close(self, grace_s: float) -> None:
+        self.stopping.set()
         self._state.accepting = False
         self._rounds.drain()  # their calls are stopped below with every other one
         self._recovery.stop()
