@@ -27,6 +27,14 @@ built. A key not listed here is an error that names it. Precedence, the later wi
 """
 
 
+def on_config(config: Any) -> Any:
+    """The version this site documents, in every page's footer (the package's, as `mcp-tasks-proxy --version` says)."""
+    from mcp_tasks_proxy import __version__
+
+    config["copyright"] = f"mcp-tasks-proxy {__version__} · Apache-2.0"
+    return config
+
+
 def on_files(files: Files, config: Any) -> Files:
     files.append(File.generated(config, PAGE, content=render()))
     return files
