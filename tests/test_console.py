@@ -335,3 +335,52 @@ def test_the_page_loads_offline_with_only_its_own_files(browser, console_url):
 def _screenshot_dir() -> None:
     if SCREENSHOT:
         Path(SCREENSHOT).parent.mkdir(parents=True, exist_ok=True)
+
+
+@pytest.fixture(scope="module")
+def everything_console(everything_upstream: str) -> Iterator[str]:
+    """The proxy with config/everything.yaml in front of server-everything (a 2025-11-25 server, npm)."""
+    port = free_port()
+    with quiet_proxy(ROOT / "config" / "everything.yaml", everything_upstream, port):
+        wait_ready(port)
+        yield f"http://127.0.0.1:{port}/console"
+
+
+def test_server_everythings_form_and_sampling_questions_are_answered_in_the_page(browser, everything_console):
+    """Every field type of the reference server's elicitation (text, formats, numbers, a checkbox, single and
+    multiple choices, titled or not) as a form whose answer goes back typed; and a sampling request answered as
+    the model. The server's own result says what it received."""
+    context = browser.new_context(viewport={"width": 1280, "height": 1000})
+    opened = context.new_page()
+    opened.set_default_timeout(30_000)
+    problems: list[str] = []
+    opened.on("pageerror", lambda error: problems.append(str(error)))
+    updates: list[dict] = []
+    opened.on("request", lambda request: updates.append(json.loads(request.post_data)) if request.method == "POST"
+              and request.headers.get("mcp-method") == "tasks/update" else None)  # fmt: skip
+    opened.goto(everything_console)
+    opened.wait_for_selector("#tools li[data-tool='trigger-elicitation-request']")
+
+    entry = call(opened, "trigger-elicitation-request", {})
+    reaches(entry, "input_required")
+    form = entry.locator("form.input")
+    form.locator("input[data-key='name']").fill("Ada Lovelace")
+    form.locator("input[data-key='birthdate']").fill("1815-12-10")
+    form.locator("select[data-key='titledSingleSelectEnum']").select_option(label="Superman")
+    form.get_by_role("button", name="Send").click()
+    reaches(entry, "completed")
+    content = updates[-1]["params"]["inputResponses"].popitem()[1]["content"]
+    assert content["name"] == "Ada Lovelace" and content["birthdate"] == "1815-12-10"
+    assert content["integer"] == 42 and content["number"] == 3.14 and content["check"] is False  # typed, not text
+    assert isinstance(content["untitledMultipleSelectEnum"], list)
+    assert "Name: Ada Lovelace" in entry.locator(".result").inner_text()  # what the server received
+
+    sampled = call(opened, "trigger-sampling-request", {"prompt": "Say hi", "maxTokens": 50})
+    reaches(sampled, "input_required")
+    assert "Say hi" in sampled.locator("form.input blockquote").inner_text()
+    sampled.locator("form.input textarea").fill("Hi there!")
+    sampled.locator("form.input").get_by_role("button", name="Send").click()
+    reaches(sampled, "completed")
+    assert '"text": "Hi there!"' in sampled.locator(".result").inner_text()
+    context.close()
+    assert problems == []
