@@ -117,6 +117,9 @@ def main() -> int:
     except KeyboardInterrupt:
         return 0
     finally:
+        if proxy is not None and proxy.poll() is None:
+            # The proxy gives a task still running its grace (tasks.shutdown_grace_s, 10 s) before it stops.
+            print("\nStopping the proxy and the server (a task still running gets up to 10 s)...", flush=True)
         stop(proxy, server)
         if log is not None:
             log.close()

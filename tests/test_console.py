@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -103,14 +104,15 @@ def test_the_tools_are_listed_with_the_rule_the_policy_gives_each(page):
 
 
 def test_a_task_is_followed_live_to_completed_with_its_progress_and_result(page):
-    entry = call(page, "slow_report", {"topic": "tides", "seconds": 2})
+    # 5 s: time for the listen to open and carry a step or two (under load), before the task completes.
+    entry = call(page, "slow_report", {"topic": "tides", "seconds": 5})
     task_id = entry.get_attribute("data-task-id")
     assert re.fullmatch(r"[A-Za-z0-9_-]{16,}", task_id), task_id
     page.wait_for_function(
         "node => /researching tides: step \\d of 5/.test(node.textContent)", arg=entry.element_handle()
     )  # the task's statusMessage, from the tool's progress
     reaches(entry, "completed")
-    assert entry.locator(".result pre.text").inner_text() == "Report on tides: all 5 steps done in 2 s."
+    assert entry.locator(".result pre.text").inner_text() == "Report on tides: all 5 steps done in 5 s."
     assert re.search(r"ran from .* · [\d.]+ s", entry.locator(".timing").inner_text())
     assert entry.locator("button.cancel").count() == 0  # nothing to cancel once it ended
     # Followed through subscriptions/listen: no tasks/get was needed.
@@ -287,6 +289,35 @@ def test_what_a_server_says_is_shown_as_text_never_run_as_markup(page):
     assert entry.locator(".result pre.text").inner_text() == hostile  # a result's text, as text
     assert page.locator("img").count() == 0
     page.unroute("**/mcp")
+
+
+def test_a_task_started_elsewhere_is_followed_by_its_id(page, console_url):
+    """A task a script created (the same caller: no token, from this host) is followed by pasting its id; an id the
+    proxy does not know ends as expired, not as a failure."""
+    tasks = {"extensions": {"io.modelcontextprotocol/tasks": {}}}
+    meta = {
+        "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+        "io.modelcontextprotocol/clientCapabilities": tasks,
+    }
+    arguments = {"topic": "tides", "seconds": 1}
+    message = {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+               "params": {"name": "slow_report", "arguments": arguments, "_meta": meta}}  # fmt: skip
+    created = urllib.request.urlopen(urllib.request.Request(
+        console_url.removesuffix("/console") + "/mcp", data=json.dumps(message).encode(), method="POST",
+        headers={"Content-Type": "application/json", "Accept": "application/json, text/event-stream",
+                 "MCP-Protocol-Version": "2026-07-28", "Mcp-Method": "tools/call", "Mcp-Name": "slow_report"},
+    ), timeout=30)  # fmt: skip
+    task_id = json.loads(created.read())["result"]["taskId"]
+    for wanted in (task_id, "no-such-task-0000"):
+        page.fill("#follow-id", wanted)
+        page.get_by_role("button", name="Follow").click()
+    followed = page.locator(f"#tasks li[data-task-id='{task_id}']")
+    reaches(followed, "completed")
+    assert followed.locator(".result pre.text").inner_text() == "Report on tides: all 5 steps done in 1 s."
+    unknown = page.locator("#tasks li[data-task-id='no-such-task-0000']")
+    reaches(unknown, "expired")
+    assert "no longer knows this task" in unknown.inner_text()
+    page.problems[:] = [problem for problem in page.problems if "400" not in problem]  # tasks/get's -32602
 
 
 PATTERNS = ["slow_*", "personal_report", "a?c", "[ab]x", "[!ab]x", "x[", "*.*", "[]]x", "[!]]x", "a[b-d]e", "*"]

@@ -72,6 +72,9 @@ async def test_ack_then_every_transition_then_a_clean_close(proxy, upstream_clie
     assert current["params"]["status"] == "working"
     await upstream_client.call_tool("release", {"tag": gate}, tasks=False)
     done = await stream.next()
+    while done["params"]["status"] == "working":  # the tool's progress, a new statusMessage each, may come first
+        assert done["params"]["statusMessage"], done
+        done = await stream.next()
     validate(done, "TaskStatusNotification", "tasks")
     assert done["params"]["_meta"] == {SUB: message["id"]}
     polled = await proxy.client.get_task(mine["taskId"], headers={"Authorization": "Bearer me"})
@@ -81,6 +84,24 @@ async def test_ack_then_every_transition_then_a_clean_close(proxy, upstream_clie
     validate(final, "SubscriptionsListenResultResponse", "core")
     assert final["id"] == message["id"] and final["result"]["_meta"] == {SUB: message["id"]}
     assert await stream.next() is None  # every granted task is terminal: the stream ends
+    response.release()
+
+
+async def test_a_tasks_progress_reaches_the_listener_as_it_comes(proxy):
+    """Each new statusMessage (the tool's progress) is a change of the task: on the replica that runs it, the listener
+    gets it at once, not at the stream's next keep-alive tick (15 s, longer than this whole call)."""
+    created = await proxy.client.call_tool("slow_report", {"topic": "tides", "seconds": 3})
+    _, response = await subscribe(proxy, [created.result["taskId"]])
+    stream = Subscription(response)
+    await stream.next()  # the acknowledgement
+    seen = []
+    while (notification := await stream.next())["method"] == "notifications/tasks":
+        seen.append((notification["params"]["status"], notification["params"].get("statusMessage")))
+        if notification["params"]["status"] == "completed":
+            break
+    steps = [message for status, message in seen if status == "working" and message and "step" in message]
+    assert len(set(steps)) >= 2, seen  # several steps, each as it came
+    assert seen[-1][0] == "completed"
     response.release()
 
 

@@ -80,7 +80,9 @@ async def stream(
 ) -> web.StreamResponse:
     """Serve one subscription until the client leaves, or (with no upstream part) every granted task is terminal."""
     subscription_id = message["id"]
-    queue = runner.watchers.watch(task_ids)  # before reading state: no change can slip between the two
+    # Before reading state: no change can slip between the two. Progress too (a new statusMessage is a change of
+    # the task): on this replica at once; a listener on another replica reads it at its next tick.
+    queue = runner.watchers.watch(task_ids, progress=True)
     try:
         acknowledged: dict[str, Any] = {}
         first = None

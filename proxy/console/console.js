@@ -252,7 +252,8 @@ function describeRule(rule) {
   if (rule.task === "never") return ["passes through", `Rule "${rule.match}" (task: never): the call passes through.`];
   const when = rule.syncWindowMs > 0 ? `when it takes longer than ${rule.syncWindowMs} ms` : "at once";
   const kind = rule.task === "required" ? "always a task" : "a task";
-  return [kind, `Rule "${rule.match}": ${kind}, created ${when}; each round may take ${rule.timeoutS} s.`];
+  return [kind, `Rule "${rule.match}": ${kind}, created ${when}; the call gives up after ${rule.timeoutS} s `
+    + "(timeout_s)."];
 }
 
 // --- forms from JSON Schema (a tool's input schema, an elicitation's requested schema) -----------------------------
@@ -545,7 +546,10 @@ function render(entry) {
   const id = entry.kind === "task"
     ? el("div", { class: "quiet id" }, "task ", el("code", {}, entry.id))
     : el("div", { class: "quiet id" }, "answered directly (no task)");
-  const message = entry.statusMessage ? el("p", { class: "message" }, entry.statusMessage) : null;
+  // While it asks, the page says so in its own words (the proxy's statusMessage speaks of "the client").
+  const said = entry.status === "input_required" && entry.kind === "task" ? "Waiting for your answer below."
+    : entry.statusMessage;
+  const message = said ? el("p", { class: "message" }, said) : null;
   const parts = [];
   if (entry.status === "completed" && entry.result) parts.push(resultView(entry.result));
   if (entry.status === "failed" && entry.error) {
@@ -736,6 +740,7 @@ function refollow() {
     return;
   }
   const ids = live.map((entry) => entry.id).sort().join(",");
+  if (!live.length) setFollowing("No task running.");
   if (ids === state.follow.ids) return;
   state.follow.controller?.abort();
   state.follow.controller = null;
@@ -863,6 +868,18 @@ async function describeServer() {
   }
 }
 
+// A task this tab did not start (another tab's, a curl's): followed by its id, as the caller that created it.
+function followById(event) {
+  event.preventDefault();
+  const field = document.getElementById("follow-id");
+  const taskId = field.value.trim();
+  if (!taskId || state.entries.has(taskId)) return;
+  field.value = "";
+  addEntry({ kind: "task", id: taskId, tool: "task", status: "working" });
+  remember();
+  getTask(state.entries.get(taskId)).then(refollow);
+}
+
 function start() {
   document.getElementById("token").value = state.token;
   document.getElementById("auth-form").addEventListener("submit", (event) => {
@@ -873,6 +890,7 @@ function start() {
     loadTools();
   });
   document.getElementById("call").addEventListener("submit", submitCall);
+  document.getElementById("follow").addEventListener("submit", followById);
   setInterval(() => {
     for (const entry of state.entries.values()) {
       if (!TERMINAL.has(entry.status)) entry.node.querySelector(".timing").textContent = timing(entry);
