@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +16,7 @@ import pytest
 from playwright import sync_api as playwright
 
 from mcp_tasks_proxy.config import ToolRule
-from tests.conftest import ROOT, free_port, quiet_proxy, require, stop, wait_for_port, wait_ready
+from tests.conftest import ROOT, free_port, quick_start, quiet_proxy, require, wait_ready
 
 SCREENSHOT = os.environ.get("MCP_TASKS_PROXY_CONSOLE_SCREENSHOT")
 """Where test_a_task_with_a_question_is_answered_in_the_page saves a screenshot (the docs' docs/console.png)."""
@@ -26,15 +24,8 @@ SCREENSHOT = os.environ.get("MCP_TASKS_PROXY_CONSOLE_SCREENSHOT")
 
 @pytest.fixture(scope="module")
 def console_url() -> Iterator[str]:
-    server_port, proxy_port = free_port(), free_port()
-    server = subprocess.Popen([sys.executable, str(ROOT / "examples" / "slow_server.py"), str(server_port)])
-    try:
-        wait_for_port(server_port, server)
-        with quiet_proxy(ROOT / "config" / "example.yaml", f"http://127.0.0.1:{server_port}/mcp", proxy_port):
-            wait_ready(proxy_port)
-            yield f"http://127.0.0.1:{proxy_port}/console"
-    finally:
-        stop(server)
+    with quick_start() as url:
+        yield url.removesuffix("/mcp") + "/console"
 
 
 @pytest.fixture(scope="module")

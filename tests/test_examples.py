@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, free_port, quiet_proxy, start_redis, stop, wait_for_port, wait_ready
+from tests.conftest import ROOT, free_port, quick_start, start_redis, stop
 
 CLIENT = ROOT / "examples" / "task_client.py"
 
@@ -117,17 +117,8 @@ def one_line_error(done: subprocess.CompletedProcess[str]) -> str:
 
 @pytest.fixture(scope="module")
 def proxy_url() -> Iterator[str]:
-    """The quick start by hand: examples/slow_server.py, and the proxy in front of it with config/example.yaml."""
-    server_port, proxy_port = free_port(), free_port()
-    server = subprocess.Popen([sys.executable, str(ROOT / "examples" / "slow_server.py"), str(server_port)])
-    try:
-        wait_for_port(server_port, server)
-        upstream = f"http://127.0.0.1:{server_port}/mcp"
-        with quiet_proxy(ROOT / "config" / "example.yaml", upstream, proxy_port):
-            wait_ready(proxy_port)
-            yield f"http://127.0.0.1:{proxy_port}/mcp"
-    finally:
-        stop(server)
+    with quick_start() as url:
+        yield url
 
 
 def test_client_help_exits_0_with_its_usage():

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.conftest import ROOT, free_port, quiet_proxy, stop, wait_for_port, wait_ready
+from tests.conftest import ROOT, free_port, quick_start, quiet_proxy, wait_ready
 
 EXAMPLE = ROOT / "examples" / "sdk_tasks_client.py"
 REPORT = "Report on tides: all 5 steps done in 2 s."
@@ -19,17 +19,8 @@ REPORT = "Report on tides: all 5 steps done in 2 s."
 
 @pytest.fixture(scope="module")
 def proxy_url() -> Iterator[str]:
-    """The quick start by hand: examples/slow_server.py, and the proxy in front of it with config/example.yaml
-    (slow_report and personal_report become tasks for a client that declares the extension; add passes through)."""
-    server_port, proxy_port = free_port(), free_port()
-    server = subprocess.Popen([sys.executable, str(ROOT / "examples" / "slow_server.py"), str(server_port)])
-    try:
-        wait_for_port(server_port, server)
-        with quiet_proxy(ROOT / "config" / "example.yaml", f"http://127.0.0.1:{server_port}/mcp", proxy_port):
-            wait_ready(proxy_port)
-            yield f"http://127.0.0.1:{proxy_port}/mcp"
-    finally:
-        stop(server)
+    with quick_start() as url:
+        yield url
 
 
 def run(*args: str, timeout: float = 50, stdin: str = "") -> subprocess.CompletedProcess[str]:
