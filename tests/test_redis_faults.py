@@ -533,3 +533,36 @@ def test_redis_away_is_one_warning_then_one_per_back_off_step_and_one_line_when_
         reader.join(timeout=10)  # (the pipe's end, once the proxy is gone)
         proxy.stdout.close()
         server.stop()
+
+
+def test_an_outages_warnings_follow_the_back_off_and_a_flapping_redis_keeps_its_step():
+    """Outage (proxy/store/redis_link.py) on a clock of the test's own: failures many times a second make one
+    warning per step (1, 2, 4 s...), the return one info line; an outage right after keeps the step it had reached,
+    one after a quiet step starts again at 1 s."""
+    from mcp_tasks_proxy.store.redis_link import Outage
+
+    now = [0.0]
+    outage = Outage(clock=lambda: now[0])
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(64):  # 8 s of failures, eight a second
+            outage.failed("lease", "refused")
+            now[0] += 0.125
+        warned = [line for line in logs if line["log_level"] == "warning"]
+        assert [line["event"] for line in warned] == ["store_unavailable"] + [
+            "store_still_unavailable"
+        ] * 3  # 0, 1, 3, 7 s
+        assert [line["failures"] for line in warned[1:]] == [9, 25, 57]
+        outage.over()
+        assert logs[-1]["event"] == "store_available_again" and logs[-1]["failures"] == 64
+        logs.clear()
+        now[0] += 1  # back for a second only: the same outage, as far as the log goes
+        outage.failed("lease", "refused")
+        assert [line["log_level"] for line in logs] == ["debug"]  # inside the step the last warning began: no line
+        outage.over()
+        logs.clear()
+        now[0] += 3600  # an hour later: a new outage, from the first step
+        for _ in range(12):
+            outage.failed("lease", "refused")
+            now[0] += 0.125
+        assert [line["event"] for line in logs if line["log_level"] == "warning"] == [
+            "store_unavailable", "store_still_unavailable"]  # fmt: skip

@@ -148,7 +148,7 @@ def create_app(
         with contextlib.suppress(asyncio.CancelledError):
             await keeper
 
-    draining: list[asyncio.Future[None]] = []
+    draining: list[asyncio.Future[None]] = []  # (held here: a future nothing references may be collected mid-drain)
 
     async def runner_ctx(app: web.Application) -> AsyncIterator[None]:
         runner = TaskRunner(
