@@ -232,15 +232,15 @@ def quiet_proxy(policy: Path, upstream: str, port: int) -> Iterator[subprocess.P
 
 
 @contextlib.contextmanager
-def quick_start() -> Iterator[str]:
+def quick_start(policy: Path = ROOT / "config" / "example.yaml") -> Iterator[str]:
     """The quick start by hand: examples/slow_server.py, and the proxy in front of it with config/example.yaml
     (slow_report, personal_report and failing_job become tasks for a client that declares the extension; add passes
-    through), both stopped on exit; the proxy's /mcp URL."""
+    through) or another policy, both stopped on exit; the proxy's /mcp URL."""
     server_port, proxy_port = free_port(), free_port()
     server = subprocess.Popen([sys.executable, str(ROOT / "examples" / "slow_server.py"), str(server_port)])
     try:
         wait_for_port(server_port, server)
-        with quiet_proxy(ROOT / "config" / "example.yaml", f"http://127.0.0.1:{server_port}/mcp", proxy_port):
+        with quiet_proxy(policy, f"http://127.0.0.1:{server_port}/mcp", proxy_port):
             wait_ready(proxy_port)
             yield f"http://127.0.0.1:{proxy_port}/mcp"
     finally:

@@ -406,3 +406,37 @@ def test_server_everythings_form_and_sampling_questions_are_answered_in_the_page
     assert '"text": "Hi there!"' in sampled.locator(".result").inner_text()
     context.close()
     assert problems == []
+
+
+@pytest.fixture(scope="module")
+def plain_console(tmp_path_factory) -> Iterator[str]:
+    """The example server behind a proxy whose policy names no tool: every call passes through, so personal_report's
+    question comes back as the 2026 server's own MRTR round (input_required), which the page answers itself."""
+    policy = tmp_path_factory.mktemp("plain") / "policy.yaml"
+    policy.write_text("tools: []\n")
+    with quick_start(policy) as url:
+        yield url.removesuffix("/mcp") + "/console"
+
+
+def test_a_question_before_a_direct_answer_is_an_mrtr_round_the_page_answers(browser, plain_console):
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    opened = context.new_page()
+    opened.set_default_timeout(20_000)
+    sent: list[dict] = []
+    opened.on("request", lambda request: sent.append(json.loads(request.post_data)) if request.method == "POST"
+              and request.headers.get("mcp-method") == "tools/call" else None)  # fmt: skip
+    opened.goto(plain_console)
+    opened.wait_for_selector("#tools li[data-tool='personal_report']")
+    assert opened.locator("#tools li[data-tool='personal_report'] .badge").inner_text() == "passes through"
+    entry = call(opened, "personal_report", {"topic": "tides", "seconds": 1})
+    reaches(entry, "input_required")
+    assert "answered directly" in entry.inner_text()
+    entry.locator("input[data-key='name']").fill("Ada")
+    entry.locator("form.input").get_by_role("button", name="Send").click()
+    reaches(entry, "completed")
+    assert entry.locator(".result pre.text").inner_text() == "Dear Ada, here is your report on tides."
+    first, retry = sent[0]["params"], sent[-1]["params"]
+    assert "requestState" not in first and retry["requestState"]  # the server's state, echoed
+    assert retry["arguments"] == first["arguments"] and sent[-1]["id"] != sent[0]["id"]  # the same call, a new id
+    assert list(retry["inputResponses"].values()) == [{"action": "accept", "content": {"name": "Ada"}}]
+    context.close()
