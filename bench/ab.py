@@ -6,6 +6,7 @@
     python bench/ab.py --path create      # task creation at 1,000/s instead of pass-through (memory and Redis)
     python bench/ab.py --path get         # tasks/get of a finished task, closed loop (memory and Redis)
     python bench/ab.py --path discover    # server/discover, the proxy's, answered by the application's handler
+    python bench/ab.py --path stdio       # pass-through to a stdio server each proxy starts (bench/fast_stdio.py)
     python bench/ab.py --client tasks     # pass-through from a client that declares the tasks extension
     python bench/ab.py --variant tracing  # the work tree plain (A) against itself with tracing configured (B)
     python bench/ab.py --variant tracing-ratio  # the same with a sampler that may begin traces of its own
@@ -41,6 +42,10 @@ asks tasks/get for it with every connection count, closed loop; the figures are 
 `--path discover` measures a request the proxy answers through the application's handler (aiohttp's request and
 response objects, proxy/front/dispatch.py) rather than the lane's own code: a 2026 client's server/discover,
 closed loop, memory store.
+
+`--path stdio` measures the pass-through tools/call through a stdio child: each proxy starts bench/fast_stdio.py
+(the fast upstream's stdio twin) and relays to it, closed loop, memory store; the figures are CPU µs per request of
+the proxy's process (the child's own CPU not counted) and req/s.
 
 `--variant tracing` and `--variant advertise` compare configurations instead of commits: A is the work tree as
 configured above, B the same install with OpenTelemetry tracing configured (an OTLP exporter, the sampler
@@ -259,7 +264,7 @@ def finished_task(url: str) -> str:
 def proxy(
     python: Path | str,
     package: str,
-    upstream: str,
+    upstream: str | list[str],
     protocol: str,
     store: dict | None = None,
     ttl_ms: int = 60_000,
@@ -268,8 +273,12 @@ def proxy(
     redis_url: str | None = None,
 ) -> Iterator[tuple[str, int]]:
     port = free_port()
+    # A URL, or the command of a stdio server the proxy starts (as many calls in flight on it as a run makes).
+    where = (
+        {"url": upstream} if isinstance(upstream, str) else {"command": upstream, "stdio": {"max_in_flight": 20_000}}
+    )
     policy = {
-        "upstream": {"url": upstream, "protocol": protocol},
+        "upstream": {**where, "protocol": protocol},
         "tools": [{"match": "echo", "task": "optional"}],  # a policy as deployed; a pass-through call is not in it
         "security": {"principal_key": "bench"},
         "logging": {"level": log_level, "format": "json"},  # to /dev/null (run.process)
@@ -342,7 +351,7 @@ def summary(runs: list[float], digits: int = 0) -> str:
 
 
 def proxies_by_store(
-    a_install: Install, b_install: Install, upstream: str, ttl_ms: int = 60_000
+    a_install: Install, b_install: Install, upstream: str | list[str], ttl_ms: int = 60_000
 ) -> Iterator[tuple[str, dict[str, tuple[str, int]]]]:
     """A's and B's proxy in front of `upstream` with the memory store, then both with one redis-server of the run's;
     tasks kept `ttl_ms` (creation makes 1,000 a second: a minute of them)."""
@@ -411,14 +420,14 @@ def creation(a_install: Install, b_install: Install, upstream: str, seconds: int
 def reads(
     a_install: Install,
     b_install: Install,
-    upstream: str,
+    upstream: str | list[str],
     seconds: int,
     repeats: int,
     connections: list[int],
     method: str = "tasks/get",
 ) -> None:
     """tasks/get of a finished task through A and B, closed loop, with the memory store and with Redis; or
-    `method` (server/discover), with the memory store."""
+    `method` (server/discover, or tools/call: the pass-through to a stdio `upstream`), with the memory store."""
     short = method.rsplit("/", 1)[1]
     header = ["store", "c", f"A µs/{short}", f"B µs/{short}", "B/A", "A req/s", "B req/s"]
     rows = []
@@ -435,6 +444,8 @@ def reads(
                     if method == "tasks/get":
                         task_id = finished_task(url)  # a new one each time, as in a run of its own
                         total, spent = wrk_total(url, pid, count, seconds, task_id)
+                    elif method == "tools/call":
+                        total, spent = wrk_total(url, pid, count, seconds)
                     else:
                         total, spent = wrk_total(url, pid, count, seconds, meta=META_TASKS, method=method)
                     cpu[target].append(spent / total * 1e6)
@@ -459,9 +470,10 @@ def main() -> None:
     parser.add_argument("--log-level", choices=("warning", "info"), default="warning",
                         help="the proxies' logging.level on the pass-through path: warning writes no line a request "
                              "(the figures of docs/benchmarks.md), info one (the default of a deployment)")  # fmt: skip
-    parser.add_argument("--path", choices=("passthrough", "create", "get", "discover"), default="passthrough",
+    parser.add_argument("--path", choices=("passthrough", "create", "get", "discover", "stdio"), default="passthrough",
                         help="what is measured: a pass-through tools/call, task creation at 1,000/s, "
-                             "tasks/get of a finished task, or server/discover")  # fmt: skip
+                             "tasks/get of a finished task, server/discover, or a pass-through tools/call to a "
+                             "stdio child")  # fmt: skip
     variants = ("tracing", "tracing-ratio", "advertise", "jwt", "rates", "rates-memory", "concurrency",
                 "concurrency-memory")  # fmt: skip
     parser.add_argument("--variant", choices=variants, default=None,
@@ -519,6 +531,11 @@ def main() -> None:
             method = "tasks/get" if args.path == "get" else "server/discover"
             connections = [int(c) for c in args.connections.split(",")]
             reads(a_install, b_install, upstream, seconds, repeats, connections, method)
+            return
+        if args.path == "stdio":
+            connections = [int(c) for c in args.connections.split(",")]
+            child = [sys.executable, str(HERE / "fast_stdio.py")]
+            reads(a_install, b_install, child, seconds, repeats, connections, "tools/call")
             return
         forwarder_port = free_port()
         forwarder = stack.enter_context(process(sys.executable, str(HERE / "minimal_forwarder.py"),
