@@ -114,10 +114,11 @@ class StdioChannel:
 
     async def running(self, timeout_s: float) -> ChildProcess:
         """The child, once one runs (a restart may be under way); ChildUnavailable past `timeout_s`."""
-        try:
-            await asyncio.wait_for(self._running.wait(), timeout_s)
-        except TimeoutError:
-            raise ChildUnavailable(f"the stdio server is not running ({self.supervisor.state})") from None
+        if not self._running.is_set():  # (wait_for wraps the wait in a task of its own: only when there is a wait)
+            try:
+                await asyncio.wait_for(self._running.wait(), timeout_s)
+            except TimeoutError:
+                raise ChildUnavailable(f"the stdio server is not running ({self.supervisor.state})") from None
         child = self.supervisor.child
         if child is None:  # pragma: no cover - cleared and set in the same step
             raise ChildUnavailable(f"the stdio server is not running ({self.supervisor.state})")

@@ -164,6 +164,8 @@ class ChildProcess:
         self._on_unreadable = on_unreadable
         self._process: asyncio.subprocess.Process | None = None
         self._stdin: asyncio.StreamWriter | None = None
+        self._outgoing: list[bytes] = []
+        """Lines written in this turn of the loop, sent together at its end: one pipe write for a burst of calls."""
         self._pipes: list[asyncio.BaseTransport] = []
         self._readers: list[asyncio.Task[None]] = []
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=_STDERR_TAIL)
@@ -266,8 +268,11 @@ class ChildProcess:
         if stdin.transport.get_write_buffer_size() > _MAX_UNREAD_BYTES:
             # A child that does not read: each message would wait in memory until it does.
             raise RequestUnsent(f"the stdio server has not read {_MAX_UNREAD_BYTES} bytes written to its stdin")
+        if not self._outgoing:
+            asyncio.get_running_loop().call_soon(self._flush, stdin)
+        self._outgoing.append(line)  # whole lines, joined: the framing stays whole
         try:
-            stdin.write(line)  # one write per message keeps the framing whole
+            await asyncio.sleep(0)  # the turn's flush, before drain() looks at what the pipe holds
             async with asyncio.timeout(_WRITE_TIMEOUT_S):  # drain() has room for many waiters: no lock to queue on
                 await stdin.drain()
         except TimeoutError:
@@ -277,6 +282,12 @@ class ChildProcess:
             raise ConnectionError(f"the stdio server has not read its stdin for {_WRITE_TIMEOUT_S:g} s") from None
         except (BrokenPipeError, ConnectionResetError, RuntimeError) as exc:
             raise ConnectionError(f"the stdio server's stdin is closed ({type(exc).__name__})") from None
+
+    def _flush(self, stdin: asyncio.StreamWriter) -> None:
+        lines, self._outgoing = self._outgoing, []
+        if stdin is self._stdin and not stdin.transport.is_closing():
+            with contextlib.suppress(RuntimeError):  # (closed meanwhile: each writer's drain() says so)
+                stdin.write(b"".join(lines))
 
     def kill(self) -> None:
         """SIGKILL the child's process group at once; from now on it takes no request (the supervisor sees it exit
