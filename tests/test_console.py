@@ -17,6 +17,7 @@ from playwright import sync_api as playwright
 
 from mcp_tasks_proxy.config import ToolRule
 from tests.conftest import ROOT, free_port, quick_start, quiet_proxy, require, wait_ready
+from tests.issuer import ISSUER, RESOURCE, Issuer
 
 SCREENSHOT = os.environ.get("MCP_TASKS_PROXY_CONSOLE_SCREENSHOT")
 """Where test_a_task_with_a_question_is_answered_in_the_page saves a screenshot (the docs' docs/console.png)."""
@@ -439,4 +440,42 @@ def test_a_question_before_a_direct_answer_is_an_mrtr_round_the_page_answers(bro
     assert "requestState" not in first and retry["requestState"]  # the server's state, echoed
     assert retry["arguments"] == first["arguments"] and sent[-1]["id"] != sent[0]["id"]  # the same call, a new id
     assert list(retry["inputResponses"].values()) == [{"action": "accept", "content": {"name": "Ada"}}]
+    context.close()
+
+
+@pytest.fixture(scope="module")
+def jwt_console(tmp_path_factory) -> Iterator[tuple[str, Issuer]]:
+    """The quick start with verified callers (security.principal: jwt, the issuer's keys from a JWKS file)."""
+    issuer = Issuer()
+    folder = tmp_path_factory.mktemp("jwt")
+    (folder / "jwks.json").write_text(json.dumps(issuer.jwks()))
+    policy = folder / "policy.yaml"  # (JSON is YAML too)
+    policy.write_text(json.dumps({
+        "security": {"principal": "jwt", "resource_url": RESOURCE,
+                     "jwt": {"jwks_file": str(folder / "jwks.json"), "issuer": ISSUER}},
+        "tools": [{"match": "slow_*"}],
+    }))  # fmt: skip
+    with quick_start(policy) as url:
+        yield url.removesuffix("/mcp") + "/console", issuer
+
+
+def test_with_verified_callers_the_page_asks_for_a_token_and_works_with_it(browser, jwt_console):
+    console_url, issuer = jwt_console
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    opened = context.new_page()
+    opened.set_default_timeout(20_000)
+    opened.goto(console_url)  # the page itself needs no token
+    opened.wait_for_selector("#auth.asked")
+    assert opened.locator("#auth summary").inner_text() == "Credentials: the proxy asks for a token"
+    opened.wait_for_function("() => document.getElementById('tools').textContent.includes('401')")
+    assert "invalid_request: This endpoint needs a bearer token" in opened.inner_text("#tools")  # the refusal, said
+    opened.fill("#token", "not-a-token")
+    opened.get_by_role("button", name="Use").click()
+    opened.wait_for_function("() => document.getElementById('tools').textContent.includes('invalid_token')")
+    opened.fill("#token", issuer.token("alice"))
+    opened.get_by_role("button", name="Use").click()
+    opened.wait_for_selector("#tools li[data-tool='slow_report']")
+    entry = call(opened, "slow_report", {"topic": "tides", "seconds": 1})
+    reaches(entry, "completed")
+    assert entry.locator(".result pre.text").inner_text() == "Report on tides: all 5 steps done in 1 s."
     context.close()
