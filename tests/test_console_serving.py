@@ -28,7 +28,9 @@ async def test_the_console_is_on_on_loopback_and_its_page_is_the_proxys(make_pro
     assert "script-src 'self'" in headers["Content-Security-Policy"] and "frame-ancestors 'none'" in headers[
         "Content-Security-Policy"]  # fmt: skip
     assert '"match": "\\u003cscript>*"' in body  # a pattern is data in the page, never markup
-    for asset, kind in (("console.js", "text/javascript"), ("console.css", "text/css")):
+    assets = [("mcp.js", "text/javascript"), ("forms.js", "text/javascript"), ("console.js", "text/javascript"),
+              ("console.css", "text/css")]  # fmt: skip
+    for asset, kind in assets:
         status, _, headers = await get(f"{base}/console/{asset}")
         assert (status, headers["Content-Type"]) == (200, f"{kind}; charset=utf-8")
     async with aiohttp.ClientSession() as session, session.post(f"{base}/console", data=b"{}") as response:
@@ -59,7 +61,7 @@ async def test_off_the_loopback_the_console_is_off_unless_the_policy_turns_it_on
 async def test_with_verified_callers_the_page_loads_without_a_token_and_nothing_else_does(
     make_proxy, fake_upstream, issuer
 ):
-    """principal: jwt. The console's three paths are static and the proxy's: no token. A path that only decodes to
+    """principal: jwt. The console's paths are static and the proxy's: no token. A path that only decodes to
     one of them (/console%2Fconsole.js) is routed upstream, so it is checked like any other."""
     upstream = await fake_upstream(not_found)
     proxy = await make_proxy(upstream.url, security=security(issuer))

@@ -73,7 +73,8 @@ def test_the_wheel_holds_mcp_tasks_proxy_only(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "mcp_tasks_proxy/front/lane/connection.py" in names and "mcp_tasks_proxy/upstream/stdio/__init__.py" in names
     # The task console's page and files, which are not Python: package data.
-    assert {f"mcp_tasks_proxy/console/{name}" for name in ("console.html", "console.js", "console.css")} <= set(names)
+    shipped = ("console.html", "mcp.js", "forms.js", "console.js", "console.css")
+    assert {f"mcp_tasks_proxy/console/{name}" for name in shipped} <= set(names)
 
 
 def test_python_m_build_makes_what_a_release_publishes_and_the_wheel_runs_from_anywhere(tmp_path):

@@ -1,8 +1,9 @@
 """The task console: a page at /console from which a person calls tools and watches, answers and cancels their tasks.
 
-The page (console.html, console.js, console.css, shipped in this package) is a client of the proxy's own /mcp, as any
-MCP client is: no API of its own. The one thing it learns here rather than over MCP is the policy's tool rules,
-written into the page when it is served, so that it can say which tools become tasks.
+The page (console.html, its scripts mcp.js, forms.js and console.js, console.css, shipped in this package) is a
+client of the proxy's own /mcp, as any MCP client is: no API of its own. The one thing it learns here rather than
+over MCP is the policy's tool rules, written into the page when it is served, so that it can say which tools become
+tasks.
 """
 
 from __future__ import annotations
@@ -16,7 +17,12 @@ from aiohttp import web
 from ..policy import LivePolicy
 
 CONSOLE_PATH = "/console"
-ASSETS = {"console.js": "text/javascript", "console.css": "text/css"}
+ASSETS = {
+    "mcp.js": "text/javascript",  # the wire
+    "forms.js": "text/javascript",  # inputs from JSON Schema, the rules' matching
+    "console.js": "text/javascript",  # the page: tools, calls and tasks
+    "console.css": "text/css",
+}
 PATHS = frozenset({CONSOLE_PATH, *(f"{CONSOLE_PATH}/{name}" for name in ASSETS)})
 _RULES_MARK = "{{rules}}"
 
@@ -37,7 +43,7 @@ def _read(name: str) -> str:
 
 
 def add_routes(app: web.Application, policy: LivePolicy, served: Any) -> None:
-    """GET /console and its two assets, each through `served` (the request context, Host/Origin guard and error
+    """GET /console and its assets, each through `served` (the request context, Host/Origin guard and error
     boundary every route has)."""
     template = _read("console.html")
     assets = {name: _read(name).encode() for name in ASSETS}

@@ -1,176 +1,23 @@
-// The task console: an MCP 2026-07-28 client of this proxy's /mcp, with the tasks extension declared. It lists the
-// tools, calls one, follows its task through subscriptions/listen (tasks/get when listening fails), answers the
-// task's input requests with tasks/update and cancels it with tasks/cancel. Everything a server or a policy says is
-// shown as text (textContent), never as markup.
+// The task console: an MCP 2026-07-28 client of this proxy's /mcp (the wire: mcp.js; forms: forms.js), with the
+// tasks extension declared. It lists the tools, calls one, follows its task through subscriptions/listen (tasks/get
+// when listening fails), answers the task's input requests with tasks/update and cancels it with tasks/cancel.
+// Everything a server or a policy says is shown as text (textContent), never as markup.
 "use strict";
 
-const MCP = "/mcp";
-const PROTOCOL = "2026-07-28";
-const TASKS = "io.modelcontextprotocol/tasks";
-const CAPABILITIES = { extensions: { [TASKS]: {} }, elicitation: { form: {}, url: {} }, sampling: {} };
-const CLIENT = { name: "mcp-tasks-proxy-console", version: "1" };
 const TERMINAL = new Set(["completed", "failed", "cancelled", "expired"]); // expired: the page's, not the wire's
-const MAX_EVENT_CHARS = 32 * 1024 * 1024; // one SSE event larger than this ends the stream (a hostile server)
 const MAX_TOOL_PAGES = 50;
 const KEPT_TASKS = 50; // the tasks this tab remembers across a reload
 const MAX_ROUNDS = 10; // MRTR rounds of one call, as the official SDKs cap them
 
 const RULES = JSON.parse(document.getElementById("rules").textContent);
 const state = {
-  token: sessionStorage.getItem("console-token") || "",
   tools: new Map(),
   entries: new Map(), // task id (or a local id for a call answered directly) -> entry
-  nextId: 1,
   nextCall: 1,
   nextEntry: 1,
   follow: { controller: null, ids: "", polling: false, timer: null, retryMs: 0, retryAt: 0 },
 };
 
-// --- the wire --------------------------------------------------------------------------------------------------
-
-class RpcError extends Error {
-  constructor(message, code, status) {
-    super(message);
-    this.code = code;
-    this.status = status;
-  }
-}
-
-function meta() {
-  return {
-    "io.modelcontextprotocol/protocolVersion": PROTOCOL,
-    "io.modelcontextprotocol/clientCapabilities": CAPABILITIES,
-    "io.modelcontextprotocol/clientInfo": CLIENT,
-  };
-}
-
-// A header value as SEP-2243 sends it: as is when it is plain visible ASCII, else base64 of its UTF-8 in a sentinel.
-function headerValue(text) {
-  if (/^[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?$/.test(text) && !text.startsWith("=?base64?")) return text;
-  let binary = "";
-  for (const byte of new TextEncoder().encode(text)) binary += String.fromCharCode(byte);
-  return `=?base64?${btoa(binary)}?=`;
-}
-
-// Mcp-Param-* headers for the arguments at a tool's x-mcp-header properties (SEP-2243).
-function paramHeaders(schema, value, headers = {}) {
-  const properties = schema && typeof schema === "object" ? schema.properties : null;
-  if (!properties || typeof properties !== "object" || !value || typeof value !== "object") return headers;
-  for (const [key, sub] of Object.entries(properties)) {
-    if (!sub || typeof sub !== "object") continue;
-    const argument = value[key];
-    if (typeof sub["x-mcp-header"] === "string" && argument !== undefined && argument !== null
-        && typeof argument !== "object") {
-      headers[`Mcp-Param-${sub["x-mcp-header"]}`] = headerValue(String(argument));
-    }
-    paramHeaders(sub, argument, headers);
-  }
-  return headers;
-}
-
-async function post(method, params, { name, headers = {}, signal } = {}) {
-  const id = state.nextId++;
-  const message = { jsonrpc: "2.0", id, method, params: { ...params, _meta: meta() } };
-  const sent = {
-    "Content-Type": "application/json",
-    Accept: "application/json, text/event-stream",
-    "MCP-Protocol-Version": PROTOCOL,
-    "Mcp-Method": method,
-    ...headers,
-  };
-  if (name !== undefined) sent["Mcp-Name"] = headerValue(name);
-  if (state.token) sent.Authorization = `Bearer ${state.token}`;
-  const response = await fetch(MCP, { method: "POST", headers: sent, body: JSON.stringify(message), signal });
-  const challenge = response.headers.get("WWW-Authenticate") || "";
-  if (response.status === 401 || (response.status === 403 && challenge.includes("insufficient_scope"))) {
-    askForCredentials(response.status);
-  }
-  return { id, response };
-}
-
-// The data of each server-sent event (the WHATWG event-stream format: lines, `data:` fields, a blank line ends one).
-async function* sseEvents(response) {
-  const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
-  let buffer = "";
-  let data = [];
-  let size = 0;
-  let searched = 0; // where the search for the next line's end goes on: a long line is not scanned again per chunk
-  try {
-    for (;;) {
-      const { value, done } = await reader.read();
-      if (done) {
-        if (buffer !== "") buffer += "\n"; // the stream's last line, ended by its end
-        if (data.length || buffer !== "") buffer += "\n";
-      } else {
-        buffer += value;
-      }
-      for (;;) {
-        const found = buffer.slice(searched).search(/[\r\n]/);
-        const end = found < 0 ? -1 : searched + found;
-        if (end < 0 || (!done && buffer[end] === "\r" && end === buffer.length - 1)) { // a \r\n may be split
-          searched = end < 0 ? buffer.length : end;
-          break;
-        }
-        searched = 0;
-        const line = buffer.slice(0, end);
-        buffer = buffer.slice(end + (buffer.startsWith("\r\n", end) ? 2 : 1));
-        if (line === "") {
-          if (data.length && data.join("") !== "") yield data.join("\n");
-          data = [];
-          size = 0;
-        } else if (line.startsWith("data")) {
-          const colon = line.indexOf(":");
-          if (colon < 0 && line !== "data") continue;
-          const field = colon < 0 ? "" : line.slice(colon + 1).replace(/^ /, "");
-          if (line.slice(0, colon < 0 ? line.length : colon) !== "data") continue;
-          size += field.length;
-          if (size > MAX_EVENT_CHARS) throw new RpcError("an event of the server's stream is too large");
-          data.push(field);
-        }
-      }
-      if (buffer.length > MAX_EVENT_CHARS) throw new RpcError("a line of the server's stream is too long");
-      if (done) return;
-    }
-  } finally {
-    reader.cancel().catch(() => {});
-  }
-}
-
-// One request and its answer, JSON or the response event of an SSE stream; progress goes to onProgress.
-async function rpc(method, params, options = {}) {
-  const { id, response } = await post(method, params, options);
-  const type = (response.headers.get("Content-Type") || "").toLowerCase();
-  let answer = null;
-  if (type.startsWith("text/event-stream")) {
-    for await (const data of sseEvents(response)) {
-      const message = JSON.parse(data);
-      if (message.id === id && ("result" in message || "error" in message)) {
-        answer = message;
-        break;
-      }
-      if (message.method === "notifications/progress" && options.onProgress) options.onProgress(message.params);
-    }
-  } else if (type.startsWith("application/json")) {
-    answer = await response.json();
-  } else {
-    const text = (await response.text()).slice(0, 300);
-    throw new RpcError(`HTTP ${response.status}${text ? `: ${text}` : ""}`, null, response.status);
-  }
-  if (!answer || typeof answer !== "object") throw new RpcError(`no answer (HTTP ${response.status})`);
-  if (typeof answer.error === "string") { // an OAuth refusal (401, 403): {error, error_description}
-    const said = answer.error_description ? `${answer.error}: ${answer.error_description}` : answer.error;
-    throw new RpcError(`HTTP ${response.status}, ${said}`, null, response.status);
-  }
-  if (answer.error) {
-    throw new RpcError(String(answer.error.message ?? "error"), answer.error.code, response.status);
-  }
-  return answer.result ?? {};
-}
-
-function describeError(error) {
-  if (error instanceof RpcError) return error.code != null ? `${error.message} (${error.code})` : error.message;
-  return String(error && error.message ? error.message : error);
-}
 
 function askForCredentials(status) {
   const auth = document.getElementById("auth");
@@ -180,168 +27,6 @@ function askForCredentials(status) {
     status === 401 ? "Credentials: the proxy asks for a token" : "Credentials: this token may not do that";
 }
 
-// --- small DOM helpers -------------------------------------------------------------------------------------------
-
-function el(tag, attributes = {}, ...children) {
-  const node = document.createElement(tag);
-  for (const [key, value] of Object.entries(attributes)) {
-    if (key === "class") node.className = value;
-    else if (key.startsWith("on")) node.addEventListener(key.slice(2), value);
-    else if (value === true) node.setAttribute(key, "");
-    else if (value !== false && value !== undefined && value !== null) node.setAttribute(key, value);
-  }
-  for (const child of children) if (child !== null && child !== undefined && child !== false) node.append(child);
-  return node;
-}
-
-function json(value) {
-  return JSON.stringify(value, null, 2);
-}
-
-function clock(iso) {
-  const date = new Date(iso);
-  return Number.isNaN(date.getTime()) ? String(iso) : date.toLocaleTimeString();
-}
-
-function seconds(ms) {
-  return ms < 10_000 ? `${(ms / 1000).toFixed(1)} s` : `${Math.round(ms / 1000)} s`;
-}
-
-// --- the policy's rules (proxy/config.py ToolRule.matches: a name, or a shell-style glob as Python's fnmatch) ----
-
-function globRegExp(pattern) {
-  let source = "";
-  for (let at = 0; at < pattern.length; at++) {
-    const char = pattern[at];
-    if (char === "*") source += "[\\s\\S]*";
-    else if (char === "?") source += "[\\s\\S]";
-    else if (char === "[") {
-      let end = at + 1;
-      if (pattern[end] === "!") end++;
-      if (pattern[end] === "]") end++;
-      while (end < pattern.length && pattern[end] !== "]") end++;
-      if (end >= pattern.length) {
-        source += "\\[";
-        continue;
-      }
-      let set = pattern.slice(at + 1, end).replace(/\\/g, "\\\\");
-      at = end;
-      if (set.startsWith("!")) set = `^${set.slice(1)}`;
-      else if (set.startsWith("^")) set = `\\${set}`;
-      source += set === "" ? "(?!)" : set === "^" ? "[\\s\\S]" : `[${set.replace(/[[\]]/g, "\\$&")}]`;
-    } else source += char.replace(/[.*+?^${}()|[\]\\/-]/g, "\\$&");
-  }
-  return new RegExp(`^(?:${source})$`);
-}
-
-function globMatches(pattern, name) {
-  if (!/[*?[]/.test(pattern)) return pattern === name;
-  try {
-    return globRegExp(pattern).test(name);
-  } catch {
-    return false; // a set JavaScript cannot read (a reversed range): said as "no rule", never a wrong rule
-  }
-}
-
-function ruleFor(name) {
-  return RULES.find((rule) => globMatches(rule.match, name)) ?? null;
-}
-
-function describeRule(rule) {
-  if (!rule) return ["passes through", "No rule names it: the call goes to the server and answers when the tool is done."];
-  if (rule.task === "never") return ["passes through", `Rule "${rule.match}" (task: never): the call passes through.`];
-  const when = rule.syncWindowMs > 0 ? `when it takes longer than ${rule.syncWindowMs} ms` : "at once";
-  const kind = rule.task === "required" ? "always a task" : "a task";
-  return [kind, `Rule "${rule.match}": ${kind}, created ${when}; the call gives up after ${rule.timeoutS} s `
-    + "(timeout_s)."];
-}
-
-// --- forms from JSON Schema (a tool's input schema, an elicitation's requested schema) -----------------------------
-
-function choices(schema) {
-  if (Array.isArray(schema.enum)) {
-    const names = Array.isArray(schema.enumNames) ? schema.enumNames : [];
-    return schema.enum.map((value, at) => [value, String(names[at] ?? value)]);
-  }
-  const options = schema.oneOf ?? schema.anyOf;
-  if (Array.isArray(options) && options.every((option) => option && "const" in option)) {
-    return options.map((option) => [option.const, String(option.title ?? option.const)]);
-  }
-  return null;
-}
-
-function isSimple(schema) {
-  if (!schema || typeof schema !== "object") return false;
-  if (choices(schema)) return true;
-  if (["string", "number", "integer", "boolean"].includes(schema.type)) return true;
-  return schema.type === "array" && schema.items && choices(schema.items) !== null;
-}
-
-// One labelled input for `schema`; read() gives its value, or undefined when left empty.
-function fieldFor(key, schema, required, onChange) {
-  const title = String(schema.title ?? key);
-  const id = `field-${Math.random().toString(36).slice(2)}`;
-  const options = choices(schema);
-  const items = schema.type === "array" && schema.items ? choices(schema.items) : null;
-  let input;
-  let read;
-  let write;
-  if (items) {
-    const boxes = items.map(([value, label]) => {
-      const box = el("input", { type: "checkbox" });
-      box.checked = Array.isArray(schema.default) && schema.default.includes(value);
-      return [box, value, el("label", { class: "choice" }, box, ` ${label}`)];
-    });
-    input = el("span", { id, class: "choices" }, ...boxes.map(([, , label]) => label));
-    read = () => boxes.filter(([box]) => box.checked).map(([, value]) => value);
-    write = (value) => boxes.forEach(([box, choice]) => (box.checked = Array.isArray(value) && value.includes(choice)));
-  } else if (options) {
-    input = el("select", { id });
-    input.append(el("option", { value: "" }, required ? "choose…" : "—")); // never a value the user did not pick
-    options.forEach(([, label], at) => input.append(el("option", { value: String(at) }, label)));
-    if (schema.default !== undefined) {
-      const at = options.findIndex(([value]) => value === schema.default);
-      if (at >= 0) input.value = String(at);
-    }
-    read = () => (input.value === "" ? undefined : options[Number(input.value)][0]);
-    write = (value) => {
-      const at = options.findIndex(([choice]) => choice === value);
-      input.value = at >= 0 ? String(at) : "";
-    };
-  } else if (schema.type === "boolean") {
-    input = el("input", { id, type: "checkbox" });
-    input.checked = schema.default === true;
-    read = () => input.checked;
-    write = (value) => (input.checked = value === true);
-  } else if (schema.type === "number" || schema.type === "integer") {
-    input = el("input", { id, type: "number", step: schema.type === "integer" ? "1" : "any" });
-    if (typeof schema.default === "number") input.value = String(schema.default);
-    read = () => (input.value === "" ? undefined : Number(input.value));
-    write = (value) => (input.value = typeof value === "number" ? String(value) : "");
-  } else {
-    const type = { email: "email", uri: "url", date: "date" }[schema.format] ?? "text"; // (date-time: typed as text)
-    input = el("input", { id, type });
-    if (typeof schema.default === "string") input.value = schema.default;
-    read = () => (input.value === "" ? undefined : input.value);
-    write = (value) => (input.value = typeof value === "string" ? value : "");
-  }
-  if (onChange) input.addEventListener("input", onChange);
-  input.dataset.key = key;
-  const description = schema.description ? el("span", { class: "quiet" }, ` ${schema.description}`) : null;
-  const row = el("div", { class: "field" }, el("label", { for: id }, title, required ? " *" : ""), input, description);
-  return { row, read, write, key, required };
-}
-
-// The arguments a form starts from: each property's default. (A required one without a default is left out, so
-// that the server, not a made-up empty value, says it is missing.)
-function skeleton(schema) {
-  const value = {};
-  const properties = schema && typeof schema === "object" ? schema.properties : null;
-  for (const [key, sub] of Object.entries(properties && typeof properties === "object" ? properties : {})) {
-    if (sub && typeof sub === "object" && "default" in sub) value[key] = sub.default;
-  }
-  return value;
-}
 
 // --- the tools ----------------------------------------------------------------------------------------------------
 
@@ -881,11 +566,13 @@ function followById(event) {
 }
 
 function start() {
-  document.getElementById("token").value = state.token;
+  wire.token = sessionStorage.getItem("console-token") || "";
+  wire.refused = askForCredentials;
+  document.getElementById("token").value = wire.token;
   document.getElementById("auth-form").addEventListener("submit", (event) => {
     event.preventDefault();
-    state.token = document.getElementById("token").value.trim();
-    sessionStorage.setItem("console-token", state.token);
+    wire.token = document.getElementById("token").value.trim();
+    sessionStorage.setItem("console-token", wire.token);
     describeServer();
     loadTools();
   });
