@@ -70,6 +70,12 @@ def call(page: Any, tool: str, arguments: dict[str, Any]) -> Any:
     return page.locator(f"#tasks li[data-entry='{newest}']")
 
 
+def task_id_of(entry: Any) -> str:
+    """The entry's task id, once the call's answer has made it a task (the entry shows before the answer)."""
+    entry.page.wait_for_function("node => node.dataset.taskId !== ''", arg=entry.element_handle())
+    return entry.get_attribute("data-task-id")
+
+
 def reaches(entry: Any, status: str) -> None:
     entry.page.wait_for_function(
         "([node, status]) => node.dataset.status === status", arg=[entry.element_handle(), status]
@@ -98,7 +104,7 @@ def test_the_tools_are_listed_with_the_rule_the_policy_gives_each(page):
 def test_a_task_is_followed_live_to_completed_with_its_progress_and_result(page):
     # 5 s: time for the listen to open and carry a step or two (under load), before the task completes.
     entry = call(page, "slow_report", {"topic": "tides", "seconds": 5})
-    task_id = entry.get_attribute("data-task-id")
+    task_id = task_id_of(entry)
     assert re.fullmatch(r"[A-Za-z0-9_-]{16,}", task_id), task_id
     page.wait_for_function(
         "node => /researching tides: step \\d of 5/.test(node.textContent)", arg=entry.element_handle()
@@ -245,7 +251,7 @@ def test_the_pages_event_stream_reader_follows_the_format(page):
 
 def test_a_reloaded_page_follows_the_tasks_it_started(page):
     entry = call(page, "slow_report", {"topic": "tides", "seconds": 2})
-    task_id = entry.get_attribute("data-task-id")
+    task_id = task_id_of(entry)
     page.reload()
     again = page.locator(f"#tasks li[data-task-id='{task_id}']")
     again.wait_for()
