@@ -23,7 +23,9 @@ class RoundRobin:
     async def start(self, port: int) -> str:
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self._relay)
-        self._runner = web.AppRunner(app)
+        # A client that leaves ends its relay, as it does in nginx: else an event stream nobody reads any more (a
+        # session's GET stream) stays open to its backend, and the stop waits for it.
+        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", port).start()
         self._client = aiohttp.ClientSession(auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None))

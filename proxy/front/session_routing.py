@@ -9,8 +9,10 @@ streams included) is relayed back as it arrives. So a plain round-robin balancer
 The hop is signed with the replicas' shared key (the request's method, path, session and a timestamp); a replica
 serves a signed request itself, whatever it knows of the session, and never forwards it again. A client's own
 `Mcp-Tasks-Proxy-Hop` header signs nothing, is never passed upstream, and only costs it a log line. When the
-session's replica is gone (its lease lapsed, or its address refuses connections), the client gets 404, what the
-spec gives for a lost session: it then starts a new one with `initialize`. A replica that holds the lease but does
+session's replica is gone (its lease lapsed, or its address refuses connections), its record is dropped and the
+request is served where it landed, as any session this replica does not know: a sidecar's server went with its
+pod and answers 404, what the spec gives for a lost session (the client starts a new one with `initialize`), while
+replicas in front of one shared server keep the session. A replica that holds the lease but does
 not answer in time gets 503 (try again).
 """
 
@@ -158,21 +160,17 @@ class SessionRouting:
                 return forwarded
         # Its lease lapsed, or its address refuses connections (the process is gone, its lease not yet lapsed).
         log.info("session_replica_gone", replica=owner)
-        message = await _posted(request)
-        if _about_recorded_calls(request, message):
-            # A durable call's stream resumed, a SEP-1686 task of the proxy's polled: everything about them is in the
-            # store, so this replica answers, following the record while the lost replica's lease decides (the call
-            # run again, or its outcome written as unknown). The session's other requests get 404.
-            log.info("session_call_answered_here", replica=owner)
-            return None
         with contextlib.suppress(StoreUnavailable):
             await self._store.forget_session(tag)
-        if _expects_no_answer(message):
-            # A notification or a response for the lost session: nothing waits on it, and a 404 to one makes the
-            # Python SDK 1.x end the client's session at once, its call's outcome still on the way. Its next request
-            # learns that the session is gone.
-            return web.Response(status=202)
-        return _session_gone()
+        if _about_recorded_calls(request, await _posted(request)):
+            # A durable call's stream resumed, a SEP-1686 task of the proxy's polled: everything about them is in the
+            # store, so this replica answers, following the record while the lost replica's lease decides (the call
+            # run again, or its outcome written as unknown).
+            log.info("session_call_answered_here", replica=owner)
+        # Anything else is served here as a session this replica does not know, now and after the record is gone:
+        # its server answers (404 from a sidecar's own server, gone with its pod; replicas sharing one server keep
+        # the session), or the proxy itself in front of a stdio or 2026 server (404: initialize again).
+        return None
 
     async def _parked_elsewhere(self, request: web.Request) -> web.StreamResponse | None:
         """A 2026 client's retry of a synchronous MRTR round whose call another replica holds open (parked in front
@@ -310,12 +308,6 @@ def _about_recorded_calls(request: web.Request, message: Any) -> bool:
     return parse_answer_id(message.get("id")) is not None
 
 
-def _expects_no_answer(message: Any) -> bool:
-    """Whether what a request of a 2025 session POSTs is only JSON-RPC notifications or responses."""
-    messages = message if isinstance(message, list) else [message]
-    return bool(messages) and all(isinstance(one, dict) and not ("method" in one and "id" in one) for one in messages)
-
-
 def may_name_a_parked_call(body: bytes) -> bool:
     """Whether a request's body may hold a parked call's handle (parking.py): the usual case is decided without
     parsing."""
@@ -325,11 +317,4 @@ def may_name_a_parked_call(body: bytes) -> bool:
 def _unavailable(reason: str) -> web.Response:
     error = error_object(-32603, f"Proxy failure: {reason}; try again")
     return web.Response(status=503, body=dumps({"jsonrpc": "2.0", "id": None, "error": error}),
-                        content_type="application/json")  # fmt: skip
-
-
-def _session_gone() -> web.Response:
-    # What a server says of a session it does not know (the official SDKs' wording): the client starts a new one.
-    error: dict[str, Any] = error_object(-32001, "Session not found: the proxy replica that held it is gone")
-    return web.Response(status=404, body=dumps({"jsonrpc": "2.0", "id": None, "error": error}),
                         content_type="application/json")  # fmt: skip
