@@ -16,6 +16,7 @@ import secrets
 import signal
 
 import aiohttp
+import pytest
 
 from tests.conftest import Replica, eventually
 from tests.factories import McpClient
@@ -23,9 +24,9 @@ from tests.test_replicas import killed
 
 ROUNDS = 6
 CALLS_PER_ROUND = 50
+"""Half of each round's calls are of the idempotent tool, half of the other."""
 SPREAD_S = 1.5
 """Each round's calls are sent over this long, and a replica is killed in the middle of it."""
-"""Half of each round's calls are of the idempotent tool, half of the other."""
 ATTEMPTS = 10
 TOOLS = [
     {"match": "counted", "idempotent": True, "retry": {"attempts": ATTEMPTS, "backoff_ms": 50}},
@@ -33,6 +34,8 @@ TOOLS = [
 ]
 
 
+# Six replicas started, 300 tasks and a minute's wait for the last to end: past the suite's 60 s on busy cores.
+@pytest.mark.timeout(240)
 async def test_replicas_killed_in_a_loop_lose_no_task_and_run_nothing_unsafe_twice(
     replicas,
     session,

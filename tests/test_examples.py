@@ -18,6 +18,12 @@ from tests.conftest import ROOT, free_port, quick_start, start_redis, stop
 CLIENT = ROOT / "examples" / "task_client.py"
 
 
+@pytest.fixture(autouse=True)
+def own_temp_dir(tmp_path, monkeypatch):
+    """The demo writes its log to the temporary directory: the test's own, not the machine's /tmp."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+
+
 @pytest.mark.parametrize("transport", ["http", "stdio"])
 def test_demo_walks_the_task_flow_and_exits_cleanly(transport):
     done = subprocess.run(

@@ -213,14 +213,18 @@ async def test_two_nodes_bouncing_a_moved_are_followed_with_pauses_within_the_ti
         client = RespClient(url, timeout_s=0.5)
         try:
             started = asyncio.get_running_loop().time()
-            with pytest.raises(RespError, match="MOVED"):
+            # The last MOVED, or (on a slow machine the deadline falls on a connection to the other node) the timeout.
+            with pytest.raises((RespError, TimeoutError)) as failed:
                 await client.execute("GET", "k")
             elapsed = asyncio.get_running_loop().time() - started
         finally:
             await client.aclose()
-    assert 0.4 <= elapsed < 0.9  # it kept following until the timeout, and no longer
-    # Each redirection is a connection: followed more than once, but paused (without pauses: thousands).
-    assert 3 <= first.connections + second.connections <= 20
+    assert isinstance(failed.value, TimeoutError) or str(failed.value).startswith("MOVED"), failed.value
+    # It kept following until the timeout (a MOVED is given up only within a pause of it), and no longer (the
+    # bound is loose: a busy machine is slow, not wrong).
+    assert 0.5 - 0.05 <= elapsed < 2.5
+    # Each redirection is a connection: both nodes followed, but paused (without pauses: thousands).
+    assert 2 <= first.connections + second.connections <= 20
 
 
 async def test_a_moved_to_a_node_that_never_answers_stays_within_the_timeout_and_is_not_followed_again() -> None:
