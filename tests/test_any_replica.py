@@ -223,3 +223,41 @@ async def test_a_2025_client_gets_its_calls_outcome_after_its_sessions_replica_i
         await server.call_tool("release", {"tag": tag})
     outcome = await call
     assert outcome["text"] == f"gate {tag} opened" and outcome["isError"] is False, outcome
+
+
+@pytest.mark.parametrize("client", ["python-sdk-1", "python-sdk-1-sep-1686", "typescript-sdk-1"])
+async def test_in_sidecars_a_2025_client_gets_its_calls_outcome_after_its_sessions_replica_is_killed(
+    replicas, own_servers, balanced, client
+):
+    """The sidecar topology: each replica its own server, so the session goes with the replica that is killed, and
+    its other requests get that answer (404). The call's outcome does not: the Python SDK 1.x client, having listed
+    the tools first as hosts do, and the TypeScript SDK 1.x client resume their stream through another replica (the
+    SEP-1686 client polls its task there) and get the result of the call run again in front of that replica's
+    server, over a session of the proxy's (that server never knew the client's). Without the listing, the Python SDK
+    lists the tools after the call, to check its result: on the lost session that is a 404, which the SDK reports
+    as the call's failure."""
+    rules = [{"match": "gated", "idempotent": True, "keepalive_s": 0.5, "max_stream_s": 1.5}]
+    proxies = [replicas(server, advertise=True, tools=rules) for server in own_servers]
+    url, balancer = await balanced(proxies)
+    tag = secrets.token_hex(6)
+    if client == "typescript-sdk-1":
+        call = asyncio.ensure_future(ts_call(url, "gated", {"tag": tag}, timeout_s=60))
+    else:
+        flags = ["--as-task", "--connection-per-request"] if client.endswith("sep-1686") else ["--list-first"]
+        call = asyncio.ensure_future(sdk1_call(url, "gated", {"tag": tag}, *flags, timeout_s=60))
+    async with aiohttp.ClientSession() as http:
+        servers = [LegacyClient(http, server) for server in own_servers]
+
+        async def runs(count: int) -> bool:
+            counts = [int(await server.call_tool("gate_arrivals", {"tag": tag})) for server in servers]
+            return sum(counts) == count
+
+        await eventually(lambda: runs(1), what="the call running upstream")
+        owner = proxies[balancer.hits[0][0]]  # the replica that answered initialize holds the session
+        owner.process.send_signal(signal.SIGKILL)
+        owner.process.wait()
+        await eventually(lambda: runs(2), what="the call run again by another replica")
+        for server in servers:
+            await server.call_tool("release", {"tag": tag})
+    outcome = await call
+    assert outcome["text"] == f"gate {tag} opened" and outcome["isError"] is False, outcome

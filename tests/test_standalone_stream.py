@@ -86,7 +86,7 @@ async def test_a_call_that_may_be_asked_has_a_session_of_its_own(proxy, legacy_u
     await proxy.client.call("tasks/update", {"taskId": created.result["taskId"], "inputResponses": {key: ROOTS}})
     done = await task_reaches(proxy.client, created.result["taskId"], "completed")
     assert done.result["result"]["content"][0]["text"] == "file:///srv/project"
-    assert len(proxy.app[gateway_key].legacy._sessions) == 2
+    assert len(proxy.app[gateway_key].legacy.sessions) == 2
     await legacy.call_tool("release", {"tag": gate})
     await task_reaches(proxy.client, waiting, "completed")
 
@@ -110,7 +110,7 @@ async def test_the_proxy_session_keeps_one_standalone_stream_open(proxy, legacy_
     await proxy.client.call("tools/list", tasks=False)
     for _ in range(3):
         await proxy.client.call("tools/call", {"name": "add", "arguments": {"a": 1, "b": 1}, "_meta": meta()})
-    sessions = list(proxy.app[gateway_key].legacy._sessions.values())
+    sessions = list(proxy.app[gateway_key].legacy.sessions.all())
     assert len(sessions) == 1
     assert sessions[0].reader is not None and not sessions[0].reader.done()
 

@@ -362,7 +362,7 @@ async def _serves_2025_tasks(request: web.Request, method: str) -> bool:
         legacy = gateway.legacy
         if legacy.initialize_result is None:
             try:
-                await legacy.session_for(request.headers)
+                await legacy.sessions.session_for(request.headers)
             except (UpstreamUnavailable, ConnectionError, OSError) as exc:
                 raise UpstreamError(f"cannot open a session upstream ({exc})", upstream=legacy.url) from exc
         return not tasks2025.has_tool_tasks(legacy.initialize_result or {})
@@ -462,7 +462,7 @@ async def _discover_from_legacy(request: web.Request, message: dict[str, Any]) -
     check_modern_request(message, request.headers)
     legacy = request.app[gateway_key].legacy
     try:
-        await legacy.session_for(request.headers)
+        await legacy.sessions.session_for(request.headers)
     except (UpstreamUnavailable, ConnectionError, OSError) as exc:
         raise UpstreamError(f"cannot open a session upstream ({exc})", upstream=legacy.url) from exc
     return json_reply(result_response(message["id"], discover_result(legacy.initialize_result)))

@@ -142,7 +142,7 @@ def _call_of(context: Any, principal: str) -> ToolCall:
         session_id, version = context["session"]
         if not (session_id is None or isinstance(session_id, str)) or not isinstance(version, str):
             raise TypeError("a session that is not text")
-        session = LegacySession(session_id=session_id, protocol_version=version, principal=principal)
+        session = LegacySession(session_id=session_id, protocol_version=version, principal=principal, carried=True)
     return ToolCall(
         tool=params["name"],
         message=message,

@@ -1,4 +1,5 @@
-"""Legacy (2025-06-18 / 2025-11-25) upstreams: sessions the proxy manages, and translation to and from 2026-07-28.
+"""Legacy (2025-06-18 / 2025-11-25) upstreams: calls over the proxy's sessions (legacy_sessions.py), and translation
+to and from 2026-07-28.
 
 A legacy server fixes capabilities at `initialize`, keys requests to an `Mcp-Session-Id`, and asks for user input by
 sending JSON-RPC requests (`elicitation/create`, `sampling/createMessage`, `roots/list`) on the event stream of the
@@ -9,7 +10,6 @@ same events the runner reads from a modern upstream.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
@@ -21,7 +21,6 @@ from .. import PROTOCOL_VERSION, TASKS_EXTENSION, __version__
 from ..clients.envelope import params_of
 from ..jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, error_object
 from ..security import Identity
-from ..session_table import SessionsFull, SessionTable
 from .events import (
     RETRIED_STATUSES,
     AnswerTooLarge,
@@ -38,6 +37,7 @@ from .events import (
     proxy_failure,
     too_large,
 )
+from .legacy_sessions import CallerSessions, NoSessionRoom
 from .legacy_tasks import TASKED, TaskSupport, run_as_upstream_task, without_task_support
 from .routing import CallRoute, LegacySession, asks_client
 
@@ -219,7 +219,7 @@ class LegacyLink(Protocol):
 
 
 class LegacyUpstream:
-    """A legacy upstream behind the proxy: per-principal sessions, and calls read as events."""
+    """A legacy upstream behind the proxy: calls read as events, over sessions of each caller's (`sessions`)."""
 
     def __init__(
         self,
@@ -230,19 +230,16 @@ class LegacyUpstream:
         max_sessions_per_caller: int | None = None,
     ) -> None:
         self._identity = identity
-        self._per_caller = max_sessions_per_caller or max_sessions
         self._background: set[asyncio.Task[None]] = set()
         self.link = link(self.spawn)
-        # Each session is one caller's, and a call whose client may be asked something has one to itself: a server
-        # request on the standalone stream then names its call, and what a server keeps of one caller (the roots it
-        # was given) never reaches another. Bounded: one caller opening many (made-up credentials cost nothing)
-        # ends only idle ones, never a session with a call in flight.
-        self._sessions: SessionTable[int, LegacySession] = SessionTable(
-            max_sessions, is_busy=lambda session: bool(session.calls), on_end=self._ended
+        self.sessions = CallerSessions(
+            self._handshake,
+            end=self.link.end,
+            sessions_per_call=self.link.sessions_per_call,
+            identity=identity,
+            max_sessions=max_sessions,
+            max_sessions_per_caller=max_sessions_per_caller,
         )
-        self._by_caller: dict[str, list[LegacySession]] = {}
-        self._numbers = itertools.count(1)
-        self._opening: dict[str, asyncio.Task[LegacySession]] = {}
         self.initialize_result: dict[str, Any] | None = None
         self.task_support = TaskSupport()
 
@@ -252,55 +249,8 @@ class LegacyUpstream:
 
     # --- sessions ---------------------------------------------------------------------------------------------
 
-    async def session_for(self, client_headers: MultiMapping[str], route: CallRoute | None = None) -> LegacySession:
-        """A session of the caller's for a request (of the call `route`, when given): one with no call that may be
-        asked something, or, for such a call, one with nothing in flight; a new one when there is none.
-
-        Whose: the request's credential (a server may bind its session to the token that opened it) and its caller
-        (the call's, security.caller_of: its principal, or an anonymous client's address), else its principal."""
-        who = route.caller if route is not None and route.caller else self._identity.principal(client_headers)
-        caller = f"{self._identity.credential(client_headers)}|{who}"
-        per_call = self.link.sessions_per_call  # (over stdio the sessions all name the child's one: one a caller)
-        alone = route is not None and route.asks and per_call
-        while True:
-            sessions = self._by_caller.get(caller, ())
-            if route is not None:  # the call's own requests (its POST after call() chose the session, follow-ups)
-                for session in sessions:
-                    if session.calls.carries(route):
-                        return session
-            for session in sessions:
-                if (not session.calls) if alone else (not per_call or not session.calls.asking):
-                    self._sessions.get(session.number)  # the most recently used now
-                    return session
-            try:
-                if alone and len(sessions) >= self._per_caller:
-                    raise NoSessionRoom("upstream.max_sessions_per_caller")  # shared below, as when all are busy
-                if alone:  # its own, made for it: no other call finds it free before it is in flight there
-                    return await self._initialize(caller, client_headers)
-                opening = self._opening.get(caller)
-                if opening is None:  # one initialize per caller, however many requests wait for it
-                    opening = asyncio.ensure_future(self._initialize(caller, client_headers))
-                    self._opening[caller] = opening
-                    opening.add_done_callback(lambda _: self._opening.pop(caller, None))
-                session = await asyncio.shield(opening)
-            except NoSessionRoom:
-                sessions = self._by_caller.get(caller, ())
-                if not sessions:
-                    raise
-                # Every session is busy, or the caller has its share: rather than fail, the call shares the caller's
-                # session with the fewest calls that may be asked something; a question on its standalone stream
-                # may then be refused as ambiguous, never sent to another caller.
-                bound = "max_sessions_per_caller" if len(sessions) >= self._per_caller else "max_sessions"
-                log.info("legacy_session_shared", reason=f"upstream.{bound}")
-                return min(sessions, key=lambda session: session.calls.asking)
-            if alone or not session.calls.asking:  # (else a call that may be asked took it meanwhile: look again)
-                return session
-
-    async def _initialize(self, caller: str, client_headers: MultiMapping[str]) -> LegacySession:
-        try:
-            self._sessions.make_room(what="upstream.max_sessions")  # before the upstream makes one for nothing
-        except SessionsFull as exc:
-            raise _no_room(exc) from exc
+    async def _handshake(self, caller: str, client_headers: MultiMapping[str], number: int) -> LegacySession:
+        """Session `number` opened with the upstream for `caller`: its initialize, then what the link does next."""
         bare = LegacySession(session_id=None, protocol_version=LEGACY_VERSION, principal=caller)
         answer, session_id, status = await self.link.initialize(caller, client_headers, proxy_initialize(), bare)
         if answer is None or not isinstance(answer.get("result"), dict):
@@ -311,35 +261,15 @@ class LegacyUpstream:
             session_id=session_id,
             protocol_version=str(result.get("protocolVersion") or LEGACY_VERSION),
             principal=caller,
-            number=next(self._numbers),
+            number=number,
         )
         await self.link.opened(self, session, client_headers)
-        try:
-            self._sessions.add(session.number, session, what="upstream.max_sessions")
-        except SessionsFull as exc:  # filled up while this one opened
-            self.link.end(session)
-            raise _no_room(exc) from exc
-        self._by_caller.setdefault(caller, []).append(session)
-        log.info("legacy_session_opened", protocol_version=session.protocol_version, has_session_id=bool(session_id))
         return session
-
-    def _ended(self, number: int, session: LegacySession) -> None:
-        self._unlist(session)
-        self.link.end(session)
-
-    def _unlist(self, session: LegacySession) -> None:
-        sessions = self._by_caller.get(session.principal)
-        if sessions is not None and session in sessions:
-            sessions.remove(session)
-            if not sessions:
-                del self._by_caller[session.principal]
 
     def forget(self, session: LegacySession) -> None:
         """The upstream ended this session (404): the next request opens a new one."""
         self.link.stop_reading(session)
-        if self._sessions.get(session.number) is session:
-            self._sessions.pop(session.number)
-            self._unlist(session)
+        self.sessions.forget(session)
 
     def spawn(self, coro: Awaitable[None]) -> None:
         """Run `coro` beside the calls; it is cancelled when the proxy stops."""
@@ -348,10 +278,10 @@ class LegacyUpstream:
         task.add_done_callback(self._background.discard)
 
     def session_count(self) -> int:
-        return len(self._sessions)
+        return len(self.sessions)
 
     async def aclose(self) -> None:
-        for session in list(self._sessions.values()):
+        for session in self.sessions.all():
             self.link.stop_reading(session)
         for task in list(self._background):
             task.cancel()
@@ -365,16 +295,23 @@ class LegacyUpstream:
         route: CallRoute | None = None,
     ) -> tuple[LegacySession, LegacyReply]:
         """Send a call over the caller's session, opening a new one when the upstream says the old one is gone
-        (404); or over `session` (a client's own), as it is."""
+        (404); or over `session` (a client's own), as it is, unless the call's record carried it here and the
+        upstream does not know it (LegacySession.carried)."""
         given = session
         for attempt in range(2):
-            session = await self.session_for(client_headers, route) if given is None else given
+            session = await self.sessions.session_for(client_headers, route) if given is None else given
             reply = await self.link.send(session, client_headers, message, route)
-            if reply.status == 404 and session.session_id is not None and attempt == 0 and given is None:
-                reply.close()
-                self.forget(session)
-                log.info("legacy_session_expired")
-                continue
+            if reply.status == 404 and session.session_id is not None and attempt == 0:
+                if given is None:
+                    reply.close()
+                    self.forget(session)
+                    log.info("legacy_session_expired")
+                    continue
+                if given.carried:
+                    reply.close()
+                    given = None
+                    log.info("legacy_client_session_unknown_here", reason="the call runs on a session of the proxy's")
+                    continue
             return session, reply
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -399,7 +336,7 @@ class LegacyUpstream:
         given (on stdio it then reaches the child that took the call). Raises UpstreamUnavailable."""
         message = {"jsonrpc": "2.0", "id": f"mtp-{method}-{secrets.token_hex(6)}", "method": method, "params": params}
         for attempt in range(2):
-            current = session or await self.session_for(client_headers)
+            current = session or await self.sessions.session_for(client_headers)
             status, answer = await self.link.ask(current, client_headers, message, route)
             if status == 404 and current.session_id is not None and attempt == 0:
                 self.forget(current)
@@ -442,7 +379,7 @@ class LegacyUpstream:
             if follow is not None:  # the session the server made its task in, opened through another replica
                 session = LegacySession(follow.session_id, follow.protocol_version, route.caller)
             else:
-                session = await self.session_for(client_headers, route)
+                session = await self.sessions.session_for(client_headers, route)
         except (ConnectionError, OSError, UpstreamUnavailable) as exc:
             yield proxy_failure(_unreachable(exc), self.url, transient="unsent")  # the call itself never left
             return
@@ -488,6 +425,9 @@ class LegacyUpstream:
             # Where the server cannot know what this client declared (one stdio child for all), the proxy checks.
             declared = self.link.client_capabilities(session)
             capabilities = declared if declared is not None else capabilities
+        if session is not None and session.carried and route is None:
+            # Should this server not know the session, the call goes over one of the proxy's, kept busy by the call.
+            route = CallRoute(capabilities, None, asks=asks_client(request_method, capabilities))
         try:
             session, response = await self.post(legacy, client_headers, session, route)
         except (ConnectionError, OSError, UpstreamUnavailable) as exc:
@@ -608,15 +548,6 @@ def answer_event(method: str, answer: dict[str, Any], upstream: LegacyUpstream, 
         result = without_task_support(result)
     result = to_modern_result(method, result)
     return Finished(result)  # its size is measured where a bound applies (a task's result), not for every answer
-
-
-class NoSessionRoom(UpstreamUnavailable):
-    """Every session the proxy may keep with the upstream has a call in flight: the upstream itself is fine."""
-
-
-def _no_room(exc: SessionsFull) -> NoSessionRoom:
-    log.warning("legacy_session_refused", reason=str(exc))
-    return NoSessionRoom(f"cannot open another session with the upstream: {exc}")
 
 
 def _unreachable(exc: BaseException) -> str:

@@ -196,7 +196,11 @@ class LegacySession:
     on_status: Callable[[int], None] | None = None
     """A client's own session (a durable call's): told the HTTP status the server answers each POST with."""
     number: int = 0
-    """The proxy's own sessions with a 2025 server: its key in LegacyUpstream's table."""
+    """The proxy's own sessions with a 2025 server: its key in the table of CallerSessions."""
+    carried: bool = False
+    """A client's own session as a call's record carries it to the replica that runs the call (taken over, or
+    queued): when that replica's server does not know it (a sidecar's, gone with its pod), the call goes over a
+    session of the proxy's own for the caller instead."""
 
 
 def related_task_id(message: dict[str, Any]) -> str | None:

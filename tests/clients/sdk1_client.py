@@ -10,8 +10,11 @@ for the next one pollInterval later, just as the middlebox cuts it: the keep-ali
 the way (the server never sees it), and the SDK 1.x client lets the transport error out of its task group
 (python-sdk#3522). That race is the client's and the middlebox's, whatever the server does.
 
+With --list-first it lists the tools before the call, as hosts do (else the SDK lists them after the call, to
+validate its result against the tool's output schema).
+
 Runs in tests/.legacy-venv. Usage: python sdk1_client.py URL TOOL ARGUMENTS_JSON TIMEOUT_S [--progress] [--as-task]
-[--connection-per-request]
+[--connection-per-request] [--list-first]
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ async def main(url: str, tool: str, arguments: dict, timeout_s: float, flags: li
             statuses = [status.status async for status in session.experimental.poll_task(created.task.taskId)]
             result = await session.experimental.get_task_result(created.task.taskId, CallToolResult)
             return {"text": result.content[0].text, "isError": result.isError, "statuses": statuses[-1:]}
+        if "--list-first" in flags:  # as hosts do; else call_tool lists the tools after the call, to check its result
+            await session.list_tools()
         result = await session.call_tool(tool, arguments, **kwargs)
         return {"text": result.content[0].text, "isError": result.isError}
 
