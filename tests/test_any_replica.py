@@ -196,10 +196,11 @@ async def test_a_2026_stdio_childs_mrtr_retry_reaches_the_child_that_sealed_its_
 async def test_a_2025_client_gets_its_calls_outcome_after_its_sessions_replica_is_killed(
     replicas, plain_legacy_upstream, balanced, client
 ):
-    """Real 2025 clients, three replicas behind round-robin with sessions routed (advertise_url): the replica
-    holding the client's session is killed mid-call. The client resumes its stream (or polls its task) through the
-    others, which answered 404 (the session's replica is gone); now they answer from the call's record, and the
-    client gets the answer of the call run again by the replica that took it over."""
+    """Real 2025 clients, three replicas behind round-robin with sessions routed (advertise_url), in front of one
+    shared server: the replica holding the client's session is killed mid-call. The client resumes its stream (or
+    polls its task) through the others, which answer from the call's record, and gets the answer of the call run
+    again by the replica that took it over; the session lives on in the shared server, so the SDK's own requests
+    after the call (its tools/list) are served too, every time."""
     rules = [{"match": "gated", "idempotent": True, "keepalive_s": 0.5, "max_stream_s": 1.5}]
     proxies = [replicas(plain_legacy_upstream, advertise=True, tools=rules) for _ in range(3)]
     url, balancer = await balanced(proxies)

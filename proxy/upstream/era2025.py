@@ -297,19 +297,27 @@ class LegacyUpstream:
         """Send a call over the caller's session, opening a new one when the upstream says the old one is gone
         (404); or over `session` (a client's own), as it is, unless the call's record carried it here and the
         upstream does not know it (LegacySession.carried)."""
-        given = session
+        given, instead = session, False
         for attempt in range(2):
             session = await self.sessions.session_for(client_headers, route) if given is None else given
-            reply = await self.link.send(session, client_headers, message, route)
+            if instead and route is not None:
+                # Busy from now, not once the server answers: never ended for room, nor taken by another asking call.
+                session.calls[message["id"]] = route
+            try:
+                reply = await self.link.send(session, client_headers, message, route)
+            except BaseException:
+                if instead:
+                    session.calls.pop(message["id"], None)
+                raise
             if reply.status == 404 and session.session_id is not None and attempt == 0:
                 if given is None:
                     reply.close()
                     self.forget(session)
                     log.info("legacy_session_expired")
                     continue
-                if given.carried:
+                if given.carried:  # (nothing ran: a 404 is the answer to the session, before the request is read)
                     reply.close()
-                    given = None
+                    given, instead = None, True
                     log.info("legacy_client_session_unknown_here", reason="the call runs on a session of the proxy's")
                     continue
             return session, reply
@@ -412,9 +420,11 @@ class LegacyUpstream:
         route: CallRoute | None = None,
         session: LegacySession | None = None,
         verbatim: bool | None = None,
+        caller: str = "",
     ) -> AsyncIterator[Event]:
         """One request's POST and its response stream, read as events. `route` is the call it belongs to, known to
-        the session the POST went over (a new one when the old one had expired).
+        the session the POST went over (a new one when the old one had expired). `caller` (security.caller_of) is
+        whose sessions a call on a carried client session may use instead (LegacySession.carried).
 
         With `session`, a 2025-era client's own: the request goes over it, and results, errors and the server's
         requests come back verbatim, for that client; with `verbatim` False, the proxy's own session that a call's
@@ -427,7 +437,7 @@ class LegacyUpstream:
             capabilities = declared if declared is not None else capabilities
         if session is not None and session.carried and route is None:
             # Should this server not know the session, the call goes over one of the proxy's, kept busy by the call.
-            route = CallRoute(capabilities, None, asks=asks_client(request_method, capabilities))
+            route = CallRoute(capabilities, None, caller=caller, asks=asks_client(request_method, capabilities))
         try:
             session, response = await self.post(legacy, client_headers, session, route)
         except (ConnectionError, OSError, UpstreamUnavailable) as exc:

@@ -199,7 +199,9 @@ class Gateway:
         era is known, the era's own generator is returned as it is: no frame in between for as long as the call
         runs, and one step less for each event."""
         if session is not None:
-            return self.legacy.exchange(message, client_headers, capabilities, max_bytes=max_bytes, session=session)
+            return self.legacy.exchange(
+                message, client_headers, capabilities, max_bytes=max_bytes, session=session, caller=caller
+            )
         if self._era == "modern":
             if follow is not None:
                 return _unfollowable(self.url)
