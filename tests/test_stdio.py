@@ -718,8 +718,8 @@ async def test_a_response_whose_id_is_no_string_is_dropped_and_reading_goes_on()
     channel = StdioChannel(ChildSpec(argv=["server"], env={}), max_in_flight=10)
     child = SimpleNamespace(generation=1)
     for bad_id in ([1], {"a": 1}, None, 3, True):  # the proxy's ids are strings: none of these is one of its
-        channel.lines.received(child, {"jsonrpc": "2.0", "id": bad_id, "result": {}}, 10)
-    assert channel.lines._refused == 5 and channel.in_flight == 0
+        channel._received(child, {"jsonrpc": "2.0", "id": bad_id, "result": {}}, 10)
+    assert channel._refused == 5 and channel.in_flight == 0
 
 
 def test_a_fifth_get_stream_ends_the_oldest_of_its_session():

@@ -116,9 +116,9 @@ def test_a_message_that_is_neither_request_nor_response_is_counted_even_when_it_
     channel = StdioChannel(ChildSpec(argv=["server"], env={}), max_in_flight=10)
     child = SimpleNamespace(generation=1, pid=None)
     for bad in ({"id": "m9.9"}, {"id": ["m9.9"], "result": {}, "error": {}}, {"id": "m9.9", "method": 5}):
-        channel.lines.received(child, {"jsonrpc": "2.0", **bad}, 10)
-    channel.lines.received(child, {"jsonrpc": "2.0", "id": "m9.9", "result": {}}, 10)  # a late answer: only dropped
-    assert channel.unreadable == {"not_jsonrpc": 3} and channel.lines._refused == 1
+        channel._received(child, {"jsonrpc": "2.0", **bad}, 10)
+    channel._received(child, {"jsonrpc": "2.0", "id": "m9.9", "result": {}}, 10)  # a late answer: only dropped
+    assert channel.unreadable == {"not_jsonrpc": 3} and channel._refused == 1
 
 
 # --- a grandchild that holds the pipes ----------------------------------------------------------------------------
