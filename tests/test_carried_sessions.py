@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 from multidict import CIMultiDict
 
 from mcp_tasks_proxy.config import SecurityConfig
@@ -34,6 +35,7 @@ class SidecarServer:
 
     def __init__(self, spawn: Any) -> None:
         self.made = 0
+        self.dies = False
         self.answer = asyncio.Event()
         self.sent: list[tuple[str | None, str, bool]] = []
         """(session id, whose session, whether the call was in flight on it as it was sent)."""
@@ -55,6 +57,8 @@ class SidecarServer:
         self.sent.append((session.session_id, session.principal, route is not None and session.calls.carries(route)))
         if session.session_id == CLIENTS_SESSION:
             return Reply(404)
+        if self.dies:
+            raise ConnectionResetError("the server went away mid-request")
         await self.answer.wait()
         return Reply(200)
 
@@ -91,3 +95,19 @@ async def test_a_client_session_that_was_not_carried_gets_the_servers_404_as_it_
     session, reply = await upstream.post(call, CIMultiDict(), own, None)
     assert (session, reply.status) == (own, 404)
     assert [sent[0] for sent in server.sent] == [CLIENTS_SESSION]
+
+
+async def test_a_replacement_whose_server_dies_mid_request_is_not_left_busy():
+    """The server dies as the call goes over the proxy's session: the call fails as a connection error does, and
+    the session is not left marked busy by a call that is no longer anywhere (it could never be ended for room)."""
+    upstream = LegacyUpstream(SidecarServer, max_sessions=8, identity=Identity(SecurityConfig()))
+    server: SidecarServer = upstream.link  # type: ignore[assignment]
+    server.dies = True
+    carried = LegacySession(CLIENTS_SESSION, "2025-11-25", "alice", carried=True)
+    call = {"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {"name": "ask", "arguments": {}}}
+    route = CallRoute({"elicitation": {}}, None, caller="10.0.0.7", asks=True)
+    with pytest.raises(ConnectionResetError):
+        await upstream.post(call, CIMultiDict(), carried, route)
+    (instead,) = upstream.sessions.all()
+    assert server.sent[-1][2]  # it was busy while the request was on its way
+    assert not instead.calls and not instead.calls.carries(route)
